@@ -1,0 +1,141 @@
+"""Typed, validated engine configuration (pydantic only, no torch).
+
+``EngineConfig`` is the flat user-facing object; the scheduler and cache receive the plain
+sub-configs it derives, so tests build those inline.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(value: int | str) -> int:
+    """Parse a size such as ``"2GiB"``, ``"512MB"`` or ``1048576`` into bytes.
+
+    Raises:
+        ValueError: the text is not a size.
+    """
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("a size must be >= 0")
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+    if not match or match.group(2).upper() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {value!r} (use e.g. '512MiB', '2GiB', '4GB' or a byte count)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SchedulerConfig(_Frozen):
+    """Per-step budgets and the priority / starvation / preemption policy."""
+
+    max_num_batched_tokens: int = Field(2048, ge=1, description="tokens per step, prefill and decode together")
+    max_num_seqs: int = Field(64, ge=1, description="requests running at once")
+    max_prefill_chunk: int = Field(512, ge=1, description="most prompt tokens of one request per step")
+    max_prefill_tokens: int | None = Field(
+        None, ge=1, description="prefill tokens per step (all requests); None = the total budget"
+    )
+    aging_interval_s: float = Field(0.0, ge=0.0, description="each interval waited improves priority by 1; 0 = off")
+    max_consecutive_decode_steps: int = Field(
+        0, ge=0, description="long-output limit: decode steps before a request may be demoted; 0 = off"
+    )
+    min_resident_steps: int = Field(4, ge=0, description="a resumed request is not preempted again for this many steps")
+    preemption_mode: Literal["swap", "recompute"] = "swap"
+    enable_priority_preemption: bool = Field(True, description="an urgent waiting request may preempt a less urgent one")
+    watermark_blocks: int = Field(0, ge=0, description="device blocks kept free at admission to spare decodes")
+
+    @model_validator(mode="after")
+    def _check(self) -> SchedulerConfig:
+        if self.max_prefill_chunk > self.max_num_batched_tokens:
+            raise ValueError("max_prefill_chunk must not exceed max_num_batched_tokens")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens > self.max_num_batched_tokens:
+            raise ValueError("max_prefill_tokens must not exceed max_num_batched_tokens")
+        return self
+
+    @property
+    def prefill_token_budget(self) -> int:
+        return self.max_prefill_tokens or self.max_num_batched_tokens
+
+
+class CacheConfig(_Frozen):
+    """Sizes of the paged KV cache, in blocks (the engine derives them from bytes)."""
+
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    num_gpu_blocks: int = Field(..., ge=1, description="blocks in the device pool")
+    num_cpu_blocks: int = Field(0, ge=0, description="blocks in the host (swap) pool")
+
+
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["auto", "float32", "float16", "bfloat16", "float64"]
+
+
+class EngineConfig(_Frozen):
+    """Everything needed to build an :class:`engine.Engine`.
+
+    Sizes accept bytes or strings like ``"2GiB"``.
+    """
+
+    model: str = Field("smollm2-135m", description="alias, Hugging Face id, local directory or .gguf file")
+    device: Device = "auto"
+    dtype: DType = Field("auto", description="auto: float32 on CPU, bfloat16 on CUDA")
+    kv_cache_memory: int | str | None = Field(
+        None, description="device KV pool size; None: 1GiB on CPU, gpu_memory_utilization on CUDA"
+    )
+    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=0.99, description="CUDA: fraction of free memory for KV")
+    swap_space: int | str = Field("1GiB", description="host KV pool for swapped-out requests")
+    block_size: int = Field(16, ge=1, le=1024)
+    max_model_len: int | None = Field(None, ge=1, description="cap on prompt + output tokens; None: the model's")
+    num_threads: int | None = Field(None, ge=1, description="CPU threads for torch; None: leave torch's default")
+    cache_dir: str | None = Field(None, description="where dequantized GGUF weights are cached")
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    max_prefill_chunk: int = Field(512, ge=1)
+    max_prefill_tokens: int | None = Field(None, ge=1)
+    aging_interval_s: float = Field(0.0, ge=0.0)
+    max_consecutive_decode_steps: int = Field(0, ge=0)
+    min_resident_steps: int = Field(4, ge=0)
+    preemption_mode: Literal["swap", "recompute"] = "swap"
+    enable_priority_preemption: bool = True
+
+    @field_validator("kv_cache_memory", "swap_space")
+    @classmethod
+    def _check_size(cls, value: int | str | None) -> int | str | None:
+        if value is not None:
+            parse_bytes(value)
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        self.scheduler_config  # noqa: B018 - validates the cross-field budget rules
+        return self
+
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        return None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory)
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return parse_bytes(self.swap_space)
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_prefill_chunk=self.max_prefill_chunk,
+            max_prefill_tokens=self.max_prefill_tokens,
+            aging_interval_s=self.aging_interval_s,
+            max_consecutive_decode_steps=self.max_consecutive_decode_steps,
+            min_resident_steps=self.min_resident_steps,
+            preemption_mode=self.preemption_mode,
+            enable_priority_preemption=self.enable_priority_preemption,
+        )

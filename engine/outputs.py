@@ -1,0 +1,108 @@
+"""Plain dataclasses where "decide" (scheduler) and "execute" (model runner) meet, and what
+the engine hands back to callers. Standard library only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens of one request to run through the model this step.
+
+    The runner writes their KV at positions ``start_position .. start_position + len(token_ids) - 1``
+    into the device blocks ``block_ids`` (the request's whole block table) and, if
+    ``needs_sample``, samples the request's next token from the logits of the last one.
+    """
+
+    request_id: str
+    token_ids: list[int]  # the tokens to compute (a prefill chunk, or the newest token when decoding)
+    start_position: int  # position of token_ids[0] in the sequence == num_computed_tokens before the step
+    block_ids: list[int]  # device block table; covers start_position + len(token_ids) tokens
+    needs_sample: bool  # True when this chunk reaches the end of the known tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """What one engine step does. The runner executes swap_out, then swap_in, then the forward."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefill chunks
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device_block_id, host_block_id) copies
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host_block_id, device_block_id) copies
+    preempted_request_ids: list[str] = field(default_factory=list)  # lost their device blocks this step
+    finished_request_ids: list[str] = field(default_factory=list)  # finished since the previous step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks and not self.swap_out and not self.swap_in
+
+
+@dataclass
+class ModelOutput:
+    """What the runner returns: one sampled token per chunk that asked for one."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request_id -> new tokens
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # request_id -> top logprobs per token
+
+
+@dataclass
+class RequestMetrics:
+    """Timings of one request, in clock seconds (the engine's clock)."""
+
+    arrival_time_s: float
+    first_scheduled_time_s: float | None = None
+    first_token_time_s: float | None = None
+    finished_time_s: float | None = None
+    num_preemptions: int = 0
+    num_output_tokens: int = 0
+
+    @property
+    def queue_s(self) -> float | None:
+        if self.first_scheduled_time_s is None:
+            return None
+        return self.first_scheduled_time_s - self.arrival_time_s
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_time_s is None:
+            return None
+        return self.first_token_time_s - self.arrival_time_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.finished_time_s is None or self.first_token_time_s is None or self.num_output_tokens < 2:
+            return None
+        return (self.finished_time_s - self.first_token_time_s) / (self.num_output_tokens - 1)
+
+    @property
+    def total_s(self) -> float | None:
+        if self.finished_time_s is None:
+            return None
+        return self.finished_time_s - self.arrival_time_s
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress in one engine step (streaming) or its final state."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens generated this step
+    text_delta: str  # text that became final this step (held back while a stop string may be forming)
+    token_ids: list[int]  # all generated tokens so far
+    text: str  # all generated text so far (stop string cut)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
+    prompt_token_count: int
+    metrics: RequestMetrics
+    error: str | None = None  # human-readable reason when finish_reason == "error"
+    error_code: str | None = None  # machine-readable, e.g. "prompt_too_long"
+    logprobs: list[dict[int, float]] | None = None

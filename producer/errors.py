@@ -1,0 +1,41 @@
+"""Exceptions of the producer side. Never imports torch or the engine."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from producer.schema import GenerationResult
+
+
+class ProducerError(Exception):
+    """Base class of every error the producer raises on purpose."""
+
+
+class SchemaError(ProducerError):
+    """A message could not be decoded or validated.
+
+    Attributes:
+        code: one of :class:`producer.schema.ErrorCode`'s values, e.g. ``"undecodable"``.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class ResultTimeout(ProducerError, TimeoutError):
+    """A wait for a result ran out before the result landed."""
+
+
+class JobFailed(ProducerError):
+    """The remote generation finished with a non-ok status; carries the remote reason."""
+
+    def __init__(self, result: GenerationResult) -> None:
+        reason = result.error.message if result.error else result.status
+        code = result.error.code if result.error else result.status
+        super().__init__(f"request {result.id} {result.status}: [{code}] {reason}")
+        self.result = result
+        self.code = code
+        self.reason = reason

@@ -1,0 +1,97 @@
+"""Every Redis key and stream name tokenmill uses, built from one prefix and queue name.
+
+This module is the protocol's key layout (DESIGN.md); producer and worker both import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CONSUMER_GROUP = "workers"
+DEFAULT_PREFIX = "tokenmill"
+DEFAULT_QUEUE = "default"
+DEFAULT_NUM_LANES = 3
+
+# Named priorities map onto lanes; lower lane = more urgent (as in vLLM and Celery).
+PRIORITY_NAMES: dict[str, int] = {"high": 0, "normal": 1, "low": 2}
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names for one queue.
+
+    Attributes:
+        prefix: namespace shared by all queues of a deployment.
+        queue: the queue name; workers serve exactly one queue.
+        num_lanes: priority lanes 0..num_lanes-1.
+    """
+
+    prefix: str = DEFAULT_PREFIX
+    queue: str = DEFAULT_QUEUE
+    num_lanes: int = DEFAULT_NUM_LANES
+
+    def __post_init__(self) -> None:
+        if not self.prefix or not self.queue:
+            raise ValueError("prefix and queue must be non-empty")
+        if ":" in self.queue:
+            raise ValueError("queue names must not contain ':'")
+        if self.num_lanes < 1:
+            raise ValueError("num_lanes must be >= 1")
+
+    @property
+    def base(self) -> str:
+        return f"{self.prefix}:{self.queue}"
+
+    def lane(self, k: int) -> str:
+        """Request stream of priority lane ``k`` (0 = most urgent)."""
+        if not 0 <= k < self.num_lanes:
+            raise ValueError(f"lane {k} out of range 0..{self.num_lanes - 1}")
+        return f"{self.base}:lane:{k}"
+
+    @property
+    def lanes(self) -> list[str]:
+        """All request streams, most urgent first."""
+        return [self.lane(k) for k in range(self.num_lanes)]
+
+    def result(self, request_id: str) -> str:
+        """String value holding the msgpack ``GenerationResult`` (with a TTL)."""
+        return f"{self.base}:res:{request_id}"
+
+    def done(self, request_id: str) -> str:
+        """List pushed once when the result lands, for BLPOP waiters (short TTL)."""
+        return f"{self.base}:done:{request_id}"
+
+    def tokens(self, request_id: str) -> str:
+        """Token stream of a ``stream_tokens`` request."""
+        return f"{self.base}:tok:{request_id}"
+
+    @property
+    def dead(self) -> str:
+        """Dead-letter stream."""
+        return f"{self.base}:dead"
+
+    @property
+    def cancel(self) -> str:
+        """Sorted set of cancelled request ids, scored by cancel time (trimmed periodically)."""
+        return f"{self.base}:cancel"
+
+    @property
+    def workers(self) -> str:
+        """Hash of worker heartbeats: field = worker name, value = msgpack stats with a timestamp."""
+        return f"{self.base}:workers"
+
+    def lane_of(self, priority: int | str) -> int:
+        """Lane for a priority given as a lane number or one of ``PRIORITY_NAMES``.
+
+        Raises:
+            ValueError: unknown name or lane out of range.
+        """
+        if isinstance(priority, str):
+            if priority not in PRIORITY_NAMES:
+                raise ValueError(f"unknown priority {priority!r}; use one of {sorted(PRIORITY_NAMES)} or a lane number")
+            lane = min(PRIORITY_NAMES[priority], self.num_lanes - 1)
+        else:
+            lane = priority
+        if not 0 <= lane < self.num_lanes:
+            raise ValueError(f"priority lane {lane} out of range 0..{self.num_lanes - 1}")
+        return lane
