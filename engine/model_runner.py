@@ -1,0 +1,183 @@
+"""Executes one SchedulerOutput: swap copies, one flattened forward over every scheduled token,
+then sampling from the logits of each sequence's last token. Knows nothing of queues.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.model_loader import LoadedModel
+from engine.outputs import ModelOutput, ScheduledChunk, SchedulerOutput
+from engine.paged_attention import AttentionMetadata, PrefillSpan
+from engine.request import Request
+from engine.sampler import Sampler, SamplingContext
+
+
+@dataclass
+class PreparedBatch:
+    """Model inputs of one step, in the flattened order (decodes first, then prefill chunks)."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    metadata: AttentionMetadata
+    sample_indices: torch.Tensor  # [S] batch index of the last token of each chunk that samples
+    sample_request_ids: list[str]  # request of each row of the sampled logits
+
+
+class ModelRunner:
+    """Runs the model over the paged KV cache.
+
+    Args:
+        loaded: the model, on its device, registered with the paged attention implementation.
+        kv_cache: the device and host pools.
+        sampler: picks the next token of each sequence.
+    """
+
+    def __init__(self, loaded: LoadedModel, kv_cache: KVCache, sampler: Sampler) -> None:
+        self.model = loaded.model
+        self.device = loaded.device
+        self.eos_token_ids = loaded.eos_token_ids
+        self.kv_cache = kv_cache
+        self.sampler = sampler
+        self.block_size = kv_cache.spec.block_size
+        self._gather_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def execute(self, scheduler_output: SchedulerOutput, requests: Mapping[str, Request]) -> ModelOutput:
+        """Swap out, swap in, run the forward, sample.
+
+        Args:
+            scheduler_output: what to run this step.
+            requests: live requests by id (for sampling parameters and output lengths).
+
+        Returns:
+            One sampled token for every chunk with ``needs_sample``.
+        """
+        self.kv_cache.swap_out(scheduler_output.swap_out)
+        self.kv_cache.swap_in(scheduler_output.swap_in)
+        if not scheduler_output.chunks:
+            return ModelOutput()
+        batch = self.prepare(scheduler_output.chunks)
+        if not batch.sample_request_ids:
+            self._forward(batch)
+            return ModelOutput()
+        logits = self._forward(batch)
+        contexts = [
+            SamplingContext(
+                params=requests[rid].sampling_params,
+                num_output_tokens=requests[rid].num_output_tokens,
+                eos_token_ids=self.eos_token_ids,
+            )
+            for rid in batch.sample_request_ids
+        ]
+        sampled = self.sampler(logits, contexts)
+        output = ModelOutput()
+        for rid, token_id, logprobs in zip(batch.sample_request_ids, sampled.token_ids, sampled.logprobs):
+            output.sampled_token_ids[rid] = [token_id]
+            if logprobs is not None:
+                output.logprobs[rid] = [logprobs]
+        return output
+
+    @torch.inference_mode()
+    def _forward(self, batch: PreparedBatch) -> torch.Tensor:
+        out = self.model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            logits_to_keep=batch.sample_indices,
+            tokenmill_metadata=batch.metadata,
+        )
+        return out.logits[0]
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> PreparedBatch:
+        """Flatten chunks into model inputs and attention metadata (single-token chunks first)."""
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        prefills = [c for c in chunks if c.num_tokens > 1]
+        ordered = decodes + prefills
+        token_ids: list[int] = []
+        positions: list[int] = []
+        for chunk in ordered:
+            token_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_position, chunk.start_position + chunk.num_tokens))
+        dev = self.device
+        decode_tables, decode_mask, decode_slots = self._decode_inputs(decodes)
+        spans, prefill_slots = self._prefill_inputs(prefills, offset=len(decodes))
+        slot_mapping = torch.cat([decode_slots, *prefill_slots]) if prefill_slots else decode_slots
+        sample_indices: list[int] = []
+        sample_ids: list[str] = []
+        offset = 0
+        for chunk in ordered:
+            offset += chunk.num_tokens
+            if chunk.needs_sample:
+                sample_indices.append(offset - 1)
+                sample_ids.append(chunk.request_id)
+        metadata = AttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=slot_mapping.to(dev),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=None if decode_tables is None else decode_tables.to(dev),
+            decode_mask=None if decode_mask is None else decode_mask.to(dev),
+            prefills=spans,
+        )
+        if decode_tables is not None:
+            metadata.decode_key_buffer, metadata.decode_value_buffer = self._workspace(decode_tables.numel())
+        return PreparedBatch(
+            input_ids=torch.tensor([token_ids], device=dev),
+            position_ids=torch.tensor([positions], device=dev),
+            metadata=metadata,
+            sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=dev),
+            sample_request_ids=sample_ids,
+        )
+
+    def _workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Grow-only gather buffers for decode attention, shared by all layers and steps."""
+        if self._gather_workspace is None or self._gather_workspace[0].shape[0] < num_blocks:
+            spec = self.kv_cache.spec
+            rows = max(num_blocks, 2 * (self._gather_workspace[0].shape[0] if self._gather_workspace else 0))
+            shape = (rows, spec.block_size * spec.num_kv_heads * spec.head_dim)
+            self._gather_workspace = (
+                torch.empty(shape, dtype=spec.dtype, device=self.device),
+                torch.empty(shape, dtype=spec.dtype, device=self.device),
+            )
+        return self._gather_workspace
+
+    def _decode_inputs(
+        self, decodes: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """Padded block tables, context masks and write slots of the single-token chunks."""
+        if not decodes:
+            return None, None, torch.empty(0, dtype=torch.long)
+        bs = self.block_size
+        context_lens = torch.tensor([c.start_position + 1 for c in decodes])
+        max_blocks = (int(context_lens.max()) + bs - 1) // bs
+        tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+        for row, chunk in enumerate(decodes):
+            num_blocks = min(len(chunk.block_ids), max_blocks)
+            tables[row, :num_blocks] = torch.tensor(chunk.block_ids[:num_blocks])
+        positions = context_lens - 1
+        slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
+        mask = torch.arange(max_blocks * bs).unsqueeze(0) < context_lens.unsqueeze(1)
+        return tables, mask[:, None, None, :], slots
+
+    def _prefill_inputs(
+        self, prefills: list[ScheduledChunk], offset: int
+    ) -> tuple[list[PrefillSpan], list[torch.Tensor]]:
+        bs = self.block_size
+        spans: list[PrefillSpan] = []
+        slots: list[torch.Tensor] = []
+        for chunk in prefills:
+            context = chunk.start_position + chunk.num_tokens
+            num_blocks = (context + bs - 1) // bs
+            block_ids = torch.tensor(chunk.block_ids[:num_blocks])
+            positions = torch.arange(chunk.start_position, context)
+            slots.append(block_ids[positions // bs] * bs + positions % bs)
+            mask = None
+            if chunk.start_position > 0:
+                mask = torch.arange(context).unsqueeze(0) <= positions.unsqueeze(1)
+                mask = mask.to(self.device)
+            spans.append(PrefillSpan(offset, chunk.num_tokens, chunk.start_position, block_ids.to(self.device), mask))
+            offset += chunk.num_tokens
+        return spans, slots
