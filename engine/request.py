@@ -61,7 +61,7 @@ class Request:
     num_preemptions: int = 0
     num_steps_since_admitted: int = 0  # decode steps since last (re)admission, for the starvation limit
     is_demoted: bool = False  # hit the long-output limit: preferred victim until it is preempted
-    waiting_since_s: float = 0.0  # clock time it last entered waiting/swapped, for aging
+    waiting_since_s: float = 0.0  # clock time aging counts from: arrival, reset when demoted (starvation limit)
     first_scheduled_time_s: float | None = None
     first_token_time_s: float | None = None
     finished_time_s: float | None = None

@@ -1,0 +1,254 @@
+"""Paged KV block accounting: a device pool, a host (swap) pool, per-request block tables.
+
+Owns block ids and reference counts only (no tensors). Standard library only; never torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.errors import InvariantError
+
+# A block table maps token positions to blocks of ``block_size`` slots:
+#
+#   position:  0 1 2 3 | 4 5 6 7 | 8 9 . .        (block_size = 4)
+#   table:     [  b7   ,   b2    ,   b5   ]       -> position p lives in table[p // 4], slot p % 4
+#
+# Tables only grow (append_slots) or are released whole (free / swap_out / swap_in).
+
+
+class _Pool:
+    """One pool of fixed-size blocks: a FIFO free list and per-block reference counts.
+
+    NOTE: allocation pops from the front and release appends to the back, so block ids are
+    reused as late as possible and the exact order is deterministic (tests rely on it).
+    """
+
+    def __init__(self, name: str, num_blocks: int) -> None:
+        self.name = name
+        self.num_blocks = num_blocks
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def take(self, num_blocks: int) -> list[int] | None:
+        """Take ``num_blocks`` free blocks (ref count 1 each), or None if too few are free."""
+        if num_blocks > len(self.free_block_ids):
+            return None
+        block_ids = [self.free_block_ids.popleft() for _ in range(num_blocks)]
+        for block_id in block_ids:
+            self.ref_counts[block_id] = 1
+        return block_ids
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block; blocks that reach zero return to the free list."""
+        for block_id in block_ids:
+            if self.ref_counts[block_id] <= 0:
+                raise InvariantError(f"{self.name} block {block_id} released with ref count 0")
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_block_ids.append(block_id)
+
+    def check(self, tables: dict[str, list[int]]) -> None:
+        """Raise InvariantError unless free list, ref counts and ``tables`` agree."""
+        free = set(self.free_block_ids)
+        if len(free) != len(self.free_block_ids):
+            raise InvariantError(f"{self.name}: a block is on the free list twice")
+        owners = [0] * self.num_blocks
+        for request_id, block_ids in tables.items():
+            if len(set(block_ids)) != len(block_ids):
+                raise InvariantError(f"{self.name}: request {request_id} holds a block twice")
+            for block_id in block_ids:
+                owners[block_id] += 1
+        for block_id, (ref_count, num_owners) in enumerate(zip(self.ref_counts, owners)):
+            if ref_count < 0:
+                raise InvariantError(f"{self.name} block {block_id}: negative ref count {ref_count}")
+            if ref_count != num_owners:
+                raise InvariantError(
+                    f"{self.name} block {block_id}: ref count {ref_count} but {num_owners} owners"
+                )
+            if (block_id in free) == (ref_count > 0):
+                raise InvariantError(f"{self.name} block {block_id}: free={block_id in free}, ref={ref_count}")
+        num_used = sum(1 for ref_count in self.ref_counts if ref_count > 0)
+        if num_used + len(free) != self.num_blocks:
+            raise InvariantError(f"{self.name}: {num_used} used + {len(free)} free != {self.num_blocks}")
+
+
+class BlockManager:
+    """Device and host block pools with one block table per request.
+
+    A request owns blocks in at most one pool at a time: device blocks while it is waiting
+    to run or running, host blocks while it is swapped out. Running out of blocks is a
+    return value (False / None), never an exception; misuse (e.g. allocating twice) raises
+    InvariantError because it is a bug in the caller.
+    """
+
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+        """Create both pools, all blocks free.
+
+        Args:
+            num_gpu_blocks: blocks in the device pool (>= 0).
+            num_cpu_blocks: blocks in the host (swap) pool (>= 0).
+            block_size: tokens per block (>= 1).
+
+        Raises:
+            ValueError: a size is out of range.
+        """
+        if block_size < 1 or num_gpu_blocks < 0 or num_cpu_blocks < 0:
+            raise ValueError("block_size must be >= 1 and pool sizes >= 0")
+        self.block_size = block_size
+        self._gpu = _Pool("gpu", num_gpu_blocks)
+        self._cpu = _Pool("cpu", num_cpu_blocks)
+        self._gpu_tables: dict[str, list[int]] = {}
+        self._cpu_tables: dict[str, list[int]] = {}
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self._gpu.num_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self._cpu.num_blocks
+
+    @property
+    def num_free_gpu_blocks(self) -> int:
+        return self._gpu.num_free_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self._cpu.num_free_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens (ceiling division)."""
+        return -(-num_tokens // self.block_size)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's device block table (a copy; empty if it owns no device blocks)."""
+        return list(self._gpu_tables.get(request_id, ()))
+
+    def get_host_block_ids(self, request_id: str) -> list[int]:
+        """The request's host block table (a copy; empty if it is not swapped out)."""
+        return list(self._cpu_tables.get(request_id, ()))
+
+    def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
+        """Device blocks to add so the request's table covers ``num_tokens`` tokens."""
+        return max(0, self.num_blocks_for(num_tokens) - len(self._gpu_tables.get(request_id, ())))
+
+    def can_allocate(self, num_tokens: int, num_reserved_blocks: int = 0) -> bool:
+        """Whether a new table for ``num_tokens`` tokens fits, leaving ``num_reserved_blocks`` free."""
+        return self.num_blocks_for(num_tokens) + num_reserved_blocks <= self._gpu.num_free_blocks
+
+    def allocate(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Create the request's device table covering ``num_tokens`` tokens.
+
+        Returns:
+            The new table, or None (nothing allocated) if too few device blocks are free.
+
+        Raises:
+            InvariantError: the request already owns blocks.
+        """
+        if request_id in self._gpu_tables or request_id in self._cpu_tables:
+            raise InvariantError(f"request {request_id} already owns blocks")
+        return self.append_slots(request_id, num_tokens)
+
+    def can_append_slots(self, request_id: str, num_tokens: int) -> bool:
+        """Whether the request's device table can grow to cover ``num_tokens`` tokens."""
+        return self.num_new_blocks(request_id, num_tokens) <= self._gpu.num_free_blocks
+
+    def append_slots(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Grow the request's device table (creating it if absent) to cover ``num_tokens`` tokens.
+
+        Returns:
+            The newly added block ids (possibly empty), or None (nothing allocated) if too few
+            device blocks are free.
+
+        Raises:
+            InvariantError: the request is swapped out (its KV sits in the host pool).
+        """
+        if request_id in self._cpu_tables:
+            raise InvariantError(f"request {request_id} is swapped out; swap it in first")
+        new_block_ids = self._gpu.take(self.num_new_blocks(request_id, num_tokens))
+        if new_block_ids is None:
+            return None
+        self._gpu_tables.setdefault(request_id, []).extend(new_block_ids)
+        return new_block_ids
+
+    def can_swap_out(self, request_id: str) -> bool:
+        """Whether the request's device blocks can all be copied into free host blocks."""
+        table = self._gpu_tables.get(request_id)
+        return table is not None and len(table) <= self._cpu.num_free_blocks
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Move the request's table to the host pool and free its device blocks.
+
+        Returns:
+            ``(device_block_id, host_block_id)`` copies in table order for the runner, or None
+            (nothing changed) if the request owns no device table or the host pool is too full.
+        """
+        if not self.can_swap_out(request_id):
+            return None
+        gpu_block_ids = self._gpu_tables.pop(request_id)
+        cpu_block_ids = self._cpu.take(len(gpu_block_ids))
+        assert cpu_block_ids is not None  # can_swap_out checked the room
+        self._gpu.release(gpu_block_ids)
+        self._cpu_tables[request_id] = cpu_block_ids
+        return list(zip(gpu_block_ids, cpu_block_ids))
+
+    def can_swap_in(self, request_id: str, num_reserved_blocks: int = 0) -> bool:
+        """Whether the request's host blocks fit in free device blocks, leaving some reserved."""
+        table = self._cpu_tables.get(request_id)
+        return table is not None and len(table) + num_reserved_blocks <= self._gpu.num_free_blocks
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Move the request's table back to the device pool and free its host blocks.
+
+        Returns:
+            ``(host_block_id, device_block_id)`` copies in table order for the runner, or None
+            (nothing changed) if the request is not swapped out or the device pool is too full.
+        """
+        if not self.can_swap_in(request_id):
+            return None
+        cpu_block_ids = self._cpu_tables.pop(request_id)
+        gpu_block_ids = self._gpu.take(len(cpu_block_ids))
+        assert gpu_block_ids is not None  # can_swap_in checked the room
+        self._cpu.release(cpu_block_ids)
+        self._gpu_tables[request_id] = gpu_block_ids
+        return list(zip(cpu_block_ids, gpu_block_ids))
+
+    def free(self, request_id: str) -> None:
+        """Release whatever the request owns in either pool (a no-op if it owns nothing)."""
+        self._gpu.release(self._gpu_tables.pop(request_id, []))
+        self._cpu.release(self._cpu_tables.pop(request_id, []))
+
+    def owns_blocks(self, request_id: str) -> bool:
+        """Whether the request owns a table (possibly empty) in either pool."""
+        return request_id in self._gpu_tables or request_id in self._cpu_tables
+
+    def check_invariants(self) -> None:
+        """Raise InvariantError unless both pools balance and every block has one clear owner.
+
+        Checks per pool: ref counts >= 0 and equal to the number of tables holding the block,
+        free + used == total, no block both free and owned, no duplicate on the free list;
+        and no request owns tables in both pools.
+        """
+        self._gpu.check(self._gpu_tables)
+        self._cpu.check(self._cpu_tables)
+        both = self._gpu_tables.keys() & self._cpu_tables.keys()
+        if both:
+            raise InvariantError(f"requests own blocks in both pools: {sorted(both)}")
+
+    def usage(self) -> dict[str, int | float]:
+        """Used and total blocks per pool, and the used fraction (0.0 for an empty pool)."""
+        num_used_gpu = self.num_gpu_blocks - self.num_free_gpu_blocks
+        num_used_cpu = self.num_cpu_blocks - self.num_free_cpu_blocks
+        return {
+            "num_used_gpu_blocks": num_used_gpu,
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "gpu_usage": num_used_gpu / self.num_gpu_blocks if self.num_gpu_blocks else 0.0,
+            "num_used_cpu_blocks": num_used_cpu,
+            "num_cpu_blocks": self.num_cpu_blocks,
+            "cpu_usage": num_used_cpu / self.num_cpu_blocks if self.num_cpu_blocks else 0.0,
+        }

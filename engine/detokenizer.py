@@ -1,0 +1,153 @@
+"""Incremental token-to-text decoding for one request, with stop-string matching and hold-back.
+Takes any tokenizer with a Hugging Face ``decode``; imports neither torch nor transformers."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+# Prompt tokens kept as decoding context for the first output tokens (vLLM uses 5 as well).
+_NUM_PROMPT_CONTEXT_TOKENS = 5
+# Drop consumed ids once this many sit before the decode window, so memory stays O(window).
+_MAX_DEAD_TOKENS = 64
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer(Protocol):
+    """The part of a Hugging Face tokenizer this module uses."""
+
+    @property
+    def all_special_ids(self) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ..., **kwargs: Any) -> Any: ...
+
+
+class IncrementalDetokenizer:
+    """Turns a request's output tokens into text, one step at a time.
+
+    Token level (prefix/read offsets, as vLLM and TGI do): ``ids[prefix_offset:read_offset]``
+    is already-emitted context and ``ids[read_offset:]`` the new tokens. Each step decodes the
+    window with and without the new tokens and emits the difference, so decoders whose output
+    depends on neighbours (SentencePiece's leading "▁") get context, and each step costs
+    O(window), not O(output)::
+
+        ids:  ... | emitted earlier | context          | new tokens |
+                                    ^prefix_offset     ^read_offset ^len(ids)
+
+    The new text is held (offsets unchanged) while it ends in U+FFFD: byte-level BPE may have
+    emitted only part of a multi-byte character.
+
+    Text level: while the tail of the decoded text is a proper prefix of a stop string it is
+    held back, so a stop string is never streamed out. Once a stop string matches, it and
+    everything after are cut and further tokens are ignored.
+
+    Invariant: ``text`` plus the held-back text equals
+    ``tokenizer.decode(output_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``
+    (for an empty prompt; a prompt only adds context), until a stop string matches.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        """Prepares decoding after ``prompt_token_ids``.
+
+        Args:
+            tokenizer: decodes id lists to text (a transformers tokenizer).
+            prompt_token_ids: the prompt; only its last few tokens are kept, as context.
+            stop: stop strings, non-empty; the earliest match in the text wins.
+            skip_special_tokens: drop special tokens from the text.
+        """
+        self._tokenizer = tokenizer
+        self._stop = list(stop)
+        self._skip_special_tokens = skip_special_tokens
+        # NOTE: skipped special ids are dropped on entry: they decode to nothing, and keeping
+        # them would stall the offsets and grow the window on runs of special tokens.
+        self._special_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
+        self._token_ids = [t for t in prompt_token_ids if t not in self._special_ids][-_NUM_PROMPT_CONTEXT_TOKENS:]
+        self._prefix_offset = 0
+        self._read_offset = len(self._token_ids)
+        self._pending = ""  # decoded text held back because it may start a stop string
+        self.text = ""  # all final text so far (stop string and what follows cut)
+        self.stop_matched: str | None = None  # the stop string that matched, once one has
+
+    def append(self, token_ids: list[int]) -> str:
+        """Adds newly generated tokens.
+
+        Args:
+            token_ids: the tokens generated this step (usually one).
+
+        Returns:
+            The text that became final with them ("" while held back or after a stop matched).
+        """
+        if self.stop_matched is not None:
+            return ""
+        self._token_ids += [t for t in token_ids if t not in self._special_ids]
+        return self._release(self._decode_new(is_final=False), is_final=False)
+
+    def finish(self) -> str:
+        """Flushes everything held back, at the end of generation.
+
+        Returns:
+            The rest of the text (incomplete characters decode as U+FFFD), minus any stop string
+            that completes within it; "" if a stop string had already matched.
+        """
+        if self.stop_matched is not None:
+            return ""
+        return self._release(self._decode_new(is_final=True), is_final=True)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        text: str = self._tokenizer.decode(
+            token_ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+        return text
+
+    def _decode_new(self, is_final: bool) -> str:
+        """Returns the text the tokens after ``read_offset`` add, advancing the offsets if final."""
+        if self._read_offset == len(self._token_ids):
+            return ""
+        prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._token_ids[self._prefix_offset :])
+        if not is_final and (len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR)):
+            return ""  # NOTE: nothing new yet, or a multi-byte character is still incomplete
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._token_ids)
+        if self._prefix_offset > _MAX_DEAD_TOKENS:
+            del self._token_ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        return full_text[len(prefix_text) :]
+
+    def _release(self, new_text: str, is_final: bool) -> str:
+        """Appends decoded text, applies stop strings and returns what became final."""
+        pending = self._pending + new_text
+        match_start, match = self._find_stop(pending)
+        if match is not None:
+            self.stop_matched = match
+            delta, self._pending = pending[:match_start], ""
+        else:
+            num_held = 0 if is_final else self._num_stop_prefix_chars(pending)
+            delta, self._pending = pending[: len(pending) - num_held], pending[len(pending) - num_held :]
+        self.text += delta
+        return delta
+
+    def _find_stop(self, text: str) -> tuple[int, str | None]:
+        """Earliest stop-string match in ``text`` (ties: first in ``stop``), as (start, stop)."""
+        best_start, best = len(text), None
+        for s in self._stop:
+            start = text.find(s)
+            if start != -1 and start < best_start:
+                best_start, best = start, s
+        return best_start, best
+
+    def _num_stop_prefix_chars(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest

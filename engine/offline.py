@@ -1,0 +1,92 @@
+"""Offline generation: submit many prompts, step the engine to completion with a progress bar,
+return final outputs in input order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tqdm.auto import tqdm
+
+from engine.outputs import RequestMetrics
+from engine.prompts import Prompt
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
+
+@dataclass
+class GenerationOutput:
+    """The final state of one offline request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    prompt_token_count: int
+    metrics: RequestMetrics
+    error: str | None = None
+
+
+def run_offline(
+    engine: Engine,
+    prompts: Sequence[Prompt],
+    params: SamplingParams | Sequence[SamplingParams] | None,
+    progress: bool = True,
+    priorities: Sequence[int] | None = None,
+) -> list[GenerationOutput]:
+    """Run ``prompts`` to completion on ``engine``.
+
+    Args:
+        engine: an idle or busy engine (other requests keep running alongside).
+        prompts: texts, token-id lists or chat-message lists.
+        params: one SamplingParams for all, one per prompt, or None for defaults.
+        progress: show a tqdm bar with requests done and output tokens/s.
+        priorities: optional per-prompt priority (lower = more urgent).
+
+    Returns:
+        One GenerationOutput per prompt, in input order.
+
+    Raises:
+        ValueError: ``params`` or ``priorities`` has the wrong length.
+    """
+    per_prompt = _per_prompt_params(params, len(prompts))
+    if priorities is not None and len(priorities) != len(prompts):
+        raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+    request_ids = [f"offline-{id(prompts)}-{i}" for i in range(len(prompts))]
+    for i, (request_id, prompt) in enumerate(zip(request_ids, prompts)):
+        engine.add_request(request_id, prompt, per_prompt[i], priority=priorities[i] if priorities else 0)
+    results: dict[str, GenerationOutput] = {}
+    wanted = set(request_ids)
+    bar = tqdm(total=len(prompts), desc="generating", unit="req", disable=not progress)
+    num_tokens = 0
+    while len(results) < len(prompts):
+        for output in engine.step():
+            if output.request_id not in wanted:
+                continue
+            num_tokens += len(output.new_token_ids)
+            if output.finished:
+                results[output.request_id] = GenerationOutput(
+                    request_id=output.request_id, token_ids=output.token_ids, text=output.text,
+                    finish_reason=output.finish_reason, prompt_token_count=output.prompt_token_count,
+                    metrics=output.metrics, error=output.error,
+                )
+                bar.update(1)
+        elapsed = bar.format_dict.get("elapsed") or 0.0
+        bar.set_postfix(tok_s=f"{num_tokens / elapsed:.1f}" if elapsed else "-", refresh=False)
+    bar.close()
+    return [results[request_id] for request_id in request_ids]
+
+
+def _per_prompt_params(
+    params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
+    return list(params)

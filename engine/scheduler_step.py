@@ -1,0 +1,106 @@
+"""The mutable plan of one ``Scheduler.schedule()`` call: budgets left and what was chosen.
+
+Standard library only. Turned into the plain :class:`SchedulerOutput` at the end of the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.errors import InvariantError
+from engine.outputs import ScheduledChunk, SchedulerOutput
+from engine.request import Request
+from engine.scheduler_policy import is_decode
+
+
+@dataclass
+class StepPlan:
+    """Budgets left in this step and the work chosen so far.
+
+    Invariant: the tokens in ``request_to_num_tokens`` plus ``num_tokens_left`` equal the
+    step's total budget, and likewise for prefill tokens, so removing a chunk refunds exactly.
+    """
+
+    index: int  # 0-based step number (Scheduler stats num_steps before this step)
+    now_s: float  # clock time read once at the start of the step
+    max_prefill_chunk: int  # per-request prefill tokens per step
+    num_tokens_left: int  # of max_num_batched_tokens
+    num_prefill_tokens_left: int  # of SchedulerConfig.prefill_token_budget
+    request_to_num_tokens: dict[str, int] = field(default_factory=dict)  # scheduled, in order
+    prefill_request_ids: set[str] = field(default_factory=set)  # chunks charged to the prefill budget
+    admitted_request_ids: set[str] = field(default_factory=set)  # admitted or resumed this step
+    preempted_request_ids: list[str] = field(default_factory=list)  # lost their device blocks this step
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) copies
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) copies
+
+    @classmethod
+    def start(cls, config: SchedulerConfig, index: int, now_s: float) -> StepPlan:
+        """A fresh plan with the full budgets of ``config``."""
+        return cls(
+            index=index,
+            now_s=now_s,
+            max_prefill_chunk=config.max_prefill_chunk,
+            num_tokens_left=config.max_num_batched_tokens,
+            num_prefill_tokens_left=config.prefill_token_budget,
+        )
+
+    def num_tokens_for(self, request: Request) -> int:
+        """Most tokens the budgets allow the request this step (0: none left for it)."""
+        if is_decode(request):
+            return min(1, self.num_tokens_left)
+        num_remaining = request.num_tokens - request.num_computed_tokens
+        return max(
+            0, min(num_remaining, self.max_prefill_chunk, self.num_tokens_left, self.num_prefill_tokens_left)
+        )
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        """Schedule ``num_tokens`` of the request and charge the budgets.
+
+        Raises:
+            InvariantError: the request is already scheduled, or a budget would go negative.
+        """
+        if request.request_id in self.request_to_num_tokens or num_tokens < 1:
+            raise InvariantError(f"bad chunk for {request.request_id}: {num_tokens} tokens")
+        is_prefill = not is_decode(request)
+        self.num_tokens_left -= num_tokens
+        if is_prefill:
+            self.num_prefill_tokens_left -= num_tokens
+            self.prefill_request_ids.add(request.request_id)
+        if self.num_tokens_left < 0 or self.num_prefill_tokens_left < 0:
+            raise InvariantError(f"budget exceeded scheduling {request.request_id}")
+        self.request_to_num_tokens[request.request_id] = num_tokens
+
+    def remove(self, request_id: str) -> None:
+        """Unschedule the request's chunk (if any) and refund its tokens."""
+        num_tokens = self.request_to_num_tokens.pop(request_id, 0)
+        self.num_tokens_left += num_tokens
+        if request_id in self.prefill_request_ids:
+            self.prefill_request_ids.discard(request_id)
+            self.num_prefill_tokens_left += num_tokens
+
+    def build_output(
+        self, requests: dict[str, Request], block_manager: BlockManager, finished_request_ids: list[str]
+    ) -> SchedulerOutput:
+        """The plain output for the runner: decode chunks first, then prefill chunks."""
+        chunks = [self._chunk(requests[rid], n, block_manager) for rid, n in self.request_to_num_tokens.items()]
+        chunks.sort(key=lambda chunk: chunk.request_id in self.prefill_request_ids)
+        return SchedulerOutput(
+            chunks=chunks,
+            swap_out=list(self.swap_out),
+            swap_in=list(self.swap_in),
+            preempted_request_ids=list(self.preempted_request_ids),
+            finished_request_ids=list(finished_request_ids),
+        )
+
+    @staticmethod
+    def _chunk(request: Request, num_tokens: int, block_manager: BlockManager) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_tokens],
+            start_position=start,
+            block_ids=block_manager.get_block_ids(request.request_id),
+            needs_sample=start + num_tokens == request.num_tokens,
+        )

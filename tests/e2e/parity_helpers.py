@@ -1,0 +1,49 @@
+"""Reference generations with Hugging Face ``generate`` and the near-tie rule for comparing them."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+NEAR_TIE = 1e-4  # a float32 divergence is accepted only where the reference's top two logits are this close
+
+
+def load_reference(path: Path | str, dtype: torch.dtype) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by ``generate(do_sample=False)``, one prompt at a time (no padding)."""
+    out = model.generate(
+        torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, attention_mask=None,
+        pad_token_id=model.config.pad_token_id or 0,
+    )
+    return out[0, len(prompt_ids):].tolist()
+
+
+@torch.inference_mode()
+def top2_gap(model: torch.nn.Module, token_ids: list[int]) -> float:
+    """Gap between the two largest next-token logits after ``token_ids``."""
+    logits = model(torch.tensor([token_ids])).logits[0, -1].double()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def random_prompts(vocab_size: int, num_prompts: int, seed: int, min_len: int = 3, max_len: int = 120) -> list[list[int]]:
+    """Token-id prompts of mixed lengths, avoiding the first few (special) ids."""
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(4, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_prompts)
+    ]

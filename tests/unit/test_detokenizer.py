@@ -1,0 +1,162 @@
+"""Unit tests of engine.detokenizer with real tokenizers built in code (byte-level BPE and
+SentencePiece-style Metaspace): streaming equals full decode, U+FFFD hold-back, stop strings."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import ByteLevelBPETokenizer, SentencePieceBPETokenizer
+from transformers import PreTrainedTokenizerFast
+
+from engine.detokenizer import IncrementalDetokenizer
+
+CORPUS = [
+    "héllo wörld 日本語 🙂 the quick brown fox jumps over the lazy dog",
+    "hello world, hello there. Stop here. STOP! end of text",
+    "naïve café señor 東京 ünïcödé ✓ → ∑",
+]
+MULTI_BYTE_TEXTS = ["héllo wörld 日本語 🙂", "🙂🙂 日本 ok", "€uro ☃ snow 😀 𝄞 clef", "a\u0301 combining", "東京タワー"]
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    # A small vocab keeps multi-byte characters split across several byte tokens.
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(CORPUS * 5, vocab_size=300, min_frequency=2, special_tokens=["<|eos|>"])
+    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|eos|>")
+
+
+@pytest.fixture(scope="module")
+def sp_tokenizer() -> PreTrainedTokenizerFast:
+    sp = SentencePieceBPETokenizer()
+    sp.train_from_iterator(CORPUS * 5, vocab_size=120, min_frequency=2, special_tokens=["</s>", "<unk>"])
+    return PreTrainedTokenizerFast(tokenizer_object=sp._tokenizer, eos_token="</s>", unk_token="<unk>")
+
+
+def full_decode(tokenizer: PreTrainedTokenizerFast, token_ids: list[int]) -> str:
+    text = tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert isinstance(text, str)
+    return text
+
+
+def stream(detok: IncrementalDetokenizer, token_ids: list[int]) -> list[str]:
+    deltas = [detok.append([t]) for t in token_ids]
+    deltas.append(detok.finish())
+    return deltas
+
+
+def test_multi_byte_texts_stream_exactly(byte_tokenizer: PreTrainedTokenizerFast) -> None:
+    for text in MULTI_BYTE_TEXTS:
+        ids = byte_tokenizer.encode(text)
+        assert any("\ufffd" in byte_tokenizer.decode([t]) for t in ids), "test needs split characters"
+        detok = IncrementalDetokenizer(byte_tokenizer, [], [])
+        deltas = stream(detok, ids)
+        assert "".join(deltas) == text == detok.text
+        assert not any("\ufffd" in d for d in deltas)
+        assert deltas[-1] == ""  # nothing was left to flush
+
+
+@pytest.mark.parametrize("tokenizer_name", ["byte_tokenizer", "sp_tokenizer"])
+def test_random_ids_concatenate_to_full_decode(tokenizer_name: str, request: pytest.FixtureRequest) -> None:
+    tokenizer: PreTrainedTokenizerFast = request.getfixturevalue(tokenizer_name)
+    rng = random.Random(0)
+    for trial in range(200):
+        # Prompts decode cleanly (a prompt ending in half a character makes "output text" ambiguous).
+        prompt = tokenizer.encode(" ".join(rng.sample(CORPUS[0].split(), rng.randrange(0, 4))))
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
+        detok = IncrementalDetokenizer(tokenizer, prompt, [])
+        chunks: list[int] = []
+        deltas: list[str] = []
+        for t in ids:  # feed 1-3 tokens at a time
+            chunks.append(t)
+            if rng.random() < 0.5:
+                deltas.append(detok.append(chunks))
+                chunks = []
+        deltas.append(detok.append(chunks))
+        deltas.append(detok.finish())
+        # The output's text is what it adds to the prompt's (the first token may gain a space).
+        expected = full_decode(tokenizer, prompt + ids)[len(full_decode(tokenizer, prompt)) :]
+        got = "".join(deltas)
+        assert got == expected, (trial, prompt, ids)
+        assert got == detok.text
+        if "\ufffd" not in expected:
+            assert not any("\ufffd" in d for d in deltas)
+
+
+def test_special_tokens_skipped_or_kept(byte_tokenizer: PreTrainedTokenizerFast) -> None:
+    eos = byte_tokenizer.eos_token_id
+    ids = byte_tokenizer.encode("hello") + [eos, eos] + byte_tokenizer.encode(" world")
+    assert "".join(stream(IncrementalDetokenizer(byte_tokenizer, [], []), ids)) == "hello world"
+    kept = "".join(stream(IncrementalDetokenizer(byte_tokenizer, [], [], skip_special_tokens=False), ids))
+    assert kept == "hello<|eos|><|eos|> world"
+
+
+def test_sentencepiece_leading_spaces(sp_tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = sp_tokenizer.encode("hello world the fox")
+    assert "".join(stream(IncrementalDetokenizer(sp_tokenizer, [], []), ids)) == "hello world the fox"
+    prompt = sp_tokenizer.encode("hello")
+    # After a prompt, the first word keeps its space: it continues the prompt's text.
+    assert "".join(stream(IncrementalDetokenizer(sp_tokenizer, prompt, []), ids)) == " hello world the fox"
+
+
+def run_with_stop(
+    tokenizer: PreTrainedTokenizerFast, text: str, stop: list[str]
+) -> tuple[IncrementalDetokenizer, list[str]]:
+    detok = IncrementalDetokenizer(tokenizer, [], stop)
+    return detok, stream(detok, tokenizer.encode(text))
+
+
+def test_stop_spanning_tokens_is_cut_and_never_streamed(byte_tokenizer: PreTrainedTokenizerFast) -> None:
+    detok, deltas = run_with_stop(byte_tokenizer, "hello world, Stop here. end of text", ["Stop here"])
+    assert detok.stop_matched == "Stop here"
+    assert detok.text == "".join(deltas) == "hello world, "
+    assert not any("S" in d for d in deltas)
+    assert detok.append(byte_tokenizer.encode(" more")) == "" and detok.finish() == ""
+
+
+def test_stop_at_the_very_start(byte_tokenizer: PreTrainedTokenizerFast) -> None:
+    detok, deltas = run_with_stop(byte_tokenizer, "STOP! hello", ["STOP"])
+    assert detok.stop_matched == "STOP" and detok.text == "" and deltas == [""] * len(deltas)
+
+
+def test_two_stop_strings_earliest_wins(byte_tokenizer: PreTrainedTokenizerFast) -> None:
+    detok, _ = run_with_stop(byte_tokenizer, "the quick brown fox jumps", ["fox", "quick"])
+    assert detok.stop_matched == "quick" and detok.text == "the "
+    detok, _ = run_with_stop(byte_tokenizer, "the quick brown fox jumps", ["brown fox", "own"])
+    assert detok.stop_matched == "own" and detok.text == "the quick br"
+
+
+def test_stop_prefix_held_then_released(byte_tokenizer: PreTrainedTokenizerFast) -> None:
+    detok = IncrementalDetokenizer(byte_tokenizer, [], ["hello!"])
+    streamed = "".join(detok.append([t]) for t in byte_tokenizer.encode("say hello"))
+    assert streamed == "say "  # "hello" could still become "hello!"
+    assert detok.append(byte_tokenizer.encode(" there")) == "hello there"
+    detok = IncrementalDetokenizer(byte_tokenizer, [], ["hello!"])
+    streamed = "".join(detok.append([t]) for t in byte_tokenizer.encode("say hell"))
+    assert detok.finish() == "hell" and detok.stop_matched is None
+    assert streamed + "hell" == detok.text == "say hell"
+
+
+def test_multi_byte_stop_string(byte_tokenizer: PreTrainedTokenizerFast) -> None:
+    detok, deltas = run_with_stop(byte_tokenizer, "héllo wörld 日本語 🙂", ["本語"])
+    assert detok.stop_matched == "本語" and detok.text == "".join(deltas) == "héllo wörld 日"
+
+
+def test_stop_completing_in_finish(byte_tokenizer: PreTrainedTokenizerFast) -> None:
+    # The last token leaves an incomplete character, so the stop only appears at finish().
+    ids = byte_tokenizer.encode("ab 日")
+    detok = IncrementalDetokenizer(byte_tokenizer, [], ["b \ufffd"])
+    for t in ids[:-1]:
+        detok.append([t])
+    assert detok.finish() == "" and detok.stop_matched == "b \ufffd" and detok.text == "a"
+
+
+def test_long_output_keeps_window_small(byte_tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = byte_tokenizer.encode("the quick brown fox 日本語 🙂 " * 200)
+    detok = IncrementalDetokenizer(byte_tokenizer, byte_tokenizer.encode("prompt " * 100), [])
+    for t in ids:
+        detok.append([t])
+        assert len(detok._token_ids) <= 80
+    detok.finish()
+    assert detok.text == full_decode(byte_tokenizer, ids)
