@@ -39,3 +39,7 @@ class JobFailed(ProducerError):
         self.result = result
         self.code = code
         self.reason = reason
+
+
+class RedisUnavailable(ProducerError, ConnectionError):
+    """Redis could not be reached (after retries) or the embedded server would not start."""

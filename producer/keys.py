@@ -11,6 +11,8 @@ CONSUMER_GROUP = "workers"
 DEFAULT_PREFIX = "tokenmill"
 DEFAULT_QUEUE = "default"
 DEFAULT_NUM_LANES = 3
+# Seconds a done list lives: the worker sets it when it pushes; waiters that re-arm it reuse it.
+DONE_TTL_S = 300
 
 # Named priorities map onto lanes; lower lane = more urgent (as in vLLM and Celery).
 PRIORITY_NAMES: dict[str, int] = {"high": 0, "normal": 1, "low": 2}

@@ -41,16 +41,16 @@ class _Model(BaseModel):
 class SamplingParams(_Model):
     """How to generate. ``temperature == 0`` is greedy."""
 
-    max_tokens: int = Field(256, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 disables top-k")
-    min_tokens: int = Field(0, ge=0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    max_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="0 disables top-k")
+    min_tokens: int = Field(default=0, ge=0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -87,11 +87,15 @@ class GenerationRequest(_Model):
     messages: list[Message] | None = None
     prompt_token_ids: list[int] | None = None
     params: SamplingParams = Field(default_factory=SamplingParams)
-    priority: int = Field(0, ge=0, description="lane; lower = more urgent")
-    deadline: float | None = Field(None, description="unix time; work not started by then is answered 'expired'")
-    reply_to: str | None = Field(None, min_length=1, description="stream that also receives the result")
+    priority: int = Field(default=0, ge=0, description="lane; lower = more urgent")
+    deadline: float | None = Field(
+        default=None, description="unix time; work not started by then is answered 'expired'"
+    )
+    reply_to: str | None = Field(default=None, min_length=1, description="stream that also receives the result")
     stream_tokens: bool = False
-    model: str | None = Field(None, description="model the caller expects; a worker serving another answers an error")
+    model: str | None = Field(
+        default=None, description="model the caller expects; a worker serving another answers an error"
+    )
     metadata: dict[str, Any] = Field(default_factory=dict, description="echoed back in the result")
     submitted_at: float = Field(default_factory=time.time, description="unix time the producer enqueued it")
 
@@ -183,7 +187,8 @@ class GenerationResult(_Model):
 
 
 def _pack(obj: dict[str, Any]) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
 
 
 def encode_request(request: GenerationRequest) -> dict[str, bytes | int]:
@@ -201,7 +206,7 @@ def decode_request(fields: dict[Any, Any]) -> GenerationRequest:
     try:
         return GenerationRequest.model_validate(data)
     except ValidationError as exc:
-        raise SchemaError(ErrorCode.VALIDATION.value, _describe(exc)) from None
+        raise SchemaError(ErrorCode.VALIDATION.value, describe_validation_error(exc)) from None
 
 
 def peek_request_id(fields: dict[Any, Any]) -> str | None:
@@ -241,7 +246,7 @@ def decode_result(data: bytes) -> GenerationResult:
     try:
         return GenerationResult.model_validate(obj)
     except ValidationError as exc:
-        raise SchemaError(ErrorCode.VALIDATION.value, _describe(exc)) from None
+        raise SchemaError(ErrorCode.VALIDATION.value, describe_validation_error(exc)) from None
 
 
 def _field(fields: dict[Any, Any], name: str) -> Any:
@@ -271,7 +276,7 @@ def _unpack_fields(fields: dict[Any, Any]) -> Any:
     return data
 
 
-def _describe(exc: ValidationError) -> str:
+def describe_validation_error(exc: ValidationError) -> str:
     """Field-by-field summary of a validation error, one clause per field."""
     parts = []
     for err in exc.errors():

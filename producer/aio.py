@@ -1,0 +1,232 @@
+"""``AsyncProducer``: the asyncio twin of :class:`producer.client.Producer`, on redis.asyncio.
+
+Same API and semantics, awaitable. Never imports torch, the engine or the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, cast
+
+import redis.asyncio
+from typing_extensions import Unpack
+
+from producer import common
+from producer.common import Deadline, SubmitOptions
+from producer.config import ProducerConfig, RedisConfig
+from producer.connection import aconnect
+from producer.keys import DONE_TTL_S
+from producer.schema import GenerationRequest, GenerationResult, encode_request
+
+
+class AsyncProducer:
+    """Client of one tokenmill queue for asyncio code; see :class:`producer.Producer`.
+
+    The connection is made (with retries) on first use or by ``await producer.connect()``;
+    ``async with AsyncProducer(...) as producer`` does both and closes it.
+
+    Args:
+        url: redis://, rediss:// or unix:// URL; None = ``REDIS_URL``, else the embedded Redis.
+        prefix: key namespace shared with the workers.
+        queue: queue name.
+        num_lanes: priority lanes; must match the workers.
+        result_ttl_s: how long results live; cancel marks older than this are trimmed.
+        client: a ready ``redis.asyncio.Redis`` (bytes responses); the caller closes it.
+    """
+
+    def __init__(self, url: str | None = None, *, prefix: str = "tokenmill", queue: str = "default",
+                 num_lanes: int = 3, result_ttl_s: float = 86_400.0,
+                 client: redis.asyncio.Redis | None = None) -> None:
+        config = ProducerConfig(redis=RedisConfig(url=url), prefix=prefix, queue=queue,
+                                num_lanes=num_lanes, result_ttl_s=result_ttl_s)
+        self._setup(config, client)
+
+    @classmethod
+    def from_config(cls, config: ProducerConfig, *, client: redis.asyncio.Redis | None = None) -> AsyncProducer:
+        """A producer for ``config``; ``client`` as in the constructor."""
+        producer = cls.__new__(cls)
+        producer._setup(config, client)
+        return producer
+
+    def _setup(self, config: ProducerConfig, client: redis.asyncio.Redis | None) -> None:
+        self.config = config
+        self.keys = config.keys
+        self._owns_client = client is None
+        self._client = client
+        self._connect_lock = asyncio.Lock()
+        self._rearm = client.register_script(common.REARM_SCRIPT) if client is not None else None
+
+    async def connect(self) -> redis.asyncio.Redis:
+        """The client, connecting (with retries and PING) on the first call.
+
+        Raises:
+            RedisUnavailable: Redis cannot be reached.
+        """
+        async with self._connect_lock:
+            if self._client is None:
+                self._client = await aconnect(self.config.redis)
+                self._rearm = self._client.register_script(common.REARM_SCRIPT)
+        return self._client
+
+    async def close(self) -> None:
+        """Close the connection pool, unless the client was injected."""
+        if self._owns_client and self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def __aenter__(self) -> AsyncProducer:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def submit(self, **options: Unpack[SubmitOptions]) -> str:
+        """Enqueue one request; see :meth:`producer.Producer.submit`.
+
+        Raises:
+            SchemaError: invalid options (code ``validation``); nothing was sent.
+        """
+        request = common.build_request(self.keys, options)
+        client = await self.connect()
+        await client.xadd(self.keys.lane(request.priority), encode_request(request))  # type: ignore[arg-type]
+        return request.id
+
+    async def submit_many(self, requests: Iterable[GenerationRequest | Mapping[str, Any]]) -> list[str]:
+        """Enqueue many requests pipelined; see :meth:`producer.Producer.submit_many`."""
+        batch = [common.coerce_request(self.keys, item) for item in requests]
+        client = await self.connect()
+        for start in range(0, len(batch), self.config.submit_chunk_size):
+            pipe = client.pipeline(transaction=False)
+            for request in batch[start:start + self.config.submit_chunk_size]:
+                pipe.xadd(self.keys.lane(request.priority), encode_request(request))  # type: ignore[arg-type]
+            await pipe.execute()
+        return [request.id for request in batch]
+
+    async def get(self, request_id: str) -> GenerationResult | None:
+        """The result if it has landed, else None; never blocks."""
+        raw = await self._get(self.keys.result(request_id))
+        return None if raw is None else common.finish(raw, raise_on_error=False)
+
+    async def result(self, request_id: str, timeout: float | None = None, *,
+                     raise_on_error: bool = False) -> GenerationResult:
+        """Wait for one result; see :meth:`producer.Producer.result`.
+
+        Raises:
+            ResultTimeout: nothing landed within ``timeout``.
+            JobFailed: the result is not ok and ``raise_on_error`` is set.
+        """
+        deadline = Deadline(timeout)
+        result_key, done_key = self.keys.result(request_id), self.keys.done(request_id)
+        raw = await self._get(result_key)
+        while raw is None:
+            if deadline.is_expired:
+                raise common.timeout_error([request_id], timeout)
+            popped = await self._blpop([done_key], deadline)
+            # NOTE: after any wake-up (token or slice end) the result key is the truth.
+            raw = await (self._take(result_key, done_key, popped[1]) if popped else self._get(result_key))
+        return common.finish(raw, raise_on_error=raise_on_error)
+
+    async def wait_all(self, request_ids: Sequence[str], timeout: float | None = None) -> list[GenerationResult]:
+        """All results in input order; see :meth:`producer.Producer.wait_all`."""
+        by_id = {result.id: result async for result in self.as_completed(request_ids, timeout)}
+        return [by_id[request_id] for request_id in request_ids]
+
+    async def as_completed(self, request_ids: Iterable[str],
+                           timeout: float | None = None) -> AsyncIterator[GenerationResult]:
+        """Yield results as they land; see :meth:`producer.Producer.as_completed`."""
+        deadline = Deadline(timeout)
+        pending = dict.fromkeys(request_ids)
+        for result in await self._collect(pending):
+            yield result
+        offset = 0
+        while pending:
+            if deadline.is_expired:
+                raise common.timeout_error(list(pending), timeout)
+            batch = common.rotate(list(pending), offset)
+            key_to_id = common.done_keys(self.keys, batch)
+            popped = await self._blpop(list(key_to_id), deadline)
+            if popped is None:
+                offset += len(batch)
+                for result in await self._collect(pending):
+                    yield result
+                continue
+            request_id = key_to_id[popped[0].decode()]
+            raw = await self._take(self.keys.result(request_id), self.keys.done(request_id), popped[1])
+            if raw is not None:
+                del pending[request_id]
+                yield common.finish(raw, raise_on_error=False)
+
+    async def cancel(self, request_id: str) -> None:
+        """Ask the workers to cancel ``request_id``; see :meth:`producer.Producer.cancel`."""
+        client = await self.connect()
+        now = time.time()
+        pipe = client.pipeline(transaction=False)
+        pipe.zadd(self.keys.cancel, {request_id: now})
+        pipe.zremrangebyscore(self.keys.cancel, "-inf", now - self.config.result_ttl_s)
+        await pipe.execute()
+
+    async def stream(self, request_id: str, timeout: float | None = None) -> AsyncIterator[str]:
+        """Yield text deltas as the worker writes them; see :meth:`producer.Producer.stream`."""
+        client = await self.connect()
+        deadline = Deadline(timeout)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        tokens_key, last_id = self.keys.tokens(request_id), b"0"
+        while True:
+            block_ms = max(1, int(deadline.slice_s(common.STREAM_SLICE_S) * 1000))
+            reply = cast("list[Any] | None", await client.xread({tokens_key: last_id}, count=512, block=block_ms))
+            entries: list[tuple[bytes, dict[bytes, bytes]]] = reply[0][1] if reply else []
+            for last_id, fields in entries:
+                if b"end" in fields:
+                    if tail := decoder.decode(b"", final=True):
+                        yield tail
+                    return
+                if text := decoder.decode(fields.get(b"t", b"")):
+                    yield text
+            if not entries and await client.exists(self.keys.result(request_id)):
+                return
+            if not entries and deadline.is_expired:
+                raise common.timeout_error([request_id], timeout)
+
+    async def stats(self, *, stale_after_s: float = 30.0) -> dict[str, Any]:
+        """Queue, lane and worker stats; see :meth:`producer.Producer.stats`."""
+        client = await self.connect()
+        pipe = client.pipeline(transaction=False)
+        common.queue_stats_commands(pipe, self.keys)
+        replies = await pipe.execute(raise_on_error=False)
+        return common.shape_stats(self.keys, replies, stale_after_s=stale_after_s)
+
+    async def _get(self, key: str) -> bytes | None:
+        client = await self.connect()
+        return cast("bytes | None", await client.get(key))
+
+    async def _collect(self, pending: dict[str, None]) -> list[GenerationResult]:
+        """Every pending result that has landed (dropped from ``pending``)."""
+        client = await self.connect()
+        ids, results = list(pending), []
+        for start in range(0, len(ids), common.MGET_CHUNK):
+            chunk = ids[start:start + common.MGET_CHUNK]
+            raws = cast("list[bytes | None]", await client.mget([self.keys.result(i) for i in chunk]))
+            for request_id, raw in zip(chunk, raws):
+                if raw is not None:
+                    del pending[request_id]
+                    results.append(common.finish(raw, raise_on_error=False))
+        return results
+
+    async def _blpop(self, keys: list[str], deadline: Deadline) -> tuple[bytes, bytes] | None:
+        """BLPOP for at most one wait slice; (key, token) or None."""
+        client = await self.connect()
+        popped = await client.blpop(keys, timeout=deadline.slice_s(common.WAIT_SLICE_S))
+        return cast("tuple[bytes, bytes] | None", popped)
+
+    async def _take(self, result_key: str, done_key: str, token: bytes) -> bytes | None:
+        """After popping ``token``: re-arm the done list for other waiters; return the result."""
+        await self.connect()
+        assert self._rearm is not None  # set by connect()
+        raw = await self._rearm(keys=[result_key, done_key], args=[token, DONE_TTL_S])
+        return raw if isinstance(raw, bytes) else None

@@ -1,0 +1,260 @@
+"""The sync ``Producer``: enqueue requests, wait for / stream / cancel them, queue stats.
+
+Speaks only the wire contract (schema.py, keys.py). Never imports torch, the engine or the worker.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any, cast
+
+import redis
+from typing_extensions import Unpack
+
+from producer import common
+from producer.common import Deadline, SubmitOptions
+from producer.config import ProducerConfig, RedisConfig
+from producer.connection import connect
+from producer.keys import DONE_TTL_S
+from producer.schema import GenerationRequest, GenerationResult, encode_request
+
+
+class Producer:
+    """Client of one tokenmill queue (sync; thread-safe like ``redis.Redis``).
+
+    Args:
+        url: redis://, rediss:// or unix:// URL; None = ``REDIS_URL``, else the embedded Redis.
+        prefix: key namespace shared with the workers.
+        queue: queue name.
+        num_lanes: priority lanes; must match the workers.
+        result_ttl_s: how long results live; cancel marks older than this are trimmed.
+        client: a ready ``redis.Redis`` (bytes responses) to use instead of connecting;
+            the caller keeps ownership and closes it.
+
+    Raises:
+        pydantic.ValidationError: invalid settings.
+        RedisUnavailable: no client given and Redis cannot be reached.
+    """
+
+    def __init__(self, url: str | None = None, *, prefix: str = "tokenmill", queue: str = "default",
+                 num_lanes: int = 3, result_ttl_s: float = 86_400.0, client: redis.Redis | None = None) -> None:
+        config = ProducerConfig(redis=RedisConfig(url=url), prefix=prefix, queue=queue,
+                                num_lanes=num_lanes, result_ttl_s=result_ttl_s)
+        self._setup(config, client)
+
+    @classmethod
+    def from_config(cls, config: ProducerConfig, *, client: redis.Redis | None = None) -> Producer:
+        """A producer for ``config``; ``client`` as in the constructor."""
+        producer = cls.__new__(cls)
+        producer._setup(config, client)
+        return producer
+
+    def _setup(self, config: ProducerConfig, client: redis.Redis | None) -> None:
+        self.config = config
+        self.keys = config.keys
+        self._owns_client = client is None
+        self.client = client if client is not None else connect(config.redis)
+        self._rearm = self.client.register_script(common.REARM_SCRIPT)
+
+    def close(self) -> None:
+        """Close the connection pool, unless the client was injected."""
+        if self._owns_client:
+            self.client.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def submit(self, **options: Unpack[SubmitOptions]) -> str:
+        """Enqueue one request on the lane of its priority.
+
+        Args:
+            **options: exactly one of ``prompt`` / ``messages`` / ``prompt_token_ids``; sampling
+                parameters (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_tokens``,
+                ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``logprobs``); ``priority``
+                (``"high"``/``"normal"``/``"low"`` or a lane number; default ``"normal"``);
+                ``request_id`` (idempotency key; default a uuid4 hex); ``deadline`` (unix time);
+                ``reply_to`` (stream); ``stream_tokens``; ``metadata`` (echoed back); ``model``.
+
+        Returns:
+            The request id.
+
+        Raises:
+            SchemaError: invalid options (code ``validation``); nothing was sent.
+        """
+        request = common.build_request(self.keys, options)
+        self.client.xadd(self.keys.lane(request.priority), encode_request(request))  # type: ignore[arg-type]
+        return request.id
+
+    def submit_many(self, requests: Iterable[GenerationRequest | Mapping[str, Any]]) -> list[str]:
+        """Enqueue many requests, one pipelined round trip per ``submit_chunk_size`` of them.
+
+        Args:
+            requests: ``GenerationRequest`` objects or dicts of ``submit`` keyword arguments.
+
+        Returns:
+            The request ids, in input order.
+
+        Raises:
+            SchemaError: an item is invalid; all items are validated before any is sent.
+        """
+        batch = [common.coerce_request(self.keys, item) for item in requests]
+        for start in range(0, len(batch), self.config.submit_chunk_size):
+            pipe = self.client.pipeline(transaction=False)
+            for request in batch[start:start + self.config.submit_chunk_size]:
+                pipe.xadd(self.keys.lane(request.priority), encode_request(request))  # type: ignore[arg-type]
+            pipe.execute()
+        return [request.id for request in batch]
+
+    def get(self, request_id: str) -> GenerationResult | None:
+        """The result if it has landed, else None; never blocks."""
+        raw = cast("bytes | None", self.client.get(self.keys.result(request_id)))
+        return None if raw is None else common.finish(raw, raise_on_error=False)
+
+    def result(self, request_id: str, timeout: float | None = None, *,
+               raise_on_error: bool = False) -> GenerationResult:
+        """Block until the result of ``request_id`` lands (BLPOP on its done list, no polling).
+
+        Args:
+            request_id: id returned by ``submit``.
+            timeout: seconds to wait; None = forever.
+            raise_on_error: raise :class:`JobFailed` for non-ok results.
+
+        Raises:
+            ResultTimeout: nothing landed within ``timeout``.
+            JobFailed: the result is not ok and ``raise_on_error`` is set.
+        """
+        deadline = Deadline(timeout)
+        result_key, done_key = self.keys.result(request_id), self.keys.done(request_id)
+        raw = cast("bytes | None", self.client.get(result_key))
+        while raw is None:
+            if deadline.is_expired:
+                raise common.timeout_error([request_id], timeout)
+            popped = self._blpop([done_key], deadline)
+            # NOTE: after any wake-up (token or slice end) the result key is the truth.
+            if popped:
+                raw = self._take(result_key, done_key, popped[1])
+            else:
+                raw = cast("bytes | None", self.client.get(result_key))
+        return common.finish(raw, raise_on_error=raise_on_error)
+
+    def wait_all(self, request_ids: Sequence[str], timeout: float | None = None) -> list[GenerationResult]:
+        """All results, in input order (see :meth:`as_completed`).
+
+        Raises:
+            ResultTimeout: not all landed within ``timeout`` seconds.
+        """
+        by_id = {result.id: result for result in self.as_completed(request_ids, timeout)}
+        return [by_id[request_id] for request_id in request_ids]
+
+    def as_completed(self, request_ids: Iterable[str], timeout: float | None = None) -> Iterator[GenerationResult]:
+        """Yield results as they land, each id once.
+
+        One BLPOP watches up to 256 done lists at a time (rotating over larger sets), and the
+        result keys of all pending ids are re-checked with MGET whenever a wait slice ends.
+
+        Raises:
+            ResultTimeout: some results did not land within ``timeout`` seconds.
+        """
+        deadline = Deadline(timeout)
+        pending = dict.fromkeys(request_ids)
+        yield from self._collect(pending)
+        offset = 0
+        while pending:
+            if deadline.is_expired:
+                raise common.timeout_error(list(pending), timeout)
+            batch = common.rotate(list(pending), offset)
+            key_to_id = common.done_keys(self.keys, batch)
+            popped = self._blpop(list(key_to_id), deadline)
+            if popped is None:
+                offset += len(batch)
+                yield from self._collect(pending)
+                continue
+            request_id = key_to_id[popped[0].decode()]
+            raw = self._take(self.keys.result(request_id), self.keys.done(request_id), popped[1])
+            if raw is not None:
+                del pending[request_id]
+                yield common.finish(raw, raise_on_error=False)
+
+    def cancel(self, request_id: str) -> None:
+        """Ask the workers to cancel ``request_id``; its result will say ``cancelled``.
+
+        A request not yet picked up is answered ``cancelled`` without running; a finished one
+        keeps its result. Marks older than ``result_ttl_s`` are trimmed in the same round trip.
+        """
+        now = time.time()
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zadd(self.keys.cancel, {request_id: now})
+        pipe.zremrangebyscore(self.keys.cancel, "-inf", now - self.config.result_ttl_s)
+        pipe.execute()
+
+    def stream(self, request_id: str, timeout: float | None = None) -> Iterator[str]:
+        """Yield the text deltas of a ``stream_tokens`` request as the worker writes them.
+
+        Ends at the worker's end marker, or when the result has landed and the token stream
+        is exhausted (so it also ends for requests that never stream).
+
+        Raises:
+            ResultTimeout: neither happened within ``timeout`` seconds.
+        """
+        deadline = Deadline(timeout)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        tokens_key, last_id = self.keys.tokens(request_id), b"0"
+        while True:
+            block_ms = max(1, int(deadline.slice_s(common.STREAM_SLICE_S) * 1000))
+            reply = cast("list[Any] | None", self.client.xread({tokens_key: last_id}, count=512, block=block_ms))
+            entries: list[tuple[bytes, dict[bytes, bytes]]] = reply[0][1] if reply else []
+            for last_id, fields in entries:
+                if b"end" in fields:
+                    if tail := decoder.decode(b"", final=True):
+                        yield tail
+                    return
+                if text := decoder.decode(fields.get(b"t", b"")):
+                    yield text
+            if not entries and self.client.exists(self.keys.result(request_id)):
+                return
+            if not entries and deadline.is_expired:
+                raise common.timeout_error([request_id], timeout)
+
+    def stats(self, *, stale_after_s: float = 30.0) -> dict[str, Any]:
+        """Queue depth, pending, lag (Redis >= 7, else None) per lane; dead letters; workers.
+
+        Args:
+            stale_after_s: a worker whose heartbeat ``ts`` is older than this counts as stale.
+
+        Returns:
+            ``{"queue", "lanes": [{"lane", "stream", "depth", "pending", "lag", "has_group"}],
+            "depth", "pending", "dead", "cancelled", "num_live_workers", "workers",
+            "stale_workers"}``.
+        """
+        pipe = self.client.pipeline(transaction=False)
+        common.queue_stats_commands(pipe, self.keys)
+        replies = pipe.execute(raise_on_error=False)
+        return common.shape_stats(self.keys, replies, stale_after_s=stale_after_s)
+
+    def _collect(self, pending: dict[str, None]) -> Iterator[GenerationResult]:
+        """Yield (and drop from ``pending``) every pending result that has landed."""
+        ids = list(pending)
+        for start in range(0, len(ids), common.MGET_CHUNK):
+            chunk = ids[start:start + common.MGET_CHUNK]
+            raws = cast("list[bytes | None]", self.client.mget([self.keys.result(i) for i in chunk]))
+            for request_id, raw in zip(chunk, raws):
+                if raw is not None:
+                    del pending[request_id]
+                    yield common.finish(raw, raise_on_error=False)
+
+    def _blpop(self, keys: list[str], deadline: Deadline) -> tuple[bytes, bytes] | None:
+        """BLPOP for at most one wait slice; (key, token) or None."""
+        popped = self.client.blpop(keys, timeout=deadline.slice_s(common.WAIT_SLICE_S))
+        return cast("tuple[bytes, bytes] | None", popped)
+
+    def _take(self, result_key: str, done_key: str, token: bytes) -> bytes | None:
+        """After popping ``token``: re-arm the done list for other waiters; return the result."""
+        raw = self._rearm(keys=[result_key, done_key], args=[token, DONE_TTL_S])
+        return raw if isinstance(raw, bytes) else None

@@ -1,0 +1,90 @@
+"""Greedy parity on the real SmolLM2-135M-Instruct (float32): the engine's tokens equal Hugging
+Face ``generate``, except where the reference's top two logits are a near-tie (< 1e-4)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
+from tests.e2e.parity_helpers import NEAR_TIE, first_divergence, hf_greedy, load_reference, top2_gap
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MAX_TOKENS = 32
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity to a child in two sentences.",
+    "List three primary colors.",
+    "What is 12 times 12?",
+    "Give me a synonym for happy.",
+    "Translate 'good morning' into Spanish.",
+    "Why is the sky blue? Answer briefly, please, in one or two sentences for a curious teenager.",
+    "Name a planet in our solar system.",
+    "What does a bee make?",
+    "Summarize the plot of Romeo and Juliet in one sentence.",
+    "Suggest a name for a pet goldfish.",
+    "What is the boiling point of water in Celsius?",
+    "Write one sentence about autumn leaves falling in a quiet park while children play nearby.",
+    "Who wrote Hamlet?",
+    "How many legs does a spider have?",
+]
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "block16": dict(block_size=16),
+    "block4-chunked": dict(block_size=4, max_prefill_chunk=16, max_num_batched_tokens=128),
+    "recompute-preemption": dict(block_size=4, preemption_mode="recompute", kv_cache_memory=80 * 4 * 46080),
+    "swap-preemption": dict(block_size=4, preemption_mode="swap", kv_cache_memory=80 * 4 * 46080),
+}
+
+
+@pytest.fixture(scope="module")
+def engine_and_reference() -> tuple[Engine, torch.nn.Module, list[list[int]], list[list[int]]]:
+    engine = Engine(EngineConfig(model="smollm2-135m", device="cpu", dtype="float32", kv_cache_memory="256MiB"))
+    tokenizer = engine.tokenizer
+    prompts = [
+        list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"])
+        for q in QUESTIONS
+    ]
+    reference = load_reference(engine.loaded.source, torch.float32)
+    expected = [hf_greedy(reference, p, MAX_TOKENS) for p in prompts]
+    return engine, reference, prompts, expected
+
+
+def _assert_parity(got: list[int], want: list[int], prompt: list[int], reference: torch.nn.Module) -> None:
+    at = first_divergence(got, want)
+    if at is None:
+        return
+    assert at < min(len(got), len(want)), f"lengths differ without a token divergence: {got} vs {want}"
+    gap = top2_gap(reference, prompt + want[:at])
+    assert gap < NEAR_TIE, f"diverged at token {at} where the reference is decisive (top-2 gap {gap:.2e})"
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_smollm2_greedy_matches_hf_generate(scenario: str, engine_and_reference: Any) -> None:
+    base_engine, reference, prompts, expected = engine_and_reference
+    if scenario == "block16":
+        engine = base_engine
+    else:
+        engine = Engine(EngineConfig(model="smollm2-135m", device="cpu", dtype="float32",
+                                     **{"kv_cache_memory": "256MiB", **SCENARIOS[scenario]}))
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
+    for out, prompt, want in zip(outputs, prompts, expected):
+        _assert_parity(out.token_ids, want, prompt, reference)
+    stats = engine.stats()
+    if "preemption" in scenario:
+        assert stats["num_preemptions"] > 0, stats
+    if scenario == "swap-preemption":
+        assert stats["num_swapped_out_blocks"] > 0, stats
+
+
+def test_smollm2_outputs_read_well(engine_and_reference: Any) -> None:
+    engine = engine_and_reference[0]
+    outputs = engine.generate(
+        [[{"role": "user", "content": "What is the capital of France?"}]], SamplingParams(max_tokens=24), progress=False
+    )
+    assert "Paris" in outputs[0].text
+    assert outputs[0].finish_reason == "stop"

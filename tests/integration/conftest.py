@@ -1,0 +1,91 @@
+"""Integration fixtures: producers on the session's real Redis, and a simulated worker that
+writes results exactly as the wire contract says (result key + one done push + reply stream).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis
+
+from producer import AsyncProducer, Producer
+from producer.keys import DONE_TTL_S, Keys
+from producer.schema import SCHEMA_VERSION, GenerationResult, encode_result
+
+
+class FakeWorker:
+    """Writes results and token streams the way the real worker does, from any thread."""
+
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self.client = client
+        self.keys = keys
+        self._threads: list[threading.Thread] = []
+
+    def finish(self, request_id: str, text: str = "done", *, status: str = "ok",
+               reply_to: str | None = None, notify: bool = True) -> GenerationResult:
+        """Store the result, push the done list once, XADD to ``reply_to``: one MULTI."""
+        if status == "ok":
+            result = GenerationResult(id=request_id, status="ok", text=text, finish_reason="stop")
+        else:
+            result = GenerationResult.failure(
+                request_id, "internal", f"boom: {text}", status=status  # type: ignore[arg-type]
+            )
+        payload = encode_result(result)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(self.keys.result(request_id), payload, ex=600)
+        if notify:
+            pipe.lpush(self.keys.done(request_id), b"1")
+            pipe.expire(self.keys.done(request_id), DONE_TTL_S)
+        if reply_to:
+            pipe.xadd(reply_to, {"d": payload, "v": SCHEMA_VERSION})
+        pipe.execute()
+        return result
+
+    def emit(self, request_id: str, chunks: list[bytes], *, end: bool = True) -> None:
+        for chunk in chunks:
+            self.client.xadd(self.keys.tokens(request_id), {"t": chunk})
+        if end:
+            self.client.xadd(self.keys.tokens(request_id), {"end": b"1", "status": b"ok"})
+
+    def later(self, delay_s: float, fn: object, *args: object, **kwargs: object) -> None:
+        """Run ``fn(*args, **kwargs)`` on a thread after ``delay_s`` (joined at teardown)."""
+        def run() -> None:
+            time.sleep(delay_s)
+            fn(*args, **kwargs)  # type: ignore[operator]
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def join(self) -> None:
+        for thread in self._threads:
+            thread.join(timeout=10)
+
+
+@pytest.fixture
+def keys(key_prefix: str) -> Keys:
+    return Keys(prefix=key_prefix)
+
+
+@pytest.fixture
+def producer(redis_url: str, key_prefix: str) -> Iterator[Producer]:
+    with Producer(redis_url, prefix=key_prefix) as client:
+        yield client
+
+
+@pytest.fixture
+async def aproducer(redis_url: str, key_prefix: str) -> AsyncIterator[AsyncProducer]:
+    async with AsyncProducer(redis_url, prefix=key_prefix) as client:
+        yield client
+
+
+@pytest.fixture
+def worker(redis_url: str, keys: Keys) -> Iterator[FakeWorker]:
+    client = redis.Redis.from_url(redis_url)
+    fake = FakeWorker(client, keys)
+    yield fake
+    fake.join()
+    client.close()

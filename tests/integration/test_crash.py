@@ -1,0 +1,81 @@
+"""Worker processes killed mid-run (SIGKILL) or stopped (SIGTERM): nothing lost, nothing answered twice."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from producer.keys import Keys
+from producer.schema import decode_result
+from tests.worker_helpers import enqueue
+from worker.heartbeat import read_heartbeats
+
+ROOT = Path(__file__).resolve().parents[2]
+NUM_REQUESTS = 200
+
+
+def _start_worker(redis_url: str, prefix: str, name: str, *extra: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "TOKENMILL_ECHO__TOKENS_PER_STEP": "1", "TOKENMILL_ECHO__STEP_DELAY_S": "0.004",
+           "TOKENMILL_ENGINE__MAX_NUM_SEQS": "16", "TOKENMILL_WORKER__HEARTBEAT_INTERVAL_S": "0.2",
+           "TOKENMILL_WORKER__STALE_AFTER_S": "1.0", "TOKENMILL_WORKER__RECLAIM_INTERVAL_S": "0.2",
+           "TOKENMILL_WORKER__BLOCK_MS": "200", "TOKENMILL_WORKER__RECLAIM_MIN_IDLE_MS": "0"}
+    command = [sys.executable, "-m", "worker", "worker", "--model", "echo", "--redis-url", redis_url,
+               "--prefix", prefix, "--name", name, "--max-waiting", "16", *extra]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _fill(client: redis.Redis, keys: Keys, reply: str) -> list[str]:
+    return [enqueue(client, keys, i % 3, prompt=f"request {i:03d} " * 2, reply_to=reply) for i in range(NUM_REQUESTS)]
+
+
+def _wait_for_results(client: redis.Redis, keys: Keys, ids: list[str], at_least: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sum(client.exists(keys.result(i)) for i in ids) < at_least:
+        assert time.monotonic() < deadline, f"fewer than {at_least} results after {timeout_s} s"
+        time.sleep(0.05)
+
+
+def _assert_exactly_once(client: redis.Redis, keys: Keys, ids: list[str], reply: str) -> None:
+    for rid in ids:
+        result = decode_result(client.get(keys.result(rid)))  # type: ignore[arg-type]
+        assert result.status == "ok" and result.text.startswith("request")
+    replied = [decode_result(f[b"d"]).id for _, f in client.xrange(reply)]
+    assert sorted(replied) == sorted(ids), "reply stream has duplicates or gaps"
+    assert all(client.xpending(lane, "workers")["pending"] == 0 for lane in keys.lanes)
+
+
+def test_sigkill_mid_run_then_second_worker(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
+    keys, reply = Keys(key_prefix), f"{key_prefix}:reply"
+    ids = _fill(redis_client, keys, reply)
+    first = _start_worker(redis_url, key_prefix, "victim")
+    _wait_for_results(redis_client, keys, ids, at_least=30, timeout_s=20)
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=5)
+    assert read_heartbeats(redis_client, keys)["victim"].state == "running"
+    second = _start_worker(redis_url, key_prefix, "rescuer")  # reclaims once the victim's heartbeat is stale
+    _wait_for_results(redis_client, keys, ids, at_least=NUM_REQUESTS, timeout_s=30)
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(timeout=10) == 0
+    _assert_exactly_once(redis_client, keys, ids, reply)
+    assert read_heartbeats(redis_client, keys)["victim"].is_stale(time.time(), 1.0)
+
+
+def test_sigterm_drains_and_exits_zero(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
+    keys, reply = Keys(key_prefix), f"{key_prefix}:reply"
+    ids = _fill(redis_client, keys, reply)
+    first = _start_worker(redis_url, key_prefix, "leaver")
+    _wait_for_results(redis_client, keys, ids, at_least=30, timeout_s=20)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=10) == 0
+    assert read_heartbeats(redis_client, keys)["leaver"].state == "stopped"
+    started = time.monotonic()
+    second = _start_worker(redis_url, key_prefix, "heir", "--burst")
+    assert second.wait(timeout=30) == 0, second.stderr.read().decode() if second.stderr else ""
+    assert time.monotonic() - started < 20
+    _assert_exactly_once(redis_client, keys, ids, reply)

@@ -1,0 +1,93 @@
+"""Property test: random workloads on tiny pools, both preemption modes, every policy knob.
+
+After every step the pools balance and budgets hold (step_until_done checks); every request
+finishes within a bounded number of steps with exactly the tokens of an unconstrained run.
+"""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.unit.scheduler_helpers import (
+    ScriptedModelRunner,
+    assert_no_leaks,
+    make_request,
+    make_scheduler,
+    reference_outputs,
+    step_until_done,
+)
+
+EOS_TOKEN_ID = 0
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> dict[str, object]:
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    num_requests = draw(st.integers(1, 7))
+    specs = [
+        (draw(st.integers(1, 12)), draw(st.integers(1, 8)), draw(st.integers(0, 3)), draw(st.integers(0, 12)))
+        for _ in range(num_requests)
+    ]  # (prompt tokens, max_tokens, priority, arrival step)
+    largest = max(-(-(prompt + out) // block_size) for prompt, out, _, _ in specs)
+    max_num_batched_tokens = draw(st.integers(1, 16))
+    return {
+        "specs": specs,
+        "num_gpu_blocks": largest + draw(st.integers(0, 4)),
+        "num_cpu_blocks": draw(st.integers(0, 8)),
+        "block_size": block_size,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "max_prefill_chunk": draw(st.integers(1, max_num_batched_tokens)),
+        "max_prefill_tokens": draw(st.one_of(st.none(), st.integers(1, max_num_batched_tokens))),
+        "max_num_seqs": draw(st.integers(1, 4)),
+        "preemption_mode": draw(st.sampled_from(["swap", "recompute"])),
+        "enable_priority_preemption": draw(st.booleans()),
+        "aging_interval_s": draw(st.sampled_from([0.0, 1.0, 3.0])),
+        "max_consecutive_decode_steps": draw(st.integers(0, 3)),
+        "min_resident_steps": draw(st.integers(0, 3)),
+        "watermark_blocks": draw(st.integers(0, 1)),
+        "use_eos": draw(st.booleans()),
+    }
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads_finish_with_unconstrained_outputs(workload: dict[str, object]) -> None:
+    config = dict(workload)
+    specs: list[tuple[int, int, int, int]] = config.pop("specs")  # type: ignore[assignment]
+    eos_token_id = EOS_TOKEN_ID if config.pop("use_eos") else None
+    scheduler = make_scheduler(**config)
+    arrivals: dict[int, list] = {}
+    for i, (num_prompt_tokens, max_tokens, priority, arrival_step) in enumerate(specs):
+        request = make_request(f"r{i}", num_prompt_tokens, max_tokens, priority, arrival_time_s=float(arrival_step))
+        arrivals.setdefault(arrival_step, []).append(request)
+    requests = [r for step in sorted(arrivals) for r in arrivals[step]]
+    run = step_until_done(
+        scheduler, ScriptedModelRunner(scheduler.block_manager, vocab_size=20),
+        arrivals=arrivals, max_steps=3000, advance_s=1.0, eos_token_id=eos_token_id,
+    )
+    assert run.outputs == reference_outputs(requests, eos_token_id, vocab_size=20)
+    assert_no_leaks(scheduler)
+
+
+def test_seeded_random_workload_checks_invariants_every_step() -> None:
+    """A fixed-seed larger workload (the STYLE.md seeded random-workload test)."""
+    rng = random.Random(1234)
+    for mode in ("swap", "recompute"):
+        scheduler = make_scheduler(
+            num_gpu_blocks=12, num_cpu_blocks=6, block_size=4, max_num_batched_tokens=16,
+            max_prefill_chunk=6, max_num_seqs=5, preemption_mode=mode, aging_interval_s=2.0,
+            max_consecutive_decode_steps=4, min_resident_steps=2,
+        )
+        arrivals: dict[int, list] = {}
+        for i in range(40):
+            step = rng.randrange(60)
+            arrivals.setdefault(step, []).append(make_request(
+                f"{mode}-{i}", rng.randint(1, 20), rng.randint(1, 20), rng.randint(0, 4), float(step)))
+        requests = [r for step in sorted(arrivals) for r in arrivals[step]]
+        run = step_until_done(scheduler, arrivals=arrivals, max_steps=5000, advance_s=1.0)
+        assert run.outputs == reference_outputs(requests)
+        assert scheduler.stats()["num_preemptions"] > 0
+        assert_no_leaks(scheduler)

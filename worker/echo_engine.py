@@ -1,0 +1,157 @@
+"""EchoEngine: the engine interface without torch or a model, for tests and queue benchmarks.
+
+Token ids are the UTF-8 bytes of the prompt; the output echoes them. Imports engine's
+torch-free modules only (config, outputs, sampling_params); never engine.engine.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+from worker.messages import Prompt
+
+ECHO_MODEL = "echo"
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclass
+class _EchoRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    seq: int  # arrival order, breaks priority ties
+    metrics: RequestMetrics
+    token_ids: list[int] = field(default_factory=list)
+    decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
+    text: str = ""
+    is_aborted: bool = False
+
+
+class EchoEngine:
+    """Echoes each prompt's bytes back, ``max_tokens`` at most, at a chosen pace.
+
+    A prompt shorter than ``max_tokens`` stops after one echo (``"stop"``) unless
+    ``ignore_eos``, which repeats it up to ``max_tokens`` (``"length"``).
+
+    Args:
+        config: engine settings; uses ``model``, ``max_num_seqs`` and ``max_model_len``.
+        tokens_per_step: tokens per request per step; 0 = the whole output in one step.
+        step_delay_s: sleep per step, standing in for a forward pass.
+    """
+
+    def __init__(self, config: EngineConfig, tokens_per_step: int = 0, step_delay_s: float = 0.0) -> None:
+        self.model_name = config.model
+        self._max_num_seqs = config.max_num_seqs
+        self._max_model_len = config.max_model_len or DEFAULT_MAX_MODEL_LEN
+        self._tokens_per_step = tokens_per_step
+        self._step_delay_s = step_delay_s
+        self._waiting: dict[str, _EchoRequest] = {}
+        self._running: dict[str, _EchoRequest] = {}
+        self._rejected: list[RequestOutput] = []
+        self._num_seen = 0
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request; a prompt beyond ``max_model_len`` finishes with ``prompt_too_long``.
+
+        Raises:
+            ValueError: ``request_id`` is already live.
+        """
+        if request_id in self._waiting or request_id in self._running:
+            raise ValueError(f"request {request_id!r} is already live")
+        self._num_seen += 1
+        metrics = RequestMetrics(arrival_time_s=arrival_time if arrival_time is not None else time.monotonic())
+        request = _EchoRequest(request_id, _token_ids(prompt), params, priority, self._num_seen, metrics)
+        if len(request.prompt_token_ids) + 1 > self._max_model_len:
+            message = f"prompt has {len(request.prompt_token_ids)} tokens; max_model_len is {self._max_model_len}"
+            self._rejected.append(_output(request, [], "", finished=True, reason="error", error=message))
+            return
+        self._waiting[request_id] = request
+
+    def step(self) -> list[RequestOutput]:
+        """Admit by (priority, arrival), then emit tokens for every running request."""
+        if self._step_delay_s:
+            time.sleep(self._step_delay_s)
+        outputs, self._rejected = self._rejected, []
+        outputs += [self._finish(r, "abort") for r in self._take_aborted()]
+        now = time.monotonic()
+        for request in sorted(self._waiting.values(), key=lambda r: (r.priority, r.seq)):
+            if len(self._running) >= self._max_num_seqs:
+                break
+            request.metrics.first_scheduled_time_s = now
+            self._running[request.request_id] = self._waiting.pop(request.request_id)
+        for request in list(self._running.values()):
+            outputs.append(self._advance(request, now))
+        return outputs
+
+    def abort(self, request_id: str) -> None:
+        """The next step returns the request finished with ``"abort"``; unknown ids are ignored."""
+        request = self._waiting.get(request_id) or self._running.get(request_id)
+        if request is not None:
+            request.is_aborted = True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running or self._rejected)
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_running": len(self._running), "num_waiting": len(self._waiting), "num_swapped": 0,
+                "kv_usage": 0.0, "num_preemptions": 0}
+
+    def _take_aborted(self) -> list[_EchoRequest]:
+        aborted = [r for r in [*self._waiting.values(), *self._running.values()] if r.is_aborted]
+        for request in aborted:
+            self._waiting.pop(request.request_id, None)
+            self._running.pop(request.request_id, None)
+        return aborted
+
+    def _advance(self, request: _EchoRequest, now: float) -> RequestOutput:
+        target = self._target_length(request)
+        count = self._tokens_per_step or target
+        source = request.prompt_token_ids or [0]
+        start = len(request.token_ids)
+        new = [source[i % len(source)] for i in range(start, min(target, start + count))]
+        if new and request.metrics.first_token_time_s is None:
+            request.metrics.first_token_time_s = now
+        request.token_ids += new
+        delta = request.decoder.decode(bytes(t % 256 for t in new))
+        request.text += delta
+        if len(request.token_ids) < target:
+            return _output(request, new, delta, finished=False, reason=None)
+        del self._running[request.request_id]
+        reason = "length" if target == request.params.max_tokens else "stop"
+        return self._finish(request, reason, new, delta)
+
+    def _target_length(self, request: _EchoRequest) -> int:
+        echo_length = len(request.prompt_token_ids) if not request.params.ignore_eos else request.params.max_tokens
+        return min(request.params.max_tokens, echo_length, self._max_model_len - len(request.prompt_token_ids))
+
+    @staticmethod
+    def _finish(request: _EchoRequest, reason: str, new: list[int] | None = None, delta: str = "") -> RequestOutput:
+        request.metrics.finished_time_s = time.monotonic()
+        request.metrics.num_output_tokens = len(request.token_ids)
+        return _output(request, new or [], delta, finished=True, reason=reason)
+
+
+def _token_ids(prompt: Prompt) -> list[int]:
+    if isinstance(prompt, str):
+        return list(prompt.encode())
+    if prompt and isinstance(prompt[0], dict):
+        return list("\n".join(str(m.get("content", "")) for m in prompt if isinstance(m, dict)).encode())
+    return [int(t) for t in prompt if isinstance(t, int)]
+
+
+def _output(request: _EchoRequest, new: list[int], delta: str, *, finished: bool, reason: str | None,
+            error: str | None = None) -> RequestOutput:
+    logprobs = [{t: 0.0} for t in request.token_ids] if request.params.logprobs is not None else None
+    return RequestOutput(
+        request_id=request.request_id, new_token_ids=new, text_delta=delta, token_ids=list(request.token_ids),
+        text=request.text, finished=finished, finish_reason=reason, prompt_token_count=len(request.prompt_token_ids),
+        metrics=request.metrics, error=error, error_code="prompt_too_long" if error else None, logprobs=logprobs,
+    )

@@ -1,0 +1,92 @@
+"""Worker heartbeats in the ``workers`` hash: encoding, writing, reading and staleness.
+
+Imports redis, msgpack and producer.keys; never the engine. Readers of the hash (reclaim, a
+status command) decide liveness only through :func:`is_dead`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgpack
+import redis
+
+from producer.keys import Keys
+
+RUNNING = "running"
+STOPPED = "stopped"  # written on a clean exit: its pending entries may be reclaimed at once
+
+
+@dataclass
+class Heartbeat:
+    """One worker's liveness record (the value of its field in the ``workers`` hash)."""
+
+    name: str  # consumer name in the group
+    ts: float  # unix time of this beat
+    state: str = RUNNING  # running | stopped
+    pid: int = field(default_factory=os.getpid)
+    host: str = field(default_factory=socket.gethostname)
+    started_at: float = field(default_factory=time.time)  # unix time the worker started
+    model: str = ""  # model served
+    running: int = 0  # requests generating now
+    waiting: int = 0  # requests waiting inside the engine
+    tokens_per_s: float = 0.0  # completion tokens per second over the last interval
+    num_finished: int = 0  # results produced since start
+
+    def age_s(self, now_s: float) -> float:
+        """Seconds since the beat."""
+        return max(0.0, now_s - self.ts)
+
+    def is_stale(self, now_s: float, stale_after_s: float) -> bool:
+        """True when the worker stopped cleanly or has not beaten for ``stale_after_s``."""
+        return self.state == STOPPED or self.age_s(now_s) > stale_after_s
+
+
+def write_heartbeat(client: redis.Redis, keys: Keys, beat: Heartbeat) -> None:
+    """Store ``beat`` under its worker's name."""
+    client.hset(keys.workers, beat.name, msgpack.packb(asdict(beat), use_bin_type=True))
+
+
+def read_heartbeats(client: redis.Redis, keys: Keys) -> dict[str, Heartbeat]:
+    """Every worker's last beat, by name; undecodable fields are skipped."""
+    beats: dict[str, Heartbeat] = {}
+    for raw_name, raw in client.hgetall(keys.workers).items():
+        name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
+        beat = _decode(raw)
+        if beat is not None:
+            beats[name] = beat
+    return beats
+
+
+def is_dead(name: str, consumer_idle_ms: int, beats: dict[str, Heartbeat], now_s: float,
+            stale_after_s: float) -> bool:
+    """Whether consumer ``name``'s pending entries may be taken from it.
+
+    A worker with a fresh heartbeat is alive however long its generations run. A consumer that
+    never beat (e.g. a raw client) counts as dead once it has been idle for ``stale_after_s``.
+    """
+    beat = beats.get(name)
+    if beat is None:
+        return consumer_idle_ms > stale_after_s * 1000
+    return beat.is_stale(now_s, stale_after_s)
+
+
+def forget_old(client: redis.Redis, keys: Keys, beats: dict[str, Heartbeat], now_s: float,
+               forget_after_s: float) -> list[str]:
+    """Delete the fields of workers silent for ``forget_after_s`` (they stay visible as stale until then)."""
+    names = [name for name, beat in beats.items() if beat.age_s(now_s) > forget_after_s]
+    if names:
+        client.hdel(keys.workers, *names)
+    return names
+
+
+def _decode(raw: Any) -> Heartbeat | None:
+    try:
+        data = msgpack.unpackb(raw, raw=False)
+        return Heartbeat(**data)
+    except Exception:  # noqa: BLE001 - a foreign or older value: not a heartbeat we can judge
+        return None

@@ -1,0 +1,38 @@
+"""Structured logging of worker lifecycle events: one line per event, text or JSON.
+
+Standard library only. Events carry ``extra={"event": ..., **fields}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+_STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+
+
+class _Formatter(logging.Formatter):
+    def __init__(self, as_json: bool) -> None:
+        super().__init__()
+        self._as_json = as_json
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = {k: v for k, v in record.__dict__.items() if k not in _STANDARD}
+        if self._as_json:
+            line = {"ts": round(record.created, 3), "level": record.levelname, "msg": record.getMessage(), **fields}
+            return json.dumps(line, default=str)
+        stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
+        extras = " ".join(f"{k}={v}" for k, v in fields.items() if k != "event")
+        return f"{stamp} {record.levelname:<7} {record.getMessage()} {extras}".rstrip()
+
+
+def setup_logging(level: str = "INFO", as_json: bool = False) -> None:
+    """Send ``tokenmill.*`` logs to stderr, one line per event."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter(as_json))
+    root = logging.getLogger("tokenmill")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False

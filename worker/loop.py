@@ -1,0 +1,145 @@
+"""The engine thread: admits requests, steps the engine, turns outputs into results.
+
+Owns the engine object and the table of live requests. Never touches Redis (the reader and
+writer threads do all I/O through queues), so Redis latency never stalls a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+
+from pydantic import ValidationError
+
+from engine.outputs import RequestOutput
+from producer.schema import ErrorCode, GenerationResult
+from worker.convert import build_result, engine_params, engine_prompt
+from worker.messages import Abort, Admit, EngineLike, Entry, Finish, Incoming, Outgoing, TokenDelta
+from worker.state import Load
+
+log = logging.getLogger("tokenmill.worker")
+
+HANDOVER = "handover"  # abort status of work given back to the queue on shutdown: no result
+
+
+@dataclass
+class _Live:
+    admit: Admit
+    extra_entries: list[Entry] = field(default_factory=list)  # duplicates of the same id, acked together
+    is_started: bool = False  # produced tokens; deadlines no longer apply
+    abort_status: str | None = None  # why the worker aborted it: cancelled / expired / handover
+
+
+class EngineLoop:
+    """Drives one engine from the inbox (admits, aborts) to the outbox (token deltas, finishes).
+
+    Args:
+        engine: the engine; only this loop's thread touches it.
+        inbox: admits from the reader, aborts from the writer.
+        outbox: token deltas and finished results for the writer.
+        load: shared counters this loop publishes after every step.
+        worker_name: recorded in every result.
+    """
+
+    def __init__(self, engine: EngineLike, inbox: queue.Queue[Incoming], outbox: queue.Queue[Outgoing],
+                 load: Load, worker_name: str) -> None:
+        self._engine = engine
+        self._inbox = inbox
+        self._outbox = outbox
+        self._load = load
+        self._worker_name = worker_name
+        self._live: dict[str, _Live] = {}
+        self.is_admitting = True  # False while draining: admits stay pending in Redis
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def run_once(self, idle_wait_s: float) -> None:
+        """One iteration: take commands, expire overdue waiting requests, step if there is work.
+
+        Args:
+            idle_wait_s: how long to wait for a command when the engine has nothing to do.
+        """
+        self._take_commands(wait_s=0.0 if self._engine.has_unfinished() else idle_wait_s)
+        self._expire_waiting(time.time())
+        if self._engine.has_unfinished():
+            for output in self._engine.step():
+                self._handle_output(output)
+        stats = self._engine.stats()
+        live_ids = frozenset(rid for rid, live in self._live.items() if live.abort_status is None)
+        self._load.publish(int(stats.get("num_waiting", 0)), int(stats.get("num_running", 0)), live_ids)
+
+    def hand_back_waiting(self) -> None:
+        """Stop admitting and abort every request that has not started, leaving its entry pending."""
+        self.is_admitting = False
+        for request_id, live in self._live.items():
+            if not live.is_started and live.abort_status is None:
+                live.abort_status = HANDOVER
+                self._engine.abort(request_id)
+
+    def _take_commands(self, wait_s: float) -> None:
+        while True:
+            try:
+                command = self._inbox.get(timeout=wait_s) if wait_s > 0 else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            wait_s = 0.0
+            if isinstance(command, Abort):
+                self._abort(command)
+                continue
+            self._load.add_queued(-1)
+            if self.is_admitting:  # NOTE: while draining, a dropped admit stays pending in Redis
+                self._admit(command)
+
+    def _abort(self, command: Abort) -> None:
+        live = self._live.get(command.request_id)
+        if live is not None and live.abort_status is None:
+            live.abort_status = command.status
+            self._engine.abort(command.request_id)
+
+    def _admit(self, admit: Admit) -> None:
+        request = admit.request
+        if request.id in self._live:
+            self._live[request.id].extra_entries.append(admit.entry)
+            return
+        try:
+            params = engine_params(request)
+        except ValidationError as exc:
+            self._finish_early(admit, ErrorCode.VALIDATION, str(exc))
+            return
+        self._engine.add_request(request.id, engine_prompt(request), params, priority=admit.entry.lane)
+        self._live[request.id] = _Live(admit)
+        log.info("claimed", extra={"event": "claimed", "request_id": request.id, "lane": admit.entry.lane})
+
+    def _finish_early(self, admit: Admit, code: ErrorCode, message: str) -> None:
+        result = GenerationResult.failure(admit.request.id, code, message, worker=self._worker_name,
+                                          metadata=admit.request.metadata)
+        self._outbox.put(Finish(result, admit.entry, admit.request.reply_to, admit.request.stream_tokens))
+
+    def _expire_waiting(self, now_s: float) -> None:
+        for request_id, live in self._live.items():
+            deadline = live.admit.request.deadline
+            if deadline is not None and deadline <= now_s and not live.is_started and live.abort_status is None:
+                live.abort_status = "expired"
+                self._engine.abort(request_id)
+
+    def _handle_output(self, output: RequestOutput) -> None:
+        live = self._live.get(output.request_id)
+        if live is None:
+            return
+        live.is_started = live.is_started or bool(output.token_ids)
+        request = live.admit.request
+        if request.stream_tokens and output.text_delta and live.abort_status != HANDOVER:
+            self._outbox.put(TokenDelta(request.id, output.text_delta))
+        if not output.finished:
+            return
+        del self._live[output.request_id]
+        if live.abort_status == HANDOVER:
+            return
+        result = build_result(output, live.admit, self._worker_name, live.abort_status)
+        self._load.count_finished(len(output.token_ids))
+        for entry in [live.admit.entry, *live.extra_entries]:
+            self._outbox.put(Finish(result, entry, request.reply_to, request.stream_tokens))

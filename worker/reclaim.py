@@ -1,0 +1,113 @@
+"""Reclaiming entries of dead consumers (stale or stopped heartbeat) and removing those consumers.
+
+Imports redis, producer.keys and worker.heartbeat; never the engine. Entries of a consumer with
+a fresh heartbeat are never taken, however long its generation runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from producer.keys import CONSUMER_GROUP, Keys
+from worker.heartbeat import Heartbeat, is_dead, read_heartbeats
+from worker.messages import Entry
+
+log = logging.getLogger("tokenmill.worker")
+
+# NOTE: deleting a consumer drops its pending entries, so the emptiness check and the delete
+# must be one atomic step: a consumer that got an entry in between is kept.
+DELETE_IF_IDLE_LUA = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) == 0 then
+  return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+end
+return -1
+"""
+
+
+@dataclass
+class Reclaimed:
+    """An entry taken over from a dead consumer."""
+
+    entry: Entry
+    num_deliveries: int  # including this one
+    previous_owner: str
+
+
+class Reclaimer:
+    """Takes pending entries of dead consumers over to this worker.
+
+    Args:
+        client: Redis client.
+        keys: key layout of the served queue.
+        consumer: this worker's consumer name.
+        stale_after_s: heartbeat age after which a worker counts as dead.
+        min_idle_ms: an entry must be idle this long to be claimed; guards two reclaimers racing.
+    """
+
+    def __init__(self, client: redis.Redis, keys: Keys, consumer: str, stale_after_s: float,
+                 min_idle_ms: int) -> None:
+        self._client = client
+        self._keys = keys
+        self._consumer = consumer
+        self._stale_after_s = stale_after_s
+        self._min_idle_ms = min_idle_ms
+        self._delete_if_idle = client.register_script(DELETE_IF_IDLE_LUA)
+
+    def reclaim(self, limit: int) -> list[Reclaimed]:
+        """Claim up to ``limit`` entries of dead consumers, most urgent lane first.
+
+        Dead consumers left with no pending entries are removed from the group.
+        """
+        beats = read_heartbeats(self._client, self._keys)
+        now_s = time.time()
+        claimed: list[Reclaimed] = []
+        for lane, stream in enumerate(self._keys.lanes):
+            for consumer in self._dead_consumers(stream, beats, now_s):
+                if consumer["pending"] == 0:
+                    self._remove(stream, consumer["name"])
+                elif len(claimed) < limit:
+                    claimed += self._claim(stream, lane, consumer["name"], limit - len(claimed))
+        return claimed
+
+    def _dead_consumers(self, stream: str, beats: dict[str, Heartbeat], now_s: float) -> list[dict[str, Any]]:
+        try:
+            consumers = self._client.xinfo_consumers(stream, CONSUMER_GROUP)
+        except redis.ResponseError:  # stream or group vanished: nothing to reclaim
+            return []
+        out = []
+        for consumer in consumers:
+            name = _text(consumer["name"])
+            if name != self._consumer and is_dead(name, int(consumer["idle"]), beats, now_s, self._stale_after_s):
+                out.append({"name": name, "pending": int(consumer["pending"])})
+        return out
+
+    def _claim(self, stream: str, lane: int, owner: str, limit: int) -> list[Reclaimed]:
+        pending = self._client.xpending_range(stream, CONSUMER_GROUP, min="-", max="+", count=limit,
+                                              consumername=owner)
+        deliveries = {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
+        if not deliveries:
+            return []
+        entries: Any = self._client.xclaim(stream, CONSUMER_GROUP, self._consumer, self._min_idle_ms,
+                                           list(deliveries))
+        out = []
+        for entry_id, fields in entries:
+            if fields is None:  # deleted from the stream meanwhile; XCLAIM already dropped it
+                continue
+            rid = _text(entry_id)
+            out.append(Reclaimed(Entry(stream, rid, lane, dict(fields)), deliveries[rid] + 1, owner))
+        if out:
+            log.info("reclaimed", extra={"event": "reclaimed", "count": len(out), "from": owner, "stream": stream})
+        return out
+
+    def _remove(self, stream: str, name: str) -> None:
+        if int(self._delete_if_idle(keys=[stream], args=[CONSUMER_GROUP, name])) >= 0:
+            log.info("consumer removed", extra={"event": "consumer_removed", "consumer": name, "stream": stream})
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

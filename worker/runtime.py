@@ -1,0 +1,138 @@
+"""The worker process: wires Redis, the reader and writer threads and the engine loop; owns
+startup, signals, draining and burst mode. Imports engine.engine lazily (only for real models).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from types import FrameType
+
+import redis
+
+from producer.connection import connect
+from worker.config import Settings
+from worker.echo_engine import ECHO_MODEL, EchoEngine
+from worker.loop import EngineLoop
+from worker.messages import EngineLike, Incoming, Outgoing
+from worker.metrics import serve_metrics
+from worker.reader import Reader
+from worker.state import Load
+from worker.writer import Writer
+
+log = logging.getLogger("tokenmill.worker")
+
+IDLE_WAIT_S = 0.05  # engine thread: wait for commands this long when it has nothing to run
+
+
+def build_engine(settings: Settings) -> EngineLike:
+    """The echo engine for model ``"echo"``, else the real engine (imports torch; slow)."""
+    if settings.engine.model == ECHO_MODEL:
+        return EchoEngine(settings.engine, settings.echo.tokens_per_step, settings.echo.step_delay_s)
+    from engine.engine import Engine  # noqa: PLC0415 - torch only when a real model is served
+
+    engine: EngineLike = Engine(settings.engine)
+    return engine
+
+
+class Worker:
+    """One worker: reads a queue's lanes into one engine and writes the results back.
+
+    Threads: the caller's thread runs the engine loop; a reader thread feeds it; a writer
+    thread persists its outputs. They meet only in two queues and a :class:`Load`.
+
+    Args:
+        settings: merged settings.
+        engine: an engine to drive; None builds one from ``settings.engine``.
+        client: a Redis client; None connects with ``settings.redis`` (retries + PING).
+        handle_signals: install SIGTERM/SIGINT handlers (needs the main thread); False when embedded.
+        burst: exit once every lane is empty and nothing is in flight.
+    """
+
+    def __init__(self, settings: Settings, engine: EngineLike | None = None, client: redis.Redis | None = None,
+                 *, handle_signals: bool = True, burst: bool = False) -> None:
+        self.settings = settings
+        self.name = settings.worker.name
+        self._client = client if client is not None else connect(settings.redis)
+        self._engine = engine if engine is not None else build_engine(settings)
+        self._handle_signals, self._burst = handle_signals, burst
+        inbox: queue.Queue[Incoming] = queue.Queue()
+        outbox: queue.Queue[Outgoing] = queue.Queue()
+        self._load = load = Load()
+        keys, config, model = settings.worker.keys, settings.worker, self._engine.model_name
+        self._loop = EngineLoop(self._engine, inbox, outbox, load, self.name)
+        self._reader = Reader(self._client, keys, config, load, inbox, outbox, model)
+        self._writer = Writer(self._client, keys, config, load, inbox, outbox, model)
+        self._stopping = threading.Event()
+        self._forced = threading.Event()
+
+    def stop(self, force: bool = False) -> None:
+        """Begin a graceful drain; ``force`` (or a second call) stops at once, losing nothing."""
+        if force or self._stopping.is_set():
+            self._forced.set()
+        self._stopping.set()
+
+    def run(self) -> int:
+        """Serve until stopped (or drained in burst mode).
+
+        Returns:
+            The process exit code: 0 after a graceful or forced stop.
+        """
+        self._reader.ensure_groups()
+        self._writer.beat()
+        if self.settings.worker.metrics_port is not None:
+            serve_metrics(self.settings.worker.metrics_port, self._load, self.name)
+        if self._handle_signals:
+            self._install_signal_handlers()
+        threads = [threading.Thread(target=self._reader.run, args=(self._burst,), name="tm-reader", daemon=True),
+                   threading.Thread(target=self._writer.run, name="tm-writer", daemon=True)]
+        for thread in threads:
+            thread.start()
+        log.info("started", extra={"event": "started", "worker": self.name, "model": self._engine.model_name,
+                                   "queue": self.settings.worker.queue, "burst": self._burst})
+        try:
+            self._serve()
+        finally:
+            self._shut_down(threads)
+        return 0
+
+    def _serve(self) -> None:
+        drain_until_s: float | None = None
+        while not self._forced.is_set():
+            if self._stopping.is_set() and drain_until_s is None:
+                drain_until_s = self._begin_drain()
+            if drain_until_s is not None and (self._loop.num_live == 0 or time.monotonic() > drain_until_s):
+                return
+            if self._burst and self._reader.drained.is_set() and self._is_idle():
+                return
+            self._loop.run_once(IDLE_WAIT_S)
+
+    def _begin_drain(self) -> float:
+        log.info("draining", extra={"event": "draining", "live": self._loop.num_live,
+                                    "timeout_s": self.settings.worker.drain_timeout_s})
+        self._reader.stopping.set()
+        self._loop.hand_back_waiting()
+        return time.monotonic() + self.settings.worker.drain_timeout_s
+
+    def _is_idle(self) -> bool:
+        return self._loop.num_live == 0 and self._load.num_queued == 0
+
+    def _shut_down(self, threads: list[threading.Thread]) -> None:
+        self._reader.stopping.set()
+        self._writer.closing.set()
+        for thread in threads:
+            thread.join(timeout=self.settings.worker.block_ms / 1000 + 5.0)
+        log.info("stopped", extra={"event": "stopped", "worker": self.name, "forced": self._forced.is_set(),
+                                   "left_pending": self._loop.num_live})
+
+    def _install_signal_handlers(self) -> None:
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            log.info("signal", extra={"event": "signal", "signal": signal.Signals(signum).name,
+                                      "forced": self._stopping.is_set()})
+            self.stop()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)

@@ -1,0 +1,56 @@
+"""Counters shared by the worker's threads (engine, reader, writer) behind one lock.
+
+Standard library only; holds numbers and id snapshots, never Redis clients or the engine.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Load:
+    """How busy the engine is, for backpressure, cancellation polling and heartbeats.
+
+    The engine thread publishes ``num_waiting`` / ``num_running`` / ``live_ids`` after each
+    step; the reader counts admits it queued that the engine thread has not taken yet.
+    """
+
+    num_waiting: int = 0  # requests waiting inside the engine
+    num_running: int = 0  # requests the engine is generating
+    num_queued: int = 0  # admits handed to the engine thread, not yet added to the engine
+    num_tokens: int = 0  # completion tokens generated since start
+    num_finished: int = 0  # results handed to the writer since start
+    live_ids: frozenset[str] = frozenset()  # request ids inside the engine, not yet aborted
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _room: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def capacity(self, max_waiting: int) -> int:
+        """How many more entries the reader may take now (0 when at the high-water mark)."""
+        with self._lock:
+            return max(0, max_waiting - self.num_waiting - self.num_queued)
+
+    def add_queued(self, delta: int) -> None:
+        """The reader queued (+n) or the engine thread took (-n) admits."""
+        with self._lock:
+            self.num_queued += delta
+
+    def publish(self, num_waiting: int, num_running: int, live_ids: frozenset[str]) -> None:
+        """Engine thread: the engine's queue sizes after a step; wakes a reader waiting for room."""
+        with self._lock:
+            had_room_for_less = num_waiting < self.num_waiting
+            self.num_waiting, self.num_running, self.live_ids = num_waiting, num_running, live_ids
+        if had_room_for_less or num_waiting == 0:
+            self._room.set()
+
+    def count_finished(self, num_tokens: int) -> None:
+        """Engine thread: one request finished after generating ``num_tokens``."""
+        with self._lock:
+            self.num_finished += 1
+            self.num_tokens += num_tokens
+
+    def wait_for_room(self, timeout_s: float) -> None:
+        """Reader: sleep until the engine takes work, at most ``timeout_s``."""
+        self._room.wait(timeout_s)
+        self._room.clear()

@@ -1,0 +1,134 @@
+"""The writer thread: persists results (atomic finish), token deltas, heartbeats; polls cancellations.
+
+Imports redis and producer (keys); never the engine object. It only drains the outbox and
+sends aborts to the engine thread through the inbox.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import redis
+
+from producer.keys import Keys
+from worker.config import WorkerConfig
+from worker.errors import RetryableError
+from worker.heartbeat import RUNNING, STOPPED, Heartbeat, forget_old, read_heartbeats, write_heartbeat
+from worker.messages import Abort, DeadLetter, Finish, Incoming, Outgoing
+from worker.results import ResultWriter
+from worker.state import Load
+
+log = logging.getLogger("tokenmill.worker")
+
+MAX_BATCH = 256  # outbox items per pipeline
+
+
+class Writer:
+    """Drains the outbox into Redis and keeps the worker's heartbeat and cancellations current.
+
+    Args:
+        client: Redis client.
+        keys: key layout of the served queue.
+        config: worker settings (TTLs, intervals).
+        load: shared counters (live ids to poll for cancellation, heartbeat stats).
+        inbox: where cancellations are sent to the engine thread.
+        outbox: what to write.
+        model_name: the model served, shown in the heartbeat.
+    """
+
+    def __init__(self, client: redis.Redis, keys: Keys, config: WorkerConfig, load: Load,
+                 inbox: queue.Queue[Incoming], outbox: queue.Queue[Outgoing], model_name: str) -> None:
+        self._client, self._keys, self._config, self._load = client, keys, config, load
+        self._inbox, self._outbox = inbox, outbox
+        self._results = ResultWriter(client, keys, config.result_ttl_s, config.done_ttl_s, config.token_ttl_s)
+        self._beat = Heartbeat(name=config.name, ts=time.time(), model=model_name)
+        self._aborted: set[str] = set()
+        self._unwritten: list[Outgoing] = []  # items of a flush that failed, retried first
+        self._last_tokens = (time.monotonic(), 0)
+        self.closing = threading.Event()  # set by the worker: flush what is queued, then stop
+
+    def beat(self, state: str = RUNNING) -> None:
+        """Write the heartbeat now, with current stats."""
+        now = time.monotonic()
+        then, tokens_then = self._last_tokens
+        self._last_tokens = (now, self._load.num_tokens)
+        self._beat.ts, self._beat.state = time.time(), state
+        self._beat.running, self._beat.waiting = self._load.num_running, self._load.num_waiting
+        self._beat.num_finished = self._load.num_finished
+        self._beat.tokens_per_s = (self._load.num_tokens - tokens_then) / max(now - then, 1e-6)
+        write_heartbeat(self._client, self._keys, self._beat)
+
+    def run(self) -> None:
+        """Write until :attr:`closing` is set and the outbox is empty; the last beat says ``stopped``."""
+        next_beat_s = next_trim_s = 0.0
+        while not (self.closing.is_set() and self._outbox.empty() and not self._unwritten):
+            try:
+                self._flush(self._take(self._config.cancel_poll_s))
+                self._poll_cancels()
+                if time.monotonic() >= next_beat_s:
+                    self.beat()
+                    next_beat_s = time.monotonic() + self._config.heartbeat_interval_s
+                if time.monotonic() >= next_trim_s:
+                    self._trim()
+                    next_trim_s = time.monotonic() + self._config.trim_interval_s
+            except RetryableError as exc:
+                log.warning("write failed, retrying", extra={"event": "redis_error", "error": str(exc)})
+                time.sleep(exc.defer_s)
+        self.beat(STOPPED)
+
+    def _take(self, timeout_s: float) -> list[Outgoing]:
+        try:
+            items = [self._outbox.get(timeout=timeout_s)]
+        except queue.Empty:
+            return []
+        while len(items) < MAX_BATCH:
+            try:
+                items.append(self._outbox.get_nowait())
+            except queue.Empty:
+                break
+        return items
+
+    def _flush(self, items: list[Outgoing]) -> None:
+        """Write ``items`` after anything a failed flush left; on failure keep them all for the retry."""
+        self._unwritten += items
+        if not self._unwritten:
+            return
+        try:
+            stored = self._results.flush(self._unwritten)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise RetryableError(str(exc), defer_s=0.5) from exc
+        finished = [i for i in self._unwritten if isinstance(i, (Finish, DeadLetter))]
+        self._unwritten = []
+        for item, was_stored in zip(finished, stored):
+            result = item.result
+            log.info("finished", extra={"event": "finished", "request_id": result.id if result else None,
+                                        "status": result.status if result else "dead", "duplicate": not was_stored,
+                                        "tokens": len(result.token_ids) if result else 0})
+
+    def _poll_cancels(self) -> None:
+        """One ZMSCORE for all live ids; a hit is aborted once in the engine."""
+        live_ids = sorted(self._load.live_ids - self._aborted)
+        self._aborted &= self._load.live_ids
+        if not live_ids:
+            return
+        try:
+            scores = self._client.zmscore(self._keys.cancel, live_ids)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise RetryableError(str(exc), defer_s=0.5) from exc
+        for request_id, score in zip(live_ids, scores):
+            if score is not None:
+                self._aborted.add(request_id)
+                self._inbox.put(Abort(request_id, "cancelled"))
+
+    def _trim(self) -> None:
+        """Forget old cancellations and long-silent workers' heartbeats."""
+        now_s = time.time()
+        try:
+            self._client.zremrangebyscore(self._keys.cancel, "-inf", now_s - self._config.cancel_ttl_s)
+            forget_old(self._client, self._keys, read_heartbeats(self._client, self._keys), now_s,
+                       self._config.heartbeat_forget_s)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise RetryableError(str(exc), defer_s=0.5) from exc
