@@ -5,7 +5,9 @@ Standard library only. Rules (also in engine/scheduler.py):
 * PRIORITY / STARVATION (``make_room``): a waiting or swapped request that cannot be placed
   may preempt unprotected running requests that are demoted (long-output limit) or strictly
   less urgent by effective priority; demoted ones go first, then the least urgent.
-* MEMORY (``pick_memory_victim``): see the hysteresis rule in engine/scheduler.py.
+* MEMORY (``pick_memory_victim``): see the hysteresis rule in engine/scheduler.py; a victim
+  is always demoted or less urgent than the request that needs the blocks, so memory
+  preemption never ping-pongs between two requests.
 * A victim is swapped to the host pool when mode is "swap" and the host pool has room,
   otherwise its KV is dropped and it is recomputed later (never an error).
 """
@@ -16,7 +18,7 @@ from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.request import PreemptionCause, Request, RequestStatus
 from engine.request_queue import RequestQueues
-from engine.scheduler_policy import choose_victim, room_victims
+from engine.scheduler_policy import choose_victim, room_victims, urgency_key
 from engine.scheduler_stats import SchedulerStats
 from engine.scheduler_step import StepPlan
 
@@ -61,14 +63,20 @@ class Preemptor:
         return True
 
     def pick_memory_victim(self, request: Request, plan: StepPlan) -> Request | None:
-        """MEMORY victim for ``request`` per the hysteresis rule in the module docstring."""
+        """MEMORY victim for ``request``, which needs device blocks for its next tokens.
+
+        Rule (hysteresis included): among the other running requests that are demoted or less
+        urgent than ``request``, the preferred unprotected one; if all of those are protected,
+        the preferred protected one (running decodes must progress); if there are none,
+        ``request`` itself yields. None only if ``request`` runs alone (it can never fit).
+        """
         others = [r for r in self._queues.running if r is not request]
-        unprotected = [r for r in others if not self.is_protected(r, plan)]
-        if unprotected:
-            return choose_victim(unprotected, plan.now_s, self.config.aging_interval_s)
         if not others:
             return None
-        return choose_victim([*others, request], plan.now_s, self.config.aging_interval_s)
+        key = urgency_key(request, plan.now_s, self.config.aging_interval_s)
+        lower = [r for r in others if r.is_demoted or urgency_key(r, plan.now_s, self.config.aging_interval_s) > key]
+        unprotected = [r for r in lower if not self.is_protected(r, plan)]
+        return choose_victim(unprotected or lower or [request], plan.now_s, self.config.aging_interval_s)
 
     def preempt(self, victim: Request, cause: PreemptionCause, plan: StepPlan) -> None:
         """Take the victim's device blocks: swap to the host pool if it has room, else recompute."""

@@ -5,11 +5,12 @@ pydantic only; never torch.
 
 Hysteresis rule (``min_resident_steps``): a request is *protected* during the step it is
 admitted or resumed and the next ``min_resident_steps - 1`` steps. Protected requests are never
-chosen for PRIORITY or STARVATION preemption. For MEMORY preemption (a running request needs a
-block for its next tokens) the victim is the preferred unprotected running request other than
-the one being served; only when every other running request is protected is the victim the
-preferred one among *all* running requests, the requester included, so running decodes always
-make progress and a less urgent request never evicts a more urgent one.
+chosen for PRIORITY or STARVATION preemption. MEMORY preemption (a running request R needs
+blocks for its next tokens) only takes requests that are demoted or less urgent than R:
+an unprotected one if any; else, so that running decodes always make progress, a protected
+one; else R itself yields its blocks. It never evicts a more urgent request for R, and R is
+the victim only when no other request qualifies. A request alone that still cannot grow can
+never fit and is finished with FINISHED_ERROR.
 """
 
 from __future__ import annotations

@@ -2,24 +2,32 @@
 
 Standard library only; every function takes the current clock time as an argument.
 
-Aging bound (why a low-priority request cannot starve)
-------------------------------------------------------
-Effective priority is ``priority - floor((now_s - waiting_since_s) / aging_interval_s)`` and
-it keeps aging while the request runs (``waiting_since_s`` is set on arrival and reset only
-when the starvation limit demotes the request). Requests are ordered by
-``(effective priority, arrival, seq_no)``.
+Aging and its bound (why a low-priority request cannot starve)
+--------------------------------------------------------------
+With I = aging_interval_s > 0, aging ticks at the clock times that are multiples of I, for
+every request at once, and::
 
-Take a request L (priority p_L, arrived t_L) and any request H (priority p_H = p_L - g, g >= 0)
-that arrives at ``t_H >= t_L + g * I`` (I = aging_interval_s). At every time t, because
-``floor(x - g) == floor(x) - g`` for integer g::
+    effective_priority = priority - (floor(now_s / I) - floor(waiting_since_s / I))
 
-    eff_H(t) = p_H - floor((t - t_H) / I) >= p_H - floor((t - t_L) / I - g) = eff_L(t)
+so each full interval waited gains at least one level (the partial first interval may gain
+one more). ``waiting_since_s`` is set on arrival and reset only when the starvation limit
+demotes the request; the request keeps aging while it runs, so an admitted request keeps
+the credit that got it admitted.
 
-so H is at best tied with L, and the tie goes to the earlier arrival, L. Hence from
-``t_L + g * I`` on, L is ahead of every later arrival and no later arrival is strictly more
-urgent (so none can priority-preempt L either). L is then admitted as soon as the finitely
-many requests ahead of it at that moment are admitted and room appears (blocks, a sequence
-slot and token budget): the wait is at most ``g * I`` plus the time for room to appear.
+NOTE: ticking on a shared grid, rather than ``floor((now_s - waiting_since_s) / I)``, makes the
+difference between two requests' effective priorities a constant: the order of requests
+never flips back and forth as time passes, so priority and memory preemption cannot
+ping-pong between two requests.
+
+Bound. Requests are ordered by ``(effective priority, arrival, seq_no)``. Take a request L
+(priority p_L, arrived t_L) and any H with priority p_H = p_L - g (g >= 0, the priority gap)
+arriving at ``t_H >= t_L + g * I``. Then ``floor(t_H / I) >= floor(t_L / I) + g``, so at every
+time ``eff_H - eff_L = floor(t_H / I) - floor(t_L / I) - g >= 0``: H is at best tied with L and
+the tie goes to the earlier arrival, L. Hence every request arriving from ``t_L + g * I`` on is
+ordered behind L and is never strictly more urgent (it cannot priority-preempt L). L is
+admitted as soon as the finitely many requests ahead of it at that time are placed and room
+appears (blocks, a sequence slot, token budget): a wait of at most ``g * I`` plus the time for
+room to appear for those requests and L.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ UrgencyKey = tuple[int, float, int]
 
 
 def effective_priority(request: Request, now_s: float, aging_interval_s: float) -> int:
-    """The request's priority improved by one level per ``aging_interval_s`` waited.
+    """The request's priority improved by one level per aging tick since it started waiting.
 
     Args:
         request: any unfinished request.
@@ -45,8 +53,8 @@ def effective_priority(request: Request, now_s: float, aging_interval_s: float) 
     """
     if aging_interval_s <= 0.0:
         return request.priority
-    num_levels = math.floor(max(0.0, now_s - request.waiting_since_s) / aging_interval_s)
-    return request.priority - num_levels
+    num_levels = math.floor(now_s / aging_interval_s) - math.floor(request.waiting_since_s / aging_interval_s)
+    return request.priority - max(0, num_levels)
 
 
 def urgency_key(request: Request, now_s: float, aging_interval_s: float) -> UrgencyKey:

@@ -83,7 +83,7 @@ async def aproducer(redis_url: str, key_prefix: str) -> AsyncIterator[AsyncProdu
 
 
 @pytest.fixture
-def worker(redis_url: str, keys: Keys) -> Iterator[FakeWorker]:
+def fake_worker(redis_url: str, keys: Keys) -> Iterator[FakeWorker]:
     client = redis.Redis.from_url(redis_url)
     fake = FakeWorker(client, keys)
     yield fake

@@ -73,9 +73,9 @@ def test_submit_many_is_pipelined_and_keeps_order(redis_url: str, key_prefix: st
     assert in_lane_0 == [ids[i] for i in range(0, 1199, 3)] + ["last"]
 
 
-def test_result_wakes_when_the_worker_writes(producer: Producer, worker: FakeWorker) -> None:
+def test_result_wakes_when_the_worker_writes(producer: Producer, fake_worker: FakeWorker) -> None:
     request_id = producer.submit(prompt="x")
-    worker.later(0.2, worker.finish, request_id, "hello")
+    fake_worker.later(0.2, fake_worker.finish, request_id, "hello")
     start = time.monotonic()
     result = producer.result(request_id, timeout=10)
     assert (result.id, result.status, result.text) == (request_id, "ok", "hello")
@@ -89,7 +89,7 @@ def test_result_times_out(producer: Producer) -> None:
     assert 0.25 < time.monotonic() - start < 1.5
 
 
-def test_two_waiters_on_one_id_both_wake(producer: Producer, worker: FakeWorker) -> None:
+def test_two_waiters_on_one_id_both_wake(producer: Producer, fake_worker: FakeWorker) -> None:
     request_id = producer.submit(prompt="x")
     texts: list[str] = []
     threads = [threading.Thread(target=lambda: texts.append(producer.result(request_id, timeout=10).text))
@@ -98,7 +98,7 @@ def test_two_waiters_on_one_id_both_wake(producer: Producer, worker: FakeWorker)
         thread.start()
     time.sleep(0.2)  # both are blocked in BLPOP now
     start = time.monotonic()
-    worker.finish(request_id, "shared")
+    fake_worker.finish(request_id, "shared")
     for thread in threads:
         thread.join(timeout=10)
     assert texts == ["shared", "shared"]
@@ -106,15 +106,15 @@ def test_two_waiters_on_one_id_both_wake(producer: Producer, worker: FakeWorker)
     assert producer.result(request_id, timeout=1).text == "shared"  # a third, late waiter too
 
 
-def test_waiter_after_done_list_expired_reads_the_result_key(producer: Producer, worker: FakeWorker) -> None:
-    worker.finish("late", "still here", notify=False)
+def test_waiter_after_done_list_expired_reads_the_result_key(producer: Producer, fake_worker: FakeWorker) -> None:
+    fake_worker.finish("late", "still here", notify=False)
     assert producer.result("late", timeout=1).text == "still here"
 
 
-def test_get_and_raise_on_error(producer: Producer, worker: FakeWorker) -> None:
+def test_get_and_raise_on_error(producer: Producer, fake_worker: FakeWorker) -> None:
     request_id = producer.submit(prompt="x")
     assert producer.get(request_id) is None
-    worker.finish(request_id, "bad input", status="error")
+    fake_worker.finish(request_id, "bad input", status="error")
     failed = producer.get(request_id)
     assert failed is not None and failed.status == "error"
     assert producer.result(request_id).error is not None
@@ -123,35 +123,35 @@ def test_get_and_raise_on_error(producer: Producer, worker: FakeWorker) -> None:
     assert info.value.code == "internal"
 
 
-def test_as_completed_yields_in_completion_order(producer: Producer, worker: FakeWorker) -> None:
+def test_as_completed_yields_in_completion_order(producer: Producer, fake_worker: FakeWorker) -> None:
     ids = producer.submit_many([{"prompt": str(i)} for i in range(4)])
-    worker.finish(ids[3], "already")  # landed before anyone waits
+    fake_worker.finish(ids[3], "already")  # landed before anyone waits
     for delay, index in ((0.1, 2), (0.25, 0), (0.4, 1)):
-        worker.later(delay, worker.finish, ids[index], str(index))
+        fake_worker.later(delay, fake_worker.finish, ids[index], str(index))
     order = [result.id for result in producer.as_completed(ids, timeout=10)]
     assert order == [ids[3], ids[2], ids[0], ids[1]]
 
 
-def test_wait_all_keeps_input_order_and_times_out(producer: Producer, worker: FakeWorker) -> None:
+def test_wait_all_keeps_input_order_and_times_out(producer: Producer, fake_worker: FakeWorker) -> None:
     ids = ["a", "b", "c"]
-    worker.later(0.1, worker.finish, "c", "C")
-    worker.later(0.2, worker.finish, "a", "A")
-    worker.later(0.3, worker.finish, "b", "B")
+    fake_worker.later(0.1, fake_worker.finish, "c", "C")
+    fake_worker.later(0.2, fake_worker.finish, "a", "A")
+    fake_worker.later(0.3, fake_worker.finish, "b", "B")
     assert [r.text for r in producer.wait_all(ids, timeout=10)] == ["A", "B", "C"]
     with pytest.raises(ResultTimeout, match="1 results|'missing'"):
         producer.wait_all(["a", "missing"], timeout=0.3)
 
 
-def test_stream_yields_deltas(producer: Producer, worker: FakeWorker) -> None:
+def test_stream_yields_deltas(producer: Producer, fake_worker: FakeWorker) -> None:
     request_id = producer.submit(prompt="x", stream_tokens=True)
     snowman = "☃".encode()
-    worker.later(0.1, worker.emit, request_id, [b"Hel", b"lo ", snowman[:1], snowman[1:], b"!"])
+    fake_worker.later(0.1, fake_worker.emit, request_id, [b"Hel", b"lo ", snowman[:1], snowman[1:], b"!"])
     assert "".join(producer.stream(request_id, timeout=10)) == "Hello ☃!"
 
 
-def test_stream_ends_when_the_result_lands_without_tokens(producer: Producer, worker: FakeWorker) -> None:
+def test_stream_ends_when_the_result_lands_without_tokens(producer: Producer, fake_worker: FakeWorker) -> None:
     request_id = producer.submit(prompt="x")
-    worker.later(0.1, worker.finish, request_id)
+    fake_worker.later(0.1, fake_worker.finish, request_id)
     assert list(producer.stream(request_id, timeout=10)) == []
     with pytest.raises(ResultTimeout):
         list(producer.stream("never", timeout=0.2))
@@ -188,11 +188,11 @@ def test_stats_on_a_populated_queue(producer: Producer, redis_client: redis.Redi
     assert set(stats["stale_workers"]) == {"w2", "w3"}
 
 
-def test_reply_to_stream_receives_the_result(producer: Producer, worker: FakeWorker,
+def test_reply_to_stream_receives_the_result(producer: Producer, fake_worker: FakeWorker,
                                              redis_client: redis.Redis, key_prefix: str) -> None:
     reply_to = f"{key_prefix}:replies"
     request_id = producer.submit(prompt="x", reply_to=reply_to)
-    worker.finish(request_id, "fan-in", reply_to=reply_to)
+    fake_worker.finish(request_id, "fan-in", reply_to=reply_to)
     (_, fields), = redis_client.xrange(reply_to)
     assert fields[b"v"] == b"1" and producer.result(request_id).text == "fan-in"
 
