@@ -1,0 +1,78 @@
+"""The dependency rule of DESIGN.md, enforced: engine never imports Redis/Celery/msgpack or the
+other packages; the pure scheduler core never imports torch; the producer never imports torch,
+the engine or the worker; nothing imports the worker."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Modules of engine/ that must load without torch or transformers (STYLE.md).
+PURE_ENGINE_MODULES = [
+    "request", "scheduler", "block_manager", "outputs", "config", "clock", "errors", "sampling_params",
+    "detokenizer", "postprocess", "prompts",
+]
+FORBIDDEN = {
+    "engine": {"redis", "celery", "msgpack", "producer", "worker", "typer"},
+    "producer": {"torch", "transformers", "engine", "worker"},
+    "worker": set(),
+}
+
+
+def _imported_top_levels(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_packages_import_only_what_the_design_allows(package: str) -> None:
+    offenders = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        bad = _imported_top_levels(path) & FORBIDDEN[package]
+        if bad:
+            offenders.append(f"{path.relative_to(ROOT)} imports {sorted(bad)}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_nothing_imports_the_worker() -> None:
+    offenders = [
+        str(path.relative_to(ROOT))
+        for package in ("engine", "producer")
+        for path in (ROOT / package).rglob("*.py")
+        if "worker" in _imported_top_levels(path)
+    ]
+    assert not offenders
+
+
+def _loaded_modules_after(statement: str) -> set[str]:
+    code = f"import sys; {statement}; print(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_pure_engine_core_loads_without_torch() -> None:
+    modules = _loaded_modules_after("; ".join(f"import engine.{name}" for name in PURE_ENGINE_MODULES))
+    assert "torch" not in modules and "transformers" not in modules
+
+
+def test_producer_loads_without_torch_or_engine() -> None:
+    modules = _loaded_modules_after("import producer, producer.client, producer.aio, producer.schema")
+    assert not {"torch", "transformers", "engine", "worker"} & modules
+
+
+def test_worker_cli_loads_without_torch() -> None:
+    """`tokenmill --help` and the echo worker must not pay for torch."""
+    modules = _loaded_modules_after("import worker.cli")
+    assert "torch" not in modules
