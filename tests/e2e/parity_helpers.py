@@ -8,19 +8,31 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+import pytest
+
 NEAR_TIE = 1e-4  # a float32 divergence is accepted only where the reference's top two logits are this close
 
 
-def load_reference(path: Path | str, dtype: torch.dtype) -> torch.nn.Module:
+# Every parity test runs on the CPU; on a machine with CUDA it also runs there (marked `gpu`).
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+    ),
+]
+
+
+def load_reference(path: Path | str, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-    return model.eval()
+    return model.to(device).eval()
 
 
 @torch.inference_mode()
 def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation by ``generate(do_sample=False)``, one prompt at a time (no padding)."""
+    device = next(model.parameters()).device
     out = model.generate(
-        torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, attention_mask=None,
+        torch.tensor([prompt_ids], device=device), max_new_tokens=max_new_tokens, do_sample=False, attention_mask=None,
         pad_token_id=model.config.pad_token_id or 0,
     )
     return out[0, len(prompt_ids):].tolist()
@@ -29,7 +41,8 @@ def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int
 @torch.inference_mode()
 def top2_gap(model: torch.nn.Module, token_ids: list[int]) -> float:
     """Gap between the two largest next-token logits after ``token_ids``."""
-    logits = model(torch.tensor([token_ids])).logits[0, -1].double()
+    device = next(model.parameters()).device
+    logits = model(torch.tensor([token_ids], device=device)).logits[0, -1].double()
     top = torch.topk(logits, 2).values
     return float(top[0] - top[1])
 

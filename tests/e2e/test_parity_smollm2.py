@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from tests.e2e.parity_helpers import NEAR_TIE, first_divergence, hf_greedy, load_reference, top2_gap
+from tests.e2e.parity_helpers import DEVICES, NEAR_TIE, first_divergence, hf_greedy, load_reference, top2_gap
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -41,15 +41,18 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def engine_and_reference() -> tuple[Engine, torch.nn.Module, list[list[int]], list[list[int]]]:
-    engine = Engine(EngineConfig(model="smollm2-135m", device="cpu", dtype="float32", kv_cache_memory="256MiB"))
+@pytest.fixture(scope="module", params=DEVICES)
+def engine_and_reference(
+    request: pytest.FixtureRequest,
+) -> tuple[Engine, torch.nn.Module, list[list[int]], list[list[int]]]:
+    device = request.param
+    engine = Engine(EngineConfig(model="smollm2-135m", device=device, dtype="float32", kv_cache_memory="256MiB"))
     tokenizer = engine.tokenizer
     prompts = [
         list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"])
         for q in QUESTIONS
     ]
-    reference = load_reference(engine.loaded.source, torch.float32)
+    reference = load_reference(engine.loaded.source, torch.float32, device)
     expected = [hf_greedy(reference, p, MAX_TOKENS) for p in prompts]
     return engine, reference, prompts, expected
 
@@ -69,7 +72,7 @@ def test_smollm2_greedy_matches_hf_generate(scenario: str, engine_and_reference:
     if scenario == "block16":
         engine = base_engine
     else:
-        engine = Engine(EngineConfig(model="smollm2-135m", device="cpu", dtype="float32",
+        engine = Engine(EngineConfig(model="smollm2-135m", device=base_engine.config.device, dtype="float32",
                                      **{"kv_cache_memory": "256MiB", **SCENARIOS[scenario]}))
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
     for out, prompt, want in zip(outputs, prompts, expected):

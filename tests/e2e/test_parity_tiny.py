@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
-from tests.e2e.parity_helpers import hf_greedy, load_reference, random_prompts
+from tests.e2e.parity_helpers import DEVICES, hf_greedy, load_reference, random_prompts
 from tests.tiny_models import FAMILIES, VOCAB_SIZE
 
 pytestmark = pytest.mark.e2e
@@ -27,17 +27,18 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def references(tiny_model_dirs: dict[str, Path]) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
-    """Prompts and HF greedy continuations per family."""
+_REFERENCES: dict[tuple[str, str], tuple[list[list[int]], list[list[int]]]] = {}
+
+
+def _reference(family: str, path: Path, device: str) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts and HF greedy continuations, computed once per (family, device)."""
     import torch
 
-    refs = {}
-    for family, path in tiny_model_dirs.items():
+    if (family, device) not in _REFERENCES:
         prompts = random_prompts(VOCAB_SIZE, NUM_PROMPTS, seed=len(family))
-        model = load_reference(path, torch.float64)
-        refs[family] = (prompts, [hf_greedy(model, p, MAX_TOKENS) for p in prompts])
-    return refs
+        model = load_reference(path, torch.float64, device)
+        _REFERENCES[family, device] = (prompts, [hf_greedy(model, p, MAX_TOKENS) for p in prompts])
+    return _REFERENCES[family, device]
 
 
 def _kv_budget(path: Path, scenario: str) -> dict[str, Any]:
@@ -54,14 +55,13 @@ def _kv_budget(path: Path, scenario: str) -> dict[str, Any]:
     return dict(kv_cache_memory=tokens * bytes_per_token, swap_space="8MiB")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_matches_hf_generate(
-    family: str, scenario: str, tiny_model_dirs: dict[str, Path], references: dict[str, Any]
-) -> None:
-    prompts, expected = references[family]
+def test_greedy_matches_hf_generate(family: str, scenario: str, device: str, tiny_model_dirs: dict[str, Path]) -> None:
+    prompts, expected = _reference(family, tiny_model_dirs[family], device)
     config = EngineConfig(
-        model=str(tiny_model_dirs[family]), device="cpu", dtype="float64",
+        model=str(tiny_model_dirs[family]), device=device, dtype="float64",
         **SCENARIOS[scenario], **_kv_budget(tiny_model_dirs[family], scenario),
     )
     engine = Engine(config)
