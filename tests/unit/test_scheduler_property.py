@@ -7,10 +7,12 @@ finishes within a bounded number of steps with exactly the tokens of an unconstr
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.request import Request
 from tests.unit.scheduler_helpers import (
     ScriptedModelRunner,
     assert_no_leaks,
@@ -24,7 +26,7 @@ EOS_TOKEN_ID = 0
 
 
 @st.composite
-def workloads(draw: st.DrawFn) -> dict[str, object]:
+def workloads(draw: st.DrawFn) -> dict[str, Any]:
     block_size = draw(st.sampled_from([1, 2, 4]))
     num_requests = draw(st.integers(1, 7))
     specs = [
@@ -52,14 +54,14 @@ def workloads(draw: st.DrawFn) -> dict[str, object]:
     }
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
-def test_random_workloads_finish_with_unconstrained_outputs(workload: dict[str, object]) -> None:
+def test_random_workloads_finish_with_unconstrained_outputs(workload: dict[str, Any]) -> None:
     config = dict(workload)
-    specs: list[tuple[int, int, int, int]] = config.pop("specs")  # type: ignore[assignment]
+    specs: list[tuple[int, int, int, int]] = config.pop("specs")
     eos_token_id = EOS_TOKEN_ID if config.pop("use_eos") else None
     scheduler = make_scheduler(**config)
-    arrivals: dict[int, list] = {}
+    arrivals: dict[int, list[Request]] = {}
     for i, (num_prompt_tokens, max_tokens, priority, arrival_step) in enumerate(specs):
         request = make_request(f"r{i}", num_prompt_tokens, max_tokens, priority, arrival_time_s=float(arrival_step))
         arrivals.setdefault(arrival_step, []).append(request)
@@ -81,7 +83,7 @@ def test_seeded_random_workload_checks_invariants_every_step() -> None:
             max_prefill_chunk=6, max_num_seqs=5, preemption_mode=mode, aging_interval_s=2.0,
             max_consecutive_decode_steps=4, min_resident_steps=2,
         )
-        arrivals: dict[int, list] = {}
+        arrivals: dict[int, list[Request]] = {}
         for i in range(40):
             step = rng.randrange(60)
             arrivals.setdefault(step, []).append(make_request(

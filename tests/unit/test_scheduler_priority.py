@@ -1,0 +1,168 @@
+"""Priority order, priority preemption, aging bound (FakeClock), starvation limit, hysteresis."""
+
+from __future__ import annotations
+
+from engine.request import Request, RequestStatus
+from engine.scheduler_policy import choose_victim, effective_priority, queue_key, urgency_key
+from tests.unit.scheduler_helpers import (
+    assert_no_leaks,
+    make_request,
+    make_scheduler,
+    reference_outputs,
+    step_until_done,
+)
+
+
+def test_admission_follows_priority_then_arrival_then_seq_no() -> None:
+    scheduler = make_scheduler(max_num_seqs=1)
+    requests = [
+        make_request("c", 2, max_tokens=1, priority=2),
+        make_request("d", 2, max_tokens=1, priority=0, arrival_time_s=1.0),
+        make_request("a", 2, max_tokens=1, priority=0),
+        make_request("b", 2, max_tokens=1, priority=1),
+        make_request("a2", 2, max_tokens=1, priority=0),  # same priority and arrival as a: seq_no decides
+    ]
+    run = step_until_done(scheduler, arrivals={0: requests})
+    assert sorted(run.admitted_step, key=run.admitted_step.__getitem__) == ["a", "a2", "d", "b", "c"]
+    assert_no_leaks(scheduler)
+
+
+def test_policy_keys_are_a_total_order_and_swapped_resume_before_equal_new_admissions() -> None:
+    waiting = make_request("w", priority=1)
+    swapped = make_request("s", priority=1, arrival_time_s=5.0)
+    swapped.status = RequestStatus.SWAPPED
+    urgent = make_request("u", priority=0, arrival_time_s=9.0)
+    for seq_no, request in enumerate((waiting, swapped, urgent)):
+        request.seq_no = seq_no
+    ordered = sorted([waiting, swapped, urgent], key=lambda r: queue_key(r, 0.0, 0.0))
+    assert [r.request_id for r in ordered] == ["u", "s", "w"]
+    assert len({urgency_key(r, 0.0, 0.0) for r in ordered}) == 3
+
+
+def test_memory_victim_choice_prefers_demoted_then_least_urgent_latest_arrival() -> None:
+    early, late, urgent = (make_request("early", priority=3), make_request("late", priority=3, arrival_time_s=2.0),
+                           make_request("urgent", priority=0, arrival_time_s=5.0))
+    assert choose_victim([early, late, urgent], 0.0, 0.0) is late
+    urgent.is_demoted = True
+    assert choose_victim([early, late, urgent], 0.0, 0.0) is urgent
+    assert choose_victim([], 0.0, 0.0) is None
+
+
+def test_effective_priority_improves_one_level_per_aging_interval() -> None:
+    request = make_request("a", priority=4)
+    assert [effective_priority(request, now_s, 10.0) for now_s in (0.0, 9.9, 10.0, 25.0, 80.0)] == [4, 4, 3, 2, -4]
+    assert effective_priority(request, 1e6, 0.0) == 4  # aging off
+
+
+def _high_priority_stream(num_steps: int, period: int) -> dict[int, list[Request]]:
+    return {step: [make_request(f"h{step}", 4, max_tokens=3, priority=0, arrival_time_s=float(step))]
+            for step in range(0, num_steps, period)}
+
+
+def test_aging_bound_admits_a_low_priority_request_under_a_high_priority_stream() -> None:
+    """Bound: admitted by t_L + gap * aging_interval_s + the time for room to appear."""
+    aging_interval_s, gap, t_low = 2.0, 5, 1.0
+    arrivals = _high_priority_stream(num_steps=60, period=3)  # each takes 3 steps: the slot never idles
+    low = make_request("low", 4, max_tokens=3, priority=gap, arrival_time_s=t_low)
+    arrivals[1] = [low]
+    scheduler = make_scheduler(max_num_seqs=1, aging_interval_s=aging_interval_s, min_resident_steps=1)
+    run = step_until_done(scheduler, arrivals=arrivals, advance_s=1.0)
+    room_s = 3.0  # one high-priority request's run (3 steps of 1 s) frees the only slot
+    assert run.admitted_time_s["low"] <= t_low + gap * aging_interval_s + room_s
+    assert run.admitted_time_s["low"] > t_low + (gap - 1) * aging_interval_s  # and not before aging got it there
+    assert scheduler.stats()["num_preemptions"] == 0  # later arrivals never outrank it once admitted
+    assert_no_leaks(scheduler)
+
+
+def test_without_aging_the_low_priority_request_waits_for_the_stream_to_end() -> None:
+    arrivals = _high_priority_stream(num_steps=60, period=3)
+    arrivals[1] = [make_request("low", 4, max_tokens=3, priority=5, arrival_time_s=1.0)]
+    scheduler = make_scheduler(max_num_seqs=1, aging_interval_s=0.0)
+    run = step_until_done(scheduler, arrivals=arrivals, advance_s=1.0)
+    assert run.admitted_step["low"] >= 60
+    assert_no_leaks(scheduler)
+
+
+def test_urgent_arrival_preempts_the_least_urgent_running_request() -> None:
+    low = make_request("low", 4, max_tokens=8, priority=5)
+    mid = make_request("mid", 4, max_tokens=8, priority=3)
+    high = make_request("high", 4, max_tokens=2, priority=0, arrival_time_s=2.0)
+    # at step 2, low and mid hold 2 blocks each: the pool of 4 is full
+    scheduler = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8, block_size=4, min_resident_steps=1)
+    run = step_until_done(scheduler, arrivals={0: [low, mid], 2: [high]})
+    assert run.steps[2].preempted_request_ids == ["low"]
+    assert run.steps[2].chunks[-1].request_id == "high"  # admitted in the same step
+    assert scheduler.stats()["num_preemptions_priority"] == 1 and scheduler.stats()["num_swap_outs"] >= 1
+    assert low.waiting_since_s == 0.0  # a PRIORITY victim keeps its aging credit
+    assert run.outputs == reference_outputs([low, mid, high])
+    assert_no_leaks(scheduler)
+
+
+def test_no_priority_preemption_when_disabled_or_not_strictly_more_urgent() -> None:
+    for enable, priority in ((False, 0), (True, 5)):
+        low = make_request("low", 4, max_tokens=8, priority=5)
+        other = make_request("other", 4, max_tokens=2, priority=priority, arrival_time_s=2.0)
+        scheduler = make_scheduler(max_num_seqs=1, enable_priority_preemption=enable, min_resident_steps=0)
+        run = step_until_done(scheduler, arrivals={0: [low], 2: [other]})
+        assert scheduler.stats()["num_preemptions"] == 0
+        assert run.admitted_step["other"] == 8  # only after low finished
+        assert_no_leaks(scheduler)
+
+
+def test_hysteresis_protects_a_just_admitted_request_for_min_resident_steps() -> None:
+    low = make_request("low", 4, max_tokens=12, priority=5)
+    high = make_request("high", 4, max_tokens=2, priority=0, arrival_time_s=1.0)
+    high2 = make_request("high2", 4, max_tokens=2, priority=0, arrival_time_s=6.0)
+    scheduler = make_scheduler(max_num_seqs=1, min_resident_steps=3, num_cpu_blocks=16)
+    run = step_until_done(scheduler, arrivals={0: [low], 1: [high], 6: [high2]})
+    preempted_at = [i for i, step in enumerate(run.steps) if step.preempted_request_ids]
+    resumed_at = [i for i, step in enumerate(run.steps) if step.swap_in]
+    # admitted at step 0: protected in steps 0, 1, 2; high waits from step 1 and wins at step 3
+    assert preempted_at[0] == 3 and run.admitted_step["high"] == 3
+    # high runs steps 3-4; low is resumed at step 5 and protected in steps 5-7, so high2
+    # (waiting from step 6) gets in at step 8
+    assert resumed_at[0] == 5
+    assert preempted_at[1] == 8 and run.admitted_step["high2"] == 8
+    assert run.outputs == reference_outputs([low, high, high2])
+    assert_no_leaks(scheduler)
+
+
+def test_starvation_limit_demotes_a_long_output_request_which_resumes_later() -> None:
+    long = make_request("long", 4, max_tokens=20)
+    short = make_request("short", 4, max_tokens=2, arrival_time_s=1.0)
+    scheduler = make_scheduler(max_num_seqs=1, num_cpu_blocks=16, max_consecutive_decode_steps=3,
+                               min_resident_steps=1)
+    demoted_seen: list[int] = []
+
+    def watch(step: int, output: object) -> None:
+        if long.is_demoted:
+            demoted_seen.append(step)
+
+    run = step_until_done(scheduler, arrivals={0: [long], 1: [short]}, on_step=watch, advance_s=1.0)
+    # long: prefill at step 0, decodes at steps 1-4 (4 > 3), so step 5 demotes and swaps it out
+    assert run.steps[5].preempted_request_ids == ["long"] and run.steps[5].swap_out
+    assert run.admitted_step["short"] == 5
+    assert scheduler.stats()["num_preemptions_starvation"] == 1
+    resumed = next(i for i, step in enumerate(run.steps) if step.swap_in)
+    assert resumed == 7 and long.num_preemptions == 1 and not demoted_seen
+    assert long.waiting_since_s == 5.0  # demoted: it ages again from the step it yielded
+    assert run.outputs == reference_outputs([long, short])
+    assert_no_leaks(scheduler)
+
+
+def test_starvation_limit_is_off_at_zero() -> None:
+    long = make_request("long", 4, max_tokens=20)
+    short = make_request("short", 4, max_tokens=2, arrival_time_s=1.0)
+    scheduler = make_scheduler(max_num_seqs=1, num_cpu_blocks=16, max_consecutive_decode_steps=0)
+    run = step_until_done(scheduler, arrivals={0: [long], 1: [short]})
+    assert scheduler.stats()["num_preemptions"] == 0 and run.admitted_step["short"] == 20
+    assert_no_leaks(scheduler)
+
+
+def test_memory_preemption_still_progresses_when_everyone_is_protected() -> None:
+    requests = [make_request(f"r{i}", 4, max_tokens=12, priority=i) for i in range(3)]
+    scheduler = make_scheduler(num_gpu_blocks=6, num_cpu_blocks=0, block_size=4, min_resident_steps=100)
+    run = step_until_done(scheduler, arrivals={0: requests})
+    assert scheduler.stats()["num_preemptions_memory"] > 0
+    assert run.outputs == reference_outputs(requests)
+    assert_no_leaks(scheduler)
