@@ -33,6 +33,7 @@ demo: run
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/mypy
 
 test-fast: install
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

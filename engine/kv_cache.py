@@ -52,7 +52,7 @@ class KVCache:
         host_shape = (spec.num_layers, 2, num_cpu_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         pin = device.type == "cuda" and num_cpu_blocks > 0
         self.host_pool = torch.zeros(host_shape, dtype=spec.dtype, device="cpu", pin_memory=pin)
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
 
     @property
     def num_gpu_blocks(self) -> int:

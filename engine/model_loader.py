@@ -36,7 +36,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 class LoadedModel:
     """A model ready for the runner, with what the engine needs to know about it."""
 
-    model: torch.nn.Module
+    model: Any  # a transformers PreTrainedModel (typed loosely: its config attributes vary by family)
     tokenizer: PreTrainedTokenizerBase
     device: torch.device
     dtype: torch.dtype
@@ -104,7 +104,7 @@ def _materialize_gguf(gguf: Path, cache_dir: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The GGUF weights are already dequantized to plain tensors: drop the quantizer so that
     # transformers saves them as an ordinary float model.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         delattr(model.config, "quantization_config")
     partial = target.with_name(target.name + f".partial-{os.getpid()}")
@@ -171,7 +171,9 @@ def load_model(
         raise ModelLoadError(f"cannot load model {model!r}: {exc}") from None
     _check_architecture(config, str(model))
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation)
+        hf_model: Any = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, attn_implementation=attn_implementation
+        )
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model {model!r}: {exc}") from None

@@ -90,7 +90,8 @@ class ModelRunner:
             logits_to_keep=batch.sample_indices,
             tokenmill_metadata=batch.metadata,
         )
-        return out.logits[0]
+        logits: torch.Tensor = out.logits[0]
+        return logits
 
     def prepare(self, chunks: list[ScheduledChunk]) -> PreparedBatch:
         """Flatten chunks into model inputs and attention metadata (single-token chunks first)."""

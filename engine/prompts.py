@@ -39,9 +39,9 @@ def tokenize_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
     if not items:
         raise PromptError("validation", "prompt is empty")
     if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-        return [int(t) for t in items]
+        return [t for t in items if isinstance(t, int)]
     if all(isinstance(m, Mapping) for m in items):
-        return _apply_chat_template(tokenizer, [dict(m) for m in items])
+        return _apply_chat_template(tokenizer, [dict(m) for m in items if isinstance(m, Mapping)])
     raise PromptError("validation", "prompt must be a string, a list of token ids or a list of chat messages")
 
 
