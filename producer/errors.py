@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from producer.schema import GenerationResult
@@ -30,15 +31,28 @@ class ResultTimeout(ProducerError, TimeoutError):
 
 
 class JobFailed(ProducerError):
-    """The remote generation finished with a non-ok status; carries the remote reason."""
+    """The remote generation finished with a non-ok status; carries the remote reason.
 
-    def __init__(self, result: GenerationResult) -> None:
+    Args:
+        result: the failed result, or its JSON dict (so the exception survives pickling and
+            Celery's JSON result backend, which rebuild it as ``JobFailed(*exc.args)``).
+    """
+
+    def __init__(self, result: GenerationResult | Mapping[str, Any]) -> None:
+        from producer.schema import GenerationResult as Result  # noqa: PLC0415 - schema imports this module
+
+        if not isinstance(result, Result):
+            result = Result.model_validate(dict(result))
         reason = result.error.message if result.error else result.status
         code = result.error.code if result.error else result.status
-        super().__init__(f"request {result.id} {result.status}: [{code}] {reason}")
+        self.message = f"request {result.id} {result.status}: [{code}] {reason}"
+        super().__init__(result.model_dump(mode="json"))
         self.result = result
         self.code = code
         self.reason = reason
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class RedisUnavailable(ProducerError, ConnectionError):

@@ -26,11 +26,14 @@ class Keys:
         prefix: namespace shared by all queues of a deployment.
         queue: the queue name; workers serve exactly one queue.
         num_lanes: priority lanes 0..num_lanes-1.
+        hash_tag: wrap ``prefix:queue`` in braces (``{prefix:queue}:lane:0`` ...) so every key
+            of the queue hashes to one Redis Cluster slot (multi-key Lua and XREADGROUP need it).
     """
 
     prefix: str = DEFAULT_PREFIX
     queue: str = DEFAULT_QUEUE
     num_lanes: int = DEFAULT_NUM_LANES
+    hash_tag: bool = False
 
     def __post_init__(self) -> None:
         if not self.prefix or not self.queue:
@@ -39,10 +42,13 @@ class Keys:
             raise ValueError("queue names must not contain ':'")
         if self.num_lanes < 1:
             raise ValueError("num_lanes must be >= 1")
+        if self.hash_tag and any(ch in self.prefix + self.queue for ch in "{}"):
+            raise ValueError("with hash_tag, prefix and queue must not contain '{' or '}'")
 
     @property
     def base(self) -> str:
-        return f"{self.prefix}:{self.queue}"
+        """``prefix:queue``, or ``{prefix:queue}`` (one cluster slot) with ``hash_tag``."""
+        return f"{{{self.prefix}:{self.queue}}}" if self.hash_tag else f"{self.prefix}:{self.queue}"
 
     def lane(self, k: int) -> str:
         """Request stream of priority lane ``k`` (0 = most urgent)."""
@@ -66,6 +72,10 @@ class Keys:
     def tokens(self, request_id: str) -> str:
         """Token stream of a ``stream_tokens`` request."""
         return f"{self.base}:tok:{request_id}"
+
+    def submitted(self, request_id: str) -> str:
+        """Submit-once marker (value: unix submit time) of a request enqueued by the Celery tasks."""
+        return f"{self.base}:sub:{request_id}"
 
     @property
     def dead(self) -> str:

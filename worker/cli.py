@@ -1,6 +1,8 @@
-"""The ``tokenmill`` command line (typer ``app``); this module owns the ``worker`` command.
+"""The ``tokenmill`` command line (typer ``app``): global options and the ``worker`` command;
+the other commands live in ``worker/cli_*.py`` and ``worker/demo.py`` and are registered here.
 
-Thin commands over :func:`worker.config.load_settings`; imports the engine only through the worker.
+Thin commands over :func:`worker.config.load_settings` and the producer; imports the engine
+only through the worker, lazily.
 """
 
 from __future__ import annotations
@@ -11,22 +13,40 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
+from worker import cli_bulk, cli_client, cli_dead, demo
+from worker.cli_common import CliState, fail, state_of
+from worker.cli_redis import redis_app
 from worker.config import Settings, load_settings
 from worker.errors import ConfigError, WorkerError
 from worker.logs import setup_logging
 
 app = typer.Typer(help="tokenmill: Redis Streams in, continuous batching, results out.", no_args_is_help=True)
 
+__all__ = ["app", "fail", "settings_or_exit"]
+
 
 @app.callback()
-def main() -> None:
+def main(
+    ctx: typer.Context,
+    redis_url: Annotated[str | None, typer.Option(
+        "--redis-url", envvar=["TOKENMILL_REDIS_URL", "REDIS_URL"],
+        help="redis://, rediss:// or unix:// URL (default: the embedded Redis)")] = None,
+    prefix: Annotated[str | None, typer.Option(envvar="TOKENMILL_PREFIX", help="key prefix [default: tokenmill]")] = None,
+    queue: Annotated[str | None, typer.Option(envvar="TOKENMILL_QUEUE", help="queue name [default: default]")] = None,
+    lanes: Annotated[int | None, typer.Option(envvar="TOKENMILL_LANES", help="priority lanes [default: 3]")] = None,
+) -> None:
     """tokenmill: Redis Streams in, continuous batching, results out."""
+    ctx.obj = CliState(redis_url=redis_url, prefix=prefix, queue=queue, num_lanes=lanes)
 
 
-def fail(message: str) -> typer.Exit:
-    """Print ``message`` to stderr; the returned ``Exit`` (code 1) is for the caller to raise."""
-    typer.echo(message, err=True)
-    return typer.Exit(code=1)
+app.command("submit")(cli_client.submit)
+app.command("result")(cli_client.result)
+app.command("cancel")(cli_client.cancel)
+app.command("status")(cli_client.status)
+app.command("dead")(cli_dead.dead)
+app.command("bulk")(cli_bulk.bulk_command)
+app.command("demo")(demo.demo)
+app.add_typer(redis_app, name="redis")
 
 
 def settings_or_exit(config: Path | None, overrides: dict[str, dict[str, Any]]) -> Settings:
@@ -45,6 +65,7 @@ def settings_or_exit(config: Path | None, overrides: dict[str, dict[str, Any]]) 
 
 @app.command()
 def worker(
+    ctx: typer.Context,
     config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file")] = None,
     model: Annotated[str | None, typer.Option(help="model alias, HF id, path, or 'echo'")] = None,
     queue: Annotated[str | None, typer.Option(help="queue name")] = None,
@@ -59,11 +80,13 @@ def worker(
     burst: Annotated[bool, typer.Option(help="exit when every lane is empty and nothing is in flight")] = False,
 ) -> None:
     """Serve one queue: read requests, run them on the engine, write results."""
+    state = state_of(ctx)
     overrides: dict[str, dict[str, Any]] = {
-        "worker": {"queue": queue, "prefix": prefix, "name": name, "max_waiting": max_waiting,
+        "worker": {"queue": queue or state.queue, "prefix": prefix or state.prefix, "num_lanes": state.num_lanes,
+                   "name": name, "max_waiting": max_waiting,
                    "drain_timeout_s": drain_timeout, "metrics_port": metrics_port, "log_json": log_json},
         "engine": {"model": model, "device": device},
-        "redis": {"url": redis_url},
+        "redis": {"url": redis_url or state.redis_url},
     }
     settings = settings_or_exit(config, overrides)
     setup_logging(settings.worker.log_level, settings.worker.log_json)

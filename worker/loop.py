@@ -17,6 +17,7 @@ from engine.outputs import RequestOutput
 from producer.schema import ErrorCode, GenerationResult
 from worker.convert import build_result, engine_params, engine_prompt
 from worker.messages import Abort, Admit, EngineLike, Entry, Finish, Incoming, Outgoing, TokenDelta
+from worker.metrics import WorkerMetrics
 from worker.state import Load
 
 log = logging.getLogger("tokenmill.worker")
@@ -41,10 +42,12 @@ class EngineLoop:
         outbox: token deltas and finished results for the writer.
         load: shared counters this loop publishes after every step.
         worker_name: recorded in every result.
+        metrics: receives the engine's stats after every step; None = no metrics.
     """
 
     def __init__(self, engine: EngineLike, inbox: queue.Queue[Incoming], outbox: queue.Queue[Outgoing],
-                 load: Load, worker_name: str) -> None:
+                 load: Load, worker_name: str, metrics: WorkerMetrics | None = None) -> None:
+        self._metrics = metrics
         self._engine = engine
         self._inbox = inbox
         self._outbox = outbox
@@ -69,6 +72,8 @@ class EngineLoop:
             for output in self._engine.step():
                 self._handle_output(output)
         stats = self._engine.stats()
+        if self._metrics is not None:
+            self._metrics.observe_engine(stats)
         live_ids = frozenset(rid for rid, live in self._live.items() if live.abort_status is None)
         self._load.publish(int(stats.get("num_waiting", 0)), int(stats.get("num_running", 0)), live_ids)
 

@@ -1,32 +1,198 @@
-"""Optional Prometheus endpoint: a collector that reads the worker's Load at scrape time.
+"""Prometheus metrics of one worker, on its own ``CollectorRegistry``: request outcomes and
+latencies, token throughput, the engine's queues / KV / preemptions / swap, and lane depth.
 
-Imports prometheus_client lazily (it ships with the engine extra); never redis or the engine.
+Imports prometheus_client lazily (it ships with the engine extra) and redis only for typing;
+never the engine object. Every method is safe to call from the thread named in its docstring.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from worker.state import Load
+from producer.keys import CONSUMER_GROUP, Keys
+from producer.schema import GenerationResult
+
+if TYPE_CHECKING:
+    import redis
+    from prometheus_client.metrics_core import Metric
+
+log = logging.getLogger("tokenmill.worker")
+
+# Seconds from submission: queue wait, time to first token, end to end (long generations included).
+LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+# Seconds per output token after the first.
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
+PREEMPTION_CAUSES = ("memory", "priority", "starvation")
+# (metric name, help, engine stats key): engine counters that only grow, exported as *_total.
+_ENGINE_COUNTERS = (
+    ("tokenmill_swap_out_bytes", "KV bytes copied device -> host (swap-out)", "swap_out_bytes"),
+    ("tokenmill_swap_in_bytes", "KV bytes copied host -> device (swap-in)", "swap_in_bytes"),
+    ("tokenmill_recomputed_tokens", "computed tokens whose KV was dropped by recompute preemption",
+     "num_recomputed_tokens"),
+    ("tokenmill_engine_steps", "engine scheduler steps", "num_steps"),
+)
+# (metric name, help, engine stats key): engine state exported as gauges.
+_ENGINE_GAUGES = (
+    ("tokenmill_requests_running", "requests generating in the engine", "num_running"),
+    ("tokenmill_requests_waiting", "requests waiting inside the engine", "num_waiting"),
+    ("tokenmill_requests_swapped", "requests swapped out to the host KV pool", "num_swapped"),
+    ("tokenmill_kv_device_usage_ratio", "used fraction of the device KV pool (0..1)", "gpu_usage"),
+    ("tokenmill_kv_host_usage_ratio", "used fraction of the host (swap) KV pool (0..1)", "cpu_usage"),
+    ("tokenmill_kv_device_blocks_used", "used device KV blocks", "num_used_gpu_blocks"),
+    ("tokenmill_kv_device_blocks", "device KV blocks in total", "num_gpu_blocks"),
+    ("tokenmill_kv_host_blocks_used", "used host KV blocks", "num_used_cpu_blocks"),
+    ("tokenmill_kv_host_blocks", "host KV blocks in total", "num_cpu_blocks"),
+)
 
 
-def serve_metrics(port: int, load: Load, worker: str) -> None:
-    """Serve ``/metrics`` on ``port`` in a daemon thread (running, waiting, queued, finished, tokens)."""
-    from prometheus_client import REGISTRY, start_http_server  # noqa: PLC0415 - optional dependency
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
+class _EngineCollector:
+    """Reads the latest engine stats snapshot at scrape time."""
 
-    class _LoadCollector:
-        def collect(self) -> Iterator[Any]:
-            for name, value in (("running", load.num_running), ("waiting", load.num_waiting),
-                                ("queued", load.num_queued)):
-                gauge = GaugeMetricFamily(f"tokenmill_worker_{name}", f"requests {name}", labels=["worker"])
-                gauge.add_metric([worker], value)
-                yield gauge
-            for name, value in (("finished", load.num_finished), ("tokens", load.num_tokens)):
-                counter = CounterMetricFamily(f"tokenmill_worker_{name}", f"{name} since start", labels=["worker"])
-                counter.add_metric([worker], value)
-                yield counter
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self._metrics = metrics
 
-    REGISTRY.register(_LoadCollector())
-    start_http_server(port)
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
+
+        stats = self._metrics.engine_stats
+        for name, text, key in _ENGINE_GAUGES:
+            yield GaugeMetricFamily(name, text, value=float(stats.get(key, 0) or 0))
+        preemptions = CounterMetricFamily("tokenmill_preemptions", "preemptions by cause", labels=["cause"])
+        causes = {*PREEMPTION_CAUSES, *(k.removeprefix("num_preemptions_") for k in stats
+                                        if k.startswith("num_preemptions_"))}
+        for cause in sorted(causes):
+            preemptions.add_metric([cause], float(stats.get(f"num_preemptions_{cause}", 0) or 0))
+        yield preemptions
+        for name, text, key in _ENGINE_COUNTERS:
+            yield CounterMetricFamily(name, text, value=float(stats.get(key, 0) or 0))
+
+
+class WorkerMetrics:
+    """All metrics of one worker and the HTTP endpoint that serves them.
+
+    Args:
+        worker: the worker's name (an info label; series carry no per-worker label, the
+            scrape target's ``instance`` tells workers apart).
+        model: model served (info label).
+        keys: key layout of the served queue; lane series are labelled ``queue`` and ``lane``.
+    """
+
+    def __init__(self, worker: str, model: str, keys: Keys) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info  # noqa: PLC0415
+
+        self.keys = keys
+        self.registry = CollectorRegistry()
+        self.engine_stats: dict[str, Any] = {}  # latest engine.stats(); replaced whole, never mutated
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        reg = self.registry
+        Info("tokenmill_worker", "the worker behind this endpoint", registry=reg).info(
+            {"worker": worker, "model": model, "queue": keys.queue, "prefix": keys.prefix})
+        self.requests = Counter("tokenmill_requests", "results written, by status (dead = dead-lettered, no id)",
+                                ["status"], registry=reg)
+        self.duplicates = Counter("tokenmill_duplicate_results", "results not stored: the id was already answered",
+                                  registry=reg)
+        self.queue_s = Histogram("tokenmill_request_queue_seconds", "submission to first scheduled",
+                                 buckets=LATENCY_BUCKETS_S, registry=reg)
+        self.ttft_s = Histogram("tokenmill_request_ttft_seconds", "submission to first token",
+                                buckets=LATENCY_BUCKETS_S, registry=reg)
+        self.tpot_s = Histogram("tokenmill_request_tpot_seconds", "mean time per output token after the first",
+                                buckets=TPOT_BUCKETS_S, registry=reg)
+        self.e2e_s = Histogram("tokenmill_request_e2e_seconds", "submission to finished",
+                               buckets=LATENCY_BUCKETS_S, registry=reg)
+        self.generation_tokens = Counter("tokenmill_generation_tokens", "completion tokens generated", registry=reg)
+        self.prompt_tokens = Counter("tokenmill_prompt_tokens", "prompt tokens of finished requests", registry=reg)
+        self.tokens_per_s = Gauge("tokenmill_generation_tokens_per_second",
+                                  "completion tokens per second over the last heartbeat interval", registry=reg)
+        lane_labels = ["queue", "lane"]
+        self.lane_length = Gauge("tokenmill_lane_length", "XLEN of the lane stream (acked entries included "
+                                 "until trimmed)", lane_labels, registry=reg)
+        self.lane_pending = Gauge("tokenmill_lane_pending", "entries delivered to the group, not yet acked",
+                                  lane_labels, registry=reg)
+        self.lane_lag = Gauge("tokenmill_lane_lag", "entries not yet delivered to the group (Redis >= 7)",
+                              lane_labels, registry=reg)
+        self.dead_letters = Gauge("tokenmill_dead_letters", "entries in the dead-letter stream", ["queue"],
+                                  registry=reg)
+        reg.register(_EngineCollector(self))
+
+    def observe_engine(self, stats: dict[str, Any]) -> None:
+        """Engine thread, after every step: keep ``engine.stats()`` for the next scrape."""
+        self.engine_stats = stats
+
+    def observe_result(self, result: GenerationResult | None, is_stored: bool) -> None:
+        """Writer thread, after a result (or a dead letter without one) was written."""
+        if not is_stored and result is not None:
+            self.duplicates.inc()
+            return
+        self.requests.labels("dead" if result is None else result.status).inc()
+        if result is None:
+            return
+        self.generation_tokens.inc(result.usage.completion_tokens)
+        self.prompt_tokens.inc(result.usage.prompt_tokens)
+        timings = result.timings
+        for histogram, value in ((self.queue_s, timings.queued), (self.ttft_s, timings.ttft),
+                                 (self.tpot_s, timings.tpot), (self.e2e_s, timings.total)):
+            if value is not None:
+                histogram.observe(max(0.0, value))
+
+    def observe_beat(self, client: redis.Redis, tokens_per_s: float) -> None:
+        """Writer thread, every heartbeat: the recent token rate, and lane depth sampled from Redis.
+
+        Never raises for Redis errors: a missed sample must not stop the writer.
+        """
+        self.tokens_per_s.set(tokens_per_s)
+        try:
+            self._sample_lanes(client)
+        except Exception as exc:  # noqa: BLE001 - redis, decode or server-version surprises alike
+            log.debug("lane sampling failed", extra={"event": "metrics_sample_failed", "error": str(exc)})
+
+    def _sample_lanes(self, client: redis.Redis) -> None:
+        pipe = client.pipeline(transaction=False)
+        for lane in self.keys.lanes:
+            pipe.xlen(lane)
+            pipe.xpending(lane, CONSUMER_GROUP)
+            pipe.xinfo_groups(lane)
+        pipe.xlen(self.keys.dead)
+        replies = pipe.execute(raise_on_error=False)
+        queue = self.keys.queue
+        for k in range(self.keys.num_lanes):
+            length, pending, groups = replies[3 * k: 3 * k + 3]
+            if isinstance(length, int):
+                self.lane_length.labels(queue, str(k)).set(length)
+            if isinstance(pending, dict):
+                self.lane_pending.labels(queue, str(k)).set(int(pending.get("pending", 0)))
+            lag = _group_lag(groups)
+            if lag is not None:
+                self.lane_lag.labels(queue, str(k)).set(lag)
+        if isinstance(replies[-1], int):
+            self.dead_letters.labels(queue).set(replies[-1])
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        """Serve ``/metrics`` on ``addr:port`` from a daemon thread (call once)."""
+        from prometheus_client import start_http_server  # noqa: PLC0415
+
+        self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint, if serving."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+
+def _group_lag(groups: Any) -> int | None:
+    """The ``lag`` of the ``workers`` group from an XINFO GROUPS reply (None: unknown or Redis < 7)."""
+    if not isinstance(groups, list):
+        return None
+    for group in groups:
+        if group.get("name") in (CONSUMER_GROUP, CONSUMER_GROUP.encode()):
+            lag = group.get("lag")
+            return int(lag) if lag is not None else None
+    return None

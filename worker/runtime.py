@@ -18,7 +18,7 @@ from worker.config import Settings
 from worker.echo_engine import ECHO_MODEL, EchoEngine
 from worker.loop import EngineLoop
 from worker.messages import EngineLike, Incoming, Outgoing
-from worker.metrics import serve_metrics
+from worker.metrics import WorkerMetrics
 from worker.reader import Reader
 from worker.state import Load
 from worker.writer import Writer
@@ -63,9 +63,11 @@ class Worker:
         outbox: queue.Queue[Outgoing] = queue.Queue()
         self._load = load = Load()
         keys, config, model = settings.worker.keys, settings.worker, self._engine.model_name
-        self._loop = EngineLoop(self._engine, inbox, outbox, load, self.name)
+        # NOTE: one registry per worker, so several workers can live in one process (tests).
+        self.metrics = WorkerMetrics(self.name, model, keys) if config.metrics_port is not None else None
+        self._loop = EngineLoop(self._engine, inbox, outbox, load, self.name, self.metrics)
         self._reader = Reader(self._client, keys, config, load, inbox, outbox, model)
-        self._writer = Writer(self._client, keys, config, load, inbox, outbox, model)
+        self._writer = Writer(self._client, keys, config, load, inbox, outbox, model, self.metrics)
         self._stopping = threading.Event()
         self._forced = threading.Event()
 
@@ -83,8 +85,8 @@ class Worker:
         """
         self._reader.ensure_groups()
         self._writer.beat()
-        if self.settings.worker.metrics_port is not None:
-            serve_metrics(self.settings.worker.metrics_port, self._load, self.name)
+        if self.metrics is not None and self.settings.worker.metrics_port is not None:
+            self.metrics.serve(self.settings.worker.metrics_port)
         if self._handle_signals:
             self._install_signal_handlers()
         threads = [threading.Thread(target=self._reader.run, args=(self._burst,), name="tm-reader", daemon=True),
@@ -125,6 +127,8 @@ class Worker:
         self._writer.closing.set()
         for thread in threads:
             thread.join(timeout=self.settings.worker.block_ms / 1000 + 5.0)
+        if self.metrics is not None:
+            self.metrics.close()
         log.info("stopped", extra={"event": "stopped", "worker": self.name, "forced": self._forced.is_set(),
                                    "left_pending": self._loop.num_live})
 

@@ -18,6 +18,7 @@ from worker.config import WorkerConfig
 from worker.errors import RetryableError
 from worker.heartbeat import RUNNING, STOPPED, Heartbeat, forget_old, read_heartbeats, write_heartbeat
 from worker.messages import Abort, DeadLetter, Finish, Incoming, Outgoing
+from worker.metrics import WorkerMetrics
 from worker.results import ResultWriter
 from worker.state import Load
 
@@ -37,10 +38,13 @@ class Writer:
         inbox: where cancellations are sent to the engine thread.
         outbox: what to write.
         model_name: the model served, shown in the heartbeat.
+        metrics: counts written results; samples rate and lane depth each beat. None = no metrics.
     """
 
     def __init__(self, client: redis.Redis, keys: Keys, config: WorkerConfig, load: Load,
-                 inbox: queue.Queue[Incoming], outbox: queue.Queue[Outgoing], model_name: str) -> None:
+                 inbox: queue.Queue[Incoming], outbox: queue.Queue[Outgoing], model_name: str,
+                 metrics: WorkerMetrics | None = None) -> None:
+        self._metrics = metrics
         self._client, self._keys, self._config, self._load = client, keys, config, load
         self._inbox, self._outbox = inbox, outbox
         self._results = ResultWriter(client, keys, config.result_ttl_s, config.done_ttl_s, config.token_ttl_s)
@@ -60,6 +64,8 @@ class Writer:
         self._beat.num_finished = self._load.num_finished
         self._beat.tokens_per_s = (self._load.num_tokens - tokens_then) / max(now - then, 1e-6)
         write_heartbeat(self._client, self._keys, self._beat)
+        if self._metrics is not None:
+            self._metrics.observe_beat(self._client, self._beat.tokens_per_s)
 
     def run(self) -> None:
         """Write until :attr:`closing` is set and the outbox is empty; the last beat says ``stopped``."""
@@ -104,6 +110,8 @@ class Writer:
         self._unwritten = []
         for item, was_stored in zip(finished, stored):
             result = item.result
+            if self._metrics is not None:
+                self._metrics.observe_result(result, bool(was_stored))
             log.info("finished", extra={"event": "finished", "request_id": result.id if result else None,
                                         "status": result.status if result else "dead", "duplicate": not was_stored,
                                         "tokens": len(result.token_ids) if result else 0})

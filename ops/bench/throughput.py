@@ -1,0 +1,525 @@
+"""Offline throughput: one seeded workload through tokenmill's engine, Hugging Face ``generate``
+with static batching (batch 16 and batch 1), transformers' own continuous batching and,
+optionally, vLLM's CPU build. Each system runs in its own subprocess so its peak memory is its own.
+
+    python ops/bench/throughput.py                # full run (~10 min on 2 cores)
+    python ops/bench/throughput.py --quick        # a small workload, for development
+    python ops/bench/throughput.py --profile      # also a breakdown of tokenmill's step time
+
+Useful tokens: every request asks for an exact number of output tokens (EOS ignored); static
+batches run to their longest member, but only the tokens each request asked for are counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from common import (  # noqa: E402
+    current_rss_bytes, fmt, machine_info, mib, peak_rss_bytes, percentile, print_table, run_child, write_json,
+)
+from workload import WorkItem, build_workload, describe, from_json, to_json  # noqa: E402
+
+SYSTEMS = ("tokenmill", "hf_static16", "hf_static1", "hf_cb", "vllm")
+LABELS = {
+    "tokenmill": "tokenmill engine",
+    "hf_static16": "HF generate, static batch 16",
+    "hf_static1": "HF generate, batch 1",
+    "hf_cb": "transformers continuous batching",
+    "vllm": "vLLM (CPU build)",
+}
+
+
+# ----------------------------------------------------------------------------- model helpers
+
+
+def resolve_model_dir(model: str) -> str:
+    """The safetensors directory (or hub id) that every system loads: a GGUF alias is
+    dequantized once by the engine's loader and cached."""
+    from engine.model_loader import _materialize_gguf, default_cache_dir, resolve_model_path
+
+    path = resolve_model_path(model)
+    if isinstance(path, Path) and path.suffix == ".gguf":
+        path = _materialize_gguf(path, default_cache_dir())
+    return str(path)
+
+
+def _setup_torch(threads: int) -> Any:
+    import torch
+
+    torch.set_num_threads(threads)
+    return torch
+
+
+def _load_hf(model_dir: str, threads: int, attn: str | None = None) -> tuple[Any, Any]:
+    torch = _setup_torch(threads)
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"attn_implementation": attn} if attn else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
+    return torch, model
+
+
+def _weights_bytes(model: Any) -> int:
+    tensors = list(model.parameters()) + list(model.buffers())
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t.data_ptr() in seen:  # tied embeddings
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process (all threads) so far."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+_CPU_AT_START = [0.0]
+
+
+def _start_clock() -> float:
+    """Mark the start of a timed region: returns perf_counter and remembers the CPU time."""
+    _CPU_AT_START[0] = cpu_seconds()
+    return time.perf_counter()
+
+
+def _finish(result: dict[str, Any], items: list[WorkItem], produced: list[int], elapsed_s: float) -> dict[str, Any]:
+    """Common result fields; ``produced`` is the number of tokens each request got. CPU seconds of
+    the timed region are kept too: on a shared machine they move less than wall time."""
+    wanted = [item.max_tokens for item in items]
+    mismatches = [i for i, (p, w) in enumerate(zip(produced, wanted)) if p != w]
+    useful = sum(wanted)
+    result.update(num_requests=len(items), useful_tokens=useful, elapsed_s=elapsed_s,
+                  tokens_per_s=useful / elapsed_s if elapsed_s > 0 else None,
+                  cpu_s=cpu_seconds() - _CPU_AT_START[0],
+                  tokens_per_cpu_s=useful / max(1e-9, cpu_seconds() - _CPU_AT_START[0]),
+                  exact_lengths=not mismatches, length_mismatches=mismatches[:10],
+                  peak_rss_bytes=peak_rss_bytes())
+    return result
+
+
+# ----------------------------------------------------------------------------- the systems
+
+
+def run_tokenmill(items: list[WorkItem], args: argparse.Namespace) -> dict[str, Any]:
+    torch = _setup_torch(args.threads)
+    from engine import Engine, EngineConfig, SamplingParams
+
+    config = EngineConfig(model=args.model, device="cpu", dtype="float32", num_threads=args.threads,
+                          kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    load_start = time.perf_counter()
+    engine = Engine(config)
+    load_s = time.perf_counter() - load_start
+    rss_after_load = current_rss_bytes()
+    weights = _weights_bytes(engine.loaded.model)
+    kv_bytes = engine.cache_config.num_gpu_blocks * engine.kv_spec.bytes_per_block
+    swap_bytes = engine.cache_config.num_cpu_blocks * engine.kv_spec.bytes_per_block
+    engine.generate([items[0].prompt_token_ids], SamplingParams(max_tokens=4, ignore_eos=True), progress=False)
+
+    def run() -> tuple[list[int], list[Any], float]:
+        start = _start_clock()
+        for item in items:
+            engine.add_request(f"req-{item.index}", item.prompt_token_ids,
+                               SamplingParams(max_tokens=item.max_tokens, ignore_eos=True))
+        produced: dict[str, int] = {}
+        metrics = {}
+        while engine.has_unfinished():
+            for output in engine.step():
+                if output.finished:
+                    produced[output.request_id] = len(output.token_ids)
+                    metrics[output.request_id] = output.metrics
+        elapsed = time.perf_counter() - start
+        ids = [f"req-{item.index}" for item in items]
+        return [produced.get(i, -1) for i in ids], [metrics.get(i) for i in ids], elapsed
+
+    profile: dict[str, Any] | None = None
+    if args.profile_child:
+        produced, metrics, elapsed, profile = _profiled(run, torch, engine)
+    else:
+        produced, metrics, elapsed = run()
+    ttfts = [m.ttft_s for m in metrics if m is not None and m.ttft_s is not None]
+    result = {"system": "tokenmill", "load_s": load_s, "weights_bytes": weights, "kv_cache_bytes": kv_bytes,
+              "swap_space_bytes": swap_bytes, "rss_after_load_bytes": rss_after_load,
+              "num_gpu_blocks": engine.cache_config.num_gpu_blocks, "ttft_p50_s": percentile(ttfts, 50),
+              "ttft_p99_s": percentile(ttfts, 99), "engine_stats": engine.stats(),
+              "config": config.model_dump()}
+    if profile is not None:
+        result["profile"] = profile
+    return _finish(result, items, produced, elapsed)
+
+
+def _profiled(run: Any, torch: Any, engine: Any) -> tuple[list[int], list[Any], float, dict[str, Any]]:
+    """Run under cProfile (time per part of a step) and torch.profiler (top operators)."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    profiler = cProfile.Profile()
+    with profile(activities=[ProfilerActivity.CPU]) as torch_prof:
+        profiler.enable()
+        produced, metrics, elapsed = run()
+        profiler.disable()
+    stats = pstats.Stats(profiler)
+    # (file suffix, function name) -> cumulative seconds; parts may nest (attention is inside forward).
+    parts = {
+        "engine.step (total)": ("engine/engine.py", "step"),
+        "scheduler.schedule": ("engine/scheduler.py", "schedule"),
+        "scheduler.update": ("engine/scheduler.py", "update"),
+        "runner.execute (forward+sample)": ("engine/model_runner.py", "execute"),
+        "runner.prepare (inputs, block tables)": ("engine/model_runner.py", "prepare"),
+        "runner._forward (model forward)": ("engine/model_runner.py", "_forward"),
+        "paged attention (all layers)": ("engine/paged_attention.py", "paged_attention_forward"),
+        "sampler": ("engine/sampler.py", "__call__"),
+        "postprocess (detokenize, stop checks)": ("engine/postprocess.py", "process_new_tokens"),
+        "outputs (drain)": ("engine/postprocess.py", "drain"),
+    }
+    breakdown: dict[str, float] = {}
+    linear_s = 0.0
+    for (file_name, _line, func), (_cc, _nc, tottime, cumtime, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        for label, (suffix, name) in parts.items():
+            if file_name.endswith(suffix) and func == name:
+                breakdown[label] = breakdown.get(label, 0.0) + cumtime
+        if func in ("<built-in method torch._C._nn.linear>", "<built-in method linear>"):
+            linear_s += tottime
+    breakdown["linear layers (torch._C._nn.linear)"] = linear_s
+    num_steps = engine.stats()["num_steps"]
+    table = torch_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    return produced, metrics, elapsed, {"elapsed_s": elapsed, "num_steps": num_steps, "seconds": breakdown,
+                                        "torch_top_ops": table}
+
+
+def _static_batches(items: list[WorkItem], batch_size: int) -> list[list[WorkItem]]:
+    return [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
+
+
+def run_hf_static(items: list[WorkItem], args: argparse.Namespace, batch_size: int) -> dict[str, Any]:
+    torch, model = _load_hf(args.model_dir, args.threads)
+    pad_id = model.generation_config.pad_token_id
+    pad_id = pad_id if isinstance(pad_id, int) else 0
+
+    def generate(batch: list[WorkItem]) -> list[int]:
+        longest_prompt = max(item.num_prompt_tokens for item in batch)
+        new_tokens = max(item.max_tokens for item in batch)  # the batch runs to its longest member
+        ids = [[pad_id] * (longest_prompt - item.num_prompt_tokens) + item.prompt_token_ids for item in batch]
+        mask = [[0] * (longest_prompt - item.num_prompt_tokens) + [1] * item.num_prompt_tokens for item in batch]
+        with torch.inference_mode():
+            out = model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=pad_id)
+        generated = out.shape[1] - longest_prompt
+        # min_new_tokens == max_new_tokens: every row runs the full length; each request gets its prefix.
+        return [min(generated, item.max_tokens) for item in batch]
+
+    generate([WorkItem(-1, "", items[0].prompt_token_ids, 4)])  # warm-up, untimed
+    start = _start_clock()
+    produced: list[int] = []
+    for batch in _static_batches(items, batch_size):
+        produced += generate(batch)
+    elapsed = time.perf_counter() - start
+    result = {"system": f"hf_static{batch_size}", "batch_size": batch_size, "weights_bytes": _weights_bytes(model),
+              "attn_implementation": model.config._attn_implementation,
+              "computed_tokens": sum(max(i.max_tokens for i in b) * len(b) for b in _static_batches(items, batch_size))}
+    return _finish(result, items, produced, elapsed)
+
+
+def run_hf_cb(items: list[WorkItem], args: argparse.Namespace) -> dict[str, Any]:
+    torch, model = _load_hf(args.model_dir, args.threads, attn=args.hf_cb_attn)
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(i.max_tokens for i in items),
+                                  eos_token_id=-1, pad_token_id=model.generation_config.pad_token_id)
+    cb_kwargs: dict[str, Any] = {}
+    if args.hf_cb_num_blocks:
+        cb_kwargs["num_blocks"] = args.hf_cb_num_blocks
+    if args.hf_cb_max_batch_tokens:
+        cb_kwargs["max_batch_tokens"] = args.hf_cb_max_batch_tokens
+    cb_config = ContinuousBatchingConfig(**cb_kwargs)
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    hints = WorkloadHints(max_prompt_length=max(i.num_prompt_tokens for i in items),
+                          max_generated_length=max(i.max_tokens for i in items), num_requests=len(items))
+    manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config,
+                                             workload_hints=hints)
+    manager.start()
+    try:
+        # Warm-up request, as for the other systems.
+        manager.add_request(items[0].prompt_token_ids, request_id="warmup", max_new_tokens=4, eos_token_id=-1)
+        _collect_cb(manager, {"warmup"})
+        start = _start_clock()
+        for item in items:  # each request its own length; eos -1 = EOS never stops it
+            manager.add_request(item.prompt_token_ids, request_id=f"req-{item.index}", max_new_tokens=item.max_tokens,
+                                eos_token_id=-1)
+        outputs = _collect_cb(manager, {f"req-{item.index}" for item in items})
+        elapsed = time.perf_counter() - start
+        resolved = manager.continuous_batching_config
+    finally:
+        manager.stop(block=True, timeout=30)
+    produced = [len(outputs[f"req-{item.index}"].generated_tokens) if f"req-{item.index}" in outputs else -1
+                for item in items]
+    errors = [o.error for o in outputs.values() if o.error]
+    result = {"system": "hf_cb", "weights_bytes": _weights_bytes(model), "errors": errors[:5],
+              "attn_implementation": model.config._attn_implementation,
+              "cb_config": {k: getattr(resolved, k, None) for k in
+                            ("num_blocks", "block_size", "max_batch_tokens", "max_requests_per_batch")}}
+    return _finish(result, items, produced, elapsed)
+
+
+def _collect_cb(manager: Any, wanted: set[str], timeout_s: float = 1800.0) -> dict[str, Any]:
+    outputs: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(outputs) < len(wanted) and time.monotonic() < deadline:
+        result = manager.get_result(timeout=1)
+        if result is not None and result.is_finished() and result.request_id in wanted:
+            outputs[result.request_id] = result
+        elif result is None and not manager.is_running():
+            break
+    return outputs
+
+
+def run_vllm(items: list[WorkItem], args: argparse.Namespace) -> dict[str, Any]:
+    """Runs inside the vLLM virtualenv (imports only vllm, this file, common and workload)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=args.model_dir, dtype="float32", max_model_len=2048, seed=0, max_num_seqs=args.max_num_seqs)
+    llm.generate([TokensPrompt(prompt_token_ids=items[0].prompt_token_ids)],
+                 SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0), use_tqdm=False)
+    prompts = [TokensPrompt(prompt_token_ids=item.prompt_token_ids) for item in items]
+    params = [SamplingParams(max_tokens=item.max_tokens, ignore_eos=True, temperature=0.0) for item in items]
+    start = _start_clock()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    produced = [len(o.outputs[0].token_ids) for o in outs]
+    import vllm
+
+    return _finish({"system": "vllm", "vllm_version": vllm.__version__}, items, produced, elapsed)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def child_main(args: argparse.Namespace) -> None:
+    items = from_json(json.loads(Path(args.workload_file).read_text()))
+    if args.child == "tokenmill":
+        result = run_tokenmill(items, args)
+    elif args.child == "hf_static16":
+        result = run_hf_static(items, args, 16)
+    elif args.child == "hf_static1":
+        result = run_hf_static(items[:args.hf_batch1_limit], args, 1)
+    elif args.child == "hf_cb":
+        result = run_hf_cb(items, args)
+    elif args.child == "vllm":
+        result = run_vllm(items, args)
+    else:
+        raise SystemExit(f"unknown system {args.child}")
+    Path(args.result_file).write_text(json.dumps(result, default=str))
+
+
+def _child_argv(system: str, args: argparse.Namespace, workload_file: Path, result_file: Path) -> list[str]:
+    argv = [str(Path(__file__).resolve()), "--child", system, "--workload-file", str(workload_file),
+            "--result-file", str(result_file), "--model", args.model, "--model-dir", args.model_dir,
+            "--threads", str(args.threads), "--kv-cache-memory", args.kv_cache_memory,
+            "--swap-space", args.swap_space, "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--hf-batch1-limit", str(args.hf_batch1_limit)]
+    if args.hf_cb_attn:
+        argv += ["--hf-cb-attn", args.hf_cb_attn]
+    if args.hf_cb_num_blocks:
+        argv += ["--hf-cb-num-blocks", str(args.hf_cb_num_blocks)]
+    if args.hf_cb_max_batch_tokens:
+        argv += ["--hf-cb-max-batch-tokens", str(args.hf_cb_max_batch_tokens)]
+    if system == "tokenmill" and args.profile:
+        argv.append("--profile-child")
+    return argv
+
+
+def _thread_env(threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        child_main(args)
+        return 0
+    if args.quick:
+        args.num_requests = min(args.num_requests, 16)
+        args.max_output_tokens = min(args.max_output_tokens, 96)
+        args.mean_output_tokens = min(args.mean_output_tokens, 32.0)
+        args.hf_batch1_limit = min(args.hf_batch1_limit, 4)
+    args.model_dir = args.model_dir or resolve_model_dir(args.model)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    items = build_workload(tokenizer, args.num_requests, args.seed, mean_output_tokens=args.mean_output_tokens,
+                           max_output_tokens=args.max_output_tokens)
+    shape = describe(items)
+    print(f"workload: {shape['num_requests']} requests, seed {args.seed}; prompt tokens "
+          f"{shape['prompt_tokens']['min']}..{shape['prompt_tokens']['max']} (mean {shape['prompt_tokens']['mean']:.0f}); "
+          f"output tokens {shape['output_tokens']['min']}..{shape['output_tokens']['max']} "
+          f"(mean {shape['output_tokens']['mean']:.0f}, total {shape['output_tokens']['total']}); "
+          f"model {args.model} float32, {args.threads} threads")
+    systems = [s for s in args.systems.split(",") if s]
+    if args.vllm_venv and "vllm" not in systems:
+        systems.append("vllm")
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="tm-bench-") as tmp:
+        workload_file = Path(tmp) / "workload.json"
+        workload_file.write_text(json.dumps(to_json(items)))
+        for system in systems:
+            result_file = Path(tmp) / f"{system}.json"
+            env = _thread_env(args.threads)
+            python = None
+            if system == "vllm":
+                if not args.vllm_venv:
+                    continue
+                python = str(Path(args.vllm_venv) / "bin" / "python")
+                env |= {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                        "VLLM_CPU_KVCACHE_SPACE": str(max(1, _gib(args.kv_cache_memory)))}
+            print(f"running {LABELS[system]} ... (load average {os.getloadavg()[0]:.1f})", flush=True)
+            started = time.perf_counter()
+            results[system] = run_child(_child_argv(system, args, workload_file, result_file), result_file,
+                                        timeout_s=args.child_timeout, python=python, env=env)
+            results[system]["wall_s"] = time.perf_counter() - started
+            _print_progress(system, results[system])
+    report = {"benchmark": "throughput", "args": {k: v for k, v in vars(args).items() if k != "child"},
+              "workload": shape, "machine": machine_info(), "results": results}
+    report["summary"] = _summarize(results, args)
+    write_json(args.json, report)
+    return 0
+
+
+def _gib(size: str) -> int:
+    from engine.config import parse_bytes
+
+    return round(parse_bytes(size) / 2**30)
+
+
+def _print_progress(system: str, result: dict[str, Any]) -> None:
+    if "error" in result:
+        print(f"  {system}: FAILED ({result['error']})\n{result.get('output_tail', '')}")
+    else:
+        print(f"  {system}: {result['tokens_per_s']:.1f} useful tok/s over {result['elapsed_s']:.1f} s"
+              f"{'' if result['exact_lengths'] else '  (LENGTHS NOT EXACT)'}", flush=True)
+
+
+def _summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    base = results.get("tokenmill", {}).get("tokens_per_s")
+    rows = []
+    summary: dict[str, Any] = {}
+    for system, result in results.items():
+        label = LABELS[system]
+        if system == "hf_static1":
+            label += f" (first {result.get('num_requests', args.hf_batch1_limit)} requests)"
+        if "error" in result:
+            rows.append([label, "FAILED", "-", "-", "-", "-", "-", "-"])
+            continue
+        tps = result["tokens_per_s"]
+        vs = base / tps if base and tps else None
+        rows.append([label, f"{tps:.1f}", f"{vs:.2f}x" if vs else "-", f"{result['tokens_per_cpu_s']:.1f}",
+                     str(result["useful_tokens"]), f"{result['elapsed_s']:.1f}", mib(result["peak_rss_bytes"]),
+                     "yes" if result["exact_lengths"] else "NO"])
+        summary[system] = {"tokens_per_s": tps, "tokenmill_speedup": vs, "peak_rss_bytes": result["peak_rss_bytes"]}
+    print_table("Throughput (useful output tokens/s; higher is better)",
+                ["system", "tok/s", "tokenmill is", "tok/CPU-s", "useful tokens", "time s", "peak RSS",
+                 "exact lengths"], rows)
+    tm = results.get("tokenmill", {})
+    if "weights_bytes" in tm:
+        budget = tm["weights_bytes"] + tm["kv_cache_bytes"]
+        ratio = tm["peak_rss_bytes"] / budget
+        summary["tokenmill_memory"] = {"weights_bytes": tm["weights_bytes"], "kv_cache_bytes": tm["kv_cache_bytes"],
+                                       "swap_space_bytes": tm["swap_space_bytes"], "peak_rss_bytes": tm["peak_rss_bytes"],
+                                       "peak_over_weights_plus_kv": ratio}
+        print_table("tokenmill memory", ["item", "value"], [
+            ["weights (float32)", mib(tm["weights_bytes"])],
+            [f"KV cache, device pool ({tm['num_gpu_blocks']} blocks)", mib(tm["kv_cache_bytes"])],
+            ["KV host swap pool (allocated lazily, not in the ratio)", mib(tm["swap_space_bytes"])],
+            ["RSS after load", mib(tm["rss_after_load_bytes"])],
+            ["peak RSS", mib(tm["peak_rss_bytes"])],
+            ["peak / (weights + KV)", f"{ratio:.2f}x  (target <= 1.5x)"],
+            ["TTFT p50 / p99 (all submitted at t=0)", f"{fmt(tm['ttft_p50_s'], 2)} s / {fmt(tm['ttft_p99_s'], 2)} s"],
+            ["preemptions", str(tm["engine_stats"].get("num_preemptions"))],
+        ])
+    checks = []
+    for system, factor in (("hf_static16", 3.0), ("hf_cb", 2.0)):
+        if base and results.get(system, {}).get("tokens_per_s"):
+            ratio = base / results[system]["tokens_per_s"]
+            checks.append([f"tokenmill vs {LABELS[system]}", f"{ratio:.2f}x", f">= {factor:.0f}x",
+                           "PASS" if ratio >= factor else "FAIL"])
+    if "tokenmill_memory" in summary:
+        ratio = summary["tokenmill_memory"]["peak_over_weights_plus_kv"]
+        checks.append(["tokenmill peak / (weights + KV)", f"{ratio:.2f}x", "<= 1.5x", "PASS" if ratio <= 1.5 else "FAIL"])
+    if checks:
+        print_table("Targets", ["check", "measured", "target", "result"], checks)
+    if "profile" in tm:
+        _print_profile(tm["profile"])
+        summary["profile"] = tm["profile"]["seconds"]
+    return summary
+
+
+def _print_profile(profile: dict[str, Any]) -> None:
+    total = profile["seconds"].get("engine.step (total)") or profile["elapsed_s"]
+    steps = max(1, profile["num_steps"])
+    rows = [[label, f"{s:.2f}", f"{100 * s / total:.0f}%", f"{1000 * s / steps:.2f}"]
+            for label, s in profile["seconds"].items()]
+    print_table(f"tokenmill profile (cProfile, cumulative; {steps} steps; parts nest, profiler overhead included)",
+                ["part", "seconds", "% of step", "ms/step"], rows)
+    print("\ntorch.profiler, top operators by self CPU time:")
+    print(profile["torch_top_ops"])
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", help="engine model alias, HF directory or GGUF file")
+    parser.add_argument("--model-dir", default="", help="safetensors directory for the HF/vLLM peers (default: "
+                        "the engine's dequantized cache of --model)")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mean-output-tokens", type=float, default=100.0)
+    parser.add_argument("--max-output-tokens", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for every system")
+    parser.add_argument("--systems", default="tokenmill,hf_static16,hf_static1,hf_cb",
+                        help=f"comma list from {','.join(SYSTEMS[:-1])} (vllm is added by --vllm-venv)")
+    parser.add_argument("--hf-batch1-limit", type=int, default=16,
+                        help="run HF batch 1 on the first N requests only (it is slow); reported on that subset")
+    parser.add_argument("--kv-cache-memory", default="1GiB", help="tokenmill device KV pool")
+    parser.add_argument("--swap-space", default="256MiB", help="tokenmill host swap pool")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--hf-cb-attn", default="", help="attn_implementation for transformers CB (default: "
+                        "the model's, sdpa)")
+    parser.add_argument("--hf-cb-num-blocks", type=int, default=0, help="transformers CB KV blocks (0 = its own sizing)")
+    parser.add_argument("--hf-cb-max-batch-tokens", type=int, default=0)
+    parser.add_argument("--vllm-venv", default="", help="virtualenv with vllm-cpu installed; adds vLLM as a peer")
+    parser.add_argument("--profile", action="store_true", help="profile tokenmill's run (cProfile + torch.profiler)")
+    parser.add_argument("--quick", action="store_true", help="16 short requests, batch 1 on 4: for development")
+    parser.add_argument("--child-timeout", type=float, default=1800.0, help="seconds before a system is given up")
+    parser.add_argument("--json", default="", help="write the JSON report here")
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--workload-file", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--result-file", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

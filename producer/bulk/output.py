@@ -1,0 +1,156 @@
+"""Bulk output: shaping results as plain or OpenAI Batch lines, and the resumable JSONL files.
+
+Owns the on-disk format and crash safety (whole lines, flush per line, periodic fsync, a torn
+last line truncated on resume). Never imports torch, the engine or the worker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Literal
+
+from producer.bulk.errors import BulkError
+from producer.bulk.items import BulkItem, InvalidItem
+from producer.schema import GenerationResult
+
+OutputFormat = Literal["plain", "openai"]
+FSYNC_INTERVAL_S = 2.0
+
+
+def _short_hash(text: str, num_chars: int = 24) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:num_chars]
+
+
+def result_line(fmt: OutputFormat, item: BulkItem, result: GenerationResult) -> dict[str, Any]:
+    """The output line of a finished item (ok, or a terminal failure for the errors file)."""
+    if fmt == "openai":
+        return _openai_line(item, result)
+    line: dict[str, Any] = {"id": item.item_id, "status": result.status, "text": result.text,
+                            "finish_reason": result.finish_reason, "usage": result.usage.model_dump(),
+                            "index": item.index}
+    if result.error is not None:
+        line["error"] = result.error.model_dump()
+        line["line"] = item.line
+    if result.metadata:
+        line["metadata"] = result.metadata
+    return line
+
+
+def _openai_line(item: BulkItem, result: GenerationResult) -> dict[str, Any]:
+    line_id = f"batch_req_{_short_hash(result.id)}"
+    if not result.ok:
+        code = result.error.code if result.error else result.status
+        message = result.error.message if result.error else result.status
+        return {"id": line_id, "custom_id": item.item_id, "response": None,
+                "error": {"code": code, "message": message}, "line": item.line}
+    usage = result.usage
+    body = {
+        "id": f"chatcmpl-{_short_hash(result.id)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": item.model or "tokenmill",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                     "logprobs": None, "finish_reason": result.finish_reason or "stop"}],
+        "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                  "total_tokens": usage.prompt_tokens + usage.completion_tokens},
+    }
+    return {"id": line_id, "custom_id": item.item_id,
+            "response": {"status_code": 200, "request_id": result.id, "body": body}, "error": None}
+
+
+def invalid_line(fmt: OutputFormat, item: InvalidItem) -> dict[str, Any]:
+    """The errors-file line of a record that never became a request."""
+    error = {"code": "validation", "message": item.reason}
+    if fmt == "openai":
+        return {"id": f"batch_req_{_short_hash(f'invalid-{item.line}-{item.reason}')}", "custom_id": item.item_id,
+                "response": None, "error": error, "line": item.line}
+    return {"id": item.item_id, "status": "error", "error": error, "line": item.line, "index": item.index}
+
+
+@dataclass
+class DoneSet:
+    """What earlier runs already finished: ids in the output file, lines in the errors file."""
+
+    item_ids: set[str] = field(default_factory=set)  # ids (plain) or custom_ids (openai) written as output
+    lines: set[int] = field(default_factory=set)  # input lines written to the errors file
+
+    def __len__(self) -> int:
+        return len(self.item_ids) + len(self.lines)
+
+
+def repair_and_scan(path: Path, done: DoneSet, *, is_errors: bool) -> int:
+    """Truncate a torn last line of ``path`` (a kill mid-write) and record its finished items.
+
+    Returns:
+        The number of complete lines in the file.
+
+    Raises:
+        BulkError: a complete line is not a JSON object (the file is not ours).
+    """
+    if not path.exists():
+        return 0
+    with path.open("r+b") as handle:
+        data = handle.read()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):  # NOTE: only the last line can be torn: every write is one whole line
+            handle.truncate(end)
+    num_lines = 0
+    for line_no, raw in enumerate(data[:end].splitlines(), start=1):
+        if not raw.strip():
+            continue
+        num_lines += 1
+        try:
+            record = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise BulkError(f"{path} line {line_no} is not JSON ({exc}); not a tokenmill bulk output?") from exc
+        if not isinstance(record, dict):
+            raise BulkError(f"{path} line {line_no} is not a JSON object; not a tokenmill bulk output?")
+        if is_errors and isinstance(record.get("line"), int):
+            done.lines.add(record["line"])
+        elif not is_errors:
+            item_id = record.get("custom_id", record.get("id"))
+            if item_id is not None:
+                done.item_ids.add(str(item_id))
+    return num_lines
+
+
+class LineWriter:
+    """Appends whole JSON lines: flushed per line, fsynced every ``FSYNC_INTERVAL_S`` and on close."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle: IO[str] = path.open("a", encoding="utf-8")
+        self._last_sync_s = time.monotonic()
+        self.num_written = 0
+
+    def write(self, record: dict[str, Any]) -> None:
+        # NOTE: one write() call per line, so a kill leaves at most one torn line at the end.
+        self._handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._handle.flush()
+        self.num_written += 1
+        if time.monotonic() - self._last_sync_s > FSYNC_INTERVAL_S:
+            self.sync()
+
+    def sync(self) -> None:
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+        self._last_sync_s = time.monotonic()
+
+    def close(self) -> None:
+        if not self._handle.closed:
+            self.sync()
+            self._handle.close()
+
+    def __enter__(self) -> LineWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

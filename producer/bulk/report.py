@@ -1,0 +1,125 @@
+"""Bulk progress and summary: a rich progress bar (items/s, tokens/s, ETA) and the final counts.
+
+Owns presentation only; the pipeline calls ``advance``. Never imports torch, the engine or the worker.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+@dataclass
+class BulkSummary:
+    """What one run of a bulk job did. Counts are items (input records), not requests."""
+
+    output_path: Path  # JSONL results
+    errors_path: Path  # JSONL failures and invalid records
+    num_total: int = 0  # records in the input
+    num_skipped: int = 0  # already finished by an earlier run (found in the output/errors files)
+    num_recovered: int = 0  # results an earlier run left in Redis, written without regenerating
+    num_submitted: int = 0  # requests sent (retries included)
+    num_retried: int = 0  # retry requests sent
+    num_invalid: int = 0  # records that never became a request (bad JSON, bad params, duplicate id)
+    status_counts: Counter[str] = field(default_factory=Counter)  # final status of items finished this run
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    wall_s: float = 0.0
+    is_interrupted: bool = False  # Ctrl-C / SIGTERM: the files are valid; re-run to finish
+
+    @property
+    def num_ok(self) -> int:
+        return self.status_counts["ok"]
+
+    @property
+    def num_failed(self) -> int:
+        """Items finished this run with a non-ok status (retries exhausted or not retryable)."""
+        return sum(n for status, n in self.status_counts.items() if status != "ok")
+
+    @property
+    def num_done(self) -> int:
+        """Items finished in this run (ok, failed or invalid)."""
+        return sum(self.status_counts.values()) + self.num_invalid
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Completion tokens per wall-clock second of this run."""
+        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def is_complete(self) -> bool:
+        """Every input record is accounted for in the output or errors file."""
+        return not self.is_interrupted and self.num_skipped + self.num_done == self.num_total
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"output": str(self.output_path), "errors": str(self.errors_path), "total": self.num_total,
+                "skipped": self.num_skipped, "recovered": self.num_recovered, "submitted": self.num_submitted,
+                "retried": self.num_retried, "invalid": self.num_invalid, "statuses": dict(self.status_counts),
+                "ok": self.num_ok, "failed": self.num_failed, "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens, "wall_s": round(self.wall_s, 3),
+                "tokens_per_s": round(self.tokens_per_s, 1), "interrupted": self.is_interrupted,
+                "complete": self.is_complete}
+
+
+class BulkProgress:
+    """A progress bar over the records still to do; a no-op when ``enabled`` is False."""
+
+    def __init__(self, total: int, *, enabled: bool, console: Console | None = None) -> None:
+        self._start_s = time.monotonic()
+        self._num_tokens = 0
+        self._progress: Progress | None = None
+        if enabled:
+            self._progress = Progress(
+                TextColumn("[bold]bulk"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[items_s]:>7.1f} items/s {task.fields[tokens_s]:>8.1f} tok/s"),
+                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                console=console or Console(stderr=True),
+            )
+            self._task = self._progress.add_task("bulk", total=total, items_s=0.0, tokens_s=0.0)
+
+    def advance(self, num_items: int = 1, num_tokens: int = 0) -> None:
+        if self._progress is None:
+            return
+        self._num_tokens += num_tokens
+        self._progress.advance(self._task, num_items)
+        elapsed_s = max(1e-6, time.monotonic() - self._start_s)
+        done = self._progress.tasks[0].completed
+        self._progress.update(self._task, items_s=done / elapsed_s, tokens_s=self._num_tokens / elapsed_s)
+
+    def __enter__(self) -> BulkProgress:
+        if self._progress is not None:
+            self._progress.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def render_summary(summary: BulkSummary, console: Console) -> None:
+    """Print the final counts by status, tokens, wall time and tokens/s."""
+    table = Table(title="bulk summary", show_header=False, title_justify="left")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    rows: list[tuple[str, str]] = [("records", str(summary.num_total)),
+                                   ("already done (skipped)", str(summary.num_skipped))]
+    rows += [(f"status {status}", str(n)) for status, n in sorted(summary.status_counts.items())]
+    rows += [("invalid records", str(summary.num_invalid)), ("recovered from Redis", str(summary.num_recovered)),
+             ("requests sent", str(summary.num_submitted)), ("retries", str(summary.num_retried)),
+             ("prompt tokens", str(summary.prompt_tokens)), ("completion tokens", str(summary.completion_tokens)),
+             ("wall time", f"{summary.wall_s:.2f} s"), ("tokens/s", f"{summary.tokens_per_s:.1f}")]
+    for what, value in rows:
+        table.add_row(what, value)
+    console.print(table)
+    state = "interrupted; re-run the same command to finish" if summary.is_interrupted else (
+        "complete" if summary.is_complete else "incomplete")
+    console.print(f"output: {summary.output_path}  errors: {summary.errors_path}  ({state})")

@@ -1,0 +1,120 @@
+"""Celery tasks end to end: a real Celery worker (threads pool) and a real tokenmill worker on
+the session's Redis; broker and result backend keys live under the test's own key prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+celery = pytest.importorskip("celery")
+
+from celery import Celery, chain, chord  # noqa: E402
+from celery.contrib.testing.worker import start_worker  # noqa: E402
+
+from producer import Producer, ProducerConfig, RedisConfig  # noqa: E402
+from producer.celery import JSON_ONLY, register_tasks  # noqa: E402
+from producer.errors import JobFailed  # noqa: E402
+from tests.worker_helpers import make_settings, running_worker  # noqa: E402
+
+# celery's redis backend calls redis-py's deprecated setex on every state change.
+pytestmark = pytest.mark.filterwarnings("ignore:Call to deprecated setex:DeprecationWarning")
+
+FAST_POLL: dict[str, Any] = {"poll_interval_s": 0.05, "max_poll_interval_s": 0.2, "timeout_s": 30.0}
+
+
+def broker_url(redis_url: str) -> str:
+    """kombu spells a unix socket ``redis+socket://``."""
+    return "redis+socket://" + redis_url.removeprefix("unix://") if redis_url.startswith("unix://") else redis_url
+
+
+def make_celery(redis_url: str, prefix: str, **task_options: Any) -> tuple[Celery, Any]:
+    """A JSON-only app (broker + backend keys under ``prefix:celery:``) and its generate task."""
+    url = broker_url(redis_url)
+    app = Celery(f"tm-test-{prefix}", broker=url, backend=url, set_as_current=False)
+    app.conf.update(JSON_ONLY)
+    app.conf.update(broker_transport_options={"global_keyprefix": f"{prefix}:celery:"},
+                    result_backend_transport_options={"global_keyprefix": f"{prefix}:celery:"},
+                    result_expires=600, worker_hijack_root_logger=False)
+
+    def prepare(topic: str) -> dict[str, Any]:
+        return {"prompt": f"Q: {topic}", "metadata": {"topic": topic}}
+
+    def postprocess(result: dict[str, Any]) -> dict[str, Any]:
+        return {"text": result["text"], "topic": result["metadata"]["topic"],
+                "num_tokens": result["usage"]["completion_tokens"]}
+
+    def collect(results: list[dict[str, Any]]) -> list[str]:
+        return [r["text"] for r in results]
+
+    for fn in (prepare, postprocess, collect):
+        app.task(name=f"test.{fn.__name__}", shared=False)(fn)
+    config = ProducerConfig(redis=RedisConfig(url=redis_url), prefix=prefix)
+    generate = register_tasks(app, config, **{**FAST_POLL, **task_options})
+    return app, generate
+
+
+@contextmanager
+def celery_worker(app: Celery) -> Iterator[None]:
+    with start_worker(app, pool="threads", concurrency=8, perform_ping_check=False, shutdown_timeout=20):
+        yield
+    app.close()
+
+
+def lane_entries(client: redis.Redis, prefix: str) -> int:
+    return sum(int(client.xlen(f"{prefix}:default:lane:{k}")) for k in range(3))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.tiny_models import save_tiny_model
+
+    return save_tiny_model("llama", tmp_path_factory.mktemp("celery-llama") / "llama")
+
+
+def test_chain_through_a_real_model(redis_url: str, redis_client: redis.Redis, key_prefix: str,
+                                    tiny_llama: Path) -> None:
+    app, generate = make_celery(redis_url, key_prefix)
+    prepare, postprocess = app.tasks["test.prepare"], app.tasks["test.postprocess"]
+    settings = make_settings(redis_url, key_prefix, engine={"model": str(tiny_llama), "device": "cpu",
+                                                            "kv_cache_memory": "8MiB", "swap_space": 0})
+    with running_worker(settings), celery_worker(app):
+        out = chain(prepare.s("sea"), generate.s(max_tokens=8), postprocess.s()).apply_async().get(timeout=60)
+        with Producer(redis_url, prefix=key_prefix) as producer:  # greedy: the same prompt, the same text
+            direct = producer.result(producer.submit(prompt="Q: sea", max_tokens=8), timeout=30)
+    assert out == {"text": direct.text, "topic": "sea", "num_tokens": len(direct.token_ids)}
+    assert 1 <= out["num_tokens"] <= 8
+    assert lane_entries(redis_client, key_prefix) == 2  # re-checks never resubmitted
+
+
+def test_chord_of_twenty_and_result_as_next_prompt(redis_url: str, redis_client: redis.Redis,
+                                                   key_prefix: str) -> None:
+    app, generate = make_celery(redis_url, key_prefix)
+    collect = app.tasks["test.collect"]
+    settings = make_settings(redis_url, key_prefix, echo={"tokens_per_step": 1, "step_delay_s": 0.005})
+    with running_worker(settings), celery_worker(app):
+        texts = chord(generate.s(f"prompt {i}", max_tokens=64) for i in range(20))(collect.s()).get(timeout=60)
+        relayed = chain(generate.s({"messages": [{"role": "user", "content": "hi"}]}, max_tokens=64),
+                        generate.s(max_tokens=64)).apply_async().get(timeout=30)
+    assert texts == [f"prompt {i}" for i in range(20)]
+    assert relayed["status"] == "ok" and relayed["text"]  # the echo of the first result's text
+    assert lane_entries(redis_client, key_prefix) == 22
+
+
+@pytest.mark.parametrize("mode", ["recheck", "blocking"])
+def test_llm_error_fails_the_task_with_the_remote_reason(redis_url: str, key_prefix: str, mode: str) -> None:
+    app, generate = make_celery(redis_url, key_prefix, mode=mode)
+    settings = make_settings(redis_url, key_prefix, engine={"max_model_len": 16})
+    with running_worker(settings), celery_worker(app):
+        async_result = generate.delay("x" * 100, max_tokens=4)
+        with pytest.raises(JobFailed) as failed:
+            async_result.get(timeout=30)
+        assert async_result.state == "FAILURE"
+        assert generate.delay("fine", max_tokens=4).get(timeout=30)["text"] == "fine"
+    assert failed.value.code == "prompt_too_long"
+    assert "max_model_len is 16" in str(failed.value)

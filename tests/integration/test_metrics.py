@@ -1,0 +1,95 @@
+"""The worker's Prometheus endpoint: a scrape during a run shows the work that was done."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+
+import pytest
+import redis
+
+pytest.importorskip("prometheus_client")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from producer import Producer  # noqa: E402
+from tests.worker_helpers import make_settings, running_worker  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def scrape(port: int) -> dict[str, float]:
+    """``name{label=value,...}`` -> value of every sample on the endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+def test_scrape_during_a_run_shows_the_work(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
+    port = free_port()
+    settings = make_settings(redis_url, key_prefix, metrics_port=port, engine={"max_model_len": 64},
+                             echo={"tokens_per_step": 2, "step_delay_s": 0.002})
+    with running_worker(settings) as worker, Producer(redis_url, prefix=key_prefix) as producer:
+        ok_ids = [producer.submit(prompt=f"hello {i}", max_tokens=8, priority="high") for i in range(10)]
+        bad_id = producer.submit(prompt="x" * 200, max_tokens=4)
+        results = producer.wait_all([*ok_ids, bad_id], timeout=20)
+        time.sleep(3 * settings.worker.heartbeat_interval_s)  # one more beat samples rate and lanes
+        samples = scrape(port)
+        assert worker.metrics is not None
+    assert [r.status for r in results] == ["ok"] * 10 + ["error"]
+    assert samples["tokenmill_requests_total{status=ok}"] == 10
+    assert samples["tokenmill_requests_total{status=error}"] == 1
+    assert samples["tokenmill_generation_tokens_total"] == sum(len(r.token_ids) for r in results) > 0
+    assert samples["tokenmill_prompt_tokens_total"] > 0
+    for name in ("queue", "ttft", "e2e"):
+        assert samples[f"tokenmill_request_{name}_seconds_count"] == 10
+        assert samples[f"tokenmill_request_{name}_seconds_sum"] > 0
+    assert samples["tokenmill_request_tpot_seconds_count"] == 10
+    assert samples["tokenmill_lane_length{lane=0,queue=default}"] == 10  # acked entries stay until trimmed
+    assert samples["tokenmill_lane_pending{lane=0,queue=default}"] == 0
+    assert samples["tokenmill_lane_lag{lane=0,queue=default}"] == 0
+    assert samples["tokenmill_dead_letters{queue=default}"] == 0
+    for name in ("running", "waiting", "swapped"):
+        assert f"tokenmill_requests_{name}" in samples
+    for cause in ("memory", "priority", "starvation"):
+        assert samples[f"tokenmill_preemptions_total{{cause={cause}}}"] == 0
+    for name in ("tokenmill_kv_device_usage_ratio", "tokenmill_kv_host_usage_ratio",
+                 "tokenmill_swap_out_bytes_total", "tokenmill_swap_in_bytes_total"):
+        assert name in samples
+    assert "tokenmill_generation_tokens_per_second" in samples
+    assert samples[f"tokenmill_worker_info{{model=echo,prefix={key_prefix},queue=default,"
+                   f"worker={settings.worker.name}}}"] == 1
+
+
+def scrape_when_up(port: int, timeout_s: float = 10.0) -> dict[str, float]:
+    """Scrape once the worker's endpoint answers (it starts inside ``Worker.run``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return scrape(port)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_two_workers_in_one_process_have_their_own_registries(redis_url: str, key_prefix: str) -> None:
+    ports = [free_port(), free_port()]
+    settings = [make_settings(redis_url, key_prefix, metrics_port=port) for port in ports]
+    with running_worker(settings[0]) as first, running_worker(settings[1]) as second:
+        assert first.metrics is not None and second.metrics is not None
+        assert first.metrics.registry is not second.metrics.registry
+        assert all("tokenmill_requests_running" in scrape_when_up(port) for port in ports)
+    with pytest.raises(OSError):  # the endpoint stops with its worker
+        scrape(ports[0])
