@@ -7,9 +7,14 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-import tomllib
+import sys
 from pathlib import Path
 from typing import Any, cast
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource

@@ -18,6 +18,8 @@ from worker.messages import DeadLetter, Finish, Outgoing, TokenDelta
 # result is stored only if absent (SET NX); only the call that stored it notifies (done list,
 # reply stream, token-stream end marker). The entry is acked either way, so a re-run of an
 # already answered request (reclaimed from a worker that also finished it) changes nothing.
+# The answered entry is then deleted (what XACKDEL does on Redis 8.2), so lane streams hold only
+# unanswered work and never grow without bound under `maxmemory-policy noeviction`.
 #   KEYS: 1 result, 2 done list, 3 lane stream, 4 reply stream, 5 token stream, 6 dead stream
 #   ARGV: 1 group, 2 entry id, 3 result bytes, 4 result ttl ms, 5 done ttl ms, 6 schema version,
 #         7 status, 8 has reply (0/1), 9 has tokens (0/1), 10 token ttl ms,
@@ -44,6 +46,7 @@ if ARGV[11] ~= '' then
   redis.call('XADD', KEYS[6], '*', unpack(fields))
 end
 redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[3], ARGV[2])
 if stored then return 1 end
 return 0
 """

@@ -4,7 +4,7 @@ runs twice on the same engine configuration: once with priorities (high = 0, low
 preemption with CPU swap) and once in FIFO order (every request priority 0). Arrivals are
 injected between engine steps at their scheduled times; TTFT counts from the scheduled time.
 
-    python ops/bench/priority.py             # full run (~4-6 min on 2 cores)
+    python ops/bench/priority.py             # full run (two rounds, A B B A; ~6-8 min on 2 cores)
     python ops/bench/priority.py --quick     # small, for development
 """
 
@@ -18,11 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+# NOTE: this folder holds queue.py, which would shadow the standard library's `queue` (used by
+# transformers, redis and the worker) if the folder were on sys.path: import it as a package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parents[1]))
 
-from common import fmt, machine_info, mib, percentile, print_table, write_json  # noqa: E402
-from workload import build_workload  # noqa: E402
+from ops.bench.common import fmt, machine_info, mib, percentile, print_table, write_json  # noqa: E402
+from ops.bench.workload import build_workload  # noqa: E402
 
 HIGH, LOW = 0, 1
 
@@ -108,7 +111,9 @@ def _mode_result(mode: str, by_id: dict[str, Arrival], finished: dict[str, Any],
                 "num_preemptions_starvation", "num_swap_outs", "num_swap_ins", "swap_out_bytes", "swap_in_bytes",
                 "num_recompute_preemptions", "num_recomputed_tokens")
     return {
-        "mode": mode, "num_finished": len(finished), "num_wrong_length": len(wrong), "output_tokens": num_tokens,
+        "mode": mode, "high_ttfts_s": high, "low_ttfts_s": low,
+        "high_totals_s": [o.metrics.total_s for rid, o in finished.items() if by_id[rid].is_high],
+        "num_finished": len(finished), "num_wrong_length": len(wrong), "output_tokens": num_tokens,
         "makespan_s": makespan_s, "tokens_per_s": num_tokens / makespan_s,
         "high_ttft_p50_s": percentile(high, 50), "high_ttft_p99_s": percentile(high, 99),
         "high_ttft_max_s": max(high, default=None), "low_ttft_p50_s": percentile(low, 50),
@@ -116,6 +121,26 @@ def _mode_result(mode: str, by_id: dict[str, Arrival], finished: dict[str, Any],
         "high_total_p50_s": percentile([o.metrics.total_s for rid, o in finished.items() if by_id[rid].is_high], 50),
         "stats": {k: stats.get(k, 0) - base.get(k, 0) for k in counters},
         "config": config.model_dump(),
+    }
+
+
+def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Combine repeated runs of one mode: percentiles over all samples, throughput over all time."""
+    if len(runs) == 1:
+        return runs[0]
+    high = [x for r in runs for x in r["high_ttfts_s"]]
+    low = [x for r in runs for x in r["low_ttfts_s"]]
+    totals = [x for r in runs for x in r["high_totals_s"]]
+    tokens = sum(r["output_tokens"] for r in runs)
+    makespan = sum(r["makespan_s"] for r in runs)
+    return {
+        "mode": runs[0]["mode"], "num_runs": len(runs), "output_tokens": tokens, "makespan_s": makespan,
+        "tokens_per_s": tokens / makespan, "num_wrong_length": sum(r["num_wrong_length"] for r in runs),
+        "high_ttft_p50_s": percentile(high, 50), "high_ttft_p99_s": percentile(high, 99),
+        "high_ttft_max_s": max(high, default=None), "low_ttft_p50_s": percentile(low, 50),
+        "low_ttft_p99_s": percentile(low, 99), "high_total_p50_s": percentile(totals, 50),
+        "stats": {k: sum(r["stats"][k] for r in runs) for k in runs[0]["stats"]},
+        "per_run_tokens_per_s": [r["tokens_per_s"] for r in runs],
     }
 
 
@@ -173,6 +198,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="long-output starvation limit in priority mode (0 = off)")
     parser.add_argument("--aging-interval-s", type=float, default=0.0, help="priority aging in priority mode")
     parser.add_argument("--order", default="fifo,priority", help="which mode runs first (comma list)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="rounds; the order alternates (A B B A ...) so drift on a shared machine cancels")
     parser.add_argument("--quick", action="store_true", help="a small schedule for development")
     parser.add_argument("--json", default="", help="write the JSON report here")
     args = parser.parse_args(argv)
@@ -198,15 +225,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"schedule: {len(schedule) - num_high} low-priority ({args.low_tokens_min}-{args.low_tokens_max} tokens), "
           f"{num_high} high-priority ({args.high_tokens_min}-{args.high_tokens_max} tokens) over {args.window_s:.0f} s; "
           f"max_num_seqs={args.max_num_seqs}, preemption={args.preemption_mode}, model {args.model}")
-    results: dict[str, dict[str, Any]] = {}
-    for mode in args.order.split(","):
-        print(f"running {mode} ...", flush=True)
-        results[mode] = run_mode(mode, schedule, args)
-        r = results[mode]
-        print(f"  {mode}: {r['tokens_per_s']:.1f} tok/s, high TTFT p99 {r['high_ttft_p99_s']:.2f} s", flush=True)
+    order = args.order.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in order}
+    for round_no in range(args.repeats):
+        for mode in (order if round_no % 2 == 0 else order[::-1]):
+            print(f"running {mode} (round {round_no + 1}/{args.repeats}) ...", flush=True)
+            r = run_mode(mode, schedule, args)
+            runs[mode].append(r)
+            print(f"  {mode}: {r['tokens_per_s']:.1f} tok/s over {r['makespan_s']:.1f} s, "
+                  f"high TTFT p99 {r['high_ttft_p99_s']:.2f} s", flush=True)
+    results = {mode: pool(mode_runs) for mode, mode_runs in runs.items()}
     summary = print_report(results)
     write_json(args.json, {"benchmark": "priority", "args": vars(args), "machine": machine_info(),
-                           "results": results, "summary": summary})
+                           "results": results, "runs": runs, "summary": summary})
     return 0
 
 

@@ -21,13 +21,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+# NOTE: this folder holds queue.py, which would shadow the standard library's `queue` (used by
+# transformers, redis and the worker) if the folder were on sys.path: import it as a package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parents[1]))
 
-from common import (  # noqa: E402
+from ops.bench.common import (  # noqa: E402
     current_rss_bytes, fmt, machine_info, mib, peak_rss_bytes, percentile, print_table, run_child, write_json,
 )
-from workload import WorkItem, build_workload, describe, from_json, to_json  # noqa: E402
+from ops.bench.workload import WorkItem, build_workload, describe, from_json, to_json  # noqa: E402
 
 SYSTEMS = ("tokenmill", "hf_static16", "hf_static1", "hf_cb", "vllm")
 LABELS = {

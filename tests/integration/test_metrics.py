@@ -56,7 +56,7 @@ def test_scrape_during_a_run_shows_the_work(redis_url: str, redis_client: redis.
         assert samples[f"tokenmill_request_{name}_seconds_count"] == 10
         assert samples[f"tokenmill_request_{name}_seconds_sum"] > 0
     assert samples["tokenmill_request_tpot_seconds_count"] == 10
-    assert samples["tokenmill_lane_length{lane=0,queue=default}"] == 10  # acked entries stay until trimmed
+    assert samples["tokenmill_lane_length{lane=0,queue=default}"] == 0  # answered entries are deleted
     assert samples["tokenmill_lane_pending{lane=0,queue=default}"] == 0
     assert samples["tokenmill_lane_lag{lane=0,queue=default}"] == 0
     assert samples["tokenmill_dead_letters{queue=default}"] == 0

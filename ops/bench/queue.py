@@ -1,0 +1,295 @@
+"""Queue overhead: requests/s and added latency through Producer -> Redis Streams -> worker ->
+result with the echo engine (no model), against Celery running an equivalent echo task, on the
+same Redis server in the same run.
+
+    python ops/bench/queue.py            # full run (~1-2 min)
+    python ops/bench/queue.py --quick    # small, for development
+
+Redis: --redis-url, else REDIS_URL, else redis://127.0.0.1:6379/0. Every key this script writes
+carries a unique prefix and is deleted at the end; nothing is flushed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# NOTE: this file is named queue.py: with its folder on sys.path it would shadow the standard
+# library's `queue` (used by redis, celery and the worker). Import the helpers as a package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parents[1]))
+
+from ops.bench.common import REPO_ROOT, fmt, machine_info, percentile, print_table, write_json  # noqa: E402
+
+PROMPT = "Echo this short benchmark prompt back, please."
+MAX_TOKENS = 16
+
+# ----------------------------------------------------------------------------- Celery side
+# The Celery worker imports this module (``celery -A ops.bench.queue``): the app reads its broker
+# and key prefix from the environment the driver sets.
+try:
+    from celery import Celery
+
+    celery_app = Celery(
+        "tmbench",
+        broker=os.environ.get("TM_BENCH_CELERY_URL", "redis://127.0.0.1:6379/0"),
+        backend=os.environ.get("TM_BENCH_CELERY_URL", "redis://127.0.0.1:6379/0"),
+    )
+    _celery_prefix = os.environ.get("TM_BENCH_CELERY_PREFIX", "tmbench-celery:")
+    celery_app.conf.update(
+        broker_transport_options={"global_keyprefix": _celery_prefix},
+        result_backend_transport_options={"global_keyprefix": _celery_prefix},
+        task_default_queue=os.environ.get("TM_BENCH_CELERY_QUEUE", "tmbench"),
+        task_serializer="json", result_serializer="json", accept_content=["json"],
+        result_expires=600, worker_hijack_root_logger=False, broker_connection_retry_on_startup=True,
+    )
+
+    @celery_app.task(name="tmbench.echo")
+    def echo(prompt: str, max_tokens: int) -> dict[str, Any]:
+        """What the echo engine does: the prompt's UTF-8 bytes back, max_tokens at most."""
+        token_ids = list(prompt.encode())[:max_tokens]
+        return {"status": "ok", "text": bytes(token_ids).decode(errors="replace"), "token_ids": token_ids,
+                "finish_reason": "length" if len(token_ids) == max_tokens else "stop"}
+except ImportError:  # pragma: no cover - celery is an optional extra
+    celery_app = None
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _spawn(cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    full_env = {**os.environ, **env}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
+    log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(cmd, env=full_env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _delete_prefix(client: Any, pattern: str) -> int:
+    num = 0
+    for key in client.scan_iter(match=pattern, count=1000):
+        num += client.delete(key)
+    return num
+
+
+def _latency_stats(samples_s: list[float]) -> dict[str, float]:
+    return {"p50_ms": 1000 * percentile(samples_s, 50), "p99_ms": 1000 * percentile(samples_s, 99),
+            "mean_ms": 1000 * sum(samples_s) / len(samples_s), "num": len(samples_s)}
+
+
+# ----------------------------------------------------------------------------- tokenmill side
+
+
+def bench_tokenmill(url: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    from producer.client import Producer
+
+    prefix, queue_name = f"tmbench-{os.getpid()}-{secrets.token_hex(3)}", "bench"
+    cmd = [sys.executable, "-m", "worker", "worker", "--model", "echo", "--prefix", prefix, "--queue", queue_name,
+           "--redis-url", url, "--log-text"]
+    proc = _spawn(cmd, {"TOKENMILL_WORKER__LOG_LEVEL": "WARNING"}, log_dir / "tokenmill-worker.log")
+    producer = Producer(url, prefix=prefix, queue=queue_name)
+    try:
+        _wait_tokenmill_ready(producer, proc)
+        requests = [{"prompt": PROMPT, "max_tokens": MAX_TOKENS} for _ in range(args.warmup)]
+        list(producer.as_completed(producer.submit_many(requests), timeout=60))
+        throughput = _tokenmill_throughput(producer, args.num_requests)
+        latencies = []
+        for _ in range(args.num_latency):
+            start = time.perf_counter()
+            result = producer.result(producer.submit(prompt=PROMPT, max_tokens=MAX_TOKENS), timeout=30)
+            latencies.append(time.perf_counter() - start)
+            assert result.status == "ok", result
+        return {"system": "tokenmill", "worker": "1 process: python -m worker worker --model echo",
+                **throughput, "latency": _latency_stats(latencies)}
+    finally:
+        _stop(proc)
+        _delete_prefix(producer.client, f"{prefix}:*")
+        producer.close()
+
+
+def _wait_tokenmill_ready(producer: Any, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tokenmill worker exited with code {proc.returncode}")
+        if producer.stats().get("num_live_workers", 0) >= 1:
+            return
+        time.sleep(0.1)
+    raise RuntimeError("tokenmill worker did not start")
+
+
+def _tokenmill_throughput(producer: Any, num: int) -> dict[str, Any]:
+    requests = [{"prompt": PROMPT, "max_tokens": MAX_TOKENS} for _ in range(num)]
+    start = time.perf_counter()
+    ids = producer.submit_many(requests)
+    submitted = time.perf_counter()
+    results = list(producer.as_completed(ids, timeout=600))
+    elapsed = time.perf_counter() - start
+    num_ok = sum(r.status == "ok" for r in results)
+    return {"num_requests": num, "num_ok": num_ok, "elapsed_s": elapsed, "submit_s": submitted - start,
+            "requests_per_s": num / elapsed}
+
+
+# ----------------------------------------------------------------------------- Celery side
+
+
+def bench_celery(url: str, pool: str, concurrency: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    import redis
+
+    tag = f"tmbench-celery-{os.getpid()}-{secrets.token_hex(3)}"
+    env = {"TM_BENCH_CELERY_URL": url, "TM_BENCH_CELERY_PREFIX": f"{tag}:", "TM_BENCH_CELERY_QUEUE": tag}
+    os.environ.update(env)  # this process's app (the producer side) must match the worker's
+    celery_app.conf.update(broker_url=url, result_backend=url, task_default_queue=tag,
+                           broker_transport_options={"global_keyprefix": f"{tag}:"},
+                           result_backend_transport_options={"global_keyprefix": f"{tag}:"})
+    celery_bin = str(Path(sys.executable).with_name("celery"))
+    cmd = [celery_bin, "-A", "ops.bench.queue:celery_app", "worker", f"--pool={pool}", "--loglevel=WARNING",
+           "-Q", tag, "--without-gossip", "--without-mingle", "--without-heartbeat", "-n", f"{tag}@%h"]
+    if pool != "solo":
+        cmd.append(f"--concurrency={concurrency}")
+    proc = _spawn(cmd, env, log_dir / f"celery-{pool}.log")
+    try:
+        echo.apply_async((PROMPT, MAX_TOKENS)).get(timeout=60)  # ready
+        [r.get(timeout=60) for r in [echo.apply_async((PROMPT, MAX_TOKENS)) for _ in range(args.warmup)]]
+        start = time.perf_counter()
+        pending = [echo.apply_async((PROMPT, MAX_TOKENS)) for _ in range(args.num_requests)]
+        submitted = time.perf_counter()
+        outputs = [r.get(timeout=600) for r in pending]
+        elapsed = time.perf_counter() - start
+        latencies = []
+        for _ in range(args.num_latency):
+            t = time.perf_counter()
+            echo.delay(PROMPT, MAX_TOKENS).get(timeout=30)
+            latencies.append(time.perf_counter() - t)
+        label = "solo pool, 1 process" if pool == "solo" else f"{pool} pool, {concurrency} processes"
+        return {"system": f"celery_{pool}", "worker": label, "num_requests": args.num_requests,
+                "num_ok": sum(o.get("status") == "ok" for o in outputs), "elapsed_s": elapsed,
+                "submit_s": submitted - start, "requests_per_s": args.num_requests / elapsed,
+                "latency": _latency_stats(latencies)}
+    finally:
+        _stop(proc)
+        client = redis.Redis.from_url(url)
+        _delete_prefix(client, f"{tag}*")
+        _delete_prefix(client, f"*{tag}*")
+        client.close()
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def print_report(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    rows = []
+    for result in results.values():
+        if "error" in result:
+            rows.append([result["system"], "FAILED", "-", "-", "-", result["error"][:60]])
+            continue
+        lat = result["latency"]
+        rows.append([result["system"], f"{result['requests_per_s']:,.0f}", f"{result['num_ok']}/{result['num_requests']}",
+                     fmt(lat["p50_ms"], 2), fmt(lat["p99_ms"], 2), result["worker"]])
+    print_table("Queue throughput (submit all, collect all) and light-load round trip (one at a time)",
+                ["system", "requests/s", "ok", "p50 ms", "p99 ms", "worker"], rows)
+    tm = results.get("tokenmill", {})
+    celery_runs = [r for k, r in results.items() if k.startswith("celery") and "error" not in r]
+    summary: dict[str, Any] = {}
+    if "error" in tm or not celery_runs:
+        return summary
+    best = max(celery_runs, key=lambda r: r["requests_per_s"])
+    checks = []
+    for run in celery_runs:
+        ratio = tm["requests_per_s"] / run["requests_per_s"]
+        summary[f"throughput_vs_{run['system']}"] = ratio
+        checks.append([f"throughput vs {run['system']}" + (" (the faster Celery)" if run is best else ""),
+                       f"{ratio:.1f}x", ">= 10x", "PASS" if ratio >= 10 else "FAIL"])
+        summary[f"p50_latency_vs_{run['system']}"] = tm["latency"]["p50_ms"] / run["latency"]["p50_ms"]
+    p50 = tm["latency"]["p50_ms"]
+    checks.append(["tokenmill p50 added latency, light load", f"{p50:.2f} ms", "< 5 ms", "PASS" if p50 < 5 else "FAIL"])
+    summary["tokenmill_p50_ms"] = p50
+    print_table("Targets", ["check", "measured", "target", "result"], checks)
+    return summary
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0")
+    parser.add_argument("--num-requests", type=int, default=5000, help="requests in the throughput phase")
+    parser.add_argument("--num-latency", type=int, default=300, help="sequential round trips (light load)")
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--celery-pools", default="solo,prefork",
+                        help="Celery worker pools to run (solo = 1 process like the tokenmill worker; prefork "
+                        "with --celery-concurrency processes)")
+    parser.add_argument("--celery-concurrency", type=int, default=2)
+    parser.add_argument("--systems", default="tokenmill,celery", help="comma list of tokenmill, celery")
+    parser.add_argument("--log-dir", default="", help="worker logs (default: a temporary folder)")
+    parser.add_argument("--quick", action="store_true", help="500 requests, 50 round trips")
+    parser.add_argument("--json", default="", help="write the JSON report here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.num_requests, args.num_latency, args.warmup = 500, 50, 20
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tempfile
+
+    args = parse_args(argv)
+    systems = args.systems.split(",")
+    print(f"redis {args.redis_url}; {args.num_requests} requests for throughput, {args.num_latency} sequential "
+          f"round trips; prompt {len(PROMPT)} bytes, max_tokens {MAX_TOKENS}")
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="tm-queue-bench-") as tmp:
+        log_dir = Path(args.log_dir or tmp)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        runs: list[tuple[str, Any]] = []
+        if "tokenmill" in systems:
+            runs.append(("tokenmill", lambda: bench_tokenmill(args.redis_url, args, log_dir)))
+        if "celery" in systems:
+            if celery_app is None:
+                results["celery"] = {"system": "celery", "error": "celery is not installed"}
+            for pool in [p for p in args.celery_pools.split(",") if p] if celery_app is not None else []:
+                runs.append((f"celery_{pool}", lambda pool=pool: bench_celery(
+                    args.redis_url, pool, args.celery_concurrency, args, log_dir)))
+        for name, run in runs:
+            print(f"running {name} ...", flush=True)
+            try:
+                results[name] = run()
+            except Exception as exc:  # noqa: BLE001 - report and go on to the next system
+                tail = _log_tail(log_dir)
+                results[name] = {"system": name, "error": f"{type(exc).__name__}: {exc}", "log_tail": tail}
+                print(f"  {name} FAILED: {exc}\n{tail}")
+                continue
+            r = results[name]
+            print(f"  {name}: {r['requests_per_s']:,.0f} req/s, p50 {r['latency']['p50_ms']:.2f} ms", flush=True)
+    summary = print_report(results)
+    write_json(args.json, {"benchmark": "queue", "args": vars(args), "machine": machine_info(), "results": results,
+                           "summary": summary})
+    return 0
+
+
+def _log_tail(log_dir: Path) -> str:
+    lines = []
+    for path in sorted(log_dir.glob("*.log")):
+        lines += [f"--- {path.name}"] + path.read_text(errors="replace").splitlines()[-10:]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
