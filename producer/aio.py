@@ -6,7 +6,6 @@ Same API and semantics, awaitable. Never imports torch, the engine or the worker
 from __future__ import annotations
 
 import asyncio
-import codecs
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from types import TracebackType
@@ -175,22 +174,16 @@ class AsyncProducer:
         """Yield text deltas as the worker writes them; see :meth:`producer.Producer.stream`."""
         client = await self.connect()
         deadline = Deadline(timeout)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        tokens_key, last_id = self.keys.tokens(request_id), b"0"
+        reader, tokens_key = common.TokenStreamReader(), self.keys.tokens(request_id)
         while True:
             block_ms = max(1, int(deadline.slice_s(common.STREAM_SLICE_S) * 1000))
-            reply = cast("list[Any] | None", await client.xread({tokens_key: last_id}, count=512, block=block_ms))
-            entries: list[tuple[bytes, dict[bytes, bytes]]] = reply[0][1] if reply else []
-            for last_id, fields in entries:
-                if b"end" in fields:
-                    if tail := decoder.decode(b"", final=True):
-                        yield tail
-                    return
-                if text := decoder.decode(fields.get(b"t", b"")):
-                    yield text
-            if not entries and await client.exists(self.keys.result(request_id)):
+            reply = await client.xread({tokens_key: reader.last_id}, count=512, block=block_ms)
+            texts = reader.feed(reply)
+            for text in texts:
+                yield text
+            if reader.is_done or (not texts and not reply and await client.exists(self.keys.result(request_id))):
                 return
-            if not entries and deadline.is_expired:
+            if not reply and deadline.is_expired:
                 raise common.timeout_error([request_id], timeout)
 
     async def stats(self, *, stale_after_s: float = 30.0) -> dict[str, Any]:

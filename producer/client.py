@@ -5,7 +5,6 @@ Speaks only the wire contract (schema.py, keys.py). Never imports torch, the eng
 
 from __future__ import annotations
 
-import codecs
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
@@ -204,22 +203,16 @@ class Producer:
             ResultTimeout: neither happened within ``timeout`` seconds.
         """
         deadline = Deadline(timeout)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        tokens_key, last_id = self.keys.tokens(request_id), b"0"
+        reader, tokens_key = common.TokenStreamReader(), self.keys.tokens(request_id)
         while True:
             block_ms = max(1, int(deadline.slice_s(common.STREAM_SLICE_S) * 1000))
-            reply = cast("list[Any] | None", self.client.xread({tokens_key: last_id}, count=512, block=block_ms))
-            entries: list[tuple[bytes, dict[bytes, bytes]]] = reply[0][1] if reply else []
-            for last_id, fields in entries:
-                if b"end" in fields:
-                    if tail := decoder.decode(b"", final=True):
-                        yield tail
-                    return
-                if text := decoder.decode(fields.get(b"t", b"")):
-                    yield text
-            if not entries and self.client.exists(self.keys.result(request_id)):
+            reply = self.client.xread({tokens_key: reader.last_id}, count=512, block=block_ms)
+            texts = reader.feed(reply)
+            for text in texts:
+                yield text
+            if reader.is_done or (not texts and not reply and self.client.exists(self.keys.result(request_id))):
                 return
-            if not entries and deadline.is_expired:
+            if not reply and deadline.is_expired:
                 raise common.timeout_error([request_id], timeout)
 
     def stats(self, *, stale_after_s: float = 30.0) -> dict[str, Any]:

@@ -4,6 +4,7 @@ reading results and shaping stats. No I/O here. Never imports torch, the engine 
 
 from __future__ import annotations
 
+import codecs
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -129,6 +130,31 @@ class Deadline:
     def slice_s(self, cap_s: float) -> float:
         """Seconds to block next: the remaining budget, at most ``cap_s``, at least 1 ms."""
         return max(0.001, min(cap_s, self._end - time.monotonic()))
+
+
+class TokenStreamReader:
+    """Decodes a token stream's entries (``t`` = UTF-8 bytes of a text delta, ``end`` = last)
+    for both producers: a character split across two entries comes out whole."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.last_id: bytes = b"0"
+        self.is_done = False
+
+    def feed(self, reply: Any) -> list[str]:
+        """Text deltas of one XREAD reply; sets ``is_done`` at the end marker."""
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = reply[0][1] if reply else []
+        texts: list[str] = []
+        for entry_id, fields in entries:
+            self.last_id = entry_id
+            is_end = b"end" in fields
+            text = self._decoder.decode(fields.get(b"t", b""), final=is_end)
+            if text:
+                texts.append(text)
+            if is_end:
+                self.is_done = True
+                break
+        return texts
 
 
 def finish(raw: bytes, *, raise_on_error: bool) -> GenerationResult:

@@ -153,14 +153,9 @@ def _tokenmill_throughput(producer: Any, num: int) -> dict[str, Any]:
 
 
 def bench_celery(url: str, pool: str, concurrency: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    import redis
-
-    tag = f"tmbench-celery-{os.getpid()}-{secrets.token_hex(3)}"
-    env = {"TM_BENCH_CELERY_URL": url, "TM_BENCH_CELERY_PREFIX": f"{tag}:", "TM_BENCH_CELERY_QUEUE": tag}
-    os.environ.update(env)  # this process's app (the producer side) must match the worker's
-    celery_app.conf.update(broker_url=url, result_backend=url, task_default_queue=tag,
-                           broker_transport_options={"global_keyprefix": f"{tag}:"},
-                           result_backend_transport_options={"global_keyprefix": f"{tag}:"})
+    # NOTE: one tag (queue + key prefix) per driver process: the app's connection pools keep the
+    # options of their first use, so every pool run shares them; workers run one after another.
+    tag, env = _celery_tag(url)
     celery_bin = str(Path(sys.executable).with_name("celery"))
     cmd = [celery_bin, "-A", "ops.bench.queue:celery_app", "worker", f"--pool={pool}", "--loglevel=WARNING",
            "-Q", tag, "--without-gossip", "--without-mingle", "--without-heartbeat", "-n", f"{tag}@%h"]
@@ -187,10 +182,37 @@ def bench_celery(url: str, pool: str, concurrency: int, args: argparse.Namespace
                 "latency": _latency_stats(latencies)}
     finally:
         _stop(proc)
-        client = redis.Redis.from_url(url)
-        _delete_prefix(client, f"{tag}*")
-        _delete_prefix(client, f"*{tag}*")
-        client.close()
+
+
+_CELERY_TAG: list[tuple[str, dict[str, str]]] = []
+
+
+def _celery_tag(url: str) -> tuple[str, dict[str, str]]:
+    if not _CELERY_TAG:
+        tag = f"tmbench-celery-{os.getpid()}-{secrets.token_hex(3)}"
+        env = {"TM_BENCH_CELERY_URL": url, "TM_BENCH_CELERY_PREFIX": f"{tag}:", "TM_BENCH_CELERY_QUEUE": tag}
+        os.environ.update(env)  # the producer side (this process) must match the worker's
+        celery_app.conf.update(broker_url=url, result_backend=url, task_default_queue=tag,
+                               broker_transport_options={"global_keyprefix": f"{tag}:"},
+                               result_backend_transport_options={"global_keyprefix": f"{tag}:"})
+        _CELERY_TAG.append((tag, env))
+    return _CELERY_TAG[0]
+
+
+def cleanup_celery(url: str) -> int:
+    """Delete every key of this run's Celery tag (queue, results, kombu bindings)."""
+    import gc
+
+    import redis
+
+    if not _CELERY_TAG:
+        return 0
+    gc.collect()  # drop AsyncResults while the interpreter can still unsubscribe them
+    tag = _CELERY_TAG[0][0]
+    client = redis.Redis.from_url(url)
+    num = _delete_prefix(client, f"{tag}*") + _delete_prefix(client, f"*{tag}*")
+    client.close()
+    return num
 
 
 # ----------------------------------------------------------------------------- driver
@@ -278,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             r = results[name]
             print(f"  {name}: {r['requests_per_s']:,.0f} req/s, p50 {r['latency']['p50_ms']:.2f} ms", flush=True)
+    if celery_app is not None:
+        cleanup_celery(args.redis_url)
     summary = print_report(results)
     write_json(args.json, {"benchmark": "queue", "args": vars(args), "machine": machine_info(), "results": results,
                            "summary": summary})
