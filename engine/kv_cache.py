@@ -38,8 +38,17 @@ class KVCacheSpec:
 class KVCache:
     """Device and host pools, plus swap copies between them.
 
-    On CUDA the host pool is pinned and copies run on a side stream; the forward pass waits on
-    that stream's event only when it needs the swapped-in blocks (the next step).
+    On CUDA the host pool is pinned and copies run on a side stream:
+
+    - swap-out: the side stream gathers the victim's blocks into a device staging tensor, and
+      the compute stream waits only for that gather (after it, the freed blocks may be
+      reused). The device-to-host copy then runs on the side stream *while the forward
+      computes*; the staged bytes are scattered into the host pool at the next step, once the
+      copy is done (a swapped-out request is never swapped back in within the same step).
+    - swap-in: host blocks are gathered into pinned staging memory and copied on the side
+      stream; the compute stream waits for them before the forward that reads them.
+
+    On CPU both are plain synchronous copies between two separate tensors.
     """
 
     def __init__(self, spec: KVCacheSpec, num_gpu_blocks: int, num_cpu_blocks: int, device: torch.device) -> None:
@@ -50,9 +59,12 @@ class KVCache:
         # NaN bit pattern there would still poison the weighted sum (0 * NaN = NaN).
         self.device_pool = torch.zeros(shape, dtype=spec.dtype, device=device)
         host_shape = (spec.num_layers, 2, num_cpu_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        pin = device.type == "cuda" and num_cpu_blocks > 0
+        is_cuda = device.type == "cuda"
+        pin = is_cuda and num_cpu_blocks > 0
         self.host_pool = torch.zeros(host_shape, dtype=spec.dtype, device="cpu", pin_memory=pin)
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        self._copy_stream = torch.cuda.Stream(device) if is_cuda else None  # type: ignore[no-untyped-call]
+        # Device-to-host copies still in flight: (pinned staging, host block ids, done event).
+        self._pending_host_writes: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = []
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -68,6 +80,7 @@ class KVCache:
 
     def swap_out(self, device_to_host: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks (pairs of ``(device_block_id, host_block_id)``)."""
+        self._finish_host_writes()
         if not device_to_host:
             return
         src = torch.tensor([d for d, _ in device_to_host], device=self.device)
@@ -75,16 +88,27 @@ class KVCache:
         if self._copy_stream is None:
             self.host_pool[:, :, dst] = self.device_pool[:, :, src]
             return
-        # The gather must see every write of the forward passes before it.
-        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        compute = torch.cuda.current_stream(self.device)
+        self._copy_stream.wait_stream(compute)  # the gather must see every earlier write
         with torch.cuda.stream(self._copy_stream):
             staged = self.device_pool[:, :, src]
-            self.host_pool[:, :, dst] = staged.to("cpu", non_blocking=False)
-        # Later forwards may overwrite the freed device blocks: wait for the copy first.
-        torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+            gathered = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            gathered.record()
+            pinned = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+            pinned.copy_(staged, non_blocking=True)
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            copied.record()
+        staged.record_stream(self._copy_stream)
+        compute.wait_event(gathered)  # freed blocks may be overwritten once gathered
+        self._pending_host_writes.append((pinned, dst, copied))
 
     def swap_in(self, host_to_device: list[tuple[int, int]]) -> None:
-        """Copy host blocks back into device blocks (pairs of ``(host_block_id, device_block_id)``)."""
+        """Copy host blocks back into device blocks (pairs of ``(host_block_id, device_block_id)``).
+
+        NOTE: called after :meth:`swap_out` of the same step, which completed every earlier
+        step's host writes; this step's swap-outs target other host blocks (the scheduler never
+        swaps a request out and back in within one step), so they may stay in flight.
+        """
         if not host_to_device:
             return
         src = torch.tensor([h for h, _ in host_to_device])
@@ -92,7 +116,16 @@ class KVCache:
         if self._copy_stream is None:
             self.device_pool[:, :, dst] = self.host_pool[:, :, src]
             return
+        pinned = self.host_pool[:, :, src].pin_memory()
         with torch.cuda.stream(self._copy_stream):
-            staged = self.host_pool[:, :, src].pin_memory().to(self.device, non_blocking=True)
-            self.device_pool[:, :, dst] = staged
-        torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+            self.device_pool[:, :, dst] = pinned.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record()
+        torch.cuda.current_stream(self.device).wait_event(done)  # the forward reads these blocks
+
+    def _finish_host_writes(self) -> None:
+        """Scatter completed device-to-host copies into the host pool (CUDA only)."""
+        for pinned, dst, copied in self._pending_host_writes:
+            copied.synchronize()
+            self.host_pool[:, :, dst] = pinned
+        self._pending_host_writes.clear()

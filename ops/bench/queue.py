@@ -232,7 +232,7 @@ def print_report(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     tm = results.get("tokenmill", {})
     celery_runs = [r for k, r in results.items() if k.startswith("celery") and "error" not in r]
     summary: dict[str, Any] = {}
-    if "error" in tm or not celery_runs:
+    if not tm or "error" in tm or not celery_runs:
         return summary
     best = max(celery_runs, key=lambda r: r["requests_per_s"])
     checks = []
