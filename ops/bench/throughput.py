@@ -396,7 +396,9 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.vllm_venv:
                     continue
                 python = str(Path(args.vllm_venv) / "bin" / "python")
+                # NOTE: in-process engine core, so this child's peak RSS and CPU time are vLLM's own.
                 env |= {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                         "VLLM_CPU_KVCACHE_SPACE": str(max(1, _gib(args.kv_cache_memory)))}
             print(f"running {LABELS[system]} ... (load average {os.getloadavg()[0]:.1f})", flush=True)
             started = time.perf_counter()

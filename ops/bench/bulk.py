@@ -1,0 +1,159 @@
+"""Bulk throughput: `tokenmill bulk` end to end (JSONL -> Producer -> Redis -> worker -> JSONL)
+against the same engine run offline, on the throughput workload, in one run.
+
+    python ops/bench/bulk.py                 # 64 requests, SmolLM2, float32, 2 threads
+    python ops/bench/bulk.py --quick         # 16 short requests, for development
+
+The offline engine is measured before and after the bulk run (the machine is noisy) and the
+bulk run is compared against their mean. Target: bulk >= 0.9x offline tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+# NOTE: ops/bench/queue.py would shadow the standard library's `queue`: keep this folder off
+# sys.path and import the helpers as a package (as throughput.py does).
+_HERE = Path(__file__).resolve().parent
+REPO_ROOT = _HERE.parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(REPO_ROOT))
+
+from ops.bench.common import fmt, machine_info, print_table, write_json  # noqa: E402
+from ops.bench.workload import SYSTEM_PROMPT, WorkItem, build_workload, describe  # noqa: E402
+
+
+def engine_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {"model": args.model, "device": "cpu", "dtype": "float32", "kv_cache_memory": args.kv_cache_memory,
+            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "num_threads": args.threads}
+
+
+def run_offline(items: list[WorkItem], config: dict[str, Any]) -> dict[str, Any]:
+    """Engine.generate over the workload's token ids; returns tokens/s and wall time."""
+    from engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(**config))
+    params = [SamplingParams(max_tokens=item.max_tokens, ignore_eos=True) for item in items]
+    start = time.perf_counter()
+    outputs = engine.generate([item.prompt_token_ids for item in items], params, progress=False)
+    wall_s = time.perf_counter() - start
+    num_tokens = sum(len(out.token_ids) for out in outputs)
+    del engine
+    gc.collect()
+    return {"wall_s": wall_s, "output_tokens": num_tokens, "tokens_per_s": num_tokens / wall_s}
+
+
+def write_input(items: list[WorkItem], path: Path) -> None:
+    """Plain bulk JSONL: chat messages (the worker applies the same template) and exact lengths."""
+    with path.open("w") as handle:
+        for item in items:
+            messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": item.text}]
+            row = {"id": f"item-{item.index}", "messages": messages, "max_tokens": item.max_tokens, "ignore_eos": True}
+            handle.write(json.dumps(row) + "\n")
+
+
+def start_worker(args: argparse.Namespace, redis_url: str, prefix: str, queue: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env.update({f"TOKENMILL_ENGINE__{key.upper()}": str(value) for key, value in engine_config(args).items()})
+    env["TOKENMILL_WORKER__MAX_WAITING"] = str(args.max_num_seqs)
+    cmd = [sys.executable, "-m", "worker", "worker", "--redis-url", redis_url, "--prefix", prefix,
+           "--queue", queue, "--log-json"]
+    return subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def wait_for_worker(producer: Any, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if producer.stats()["num_live_workers"] >= 1:
+            return
+        time.sleep(0.5)
+    raise RuntimeError("the worker did not start (no heartbeat)")
+
+
+def run_bulk(items: list[WorkItem], args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
+    """Start a worker, wait until it heartbeats (model loaded), then time the bulk job."""
+    import producer.bulk
+    from producer import Producer
+
+    prefix, queue = f"bench-{uuid.uuid4().hex[:8]}", "bulk"
+    worker = start_worker(args, redis_url, prefix, queue)
+    workdir = Path(tempfile.mkdtemp(prefix="tm-bulk-"))
+    try:
+        with Producer(redis_url, prefix=prefix, queue=queue) as client:
+            wait_for_worker(client)
+            write_input(items, workdir / "input.jsonl")
+            start = time.perf_counter()
+            summary = producer.bulk.run(workdir / "input.jsonl", workdir / "output.jsonl", producer=client,
+                                        max_in_flight=args.max_in_flight, priority="low")
+            wall_s = time.perf_counter() - start
+            for key in client.client.scan_iter(match=f"{prefix}:*", count=1000):
+                client.client.delete(key)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
+    lines = [json.loads(line) for line in (workdir / "output.jsonl").read_text().splitlines()]
+    num_tokens = sum(line["usage"]["completion_tokens"] for line in lines if line["status"] == "ok")
+    return {"wall_s": wall_s, "output_tokens": num_tokens, "tokens_per_s": num_tokens / wall_s,
+            "num_ok": sum(1 for line in lines if line["status"] == "ok"), "summary": str(summary)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-cache-memory", default="1GiB")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-in-flight", type=int, default=256)
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    parser.add_argument("--quick", action="store_true", help="16 requests of at most 64 tokens")
+    parser.add_argument("--json", default="", help="write the JSON report here")
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from engine.model_loader import _materialize_gguf, default_cache_dir, resolve_model_path
+
+    path = resolve_model_path(args.model)
+    if isinstance(path, Path) and path.suffix == ".gguf":
+        path = _materialize_gguf(path, default_cache_dir())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    num, max_out = (16, 64) if args.quick else (args.num_requests, 512)
+    items = build_workload(tokenizer, num_requests=num, seed=args.seed, max_output_tokens=max_out,
+                           mean_output_tokens=40.0 if args.quick else 100.0)
+    print("workload:", json.dumps(describe(items)))
+
+    config = engine_config(args)
+    before = run_offline(items, config)
+    bulk = run_bulk(items, args, args.redis_url)
+    after = run_offline(items, config)
+    offline_tps = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
+    rows = [
+        ["engine offline (before)", fmt(before["output_tokens"], 0), fmt(before["wall_s"]), fmt(before["tokens_per_s"]), ""],
+        ["tokenmill bulk (end to end)", fmt(bulk["output_tokens"], 0), fmt(bulk["wall_s"]), fmt(bulk["tokens_per_s"]),
+         f"{bulk['tokens_per_s'] / offline_tps:.2f}x"],
+        ["engine offline (after)", fmt(after["output_tokens"], 0), fmt(after["wall_s"]), fmt(after["tokens_per_s"]), ""],
+    ]
+    print_table("bulk vs offline engine (ratio against the mean of both offline runs)",
+                ["system", "output tokens", "wall s", "tokens/s", "vs offline"], rows)
+    print(f"bulk items ok: {bulk['num_ok']}/{len(items)}  target: >= 0.90x  "
+          f"result: {bulk['tokens_per_s'] / offline_tps:.2f}x")
+    write_json(args.json, {"machine": machine_info(), "workload": describe(items), "offline_before": before,
+                           "bulk": bulk, "offline_after": after, "ratio": bulk["tokens_per_s"] / offline_tps})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Engine-level sampling behaviour on a tiny model: seeded sampling independent of the batch,
+stop strings, stop ids, min_tokens, EOS, abort and errors as outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = ["The quick brown fox", "Paged attention stores", "héllo wörld", "Redis streams deliver each entry"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dirs: dict[str, Path]) -> Engine:
+    return Engine(EngineConfig(model=str(tiny_model_dirs["llama"]), device="cpu", dtype="float64",
+                               kv_cache_memory="4MiB", block_size=4, max_prefill_chunk=5,
+                               max_num_batched_tokens=64))
+
+
+def test_seeded_sampling_is_independent_of_the_batch(engine: Engine, tiny_model_dirs: dict[str, Path]) -> None:
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = engine.generate([PROMPTS[0]], seeded, progress=False)[0].token_ids
+    others = [SamplingParams(max_tokens=12, temperature=0.8, seed=s) for s in (1, 2)] + [SamplingParams()]
+    batch = engine.generate([PROMPTS[2], PROMPTS[0], PROMPTS[1], PROMPTS[3]],
+                            [others[0], seeded, others[1], others[2]], progress=False)
+    assert batch[1].token_ids == alone
+    # Under recompute preemption (tiny KV) the seeded request still draws the same tokens.
+    tight = Engine(EngineConfig(model=str(tiny_model_dirs["llama"]), device="cpu", dtype="float64",
+                                kv_cache_memory=48 * 1024, block_size=4, preemption_mode="recompute"))  # 48 tokens
+    crowded = tight.generate([PROMPTS[1], PROMPTS[0], PROMPTS[3]], [others[0], seeded, others[1]], progress=False)
+    assert crowded[1].token_ids == alone
+    assert tight.stats()["num_preemptions"] > 0
+    different_seed = engine.generate([PROMPTS[0]], seeded.model_copy(update={"seed": 99}), progress=False)[0]
+    assert different_seed.token_ids != alone
+
+
+def test_stop_string_is_cut_and_stop_ids_stop(engine: Engine) -> None:
+    free = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=20, ignore_eos=True), progress=False)[0]
+    assert len(free.text) > 4
+    stop = free.text[2:4]
+    stopped = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=20, ignore_eos=True, stop=[stop]),
+                              progress=False)[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: free.text.index(stop)]
+    stop_id = free.token_ids[5]
+    by_id = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id]),
+                            progress=False)[0]
+    assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
+
+
+def test_min_tokens_and_max_tokens(engine: Engine) -> None:
+    eos = next(iter(engine.loaded.eos_token_ids))
+    out = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=9, min_tokens=9, stop_token_ids=[eos]),
+                          progress=False)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 9 and eos not in out.token_ids
+
+
+def test_bad_requests_finish_with_errors_and_abort(engine: Engine) -> None:
+    engine.add_request("too-long", list(range(5, 300)) * 20, SamplingParams(max_tokens=4))
+    engine.add_request("empty", "", SamplingParams(max_tokens=4))
+    engine.add_request("bad-ids", [10**9], SamplingParams(max_tokens=4))
+    engine.add_request("aborted", PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    with pytest.raises(ValueError):
+        engine.add_request("aborted", PROMPTS[0])
+    finished = {}
+    for _ in range(3):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    engine.abort("aborted")
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["too-long"].error_code == "prompt_too_long"
+    assert finished["empty"].error_code == "validation"
+    assert finished["bad-ids"].error_code == "validation"
+    assert finished["aborted"].finish_reason == "abort" and 0 < len(finished["aborted"].token_ids) < 50
+    assert engine.block_manager.num_free_gpu_blocks == engine.block_manager.num_gpu_blocks
