@@ -17,6 +17,11 @@ from engine.request import Request
 from engine.sampler import Sampler, SamplingContext
 
 
+# Keys + values gathered per decode chunk on CPU: small enough to stay in cache until SDPA
+# reads them back (tuned on a 2-core AMD EPYC: 4 MiB chunks beat one gather by ~20%).
+CPU_DECODE_CHUNK_BYTES = 4 << 20
+
+
 @dataclass
 class PreparedBatch:
     """Model inputs of one step, in the flattened order (decodes first, then prefill chunks)."""
@@ -125,6 +130,10 @@ class ModelRunner:
         )
         if decode_tables is not None:
             metadata.decode_key_buffer, metadata.decode_value_buffer = self._workspace(decode_tables.numel())
+            if self.device.type == "cpu":
+                layer_block_bytes = self.kv_cache.spec.bytes_per_block // self.kv_cache.spec.num_layers
+                row_bytes = decode_tables.shape[1] * layer_block_bytes  # keys + values of one row
+                metadata.decode_rows_per_chunk = max(1, CPU_DECODE_CHUNK_BYTES // row_bytes)
         return PreparedBatch(
             input_ids=torch.tensor([token_ids], device=dev),
             position_ids=torch.tensor([positions], device=dev),

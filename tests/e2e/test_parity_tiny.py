@@ -78,3 +78,17 @@ def test_greedy_matches_hf_generate(family: str, scenario: str, device: str, tin
         assert stats["num_recomputed_tokens"] > 0, stats
     assert not engine.has_unfinished()
     assert engine.block_manager.num_free_gpu_blocks == engine.block_manager.num_gpu_blocks
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_parity_with_decode_attention_in_chunks(
+    family: str, tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU decode path attends a few rows at a time; force one row per chunk."""
+    import engine.model_runner
+
+    monkeypatch.setattr(engine.model_runner, "CPU_DECODE_CHUNK_BYTES", 1)
+    prompts, expected = _reference(family, tiny_model_dirs[family], "cpu")
+    config = EngineConfig(model=str(tiny_model_dirs[family]), device="cpu", dtype="float64", kv_cache_memory="8MiB")
+    outputs = Engine(config).generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
+    assert [out.token_ids for out in outputs] == expected
