@@ -18,10 +18,12 @@ from engine.errors import InvariantError
 
 
 class _Pool:
-    """One pool of fixed-size blocks: a FIFO free list and per-block reference counts.
+    """One pool of fixed-size blocks: a LIFO free list and per-block reference counts.
 
-    NOTE: allocation pops from the front and release appends to the back, so block ids are
-    reused as late as possible and the exact order is deterministic (tests rely on it).
+    NOTE: allocation pops from the front and release pushes back to the front, so the most
+    recently freed blocks are reused first and the blocks ever touched stay as few as the
+    peak demand: on CPU the pools are lazily committed memory, so resident memory follows
+    what is used, not what is configured. The order is deterministic (tests rely on it).
     """
 
     def __init__(self, name: str, num_blocks: int) -> None:
@@ -45,12 +47,12 @@ class _Pool:
 
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference to each block; blocks that reach zero return to the free list."""
-        for block_id in block_ids:
+        for block_id in reversed(block_ids):  # reversed: a re-take gets them back in table order
             if self.ref_counts[block_id] <= 0:
                 raise InvariantError(f"{self.name} block {block_id} released with ref count 0")
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
-                self.free_block_ids.append(block_id)
+                self.free_block_ids.appendleft(block_id)
 
     def check(self, tables: dict[str, list[int]]) -> None:
         """Raise InvariantError unless free list, ref counts and ``tables`` agree."""

@@ -11,6 +11,8 @@ Layout of each pool (one tensor for all layers)::
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,16 @@ class KVCacheSpec:
         return num_bytes // self.bytes_per_block
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor on fresh anonymous memory: it reads as zeros and becomes resident only
+    where it is written, so a large KV budget costs memory only as blocks are first used."""
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, numel * torch.tensor([], dtype=dtype).element_size())
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # the tensor keeps buffer alive
+
+
 class KVCache:
     """Device and host pools, plus swap copies between them.
 
@@ -55,13 +67,18 @@ class KVCache:
         self.spec = spec
         self.device = device
         shape = (spec.num_layers, 2, num_gpu_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        # NOTE: zero-filled, not empty: padded reads of never-written slots are masked out, but a
-        # NaN bit pattern there would still poison the weighted sum (0 * NaN = NaN).
-        self.device_pool = torch.zeros(shape, dtype=spec.dtype, device=device)
         host_shape = (spec.num_layers, 2, num_cpu_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         is_cuda = device.type == "cuda"
-        pin = is_cuda and num_cpu_blocks > 0
-        self.host_pool = torch.zeros(host_shape, dtype=spec.dtype, device="cpu", pin_memory=pin)
+        # NOTE: zeros, never torch.empty: padded reads of never-written slots are masked out, but
+        # a NaN bit pattern there would still poison the weighted sum (0 * NaN = NaN). On CPU the
+        # zeros come lazily from the kernel (see lazy_zeros); the block manager reuses the most
+        # recently freed blocks first, so resident memory tracks the peak number of used blocks.
+        if is_cuda:
+            self.device_pool = torch.zeros(shape, dtype=spec.dtype, device=device)
+            self.host_pool = torch.zeros(host_shape, dtype=spec.dtype, pin_memory=num_cpu_blocks > 0)
+        else:
+            self.device_pool = lazy_zeros(shape, spec.dtype)
+            self.host_pool = lazy_zeros(host_shape, spec.dtype)
         self._copy_stream = torch.cuda.Stream(device) if is_cuda else None  # type: ignore[no-untyped-call]
         # Device-to-host copies still in flight: (pinned staging, host block ids, done event).
         self._pending_host_writes: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = []

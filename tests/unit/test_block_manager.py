@@ -17,12 +17,12 @@ def test_allocate_takes_blocks_in_free_list_order() -> None:
     manager.check_invariants()
 
 
-def test_freed_blocks_go_to_the_back_of_the_free_list() -> None:
+def test_freed_blocks_are_reused_first_in_table_order() -> None:
     manager = BlockManager(num_gpu_blocks=4, num_cpu_blocks=0, block_size=2)
     manager.allocate("a", 4)  # blocks 0, 1
     manager.allocate("b", 2)  # block 2
     manager.free("a")
-    assert manager.allocate("c", 6) == [3, 0, 1]
+    assert manager.allocate("c", 6) == [0, 1, 3]
     manager.check_invariants()
 
 
@@ -66,9 +66,9 @@ def test_swap_out_then_in_returns_exact_pairs_and_frees_the_source_pool() -> Non
     assert manager.num_free_gpu_blocks == 4 and manager.num_free_cpu_blocks == 1
     manager.check_invariants()
     manager.free("x")
-    # free list is now [5, 1, 2, 3, 0]: the table comes back on different device blocks
-    assert manager.swap_in("a") == [(0, 5), (1, 1), (2, 2)]
-    assert manager.get_block_ids("a") == [5, 1, 2] and manager.get_host_block_ids("a") == []
+    # free list is now [0, 1, 2, 3, 5]: the table comes back on different device blocks
+    assert manager.swap_in("a") == [(0, 0), (1, 1), (2, 2)]
+    assert manager.get_block_ids("a") == [0, 1, 2] and manager.get_host_block_ids("a") == []
     assert manager.num_free_cpu_blocks == 4
     manager.check_invariants()
 
