@@ -160,6 +160,8 @@ class AsyncProducer:
             if raw is not None:
                 del pending[request_id]
                 yield common.finish(raw, raise_on_error=False)
+            for result in await self._collect(pending, [i for i in batch if i in pending]):
+                yield result
 
     async def cancel(self, request_id: str) -> None:
         """Ask the workers to cancel ``request_id``; see :meth:`producer.Producer.cancel`."""
@@ -198,10 +200,10 @@ class AsyncProducer:
         client = await self.connect()
         return cast("bytes | None", await client.get(key))
 
-    async def _collect(self, pending: dict[str, None]) -> list[GenerationResult]:
-        """Every pending result that has landed (dropped from ``pending``)."""
+    async def _collect(self, pending: dict[str, None], ids: list[str] | None = None) -> list[GenerationResult]:
+        """Every result of ``ids`` (default: all pending) that has landed (dropped from ``pending``)."""
         client = await self.connect()
-        ids, results = list(pending), []
+        ids, results = (list(pending) if ids is None else ids), []
         for start in range(0, len(ids), common.MGET_CHUNK):
             chunk = ids[start:start + common.MGET_CHUNK]
             raws = cast("list[bytes | None]", await client.mget([self.keys.result(i) for i in chunk]))

@@ -155,8 +155,10 @@ class Producer:
     def as_completed(self, request_ids: Iterable[str], timeout: float | None = None) -> Iterator[GenerationResult]:
         """Yield results as they land, each id once.
 
-        One BLPOP watches up to 256 done lists at a time (rotating over larger sets), and the
-        result keys of all pending ids are re-checked with MGET whenever a wait slice ends.
+        One BLPOP watches up to 256 done lists at a time (rotating over larger sets). Each
+        wake-up also collects, with one MGET, every other result of that batch that has landed
+        meanwhile (so a busy queue costs about one round trip per batch, not per result), and
+        all pending ids are re-checked whenever a wait slice ends.
 
         Raises:
             ResultTimeout: some results did not land within ``timeout`` seconds.
@@ -180,6 +182,7 @@ class Producer:
             if raw is not None:
                 del pending[request_id]
                 yield common.finish(raw, raise_on_error=False)
+            yield from self._collect(pending, [i for i in batch if i in pending])
 
     def cancel(self, request_id: str) -> None:
         """Ask the workers to cancel ``request_id``; its result will say ``cancelled``.
@@ -231,9 +234,9 @@ class Producer:
         replies = pipe.execute(raise_on_error=False)
         return common.shape_stats(self.keys, replies, stale_after_s=stale_after_s)
 
-    def _collect(self, pending: dict[str, None]) -> Iterator[GenerationResult]:
-        """Yield (and drop from ``pending``) every pending result that has landed."""
-        ids = list(pending)
+    def _collect(self, pending: dict[str, None], ids: list[str] | None = None) -> Iterator[GenerationResult]:
+        """Yield (and drop from ``pending``) every result of ``ids`` (default: all pending) that has landed."""
+        ids = list(pending) if ids is None else ids
         for start in range(0, len(ids), common.MGET_CHUNK):
             chunk = ids[start:start + common.MGET_CHUNK]
             raws = cast("list[bytes | None]", self.client.mget([self.keys.result(i) for i in chunk]))

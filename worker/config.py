@@ -42,7 +42,7 @@ class WorkerConfig(_Frozen):
     num_lanes: int = Field(DEFAULT_NUM_LANES, ge=1, le=64, description="priority lanes; lane k -> engine priority k")
     name: str = Field(default_factory=default_worker_name, min_length=1, description="consumer name in the group")
     max_waiting: int = Field(32, ge=1, description="stop reading while engine-waiting + queued admits reach this")
-    read_count: int = Field(16, ge=1, description="most entries per XREADGROUP")
+    read_count: int = Field(64, ge=1, description="most entries per XREADGROUP")
     block_ms: int = Field(1000, ge=1, le=4000, description="XREADGROUP BLOCK of an idle worker")
     heartbeat_interval_s: float = Field(2.0, gt=0, description="how often the heartbeat is written")
     stale_after_s: float = Field(15.0, gt=0, description="heartbeat age after which a worker counts as dead")
