@@ -63,13 +63,13 @@ def _setup_torch(threads: int) -> Any:
     return torch
 
 
-def _load_hf(model_dir: str, threads: int, attn: str | None = None) -> tuple[Any, Any]:
-    torch = _setup_torch(threads)
+def _load_hf(args: argparse.Namespace, attn: str | None = None) -> tuple[Any, Any]:
+    torch = _setup_torch(args.threads)
     from transformers import AutoModelForCausalLM
 
     kwargs = {"attn_implementation": attn} if attn else {}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
-    return torch, model
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype), **kwargs)
+    return torch, model.to(args.device).eval()
 
 
 def _weights_bytes(model: Any) -> int:
@@ -123,7 +123,7 @@ def run_tokenmill(items: list[WorkItem], args: argparse.Namespace) -> dict[str, 
     torch = _setup_torch(args.threads)
     from engine import Engine, EngineConfig, SamplingParams
 
-    config = EngineConfig(model=args.model, device="cpu", dtype="float32", num_threads=args.threads,
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=args.threads,
                           kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     load_start = time.perf_counter()
@@ -215,7 +215,7 @@ def _static_batches(items: list[WorkItem], batch_size: int) -> list[list[WorkIte
 
 
 def run_hf_static(items: list[WorkItem], args: argparse.Namespace, batch_size: int) -> dict[str, Any]:
-    torch, model = _load_hf(args.model_dir, args.threads)
+    torch, model = _load_hf(args)
     pad_id = model.generation_config.pad_token_id
     pad_id = pad_id if isinstance(pad_id, int) else 0
 
@@ -225,7 +225,8 @@ def run_hf_static(items: list[WorkItem], args: argparse.Namespace, batch_size: i
         ids = [[pad_id] * (longest_prompt - item.num_prompt_tokens) + item.prompt_token_ids for item in batch]
         mask = [[0] * (longest_prompt - item.num_prompt_tokens) + [1] * item.num_prompt_tokens for item in batch]
         with torch.inference_mode():
-            out = model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+            out = model.generate(input_ids=torch.tensor(ids, device=args.device),
+                                 attention_mask=torch.tensor(mask, device=args.device),
                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                  pad_token_id=pad_id)
         generated = out.shape[1] - longest_prompt
@@ -245,7 +246,7 @@ def run_hf_static(items: list[WorkItem], args: argparse.Namespace, batch_size: i
 
 
 def run_hf_cb(items: list[WorkItem], args: argparse.Namespace) -> dict[str, Any]:
-    torch, model = _load_hf(args.model_dir, args.threads, attn=args.hf_cb_attn)
+    torch, model = _load_hf(args, attn=args.hf_cb_attn)
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -304,7 +305,7 @@ def run_vllm(items: list[WorkItem], args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model_dir, dtype="float32", max_model_len=2048, seed=0, max_num_seqs=args.max_num_seqs)
+    llm = LLM(model=args.model_dir, dtype=args.dtype, max_model_len=2048, seed=0, max_num_seqs=args.max_num_seqs)
     llm.generate([TokensPrompt(prompt_token_ids=items[0].prompt_token_ids)],
                  SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0), use_tqdm=False)
     prompts = [TokensPrompt(prompt_token_ids=item.prompt_token_ids) for item in items]
@@ -344,7 +345,7 @@ def _child_argv(system: str, args: argparse.Namespace, workload_file: Path, resu
             "--threads", str(args.threads), "--kv-cache-memory", args.kv_cache_memory,
             "--swap-space", args.swap_space, "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--hf-batch1-limit", str(args.hf_batch1_limit)]
+            "--hf-batch1-limit", str(args.hf_batch1_limit), "--device", args.device, "--dtype", args.dtype]
     if args.hf_cb_attn:
         argv += ["--hf-cb-attn", args.hf_cb_attn]
     if args.hf_cb_num_blocks:
@@ -382,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{shape['prompt_tokens']['min']}..{shape['prompt_tokens']['max']} (mean {shape['prompt_tokens']['mean']:.0f}); "
           f"output tokens {shape['output_tokens']['min']}..{shape['output_tokens']['max']} "
           f"(mean {shape['output_tokens']['mean']:.0f}, total {shape['output_tokens']['total']}); "
-          f"model {args.model} float32, {args.threads} threads")
+          f"model {args.model} {args.dtype} on {args.device}, {args.threads} threads")
     systems = [s for s in args.systems.split(",") if s]
     if args.vllm_venv and "vllm" not in systems:
         systems.append("vllm")
@@ -457,7 +458,7 @@ def _summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> 
                                        "swap_space_bytes": tm["swap_space_bytes"], "peak_rss_bytes": tm["peak_rss_bytes"],
                                        "peak_over_weights_plus_kv": ratio}
         print_table("tokenmill memory", ["item", "value"], [
-            ["weights (float32)", mib(tm["weights_bytes"])],
+            [f"weights ({args.dtype})", mib(tm["weights_bytes"])],
             [f"KV cache, device pool ({tm['num_gpu_blocks']} blocks)", mib(tm["kv_cache_bytes"])],
             ["KV host swap pool (not in the ratio)", mib(tm["swap_space_bytes"])],
             ["RSS after load", mib(tm["rss_after_load_bytes"])],
@@ -504,6 +505,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mean-output-tokens", type=float, default=100.0)
     parser.add_argument("--max-output-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2, help="torch threads for every system")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device for every system")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV dtype")
     parser.add_argument("--systems", default="tokenmill,hf_static16,hf_static1,hf_cb",
                         help=f"comma list from {','.join(SYSTEMS[:-1])} (vllm is added by --vllm-venv)")
     parser.add_argument("--hf-batch1-limit", type=int, default=16,
