@@ -103,8 +103,10 @@ def bench_tokenmill(url: str, args: argparse.Namespace, log_dir: Path) -> dict[s
     from producer.client import Producer
 
     prefix, queue_name = f"tmbench-{os.getpid()}-{secrets.token_hex(3)}", "bench"
+    # NOTE: the echo engine admits everything in one step, so the worker's intake (backpressure
+    # high-water mark) is sized like a GPU worker's (configs/gpu.toml), not the CPU default of 32.
     cmd = [sys.executable, "-m", "worker", "worker", "--model", "echo", "--prefix", prefix, "--queue", queue_name,
-           "--redis-url", url, "--log-text"]
+           "--redis-url", url, "--log-text", "--max-waiting", str(args.max_waiting)]
     proc = _spawn(cmd, {"TOKENMILL_WORKER__LOG_LEVEL": "WARNING"}, log_dir / "tokenmill-worker.log")
     producer = Producer(url, prefix=prefix, queue=queue_name)
     try:
@@ -280,6 +282,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=5000, help="requests in the throughput phase")
     parser.add_argument("--num-latency", type=int, default=300, help="sequential round trips (light load)")
     parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--max-waiting", type=int, default=256, help="tokenmill worker intake high-water mark")
     parser.add_argument("--celery-pools", default="solo,prefork",
                         help="Celery worker pools to run (solo = 1 process like the tokenmill worker; prefork "
                         "with --celery-concurrency processes)")

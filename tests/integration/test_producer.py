@@ -52,20 +52,27 @@ def test_invalid_submit_sends_nothing(producer: Producer, redis_client: redis.Re
 def test_submit_many_is_pipelined_and_keeps_order(redis_url: str, key_prefix: str, keys: Keys,
                                                   redis_client: redis.Redis,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    client = redis.Redis.from_url(redis_url)
-    client.ping()
     sends: list[int] = []
-    connection_class = client.connection_pool.connection_class
-    original = connection_class.send_packed_command
-    monkeypatch.setattr(connection_class, "send_packed_command",
-                        lambda self, *a, **kw: sends.append(1) or original(self, *a, **kw))
+    probe = redis.Redis.from_url(redis_url)
+    base = probe.connection_pool.connection_class
+    probe.close()
+
+    class CountingConnection(base):  # type: ignore[valid-type, misc]
+        """Counts round trips of this client only (other threads' clients are not patched)."""
+
+        def send_packed_command(self, *args: object, **kwargs: object) -> None:
+            sends.append(1)
+            super().send_packed_command(*args, **kwargs)
+
+    client = redis.Redis.from_url(redis_url, connection_class=CountingConnection)
+    client.ping()
+    sends.clear()
     producer = Producer.from_config(ProducerConfig(prefix=key_prefix, submit_chunk_size=500), client=client)
     items: list[GenerationRequest | dict[str, object]] = [
         {"prompt": f"p{i}", "priority": i % 3} for i in range(1199)
     ]
     items.append(GenerationRequest(id="last", prompt_token_ids=[1, 2], priority=0))
     ids = producer.submit_many(items)
-    monkeypatch.undo()
     client.close()
     assert len(sends) == 3  # 1200 requests / 500 per round trip
     assert len(ids) == 1200 and ids[-1] == "last" and len(set(ids)) == 1200
