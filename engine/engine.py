@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from engine.block_manager import BlockManager
 from engine.clock import Clock, MonotonicClock
 from engine.config import CacheConfig, EngineConfig
 from engine.engine_sizing import size_kv_cache
@@ -26,6 +27,7 @@ from engine.prompts import Prompt, PromptError, tokenize_prompt
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +41,6 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig, clock: Clock | None = None) -> None:
-        from engine.block_manager import BlockManager
-        from engine.scheduler import Scheduler
-
         self.config = config
         self.clock = clock or MonotonicClock()
         if config.num_threads:

@@ -3,6 +3,7 @@ return final outputs in input order."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -15,6 +16,8 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.engine import Engine
+
+_batch_numbers = itertools.count()  # keeps request ids of successive generate() calls distinct
 
 
 @dataclass
@@ -55,7 +58,8 @@ def run_offline(
     per_prompt = _per_prompt_params(params, len(prompts))
     if priorities is not None and len(priorities) != len(prompts):
         raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
-    request_ids = [f"offline-{id(prompts)}-{i}" for i in range(len(prompts))]
+    batch_number = next(_batch_numbers)
+    request_ids = [f"offline-{batch_number}-{i}" for i in range(len(prompts))]
     for i, (request_id, prompt) in enumerate(zip(request_ids, prompts)):
         engine.add_request(request_id, prompt, per_prompt[i], priority=priorities[i] if priorities else 0)
     results: dict[str, GenerationOutput] = {}
