@@ -90,9 +90,15 @@ def resolve_model_path(model: str) -> Path | str:
 
 
 def _gguf_cache_path(gguf: Path, cache_dir: Path) -> Path:
-    stat = gguf.stat()
-    digest = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir / f"{gguf.stem}-{digest}"
+    """Cache folder keyed by the file's content (name, size, first and last MiB), not its path,
+    so every virtualenv that installs the same wheel shares one dequantized copy."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(f"{gguf.name}:{size}".encode())
+    with gguf.open("rb") as handle:
+        digest.update(handle.read(1 << 20))
+        handle.seek(max(0, size - (1 << 20)))
+        digest.update(handle.read(1 << 20))
+    return cache_dir / f"{gguf.stem}-{digest.hexdigest()[:16]}"
 
 
 def _materialize_gguf(gguf: Path, cache_dir: Path) -> Path:
