@@ -13,6 +13,14 @@ from engine.outputs import RequestMetrics, RequestOutput
 from engine.request import FINISH_REASON, Request, RequestStatus
 
 
+# The scheduler finishes a request on its own only when it can never be placed (admission
+# checks make that a near-impossible internal failure); say so instead of a bare "error".
+_SCHEDULER_ERROR = {
+    "error_code": "internal",
+    "error": "the scheduler could not place this request in the KV cache",
+}
+
+
 @dataclass
 class _Tracked:
     """Per-request output state."""
@@ -138,6 +146,7 @@ class OutputProcessor:
                     num_output_tokens=request.num_output_tokens,
                 ),
                 logprobs=list(tracked.logprobs) if tracked.logprobs else None,
+                **(_SCHEDULER_ERROR if status == RequestStatus.FINISHED_ERROR else {}),
             )
         )
 
