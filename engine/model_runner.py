@@ -99,8 +99,9 @@ class ModelRunner:
         return logits
 
     def prepare(self, chunks: list[ScheduledChunk]) -> PreparedBatch:
-        """Flatten chunks into model inputs and attention metadata (single-token chunks first)."""
-        decodes = [c for c in chunks if c.num_tokens == 1]
+        """Flatten chunks into model inputs and attention metadata (single-token chunks first,
+        longest context first, so each decode chunk gathers little padding)."""
+        decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -c.start_position)
         prefills = [c for c in chunks if c.num_tokens > 1]
         ordered = decodes + prefills
         token_ids: list[int] = []
@@ -130,10 +131,7 @@ class ModelRunner:
         )
         if decode_tables is not None:
             metadata.decode_key_buffer, metadata.decode_value_buffer = self._workspace(decode_tables.numel())
-            if self.device.type == "cpu":
-                layer_block_bytes = self.kv_cache.spec.bytes_per_block // self.kv_cache.spec.num_layers
-                row_bytes = decode_tables.shape[1] * layer_block_bytes  # keys + values of one row
-                metadata.decode_rows_per_chunk = max(1, CPU_DECODE_CHUNK_BYTES // row_bytes)
+            metadata.decode_chunks = self._decode_chunks(decodes)
         return PreparedBatch(
             input_ids=torch.tensor([token_ids], device=dev),
             position_ids=torch.tensor([positions], device=dev),
@@ -141,6 +139,26 @@ class ModelRunner:
             sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=dev),
             sample_request_ids=sample_ids,
         )
+
+    def _decode_chunks(self, decodes: list[ScheduledChunk]) -> list[tuple[int, int, int]]:
+        """``(first row, end row, blocks per row)`` groups of decode rows (sorted longest first).
+
+        On CPU a group's keys and values stay under ``CPU_DECODE_CHUNK_BYTES``; every group
+        gathers only as many blocks as its longest row needs. On CUDA: one group.
+        """
+        bs = self.block_size
+        row_blocks = [(c.start_position + bs) // bs for c in decodes]  # ceil((start + 1) / bs)
+        if self.device.type != "cpu":
+            return [(0, len(decodes), row_blocks[0])]
+        layer_block_bytes = self.kv_cache.spec.bytes_per_block // self.kv_cache.spec.num_layers  # keys + values
+        groups: list[tuple[int, int, int]] = []
+        lo = 0
+        while lo < len(decodes):
+            rows = max(1, CPU_DECODE_CHUNK_BYTES // (row_blocks[lo] * layer_block_bytes))
+            hi = min(len(decodes), lo + rows)
+            groups.append((lo, hi, row_blocks[lo]))
+            lo = hi
+        return groups
 
     def _workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Grow-only gather buffers for decode attention, shared by all layers and steps."""
