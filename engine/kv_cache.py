@@ -30,8 +30,7 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     def num_blocks_for(self, num_bytes: int) -> int:
         return num_bytes // self.bytes_per_block
@@ -43,7 +42,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     numel = math.prod(shape)
     if numel == 0:
         return torch.zeros(shape, dtype=dtype)
-    buffer = mmap.mmap(-1, numel * torch.tensor([], dtype=dtype).element_size())
+    buffer = mmap.mmap(-1, numel * dtype.itemsize)
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # the tensor keeps buffer alive
 
 

@@ -181,10 +181,11 @@ class ModelRunner:
         bs = self.block_size
         context_lens = torch.tensor([c.start_position + 1 for c in decodes])
         max_blocks = (int(context_lens.max()) + bs - 1) // bs
-        tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-        for row, chunk in enumerate(decodes):
-            num_blocks = min(len(chunk.block_ids), max_blocks)
-            tables[row, :num_blocks] = torch.tensor(chunk.block_ids[:num_blocks])
+        # Rows padded with block 0: the padded slots are masked out.
+        tables = torch.tensor(
+            [c.block_ids[:max_blocks] + [0] * (max_blocks - len(c.block_ids[:max_blocks])) for c in decodes],
+            dtype=torch.long,
+        )
         positions = context_lens - 1
         slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
         mask = torch.arange(max_blocks * bs).unsqueeze(0) < context_lens.unsqueeze(1)

@@ -77,6 +77,10 @@ class Keys:
         """Submit-once marker (value: unix submit time) of a request enqueued by the Celery tasks."""
         return f"{self.base}:sub:{request_id}"
 
+    def bulk_replies(self, job_id: str) -> str:
+        """Reply stream of one bulk job (its results arrive here; deleted when the job completes)."""
+        return f"{self.base}:bulk:{job_id}"
+
     @property
     def dead(self) -> str:
         """Dead-letter stream."""

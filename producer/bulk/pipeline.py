@@ -90,7 +90,7 @@ class BulkJob:
         self.input_format = detect_format(input_path, options.format)
         self.output_format: OutputFormat = "openai" if self.input_format == "openai" else "plain"
         self.job_id = job_id_of(output_path)
-        self.reply_stream = f"{producer.keys.base}:bulk:{self.job_id}"
+        self.reply_stream = producer.keys.bulk_replies(self.job_id)
         self.summary = BulkSummary(output_path, self.errors_path)
         self._show_progress = show_progress
         self._flights: dict[str, Flight] = {}  # request id -> attempt in flight
