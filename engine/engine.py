@@ -6,7 +6,9 @@ outputs are RequestOutputs.
 
 from __future__ import annotations
 
+import copy
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,6 +56,11 @@ class Engine:
             cache_dir=config.cache_dir,
         )
         self.tokenizer = self.loaded.tokenizer
+        # NOTE: tokenize() may run on another thread while step() detokenizes: a Hugging Face fast
+        # tokenizer must not be used by two threads at once ("Already borrowed"), so prompts get
+        # their own copy.
+        self._prompt_tokenizer = copy.deepcopy(self.tokenizer)
+        self._tokenize_lock = threading.Lock()
         self.max_model_len = self.loaded.max_model_len
         model_config = self.loaded.model.config
         num_heads = model_config.num_attention_heads
@@ -92,6 +99,18 @@ class Engine:
     def max_request_tokens(self) -> int:
         """Most prompt + output tokens one request may hold: the model context or the whole cache."""
         return min(self.max_model_len, self.cache_config.num_gpu_blocks * self.cache_config.block_size)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt; chat messages go through the model's chat template.
+
+        Thread-safe, and meant to run off the engine thread: a long prompt then never stalls a
+        step (the tokenizer releases the GIL). ``add_request`` of the ids skips this work.
+
+        Raises:
+            PromptError: empty or malformed prompt, or no chat template.
+        """
+        with self._tokenize_lock:
+            return tokenize_prompt(self._prompt_tokenizer, prompt)
 
     def add_request(
         self,

@@ -8,7 +8,7 @@ from producer.client import Producer
 from producer.common import SubmitOptions
 from producer.config import ProducerConfig, RedisConfig
 from producer.connection import aconnect, connect
-from producer.errors import JobFailed, ProducerError, RedisUnavailable, ResultTimeout, SchemaError
+from producer.errors import JobFailed, ProducerError, RedisUnavailable, ResultTimeout, SchemaError, SubmitUncertain
 from producer.keys import Keys
 from producer.schema import GenerationRequest, GenerationResult, Message, SamplingParams
 
@@ -28,6 +28,7 @@ __all__ = [
     "SamplingParams",
     "SchemaError",
     "SubmitOptions",
+    "SubmitUncertain",
     "aconnect",
     "connect",
 ]

@@ -19,7 +19,7 @@ from producer.common import Deadline, SubmitOptions
 from producer.config import ProducerConfig, RedisConfig
 from producer.connection import aconnect
 from producer.keys import DONE_TTL_S
-from producer.schema import GenerationRequest, GenerationResult, encode_request
+from producer.schema import GenerationRequest, GenerationResult
 
 
 class AsyncProducer:
@@ -90,22 +90,27 @@ class AsyncProducer:
 
         Raises:
             SchemaError: invalid options (code ``validation``); nothing was sent.
+            SubmitUncertain: Redis failed or timed out during the XADD; resubmitting with the
+                same ``request_id`` is safe (one id, one result).
         """
         request = common.build_request(self.keys, options)
-        client = await self.connect()
-        await client.xadd(self.keys.lane(request.priority), encode_request(request))  # type: ignore[arg-type]
+        await self._enqueue([request])
         return request.id
 
     async def submit_many(self, requests: Iterable[GenerationRequest | Mapping[str, Any]]) -> list[str]:
         """Enqueue many requests pipelined; see :meth:`producer.Producer.submit_many`."""
         batch = [common.coerce_request(self.keys, item) for item in requests]
-        client = await self.connect()
         for start in range(0, len(batch), self.config.submit_chunk_size):
-            pipe = client.pipeline(transaction=False)
-            for request in batch[start:start + self.config.submit_chunk_size]:
-                pipe.xadd(self.keys.lane(request.priority), encode_request(request))  # type: ignore[arg-type]
-            await pipe.execute()
+            await self._enqueue(batch[start:start + self.config.submit_chunk_size])
         return [request.id for request in batch]
+
+    async def _enqueue(self, requests: Sequence[GenerationRequest]) -> None:
+        """One round trip: clear stale cancel marks of the ids, XADD each request."""
+        client = await self.connect()
+        with common.uncertain_on_redis_error(requests):
+            pipe = client.pipeline(transaction=False)
+            common.queue_submit_commands(pipe, self.keys, requests)
+            await pipe.execute()
 
     async def get(self, request_id: str) -> GenerationResult | None:
         """The result if it has landed, else None; never blocks."""
@@ -157,8 +162,7 @@ class AsyncProducer:
                 continue
             request_id = key_to_id[popped[0].decode()]
             raw = await self._take(self.keys.result(request_id), self.keys.done(request_id), popped[1])
-            if raw is not None:
-                del pending[request_id]
+            if raw is not None and common.take_pending(pending, request_id):
                 yield common.finish(raw, raise_on_error=False)
             for result in await self._collect(pending, [i for i in batch if i in pending]):
                 yield result
@@ -208,8 +212,7 @@ class AsyncProducer:
             chunk = ids[start:start + common.MGET_CHUNK]
             raws = cast("list[bytes | None]", await client.mget([self.keys.result(i) for i in chunk]))
             for request_id, raw in zip(chunk, raws):
-                if raw is not None:
-                    del pending[request_id]
+                if raw is not None and common.take_pending(pending, request_id):
                     results.append(common.finish(raw, raise_on_error=False))
         return results
 

@@ -36,10 +36,12 @@ _INPUT_OPTION_KEYS = frozenset({*_PROMPT_KEYS, "metadata", "priority", "deadline
                                 "temperature", "top_p", "top_k", "min_tokens", "seed", "stop", "stop_token_ids",
                                 "ignore_eos", "logprobs"})
 
-# KEYS: 1 submit marker, 2 lane stream. ARGV: 1 now (unix s), 2 marker ttl ms, 3 d, 4 v.
+# KEYS: 1 submit marker, 2 lane stream, 3 cancel set. ARGV: 1 now (unix s), 2 marker ttl ms, 3 d, 4 v, 5 id.
+# A first submit also clears an old cancel mark of the id (it would pre-cancel this request).
 # Returns the submit time of whoever submitted first (this call or an earlier run).
 SUBMIT_ONCE_LUA = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  redis.call('ZREM', KEYS[3], ARGV[5])
   redis.call('XADD', KEYS[2], '*', 'd', ARGV[3], 'v', ARGV[4])
   return ARGV[1]
 end
@@ -132,8 +134,8 @@ class _Generator:
         request = build_request(producer.keys, {**options, "request_id": request_id})
         fields = encode_request(request)
         ttl_ms = int(self.config.result_ttl_s * 1000)
-        first = self._submit_script(keys=[producer.keys.submitted(request_id), producer.keys.lane(request.priority)],
-                                    args=[repr(time.time()), ttl_ms, fields["d"], SCHEMA_VERSION])
+        keys = [producer.keys.submitted(request_id), producer.keys.lane(request.priority), producer.keys.cancel]
+        first = self._submit_script(keys=keys, args=[repr(time.time()), ttl_ms, fields["d"], SCHEMA_VERSION, request_id])
         return float(first)
 
     def run(self, task: Any, source: Any, options: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from producer.common import Deadline, SubmitOptions
 from producer.config import ProducerConfig, RedisConfig
 from producer.connection import connect
 from producer.keys import DONE_TTL_S
-from producer.schema import GenerationRequest, GenerationResult, encode_request
+from producer.schema import GenerationRequest, GenerationResult
 
 
 class Producer:
@@ -79,16 +79,22 @@ class Producer:
                 ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``logprobs``); ``priority``
                 (``"high"``/``"normal"``/``"low"`` or a lane number; default ``"normal"``);
                 ``request_id`` (idempotency key; default a uuid4 hex); ``deadline`` (unix time);
-                ``reply_to`` (stream); ``stream_tokens``; ``metadata`` (echoed back); ``model``.
+                ``reply_to`` (a stream under ``keys.reply_prefix``, e.g. ``keys.reply("fan-in")``);
+                ``stream_tokens``; ``metadata`` (JSON-compatible, echoed back); ``model``.
+
+        A cancel mark left on the same id by an earlier request is cleared in the same round trip.
 
         Returns:
             The request id.
 
         Raises:
             SchemaError: invalid options (code ``validation``); nothing was sent.
+            SubmitUncertain: Redis failed or timed out during the XADD, which may or may not have
+                been applied. Submit again with the same ``request_id``: that is safe, because
+                the id is the idempotency key (one id, one result).
         """
         request = common.build_request(self.keys, options)
-        self.client.xadd(self.keys.lane(request.priority), encode_request(request))  # type: ignore[arg-type]
+        self._enqueue([request])
         return request.id
 
     def submit_many(self, requests: Iterable[GenerationRequest | Mapping[str, Any]]) -> list[str]:
@@ -102,14 +108,19 @@ class Producer:
 
         Raises:
             SchemaError: an item is invalid; all items are validated before any is sent.
+            SubmitUncertain: Redis failed during a chunk; resubmitting the same requests is safe.
         """
         batch = [common.coerce_request(self.keys, item) for item in requests]
         for start in range(0, len(batch), self.config.submit_chunk_size):
-            pipe = self.client.pipeline(transaction=False)
-            for request in batch[start:start + self.config.submit_chunk_size]:
-                pipe.xadd(self.keys.lane(request.priority), encode_request(request))  # type: ignore[arg-type]
-            pipe.execute()
+            self._enqueue(batch[start:start + self.config.submit_chunk_size])
         return [request.id for request in batch]
+
+    def _enqueue(self, requests: Sequence[GenerationRequest]) -> None:
+        """One round trip: clear stale cancel marks of the ids, XADD each request."""
+        with common.uncertain_on_redis_error(requests):
+            pipe = self.client.pipeline(transaction=False)
+            common.queue_submit_commands(pipe, self.keys, requests)
+            pipe.execute()
 
     def get(self, request_id: str) -> GenerationResult | None:
         """The result if it has landed, else None; never blocks."""
@@ -179,8 +190,7 @@ class Producer:
                 continue
             request_id = key_to_id[popped[0].decode()]
             raw = self._take(self.keys.result(request_id), self.keys.done(request_id), popped[1])
-            if raw is not None:
-                del pending[request_id]
+            if raw is not None and common.take_pending(pending, request_id):
                 yield common.finish(raw, raise_on_error=False)
             yield from self._collect(pending, [i for i in batch if i in pending])
 
@@ -241,8 +251,7 @@ class Producer:
             chunk = ids[start:start + common.MGET_CHUNK]
             raws = cast("list[bytes | None]", self.client.mget([self.keys.result(i) for i in chunk]))
             for request_id, raw in zip(chunk, raws):
-                if raw is not None:
-                    del pending[request_id]
+                if raw is not None and common.take_pending(pending, request_id):
                     yield common.finish(raw, raise_on_error=False)
 
     def _blpop(self, keys: list[str], deadline: Deadline) -> tuple[bytes, bytes] | None:

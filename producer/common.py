@@ -7,14 +7,16 @@ from __future__ import annotations
 import codecs
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal, TypedDict
 
 import msgpack
+import redis
 from pydantic import ValidationError
 
 from producer.config import MAX_BLOCK_S
-from producer.errors import JobFailed, ResultTimeout, SchemaError
+from producer.errors import JobFailed, ResultTimeout, SchemaError, SubmitUncertain
 from producer.keys import CONSUMER_GROUP, Keys
 from producer.schema import (
     ErrorCode,
@@ -22,8 +24,10 @@ from producer.schema import (
     GenerationResult,
     Message,
     SamplingParams,
+    check_reply_to,
     decode_result,
     describe_validation_error,
+    encode_request,
 )
 
 # Longest single blocking command; a wait longer than this is a loop of such slices, each
@@ -51,6 +55,8 @@ return value
 _SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
 _REQUEST_FIELDS = frozenset({"prompt", "messages", "prompt_token_ids", "deadline", "reply_to",
                              "stream_tokens", "metadata", "model"})
+# Options given as any Sequence / Mapping from Python; the strict wire models take lists and dicts.
+_SEQUENCE_FIELDS = frozenset({"messages", "prompt_token_ids", "stop_token_ids", "stop"})
 
 
 class SubmitOptions(TypedDict, total=False):
@@ -89,22 +95,33 @@ def build_request(keys: Keys, options: Mapping[str, Any]) -> GenerationRequest:
     unknown = set(options) - _SAMPLING_FIELDS - _REQUEST_FIELDS - {"priority", "request_id"}
     if unknown:
         raise SchemaError(ErrorCode.VALIDATION.value, f"unknown submit option(s): {', '.join(sorted(unknown))}")
-    given = {name: value for name, value in options.items() if value is not None}
+    given = {name: _as_plain(name, value) for name, value in options.items() if value is not None}
     data: dict[str, Any] = {name: value for name, value in given.items() if name in _REQUEST_FIELDS}
     data["params"] = {name: value for name, value in given.items() if name in _SAMPLING_FIELDS}
     if "request_id" in given:
         data["id"] = given["request_id"]
     try:
         data["priority"] = keys.lane_of(given.get("priority", "normal"))
-        return GenerationRequest.model_validate(data)
+        request = GenerationRequest.model_validate(data)
     except ValidationError as exc:
         raise SchemaError(ErrorCode.VALIDATION.value, describe_validation_error(exc)) from None
     except ValueError as exc:
         raise SchemaError(ErrorCode.VALIDATION.value, f"priority: {exc}") from None
+    _check_for_queue(keys, request)
+    return request
+
+
+def _as_plain(name: str, value: Any) -> Any:
+    """A Python-side convenience: tuples (any non-str sequence) as lists, mappings as dicts."""
+    if name in _SEQUENCE_FIELDS and isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [dict(item) if isinstance(item, Mapping) else item for item in value]
+    if name == "metadata" and isinstance(value, Mapping):
+        return dict(value)
+    return value
 
 
 def coerce_request(keys: Keys, item: GenerationRequest | Mapping[str, Any]) -> GenerationRequest:
-    """A ``submit_many`` item as a request whose lane exists on this queue.
+    """A ``submit_many`` item as a request whose lane and reply stream exist on this queue.
 
     Raises:
         SchemaError: code ``validation``.
@@ -113,7 +130,39 @@ def coerce_request(keys: Keys, item: GenerationRequest | Mapping[str, Any]) -> G
         return build_request(keys, item)
     if item.priority >= keys.num_lanes:
         raise SchemaError(ErrorCode.VALIDATION.value, f"priority: lane {item.priority} >= num_lanes {keys.num_lanes}")
+    _check_for_queue(keys, item)
     return item
+
+
+def _check_for_queue(keys: Keys, request: GenerationRequest) -> None:
+    reason = check_reply_to(request, keys)
+    if reason is not None:
+        raise SchemaError(ErrorCode.VALIDATION.value, reason)
+
+
+def queue_submit_commands(pipe: Any, keys: Keys, requests: Sequence[GenerationRequest]) -> None:
+    """Queue the commands that enqueue ``requests`` (sync or asyncio pipeline, one round trip).
+
+    NOTE: the ids are first removed from the cancel set: a cancel mark lives ``result_ttl_s`` and
+    would otherwise cancel a later submit of the same id before it ran. ZREM precedes the XADDs
+    on the same connection, so no worker can see an entry while its old mark still stands.
+    """
+    pipe.zrem(keys.cancel, *[request.id for request in requests])
+    for request in requests:
+        pipe.xadd(keys.lane(request.priority), encode_request(request))
+
+
+@contextmanager
+def uncertain_on_redis_error(requests: Sequence[GenerationRequest]) -> Iterator[None]:
+    """Turn a Redis failure while enqueuing ``requests`` into :class:`SubmitUncertain`.
+
+    A timeout (or a dropped connection) may strike after Redis applied the XADD: the caller
+    cannot know, and the safe answer is to submit again with the same ids (one id, one result).
+    """
+    try:
+        yield
+    except redis.RedisError as exc:
+        raise SubmitUncertain([request.id for request in requests], exc) from exc
 
 
 class Deadline:
@@ -173,10 +222,19 @@ def timeout_error(missing_ids: Sequence[str], timeout_s: float | None) -> Result
 
 
 def rotate(pending: Sequence[str], offset: int) -> list[str]:
-    """The next batch of ids to BLPOP on, starting at ``offset`` (wrapping)."""
+    """The next batch of ids to BLPOP on: up to ``DONE_KEYS_PER_BLPOP`` of them from ``offset`` on,
+    wrapping around the end, each id at most once (``pending`` holds distinct ids)."""
     start = offset % len(pending)
-    batch = list(pending[start:start + DONE_KEYS_PER_BLPOP])
-    return batch + list(pending[: DONE_KEYS_PER_BLPOP - len(batch)]) if start else batch
+    num_ids = min(DONE_KEYS_PER_BLPOP, len(pending))
+    return [pending[(start + i) % len(pending)] for i in range(num_ids)]
+
+
+def take_pending(pending: dict[str, None], request_id: str) -> bool:
+    """Drop ``request_id`` from ``pending``; whether it was there, so a repeated id is yielded once."""
+    if request_id not in pending:
+        return False
+    del pending[request_id]
+    return True
 
 
 def done_keys(keys: Keys, request_ids: Sequence[str]) -> dict[str, str]:

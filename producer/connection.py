@@ -51,12 +51,23 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
-def _client_kwargs(config: RedisConfig) -> dict[str, Any]:
+def _client_kwargs(config: RedisConfig, *, probe: bool = False) -> dict[str, Any]:
+    """Client options; a ``probe`` (the PING that proves the server answers) waits for no longer
+    than the connect timeout, TLS handshake included (``rediss://`` to a plain port never answers
+    the handshake: with the command timeout that took minutes to report)."""
     return {
         "socket_connect_timeout": config.connect_timeout_s,
-        "socket_timeout": config.socket_timeout_s,
+        "socket_timeout": config.connect_timeout_s if probe else config.socket_timeout_s,
         "health_check_interval": config.health_check_interval_s,
     }
+
+
+def _unreachable(url: str, attempts: int, last_error: Exception | None) -> RedisUnavailable:
+    hint = ""
+    if urlsplit(url).scheme == "rediss" and isinstance(last_error, redis.TimeoutError):
+        hint = " (no answer to the TLS handshake: is this a plain Redis port? then use redis://)"
+    return RedisUnavailable(f"could not reach Redis at {redact_url(url)} after {attempts} attempt(s): "
+                            f"{last_error}{hint}")
 
 
 def _backoff_s(config: RedisConfig, attempt: int) -> float:
@@ -77,53 +88,51 @@ def connect(config: RedisConfig | None = None) -> redis.Redis:
     """
     config = config or RedisConfig()
     url = resolve_url(config)
-    client = redis.Redis.from_url(url, **_client_kwargs(config))
+    probe = redis.Redis.from_url(url, **_client_kwargs(config, probe=True))
     attempts = 1 + config.connect_retries
     last_error: Exception | None = None
-    for attempt in range(attempts):
-        try:
-            client.ping()
-        except redis.AuthenticationError as exc:
-            client.close()
-            raise RedisUnavailable(f"Redis at {redact_url(url)} refused the credentials: {exc}") from exc
-        except _RETRYABLE as exc:
-            last_error = exc
-            if attempt + 1 < attempts:
-                delay_s = _backoff_s(config, attempt)
-                logger.warning("Redis at %s not answering (%s); retry in %.2f s", redact_url(url), exc, delay_s)
-                time.sleep(delay_s)
-        else:
-            logger.info("connected to Redis at %s", redact_url(url))
-            return client
-    client.close()
-    raise RedisUnavailable(
-        f"could not reach Redis at {redact_url(url)} after {attempts} attempt(s): {last_error}"
-    ) from last_error
+    try:
+        for attempt in range(attempts):
+            try:
+                probe.ping()
+            except redis.AuthenticationError as exc:
+                raise RedisUnavailable(f"Redis at {redact_url(url)} refused the credentials: {exc}") from exc
+            except _RETRYABLE as exc:
+                last_error = exc
+                if attempt + 1 < attempts:
+                    delay_s = _backoff_s(config, attempt)
+                    logger.warning("Redis at %s not answering (%s); retry in %.2f s", redact_url(url), exc, delay_s)
+                    time.sleep(delay_s)
+            else:
+                logger.info("connected to Redis at %s", redact_url(url))
+                return redis.Redis.from_url(url, **_client_kwargs(config))
+    finally:
+        probe.close()
+    raise _unreachable(url, attempts, last_error) from last_error
 
 
 async def aconnect(config: RedisConfig | None = None) -> redis.asyncio.Redis:
     """The asyncio twin of :func:`connect` (same resolution, retries and errors)."""
     config = config or RedisConfig()
     url = await asyncio.to_thread(resolve_url, config)  # may start the embedded server
-    client = redis.asyncio.Redis.from_url(url, **_client_kwargs(config))
+    probe = redis.asyncio.Redis.from_url(url, **_client_kwargs(config, probe=True))
     attempts = 1 + config.connect_retries
     last_error: Exception | None = None
-    for attempt in range(attempts):
-        try:
-            await client.ping()
-        except redis.AuthenticationError as exc:
-            await client.aclose()
-            raise RedisUnavailable(f"Redis at {redact_url(url)} refused the credentials: {exc}") from exc
-        except _RETRYABLE as exc:
-            last_error = exc
-            if attempt + 1 < attempts:
-                delay_s = _backoff_s(config, attempt)
-                logger.warning("Redis at %s not answering (%s); retry in %.2f s", redact_url(url), exc, delay_s)
-                await asyncio.sleep(delay_s)
-        else:
-            logger.info("connected to Redis at %s", redact_url(url))
-            return client
-    await client.aclose()
-    raise RedisUnavailable(
-        f"could not reach Redis at {redact_url(url)} after {attempts} attempt(s): {last_error}"
-    ) from last_error
+    try:
+        for attempt in range(attempts):
+            try:
+                await probe.ping()
+            except redis.AuthenticationError as exc:
+                raise RedisUnavailable(f"Redis at {redact_url(url)} refused the credentials: {exc}") from exc
+            except _RETRYABLE as exc:
+                last_error = exc
+                if attempt + 1 < attempts:
+                    delay_s = _backoff_s(config, attempt)
+                    logger.warning("Redis at %s not answering (%s); retry in %.2f s", redact_url(url), exc, delay_s)
+                    await asyncio.sleep(delay_s)
+            else:
+                logger.info("connected to Redis at %s", redact_url(url))
+                return redis.asyncio.Redis.from_url(url, **_client_kwargs(config))
+    finally:
+        await probe.aclose()
+    raise _unreachable(url, attempts, last_error) from last_error

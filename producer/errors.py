@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -57,3 +57,21 @@ class JobFailed(ProducerError):
 
 class RedisUnavailable(ProducerError, ConnectionError):
     """Redis could not be reached (after retries) or the embedded server would not start."""
+
+
+class SubmitUncertain(ProducerError):
+    """Redis failed or timed out while requests were being enqueued: each may or may not be queued.
+
+    Resubmitting the same requests with the same ids is safe: one id, one result.
+
+    Attributes:
+        request_ids: the ids whose enqueue is uncertain.
+    """
+
+    def __init__(self, request_ids: Sequence[str], cause: Exception) -> None:
+        shown = ", ".join(repr(i) for i in request_ids[:3]) + (", ..." if len(request_ids) > 3 else "")
+        super().__init__(
+            f"enqueue of {len(request_ids)} request(s) ({shown}) is uncertain after {type(cause).__name__}: {cause}; "
+            "resubmitting with the same request_id is safe (one id, one result)"
+        )
+        self.request_ids = list(request_ids)

@@ -77,9 +77,32 @@ class Keys:
         """Submit-once marker (value: unix submit time) of a request enqueued by the Celery tasks."""
         return f"{self.base}:sub:{request_id}"
 
+    @property
+    def reply_prefix(self) -> str:
+        """Namespace of reply streams: a request's ``reply_to`` must start with it (DESIGN.md)."""
+        return f"{self.base}:reply:"
+
+    def reply(self, name: str) -> str:
+        """Reply stream ``name`` of this queue (results are XADDed to it as ``d`` + ``v``).
+
+        Raises:
+            ValueError: empty ``name``.
+        """
+        if not name:
+            raise ValueError("reply stream name must be non-empty")
+        return self.reply_prefix + name
+
+    def is_reply_stream(self, key: str) -> bool:
+        """Whether ``key`` may be named as a ``reply_to``: a non-empty name under :attr:`reply_prefix`.
+
+        NOTE: this confinement is what keeps a request from writing to any other key (a result
+        key, the cancel set, a lane); with ``hash_tag`` the prefix also carries the queue's slot.
+        """
+        return key.startswith(self.reply_prefix) and len(key) > len(self.reply_prefix)
+
     def bulk_replies(self, job_id: str) -> str:
         """Reply stream of one bulk job (its results arrive here; deleted when the job completes)."""
-        return f"{self.base}:bulk:{job_id}"
+        return self.reply(f"bulk:{job_id}")
 
     @property
     def dead(self) -> str:

@@ -10,16 +10,23 @@ from __future__ import annotations
 import enum
 import time
 import uuid
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from producer.errors import SchemaError
+from producer.wire_values import check_metadata, is_utf8, require_utf8, safe_text, version_of
+
+if TYPE_CHECKING:
+    from producer.keys import Keys
 
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
 MAX_ID_LENGTH = 256
+MAX_REPLY_TO_LENGTH = 1024
+_INT32_END = 2**31  # token ids and counts stay below this
+_MAX_ERROR_CLAUSES = 10
 
 
 class ErrorCode(str, enum.Enum):
@@ -34,21 +41,38 @@ class ErrorCode(str, enum.Enum):
     INTERNAL = "internal"  # the engine failed on this request
 
 
+# A string that can go on the wire: valid UTF-8.
+Text = Annotated[str, AfterValidator(require_utf8)]
+TokenId = Annotated[int, Field(ge=0, lt=_INT32_END)]
+# JSON-compatible, bounded: checked at the door so that the worker can always encode the result echoing it.
+Metadata = Annotated[dict[str, Any], AfterValidator(check_metadata)]
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class SamplingParams(_Model):
+class _Wire(BaseModel):
+    """Request-side models: strict types (no ``"10"`` -> 10, ``1`` -> True, bytes -> str), finite numbers.
+
+    NOTE: requests come from any client in any language; lax coercion let malformed ones run with
+    semantics nobody asked for (``ignore_eos="yes"``, a NaN deadline that never expires).
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class SamplingParams(_Wire):
     """How to generate. ``temperature == 0`` is greedy."""
 
-    max_tokens: int = Field(default=256, ge=1)
+    max_tokens: int = Field(default=256, ge=1, lt=_INT32_END)
     temperature: float = Field(default=0.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, description="0 disables top-k")
-    min_tokens: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0, lt=_INT32_END, description="0 disables top-k")
+    min_tokens: int = Field(default=0, ge=0, lt=_INT32_END)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop: list[Text] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
 
@@ -66,44 +90,66 @@ class SamplingParams(_Model):
         return self
 
 
-class Message(BaseModel):
-    """One chat message; extra keys (e.g. ``name``) pass through to the chat template."""
+class Message(_Wire):
+    """One chat message; extra keys (e.g. ``name``) pass through to the chat template.
+
+    Extra keys follow the rules of ``metadata``: JSON-compatible, bounded depth and size.
+    """
 
     model_config = ConfigDict(extra="allow")
 
-    role: str = Field(..., min_length=1)
-    content: str
+    role: Text = Field(..., min_length=1)
+    content: Text
+
+    @model_validator(mode="after")
+    def _check_extra(self) -> Message:
+        if self.model_extra:
+            check_metadata(self.model_extra)
+        return self
 
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-class GenerationRequest(_Model):
+def request_id_error(value: str) -> str | None:
+    """Why ``value`` cannot be a request id (1..MAX_ID_LENGTH chars, valid UTF-8, no whitespace), or None."""
+    if not 0 < len(value) <= MAX_ID_LENGTH:
+        return f"id must be 1 to {MAX_ID_LENGTH} characters long"
+    if any(ch.isspace() for ch in value):
+        return "id must not contain whitespace"
+    if not is_utf8(value):
+        return "id must be valid UTF-8"
+    return None
+
+
+class GenerationRequest(_Wire):
     """One unit of work. ``id`` is the idempotency key: one id, one result."""
 
-    id: str = Field(default_factory=new_request_id, min_length=1, max_length=MAX_ID_LENGTH)
-    prompt: str | None = None
+    id: str = Field(default_factory=new_request_id)
+    prompt: Text | None = None
     messages: list[Message] | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     params: SamplingParams = Field(default_factory=SamplingParams)
-    priority: int = Field(default=0, ge=0, description="lane; lower = more urgent")
+    priority: int = Field(default=0, ge=0, lt=_INT32_END, description="lane; lower = more urgent")
     deadline: float | None = Field(
         default=None, description="unix time; work not started by then is answered 'expired'"
     )
-    reply_to: str | None = Field(default=None, min_length=1, description="stream that also receives the result")
+    reply_to: Text | None = Field(default=None, min_length=1, max_length=MAX_REPLY_TO_LENGTH,
+                                  description="stream under Keys.reply_prefix that also receives the result")
     stream_tokens: bool = False
-    model: str | None = Field(
+    model: Text | None = Field(
         default=None, description="model the caller expects; a worker serving another answers an error"
     )
-    metadata: dict[str, Any] = Field(default_factory=dict, description="echoed back in the result")
+    metadata: Metadata = Field(default_factory=dict, description="echoed back in the result")
     submitted_at: float = Field(default_factory=time.time, description="unix time the producer enqueued it")
 
     @field_validator("id")
     @classmethod
-    def _id_chars(cls, value: str) -> str:
-        if any(ch.isspace() for ch in value):
-            raise ValueError("id must not contain whitespace")
+    def _check_id(cls, value: str) -> str:
+        reason = request_id_error(value)
+        if reason is not None:
+            raise ValueError(reason)
         return value
 
     @model_validator(mode="after")
@@ -111,9 +157,7 @@ class GenerationRequest(_Model):
         given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(f"exactly one of prompt / messages / prompt_token_ids is required, got {given or 'none'}")
-        if self.prompt_token_ids is not None and (
-            not self.prompt_token_ids or any(t < 0 for t in self.prompt_token_ids)
-        ):
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must be a non-empty list of non-negative ints")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
@@ -174,14 +218,14 @@ class GenerationResult(_Model):
         worker: str | None = None,
         metadata: dict[str, Any] | None = None,
     ) -> GenerationResult:
-        """A result that carries no generation, only why."""
+        """A result that carries no generation, only why (``message`` made encodable: see :func:`safe_text`)."""
         code_text = code.value if isinstance(code, ErrorCode) else code
         return cls(
             id=request_id,
             status=status,
             finish_reason="abort" if status != "error" else None,
             worker=worker,
-            error=ErrorInfo(code=code_text, message=message),
+            error=ErrorInfo(code=code_text, message=safe_text(message)),
             metadata=metadata or {},
         )
 
@@ -209,16 +253,47 @@ def decode_request(fields: dict[Any, Any]) -> GenerationRequest:
         raise SchemaError(ErrorCode.VALIDATION.value, describe_validation_error(exc)) from None
 
 
-def peek_request_id(fields: dict[Any, Any]) -> str | None:
-    """Best-effort id of an entry that failed to decode, so its error result has an address."""
-    try:
-        data = msgpack.unpackb(_field(fields, "d"), raw=False, strict_map_key=False)
-    except Exception:  # noqa: BLE001 - any garbage: there is simply no id to recover
+def check_reply_to(request: GenerationRequest, keys: Keys) -> str | None:
+    """Why ``request.reply_to`` may not be written by a worker of ``keys``' queue, or None when it may.
+
+    A reply stream must live under ``keys.reply_prefix`` (DESIGN.md), so a request can never name
+    another key (a result, the cancel set, a lane). The schema alone cannot know the queue: the
+    producer calls this before sending, the worker at triage (answering ``validation``).
+    """
+    if request.reply_to is None or keys.is_reply_stream(request.reply_to):
         return None
-    rid = data.get("id") if isinstance(data, dict) else None
-    if isinstance(rid, str) and 0 < len(rid) <= MAX_ID_LENGTH and not any(c.isspace() for c in rid):
-        return rid
-    return None
+    return safe_text(f"reply_to must name a stream under {keys.reply_prefix!r}, got {request.reply_to!r}")
+
+
+def peek_request_id(fields: dict[Any, Any]) -> str | None:
+    """Best-effort id of an entry that failed to decode, so its error result has an address.
+
+    Bad UTF-8 elsewhere in the payload (e.g. the prompt) does not hide the id; the id itself
+    must pass :func:`request_id_error`.
+    """
+    request_id = _peek(fields, "id")
+    return request_id if isinstance(request_id, str) and request_id_error(request_id) is None else None
+
+
+def peek_reply_to(fields: dict[Any, Any]) -> str | None:
+    """Best-effort ``reply_to`` of an entry that failed to decode, so that a bulk job still hears of
+    its error. Unchecked: write to it only if ``Keys.is_reply_stream`` accepts it."""
+    reply_to = _peek(fields, "reply_to")
+    return reply_to if isinstance(reply_to, str) and reply_to and is_utf8(reply_to) else None
+
+
+def _peek(fields: dict[Any, Any], name: str) -> Any:
+    try:
+        data = _unpack(_field(fields, "d"))
+    except Exception:  # noqa: BLE001 - any garbage: there is simply nothing to recover
+        return None
+    return data.get(name) if isinstance(data, dict) else None
+
+
+def _unpack(payload: Any) -> Any:
+    """msgpack with invalid UTF-8 in strings kept as lone surrogates (rejected by validation, with the
+    request's id, instead of failing the whole entry as undecodable)."""
+    return msgpack.unpackb(payload, raw=False, unicode_errors="surrogateescape", strict_map_key=False)
 
 
 def encode_result(result: GenerationResult) -> bytes:
@@ -255,20 +330,17 @@ def _field(fields: dict[Any, Any], name: str) -> Any:
 
 def _unpack_fields(fields: dict[Any, Any]) -> Any:
     raw_version = _field(fields, "v")
-    try:
-        version = int(raw_version) if raw_version is not None else None
-    except (TypeError, ValueError):
-        version = None
-    if version not in SUPPORTED_VERSIONS:
+    if version_of(raw_version) not in SUPPORTED_VERSIONS:
         raise SchemaError(
             ErrorCode.UNKNOWN_VERSION.value,
-            f"schema version {raw_version!r} is not supported (this worker speaks {sorted(SUPPORTED_VERSIONS)})",
+            safe_text(f"schema version {raw_version!r} is not supported "
+                      f"(this worker speaks {sorted(SUPPORTED_VERSIONS)})"),
         )
     payload = _field(fields, "d")
     if not isinstance(payload, (bytes, bytearray)):
         raise SchemaError(ErrorCode.UNDECODABLE.value, "entry has no 'd' field of msgpack bytes")
     try:
-        data = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        data = _unpack(payload)
     except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
         raise SchemaError(ErrorCode.UNDECODABLE.value, f"'d' is not valid msgpack ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict):
@@ -277,9 +349,14 @@ def _unpack_fields(fields: dict[Any, Any]) -> Any:
 
 
 def describe_validation_error(exc: ValidationError) -> str:
-    """Field-by-field summary of a validation error, one clause per field."""
-    parts = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "request"
-        parts.append(f"{where}: {err['msg']}")
-    return "; ".join(parts)
+    """Field-by-field summary of a validation error, one clause per field (the first few).
+
+    NOTE: field names come from the input (unknown keys): the text goes through :func:`safe_text`
+    so that the error result carrying it can always be encoded.
+    """
+    errors = exc.errors(include_input=False, include_url=False)
+    parts = [f"{'.'.join(str(p) for p in err['loc']) or 'request'}: {err['msg']}"
+             for err in errors[:_MAX_ERROR_CLAUSES]]
+    if len(errors) > _MAX_ERROR_CLAUSES:
+        parts.append(f"and {len(errors) - _MAX_ERROR_CLAUSES} more")
+    return safe_text("; ".join(parts))

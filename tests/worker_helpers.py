@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -16,6 +20,7 @@ from producer.schema import GenerationRequest, GenerationResult, decode_result, 
 from worker.config import Settings, load_settings
 from worker.runtime import Worker
 
+ROOT = Path(__file__).resolve().parents[1]
 FAST_WORKER = {"block_ms": 100, "heartbeat_interval_s": 0.1, "stale_after_s": 0.5, "reclaim_interval_s": 0.1,
                "reclaim_min_idle_ms": 0, "cancel_poll_s": 0.01, "drain_timeout_s": 5.0}
 
@@ -61,3 +66,23 @@ def wait_result(client: redis.Redis, keys: Keys, request_id: str, timeout_s: flo
             return decode_result(raw)
         time.sleep(0.01)
     raise AssertionError(f"no result for {request_id} within {timeout_s} s")
+
+
+def start_worker_process(redis_url: str, prefix: str, name: str, *args: str,
+                         env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """``tokenmill worker --model echo`` as a real process on the test's prefix, with fast intervals.
+
+    It logs warnings and worse only: stderr is a pipe nobody reads while the test runs, and a
+    full pipe would block the worker.
+
+    Args:
+        env: extra ``TOKENMILL_*`` variables (they win over the defaults here).
+        *args: extra command-line flags.
+    """
+    defaults = {"TOKENMILL_WORKER__HEARTBEAT_INTERVAL_S": "0.2", "TOKENMILL_WORKER__STALE_AFTER_S": "1.0",
+                "TOKENMILL_WORKER__RECLAIM_INTERVAL_S": "0.2", "TOKENMILL_WORKER__BLOCK_MS": "200",
+                "TOKENMILL_WORKER__RECLAIM_MIN_IDLE_MS": "0", "TOKENMILL_WORKER__LOG_LEVEL": "WARNING"}
+    command = [sys.executable, "-m", "worker", "worker", "--model", "echo", "--redis-url", redis_url,
+               "--prefix", prefix, "--name", name, *args]
+    return subprocess.Popen(command, cwd=ROOT, env={**os.environ, **defaults, **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -19,7 +19,7 @@ from producer.errors import ProducerError
 from worker.cli_common import fail, open_producer, validation_exit
 
 EXIT_INTERRUPTED = 130
-EXIT_INCOMPLETE = 3  # some items failed (see the errors file)
+EXIT_INCOMPLETE = 3  # some records failed or were invalid, in this run or an earlier one (see the errors file)
 
 
 def _sigterm_as_interrupt(_signum: int, _frame: FrameType | None) -> None:
@@ -44,7 +44,14 @@ def bulk_command(
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="progress bar on stderr")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
 ) -> None:
-    """Generate completions for every record of INPUT into OUTPUT (resumable; Ctrl-C is safe)."""
+    """Generate completions for every record of INPUT into OUTPUT (resumable; Ctrl-C is safe).
+
+    Exit status:
+    0 every record succeeded;
+    1 the job could not run (bad options, unreadable input, Redis unreachable);
+    3 the errors file holds failed or invalid records (from this run or an earlier one);
+    130 interrupted (re-run the same command to finish).
+    """
     options: dict[str, Any] = {"priority": int(priority) if priority.isdigit() else priority,
                                "max_in_flight": max_in_flight, "max_tokens": max_tokens, "temperature": temperature,
                                "top_p": top_p, "seed": seed, "retries": retries, "errors_path": errors,
@@ -68,5 +75,5 @@ def bulk_command(
         render_summary(summary, Console())
     if summary.is_interrupted:
         raise typer.Exit(code=EXIT_INTERRUPTED)
-    if summary.num_failed or summary.num_invalid:
+    if summary.has_errors:
         raise typer.Exit(code=EXIT_INCOMPLETE)

@@ -49,6 +49,8 @@ class WorkerConfig(_Frozen):
     reclaim_interval_s: float = Field(5.0, gt=0, description="how often dead workers' entries are reclaimed")
     reclaim_min_idle_ms: int = Field(1000, ge=0, description="entries idle less than this are not claimed")
     max_deliveries: int = Field(5, ge=1, description="deliveries before an entry is dead-lettered")
+    max_request_bytes: int = Field(4 << 20, ge=1024, description="larger requests are answered prompt_too_long "
+                                   "before they are decoded or tokenized")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM: time to finish started requests")
     result_ttl_s: float = Field(86_400.0, gt=0, description="lifetime of stored results")
     done_ttl_s: float = Field(float(DONE_TTL_S), gt=0, description="lifetime of done lists (BLPOP waiters)")
@@ -60,6 +62,8 @@ class WorkerConfig(_Frozen):
     trim_interval_s: float = Field(60.0, gt=0, description="how often old cancel marks and heartbeats are trimmed")
     heartbeat_forget_s: float = Field(86_400.0, gt=0, description="stale heartbeats are deleted after this")
     metrics_port: int | None = Field(None, ge=1, le=65535, description="serve Prometheus metrics on this port")
+    metrics_host: str = Field("127.0.0.1", min_length=1, description="address the metrics endpoint binds; "
+                              "0.0.0.0 to let a remote Prometheus scrape it")
     log_json: bool = Field(False, description="one JSON object per log line")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
 

@@ -75,6 +75,10 @@ class EchoEngine:
             return
         self._waiting[request_id] = request
 
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """The prompt's UTF-8 bytes (chat messages: their contents, one per line)."""
+        return _token_ids(prompt)
+
     def step(self) -> list[RequestOutput]:
         """Admit by (priority, arrival), then emit tokens for every running request."""
         if self._step_delay_s:

@@ -5,37 +5,60 @@ Pure functions over producer.schema; no Redis, no engine, no threads.
 
 from __future__ import annotations
 
-from typing import Any
-
-import msgpack
-
+from dataclasses import dataclass
 from producer.errors import SchemaError
-from producer.schema import ErrorCode, GenerationRequest, GenerationResult, decode_request, peek_request_id
+from producer.keys import Keys
+from producer.schema import (
+    ErrorCode,
+    GenerationRequest,
+    GenerationResult,
+    check_reply_to,
+    decode_request,
+    peek_reply_to,
+    peek_request_id,
+)
 from worker.messages import Admit, DeadLetter, Entry, Finish
 
 
-def triage(entry: Entry, now_s: float, model_name: str, worker: str) -> Admit | Finish | DeadLetter:
+@dataclass(frozen=True)
+class IntakePolicy:
+    """What a worker accepts."""
+
+    keys: Keys  # the served queue: reply streams must live in its reply namespace
+    model_name: str  # a request naming another model is refused
+    worker: str  # this worker's name, recorded in immediate answers
+    max_request_bytes: int  # larger entries are refused before they are decoded or tokenized
+
+
+def triage(entry: Entry, now_s: float, policy: IntakePolicy) -> Admit | Finish | DeadLetter:
     """Decide what to do with one entry read from a lane.
 
     Args:
         entry: the raw entry.
         now_s: unix time of the read (deadlines are compared with it).
-        model_name: the model this worker serves; a request naming another is refused.
-        worker: this worker's name, recorded in immediate answers.
+        policy: what this worker accepts.
 
     Returns:
         ``Admit`` to run it, ``Finish`` with an error / expired result, or ``DeadLetter`` when no
         request id can be recovered to address an answer to.
     """
+    size = sum(len(value) for value in entry.fields.values() if isinstance(value, (bytes, str)))
+    if size > policy.max_request_bytes:
+        message = f"the request is {size} bytes; this worker accepts at most {policy.max_request_bytes}"
+        return _refuse_undecodable(entry, SchemaError(ErrorCode.PROMPT_TOO_LONG.value, message), policy)
     try:
         request = decode_request(entry.fields)
     except SchemaError as exc:
-        return _refuse_undecodable(entry, exc, worker)
-    if request.model is not None and request.model != model_name:
-        message = f"this worker serves {model_name!r}, not {request.model!r}"
-        return answer(request, entry, ErrorCode.MODEL_NOT_SERVED.value, message, worker)
+        return _refuse_undecodable(entry, exc, policy)
+    reply_error = check_reply_to(request, policy.keys)
+    if reply_error is not None:
+        return answer(request.model_copy(update={"reply_to": None}), entry, ErrorCode.VALIDATION.value, reply_error,
+                      policy.worker)
+    if request.model is not None and request.model != policy.model_name:
+        message = f"this worker serves {policy.model_name!r}, not {request.model!r}"
+        return answer(request, entry, ErrorCode.MODEL_NOT_SERVED.value, message, policy.worker)
     if request.deadline is not None and request.deadline <= now_s:
-        return answer(request, entry, "expired", "deadline passed before the request started", worker,
+        return answer(request, entry, "expired", "deadline passed before the request started", policy.worker,
                       status="expired")
     return Admit(request, entry, now_s)
 
@@ -48,19 +71,13 @@ def answer(request: GenerationRequest, entry: Entry, code: str, message: str, wo
     return Finish(result, entry, request.reply_to, request.stream_tokens)
 
 
-def _refuse_undecodable(entry: Entry, exc: SchemaError, worker: str) -> Finish | DeadLetter:
+def _refuse_undecodable(entry: Entry, exc: SchemaError, policy: IntakePolicy) -> Finish | DeadLetter:
     request_id = peek_request_id(entry.fields)
     if request_id is None:
         return DeadLetter(entry, reason=f"{exc.code}: {exc.message}")
-    result = GenerationResult.failure(request_id, exc.code, exc.message, worker=worker)
-    return Finish(result, entry, reply_to=_peek_reply_to(entry.fields))
+    result = GenerationResult.failure(request_id, exc.code, exc.message, worker=policy.worker)
+    reply_to = peek_reply_to(entry.fields)
+    if reply_to is not None and not policy.keys.is_reply_stream(reply_to):
+        reply_to = None
+    return Finish(result, entry, reply_to=reply_to)
 
-
-def _peek_reply_to(fields: dict[Any, Any]) -> str | None:
-    """Best-effort reply stream of a request that failed validation, so bulk jobs still hear of it."""
-    try:
-        data = msgpack.unpackb(fields.get(b"d", b""), raw=False, strict_map_key=False)
-    except Exception:  # noqa: BLE001 - garbage has no reply stream
-        return None
-    reply_to = data.get("reply_to") if isinstance(data, dict) else None
-    return reply_to if isinstance(reply_to, str) and reply_to else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -16,7 +17,7 @@ from pydantic import ValidationError
 from engine.outputs import RequestOutput
 from producer.schema import ErrorCode, GenerationResult
 from worker.convert import build_result, engine_params, engine_prompt
-from worker.messages import Abort, Admit, EngineLike, Entry, Finish, Incoming, Outgoing, TokenDelta
+from worker.messages import Abort, Admit, EngineLike, Entry, Finish, Incoming, Outgoing, Prepared, TokenDelta
 from worker.metrics import WorkerMetrics
 from worker.state import Load
 
@@ -55,6 +56,8 @@ class EngineLoop:
         self._worker_name = worker_name
         self._live: dict[str, _Live] = {}
         self.is_admitting = True  # False while draining: admits stay pending in Redis
+        # NOTE: one thread, so requests reach the engine in the order they were read.
+        self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-tokenize")
 
     @property
     def num_live(self) -> int:
@@ -85,6 +88,10 @@ class EngineLoop:
                 live.abort_status = HANDOVER
                 self._engine.abort(request_id)
 
+    def close(self) -> None:
+        """Stop the tokenizer thread (requests still being tokenized stay pending in Redis)."""
+        self._tokenizer.shutdown(wait=False, cancel_futures=True)
+
     def _take_commands(self, wait_s: float) -> None:
         while True:
             try:
@@ -94,10 +101,12 @@ class EngineLoop:
             wait_s = 0.0
             if isinstance(command, Abort):
                 self._abort(command)
-                continue
-            self._load.add_queued(-1)
-            if self.is_admitting:  # NOTE: while draining, a dropped admit stays pending in Redis
-                self._admit(command)
+            elif isinstance(command, Admit):
+                self._tokenize(command)
+            else:
+                self._load.add_queued(-1)
+                if self.is_admitting:  # NOTE: while draining, a dropped admit stays pending in Redis
+                    self._admit(command)
 
     def _abort(self, command: Abort) -> None:
         live = self._live.get(command.request_id)
@@ -105,21 +114,45 @@ class EngineLoop:
             live.abort_status = command.status
             self._engine.abort(command.request_id)
 
-    def _admit(self, admit: Admit) -> None:
+    def _tokenize(self, admit: Admit) -> None:
+        """Tokenize on the tokenizer thread; the result comes back through the inbox as ``Prepared``.
+
+        NOTE: tokenizing a long prompt takes about a second per MB; on the engine thread it
+        would stall every running request for that long.
+        """
+        def prepare() -> None:
+            try:
+                prepared = Prepared(admit, self._engine.tokenize(engine_prompt(admit.request)))
+            except Exception as exc:  # noqa: BLE001 - any failure is this request's error result
+                prepared = Prepared(admit, None, exc)
+            self._inbox.put(prepared)
+
+        self._tokenizer.submit(prepare)
+
+    def _admit(self, prepared: Prepared) -> None:
+        admit = prepared.admit
         request = admit.request
         if request.id in self._live:
             self._live[request.id].extra_entries.append(admit.entry)
+            return
+        if prepared.prompt_token_ids is None:
+            self._finish_early(admit, _error_code(prepared.error), str(prepared.error))
             return
         try:
             params = engine_params(request)
         except ValidationError as exc:
             self._finish_early(admit, ErrorCode.VALIDATION, str(exc))
             return
-        self._engine.add_request(request.id, engine_prompt(request), params, priority=admit.entry.lane)
+        try:
+            self._engine.add_request(request.id, prepared.prompt_token_ids, params, priority=admit.entry.lane)
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the engine thread
+            log.exception("admission failed", extra={"event": "error", "request_id": request.id})
+            self._finish_early(admit, ErrorCode.INTERNAL, f"admission failed: {type(exc).__name__}: {exc}")
+            return
         self._live[request.id] = _Live(admit)
         log.info("claimed", extra={"event": "claimed", "request_id": request.id, "lane": admit.entry.lane})
 
-    def _finish_early(self, admit: Admit, code: ErrorCode, message: str) -> None:
+    def _finish_early(self, admit: Admit, code: ErrorCode | str, message: str) -> None:
         result = GenerationResult.failure(admit.request.id, code, message, worker=self._worker_name,
                                           metadata=admit.request.metadata)
         self._outbox.put(Finish(result, admit.entry, admit.request.reply_to, admit.request.stream_tokens))
@@ -144,7 +177,19 @@ class EngineLoop:
         del self._live[output.request_id]
         if live.abort_status == HANDOVER:
             return
-        result = build_result(output, live.admit, self._worker_name, live.abort_status)
+        try:
+            result = build_result(output, live.admit, self._worker_name, live.abort_status)
+        except Exception as exc:  # noqa: BLE001 - answer this request with why, keep serving the others
+            log.exception("result failed", extra={"event": "error", "request_id": output.request_id})
+            result = GenerationResult.failure(request.id, ErrorCode.INTERNAL,
+                                              f"the result could not be built: {type(exc).__name__}: {exc}",
+                                              worker=self._worker_name)
         self._load.count_finished(len(output.token_ids))
         for entry in [live.admit.entry, *live.extra_entries]:
             self._outbox.put(Finish(result, entry, request.reply_to, request.stream_tokens))
+
+
+def _error_code(exc: Exception | None) -> str:
+    """The wire error code of a tokenization failure: the prompt's own code, else ``internal``."""
+    code = getattr(exc, "code", None)
+    return code if isinstance(code, str) else ErrorCode.INTERNAL.value

@@ -23,6 +23,8 @@ class EngineLike(Protocol):
     @property
     def model_name(self) -> str: ...
 
+    def tokenize(self, prompt: Prompt) -> list[int]: ...
+
     def add_request(
         self,
         request_id: str,
@@ -58,6 +60,15 @@ class Admit:
     request: GenerationRequest
     entry: Entry
     intake_time_s: float  # unix time the worker read (or reclaimed) the entry
+
+
+@dataclass
+class Prepared:
+    """Tokenizer thread -> engine thread: an admitted request, tokenized (or why it could not be)."""
+
+    admit: Admit
+    prompt_token_ids: list[int] | None  # None when tokenizing failed
+    error: Exception | None = None
 
 
 @dataclass
@@ -99,4 +110,4 @@ class DeadLetter:
 
 
 Outgoing = TokenDelta | Finish | DeadLetter
-Incoming = Admit | Abort
+Incoming = Admit | Prepared | Abort

@@ -170,7 +170,7 @@ class WorkerMetrics:
         if isinstance(replies[-1], int):
             self.dead_letters.labels(queue).set(replies[-1])
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+    def serve(self, port: int, addr: str) -> None:
         """Serve ``/metrics`` on ``addr:port`` from a daemon thread (call once)."""
         from prometheus_client import start_http_server  # noqa: PLC0415
 

@@ -5,13 +5,14 @@ Owns the worker's Redis writes of answers. Imports redis and producer (schema, k
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 from redis.commands.core import Script
 
 from producer.keys import CONSUMER_GROUP, Keys
-from producer.schema import SCHEMA_VERSION, encode_result
+from producer.schema import SCHEMA_VERSION, ErrorCode, GenerationResult, encode_result
 from worker.messages import DeadLetter, Finish, Outgoing, TokenDelta
 
 # NOTE: one script, so "stored + notified + replied + acked" is a single atomic step. The
@@ -20,36 +21,79 @@ from worker.messages import DeadLetter, Finish, Outgoing, TokenDelta
 # already answered request (reclaimed from a worker that also finished it) changes nothing.
 # The answered entry is then deleted (what XACKDEL does on Redis 8.2), so lane streams hold only
 # unanswered work and never grow without bound under `maxmemory-policy noeviction`.
+#
+# The script never fails half-way: every write after the first checks the key's type first
+# (a client may have created, say, a string where a reply stream is expected: that write is
+# skipped, never an error), and the ack uses pcall (a lane whose group was deleted). Under
+# `maxmemory` Redis refuses only a script's *first* write, so an OOM refusal leaves nothing
+# behind and the whole step is retried.
 #   KEYS: 1 result, 2 done list, 3 lane stream, 4 reply stream, 5 token stream, 6 dead stream
 #   ARGV: 1 group, 2 entry id, 3 result bytes, 4 result ttl ms, 5 done ttl ms, 6 schema version,
 #         7 status, 8 has reply (0/1), 9 has tokens (0/1), 10 token ttl ms,
 #         11 dead-letter reason ('' = none), 12.. original entry fields as name, value pairs
 FINISH_LUA = """
+local function holds(key, kind)
+  local t = redis.call('TYPE', key)['ok']
+  return t == 'none' or t == kind
+end
 local stored = false
 if ARGV[3] ~= '' then
   stored = redis.call('SET', KEYS[1], ARGV[3], 'NX', 'PX', ARGV[4])
 end
-if stored then
-  redis.call('LPUSH', KEYS[2], ARGV[7])
-  redis.call('PEXPIRE', KEYS[2], ARGV[5])
-  if ARGV[8] == '1' then
-    redis.call('XADD', KEYS[4], '*', 'd', ARGV[3], 'v', ARGV[6])
-  end
-  if ARGV[9] == '1' then
-    redis.call('XADD', KEYS[5], '*', 'end', '1', 'status', ARGV[7])
-    redis.call('PEXPIRE', KEYS[5], ARGV[10])
-  end
-end
-if ARGV[11] ~= '' then
+if ARGV[11] ~= '' and holds(KEYS[6], 'stream') then
   local fields = {'reason', ARGV[11], 'stream', KEYS[3], 'entry_id', ARGV[2]}
   for i = 12, #ARGV do fields[#fields + 1] = ARGV[i] end
   redis.call('XADD', KEYS[6], '*', unpack(fields))
 end
-redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[3], ARGV[2])
+if stored then
+  if holds(KEYS[2], 'list') then
+    redis.call('LPUSH', KEYS[2], ARGV[7])
+    redis.call('PEXPIRE', KEYS[2], ARGV[5])
+  end
+  if ARGV[8] == '1' and holds(KEYS[4], 'stream') then
+    redis.call('XADD', KEYS[4], '*', 'd', ARGV[3], 'v', ARGV[6])
+  end
+  if ARGV[9] == '1' and holds(KEYS[5], 'stream') then
+    redis.call('XADD', KEYS[5], '*', 'end', '1', 'status', ARGV[7])
+    redis.call('PEXPIRE', KEYS[5], ARGV[10])
+  end
+end
+redis.pcall('XACK', KEYS[3], ARGV[1], ARGV[2])
+redis.pcall('XDEL', KEYS[3], ARGV[2])
 if stored then return 1 end
 return 0
 """
+
+
+@dataclass(frozen=True)
+class FlushOutcome:
+    """What happened to one finish / dead-letter item of a flush."""
+
+    item: Finish | DeadLetter  # what was written: the item, or an error result if it could not be encoded
+    is_stored: bool = False  # the result was newly stored (False: an answer was already there)
+    error: redis.RedisError | None = None  # Redis refused this item; nothing of it was written
+
+
+def encodable(item: Finish | DeadLetter) -> tuple[Finish | DeadLetter, bytes | None]:
+    """The item and its encoded result, replacing a result that cannot be encoded by an error result.
+
+    NOTE: triage validates metadata, so this is the last line of defence: one odd result must
+    never take the writer thread down with it.
+    """
+    result = item.result
+    if result is None:
+        return item, None
+    try:
+        return item, encode_result(result)
+    except Exception as exc:  # noqa: BLE001 - anything the encoder raises concerns this item only
+        failure = GenerationResult.failure(result.id, ErrorCode.INTERNAL,
+                                           f"the result could not be encoded ({type(exc).__name__}: {exc})",
+                                           worker=result.worker)
+        if isinstance(item, Finish):
+            item = Finish(failure, item.entry, item.reply_to, item.stream_tokens)
+        else:
+            item = DeadLetter(item.entry, item.reason, failure)
+        return item, encode_result(failure)
 
 
 class ResultWriter:
@@ -71,32 +115,42 @@ class ResultWriter:
                         "tokens": int(token_ttl_s * 1000)}
         self._script: Script = client.register_script(FINISH_LUA)
 
-    def flush(self, items: list[Outgoing]) -> list[int]:
+    def flush(self, items: list[Outgoing]) -> list[FlushOutcome]:
         """Write ``items`` in order, in one round trip.
 
         Returns:
-            For each finish / dead-letter item, 1 when its result was newly stored, else 0.
+            One outcome per finish / dead-letter item, in order. Token deltas that Redis refuses
+            are dropped (a stream is best effort; the result carries the whole text).
 
         Raises:
-            redis.RedisError: the pipeline failed; nothing is acked that was not stored.
+            redis.RedisError: the round trip failed as a whole (connection, timeout, a refused
+                script load); the caller retries every item (a finish is idempotent by id).
         """
         pipe = self._client.pipeline(transaction=False)
-        finish_positions = []
+        finishes: list[tuple[int, Finish | DeadLetter]] = []
         for item in items:
             if isinstance(item, TokenDelta):
                 self._add_token_delta(pipe, item)
             else:
-                finish_positions.append(len(pipe))
-                self._add_finish(pipe, item)
-        replies = pipe.execute()
-        return [int(replies[i]) for i in finish_positions]
+                item, payload = encodable(item)
+                finishes.append((len(pipe), item))
+                self._add_finish(pipe, item, payload)
+        replies = pipe.execute(raise_on_error=False)
+        outcomes = []
+        for position, item in finishes:
+            reply = replies[position]
+            if isinstance(reply, redis.RedisError):
+                outcomes.append(FlushOutcome(item, error=reply))
+            else:
+                outcomes.append(FlushOutcome(item, is_stored=bool(int(reply))))
+        return outcomes
 
     def _add_token_delta(self, pipe: Any, item: TokenDelta) -> None:
         key = self._keys.tokens(item.request_id)
-        pipe.xadd(key, {"t": item.text.encode()})
+        pipe.xadd(key, {"t": item.text.encode(errors="replace")})
         pipe.pexpire(key, self._ttl_ms["tokens"])
 
-    def _add_finish(self, pipe: Any, item: Finish | DeadLetter) -> None:
+    def _add_finish(self, pipe: Any, item: Finish | DeadLetter, payload: bytes | None) -> None:
         entry = item.entry
         result = item.result
         request_id = result.id if result is not None else "-"
@@ -105,7 +159,7 @@ class ResultWriter:
         reason = item.reason if isinstance(item, DeadLetter) else ""
         keys = [self._keys.result(request_id), self._keys.done(request_id), entry.stream,
                 reply_to or entry.stream, self._keys.tokens(request_id), self._keys.dead]
-        args: list[Any] = [CONSUMER_GROUP, entry.entry_id, encode_result(result) if result else b"",
+        args: list[Any] = [CONSUMER_GROUP, entry.entry_id, payload or b"",
                            self._ttl_ms["result"], self._ttl_ms["done"], SCHEMA_VERSION,
                            result.status if result else "", int(reply_to is not None), int(has_tokens),
                            self._ttl_ms["tokens"], reason]

@@ -9,6 +9,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import redis
@@ -16,6 +17,7 @@ import redis
 from producer.connection import connect
 from worker.config import Settings
 from worker.echo_engine import ECHO_MODEL, EchoEngine
+from worker.heartbeat import STOPPED
 from worker.loop import EngineLoop
 from worker.messages import EngineLike, Incoming, Outgoing
 from worker.metrics import WorkerMetrics
@@ -70,6 +72,7 @@ class Worker:
         self._writer = Writer(self._client, keys, config, load, inbox, outbox, model, self.metrics)
         self._stopping = threading.Event()
         self._forced = threading.Event()
+        self._failed = threading.Event()  # a thread died: exit non-zero at once
 
     def stop(self, force: bool = False) -> None:
         """Begin a graceful drain; ``force`` (or a second call) stops at once, losing nothing."""
@@ -81,25 +84,43 @@ class Worker:
         """Serve until stopped (or drained in burst mode).
 
         Returns:
-            The process exit code: 0 after a graceful or forced stop.
+            The process exit code: 0 after a graceful or forced stop; 1 when one of the worker's
+            threads died (its work stays pending for other workers, and the heartbeat stops,
+            so a supervisor restarts the process rather than keep a worker that does nothing).
         """
-        self._reader.ensure_groups()
-        self._writer.beat()
         if self.metrics is not None and self.settings.worker.metrics_port is not None:
-            self.metrics.serve(self.settings.worker.metrics_port)
+            self.metrics.serve(self.settings.worker.metrics_port, self.settings.worker.metrics_host)
         if self._handle_signals:
             self._install_signal_handlers()
-        threads = [threading.Thread(target=self._reader.run, args=(self._burst,), name="tm-reader", daemon=True),
-                   threading.Thread(target=self._writer.run, name="tm-writer", daemon=True)]
+        threads = [self._supervised("tm-reader", lambda: self._reader.run(self._burst)),
+                   self._supervised("tm-writer", self._writer.run)]
         for thread in threads:
             thread.start()
         log.info("started", extra={"event": "started", "worker": self.name, "model": self._engine.model_name,
                                    "queue": self.settings.worker.queue, "burst": self._burst})
         try:
             self._serve()
+        except Exception:  # noqa: BLE001 - the engine thread failed: same as any thread dying
+            self._on_thread_death("tm-engine")
         finally:
             self._shut_down(threads)
-        return 0
+        return 1 if self._failed.is_set() else 0
+
+    def _supervised(self, name: str, target: Callable[[], None]) -> threading.Thread:
+        """A daemon thread whose death (any exception) stops the worker with a failure."""
+        def run() -> None:
+            try:
+                target()
+            except BaseException:  # noqa: BLE001 - logged with its traceback, then the worker stops
+                self._on_thread_death(name)
+
+        return threading.Thread(target=run, name=name, daemon=True)
+
+    def _on_thread_death(self, name: str) -> None:
+        log.critical("thread died; stopping the worker", exc_info=True,
+                     extra={"event": "thread_died", "thread_name": name})
+        self._failed.set()
+        self.stop(force=True)
 
     def _serve(self) -> None:
         drain_until_s: float | None = None
@@ -125,12 +146,22 @@ class Worker:
     def _shut_down(self, threads: list[threading.Thread]) -> None:
         self._reader.stopping.set()
         self._writer.closing.set()
+        self._loop.close()
         for thread in threads:
             thread.join(timeout=self.settings.worker.block_ms / 1000 + 5.0)
+        if self._failed.is_set():
+            self._say_stopped()
         if self.metrics is not None:
             self.metrics.close()
         log.info("stopped", extra={"event": "stopped", "worker": self.name, "forced": self._forced.is_set(),
-                                   "left_pending": self._loop.num_live})
+                                   "failed": self._failed.is_set(), "left_pending": self._loop.num_live})
+
+    def _say_stopped(self) -> None:
+        """Best effort: mark the heartbeat stopped, so other workers reclaim this one's work at once."""
+        try:
+            self._writer.beat(STOPPED)
+        except Exception:  # noqa: BLE001 - the worker is failing already; staleness will tell
+            log.warning("could not write the final heartbeat", extra={"event": "redis_error"})
 
     def _install_signal_handlers(self) -> None:
         def on_signal(signum: int, _frame: FrameType | None) -> None:

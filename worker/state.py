@@ -23,12 +23,16 @@ class Load:
     num_tokens: int = 0  # completion tokens generated since start
     num_finished: int = 0  # results handed to the writer since start
     live_ids: frozenset[str] = frozenset()  # request ids inside the engine, not yet aborted
+    is_write_blocked: bool = False  # the writer has results Redis refused: read nothing more until written
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _room: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def capacity(self, max_waiting: int) -> int:
-        """How many more entries the reader may take now (0 when at the high-water mark)."""
+        """How many more entries the reader may take now (0 at the high-water mark, or while
+        results cannot be written: taking more work then would only strand it in this worker)."""
         with self._lock:
+            if self.is_write_blocked:
+                return 0
             return max(0, max_waiting - self.num_waiting - self.num_queued)
 
     def add_queued(self, delta: int) -> None:
@@ -42,6 +46,13 @@ class Load:
             had_room_for_less = num_waiting < self.num_waiting
             self.num_waiting, self.num_running, self.live_ids = num_waiting, num_running, live_ids
         if had_room_for_less or num_waiting == 0:
+            self._room.set()
+
+    def set_write_blocked(self, is_blocked: bool) -> None:
+        """Writer: whether results are waiting for Redis to accept them; unblocking wakes the reader."""
+        with self._lock:
+            was_blocked, self.is_write_blocked = self.is_write_blocked, is_blocked
+        if was_blocked and not is_blocked:
             self._room.set()
 
     def count_finished(self, num_tokens: int) -> None:

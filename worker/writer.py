@@ -15,7 +15,7 @@ import redis
 
 from producer.keys import Keys
 from worker.config import WorkerConfig
-from worker.errors import RetryableError
+from worker.backoff import Backoff
 from worker.heartbeat import RUNNING, STOPPED, Heartbeat, forget_old, read_heartbeats, write_heartbeat
 from worker.messages import Abort, DeadLetter, Finish, Incoming, Outgoing
 from worker.metrics import WorkerMetrics
@@ -51,6 +51,7 @@ class Writer:
         self._beat = Heartbeat(name=config.name, ts=time.time(), model=model_name)
         self._aborted: set[str] = set()
         self._unwritten: list[Outgoing] = []  # items of a flush that failed, retried first
+        self._backoff = Backoff()
         self._last_tokens = (time.monotonic(), 0)
         self.closing = threading.Event()  # set by the worker: flush what is queued, then stop
 
@@ -68,7 +69,12 @@ class Writer:
             self._metrics.observe_beat(self._client, self._beat.tokens_per_s)
 
     def run(self) -> None:
-        """Write until :attr:`closing` is set and the outbox is empty; the last beat says ``stopped``."""
+        """Write until :attr:`closing` is set and the outbox is empty; the last beat says ``stopped``.
+
+        Redis errors never end the loop: a failed write is retried with backoff while the
+        reader pauses (see :attr:`Load.is_write_blocked`); anything else is a bug and ends the
+        thread, which the worker turns into a non-zero exit.
+        """
         next_beat_s = next_trim_s = 0.0
         while not (self.closing.is_set() and self._outbox.empty() and not self._unwritten):
             try:
@@ -80,9 +86,9 @@ class Writer:
                 if time.monotonic() >= next_trim_s:
                     self._trim()
                     next_trim_s = time.monotonic() + self._config.trim_interval_s
-            except RetryableError as exc:
-                log.warning("write failed, retrying", extra={"event": "redis_error", "error": str(exc)})
-                time.sleep(exc.defer_s)
+            except redis.RedisError as exc:
+                log.warning("redis write failed, retrying", extra={"event": "redis_error", "error": str(exc)})
+                self._backoff.wait()
         self.beat(STOPPED)
 
     def _take(self, timeout_s: float) -> list[Outgoing]:
@@ -98,23 +104,39 @@ class Writer:
         return items
 
     def _flush(self, items: list[Outgoing]) -> None:
-        """Write ``items`` after anything a failed flush left; on failure keep them all for the retry."""
+        """Write ``items`` after anything a failed flush left.
+
+        A failed round trip keeps every item for the retry. Items Redis refused one by one
+        (e.g. ``OOM`` under ``maxmemory``) are kept too, and reads pause until they are written.
+
+        Raises:
+            redis.RedisError: the round trip or an item failed; the caller backs off.
+        """
         self._unwritten += items
         if not self._unwritten:
             return
         try:
-            stored = self._results.flush(self._unwritten)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise RetryableError(str(exc), defer_s=0.5) from exc
-        finished = [i for i in self._unwritten if isinstance(i, (Finish, DeadLetter))]
-        self._unwritten = []
-        for item, was_stored in zip(finished, stored):
-            result = item.result
-            if self._metrics is not None:
-                self._metrics.observe_result(result, bool(was_stored))
-            log.info("finished", extra={"event": "finished", "request_id": result.id if result else None,
-                                        "status": result.status if result else "dead", "duplicate": not was_stored,
-                                        "tokens": len(result.token_ids) if result else 0})
+            outcomes = self._results.flush(self._unwritten)
+        except redis.RedisError:
+            self._load.set_write_blocked(True)
+            raise
+        self._unwritten = [o.item for o in outcomes if o.error is not None]
+        for outcome in outcomes:
+            if outcome.error is None:
+                self._log_written(outcome.item, outcome.is_stored)
+        self._load.set_write_blocked(bool(self._unwritten))
+        if self._unwritten:
+            first = next(o.error for o in outcomes if o.error is not None)
+            raise redis.ResponseError(f"{len(self._unwritten)} result(s) not written: {first}")
+        self._backoff.reset()
+
+    def _log_written(self, item: Finish | DeadLetter, was_stored: bool) -> None:
+        result = item.result
+        if self._metrics is not None:
+            self._metrics.observe_result(result, was_stored)
+        log.info("finished", extra={"event": "finished", "request_id": result.id if result else None,
+                                    "status": result.status if result else "dead", "duplicate": not was_stored,
+                                    "tokens": len(result.token_ids) if result else 0})
 
     def _poll_cancels(self) -> None:
         """One ZMSCORE for all live ids; a hit is aborted once in the engine."""
@@ -122,10 +144,7 @@ class Writer:
         self._aborted &= self._load.live_ids
         if not live_ids:
             return
-        try:
-            scores = self._client.zmscore(self._keys.cancel, live_ids)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise RetryableError(str(exc), defer_s=0.5) from exc
+        scores = self._client.zmscore(self._keys.cancel, live_ids)
         for request_id, score in zip(live_ids, scores):
             if score is not None:
                 self._aborted.add(request_id)
@@ -134,9 +153,6 @@ class Writer:
     def _trim(self) -> None:
         """Forget old cancellations and long-silent workers' heartbeats."""
         now_s = time.time()
-        try:
-            self._client.zremrangebyscore(self._keys.cancel, "-inf", now_s - self._config.cancel_ttl_s)
-            forget_old(self._client, self._keys, read_heartbeats(self._client, self._keys), now_s,
-                       self._config.heartbeat_forget_s)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise RetryableError(str(exc), defer_s=0.5) from exc
+        self._client.zremrangebyscore(self._keys.cancel, "-inf", now_s - self._config.cancel_ttl_s)
+        forget_old(self._client, self._keys, read_heartbeats(self._client, self._keys), now_s,
+                   self._config.heartbeat_forget_s)

@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import TypeAdapter, ValidationError
+
 from producer.bulk.errors import BulkInputError
 from producer.schema import SamplingParams
+from producer.wire_values import is_utf8
 
 InputFormat = Literal["jsonl", "openai", "csv", "parquet"]
 FORMATS: tuple[str, ...] = ("auto", "jsonl", "openai", "csv", "parquet")
@@ -24,6 +27,10 @@ _PLAIN_FIELDS = frozenset({"id", "prompt", "messages", "params", "metadata", "pr
 # so a request never silently runs with different semantics than its author asked for.
 _OPENAI_IGNORED = frozenset({"model", "user", "stream", "n", "store"})
 _OPENAI_URLS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# CSV cells are text: sampling columns are parsed to their field's type ("4" -> 4) before the
+# strict wire validation. ``stop`` stays text (one stop string per cell).
+_CELL_TYPES = {name: TypeAdapter(info.annotation) for name, info in SamplingParams.model_fields.items()
+               if name != "stop" and info.annotation is not None}
 
 
 @dataclass
@@ -90,7 +97,7 @@ def count_records(path: Path, fmt: InputFormat) -> int:
     if fmt == "parquet":
         return int(_pyarrow_parquet().ParquetFile(path).metadata.num_rows)
     if fmt == "csv":
-        with path.open(newline="", encoding="utf-8") as handle:
+        with path.open(newline="", encoding="utf-8", errors="surrogateescape") as handle:
             return max(0, sum(1 for _ in csv.reader(handle)) - 1)
     with path.open("rb") as handle:
         return sum(1 for line in handle if line.strip())
@@ -133,18 +140,19 @@ def _read_jsonl(path: Path, fmt: InputFormat) -> Iterator[Parsed]:
 
 
 def _id_of(value: Any, line_no: int) -> str | None:
+    """The item id: the value (a UTF-8 string or an int), the line number when absent, None when unusable."""
     if value is None or value == "":
         return str(line_no)
-    if isinstance(value, (str, int)) and not isinstance(value, bool):
+    if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
-    return None
+    return value if isinstance(value, str) and is_utf8(value) else None
 
 
 def parse_plain(record: dict[str, Any], line_no: int) -> Parsed:
     """A ``{"id", "prompt" | "messages", params...}`` record (params top-level or in ``params``)."""
     item_id = _id_of(record.get("id"), line_no)
     if item_id is None:
-        return InvalidItem(line_no, "id must be a string or an integer")
+        return InvalidItem(line_no, "id must be a valid UTF-8 string or an integer")
     unknown = set(record) - _PLAIN_FIELDS - SAMPLING_FIELDS
     if unknown:
         return InvalidItem(line_no, f"unknown field(s): {', '.join(sorted(unknown))}", item_id)
@@ -164,8 +172,8 @@ def parse_plain(record: dict[str, Any], line_no: int) -> Parsed:
 def parse_openai(record: dict[str, Any], line_no: int) -> Parsed:
     """An OpenAI Batch API request line (``custom_id``, ``method``, ``url``, ``body``)."""
     custom_id = record.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
-        return InvalidItem(line_no, "custom_id must be a non-empty string")
+    if not isinstance(custom_id, str) or not custom_id or not is_utf8(custom_id):
+        return InvalidItem(line_no, "custom_id must be a non-empty valid UTF-8 string")
     if record.get("method", "POST") != "POST":
         return InvalidItem(line_no, f"method must be POST, got {record.get('method')!r}", custom_id)
     url = record.get("url", "/v1/chat/completions")
@@ -204,7 +212,8 @@ def _openai_options(body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
 
 
 def _read_csv(path: Path, prompt_column: str, id_column: str) -> Iterator[Parsed]:
-    with path.open(newline="", encoding="utf-8") as handle:
+    # NOTE: undecodable bytes become lone surrogates: that row is reported invalid, the run goes on.
+    with path.open(newline="", encoding="utf-8", errors="surrogateescape") as handle:
         reader = csv.DictReader(handle)
         if reader.fieldnames is None or prompt_column not in reader.fieldnames:
             raise BulkInputError(f"{path}: no prompt column {prompt_column!r} (columns: {reader.fieldnames})")
@@ -229,7 +238,7 @@ def _parse_row(row: dict[str, Any], row_no: int, prompt_column: str, id_column: 
     other non-empty columns become metadata. Empty cells mean "default"."""
     item_id = _id_of(row.get(id_column), row_no)
     if item_id is None:
-        return InvalidItem(row_no, f"column {id_column!r} must be a string or an integer")
+        return InvalidItem(row_no, f"column {id_column!r} must be a valid UTF-8 string or an integer")
     prompt = row.get(prompt_column)
     options: dict[str, Any] = {}
     if isinstance(prompt, list):
@@ -243,12 +252,23 @@ def _parse_row(row: dict[str, Any], row_no: int, prompt_column: str, id_column: 
         if name in (prompt_column, id_column) or value is None or value == "":
             continue
         if name in SAMPLING_FIELDS:
-            options[name] = value
+            options[name] = _cell_value(name, value)
         else:
             metadata[str(name)] = value
     if metadata:
         options["metadata"] = metadata
     return BulkItem(item_id, row_no, options)
+
+
+def _cell_value(name: str, value: Any) -> Any:
+    """A sampling cell as its field's type when it is text that parses leniently; else unchanged
+    (the strict validation of the request then reports it)."""
+    if not isinstance(value, str) or name not in _CELL_TYPES:
+        return value
+    try:
+        return _CELL_TYPES[name].validate_python(value, strict=False)
+    except ValidationError:
+        return value
 
 
 def _pyarrow_parquet() -> Any:

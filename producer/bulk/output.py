@@ -18,6 +18,7 @@ from typing import IO, Any, Literal
 from producer.bulk.errors import BulkError
 from producer.bulk.items import BulkItem, InvalidItem
 from producer.schema import GenerationResult
+from producer.wire_values import is_utf8
 
 OutputFormat = Literal["plain", "openai"]
 FSYNC_INTERVAL_S = 2.0
@@ -132,7 +133,10 @@ class LineWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         # NOTE: one write() call per line, so a kill leaves at most one torn line at the end.
-        self._handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        text = json.dumps(record, ensure_ascii=False)
+        if not is_utf8(text):  # lone surrogates from a bad input line: keep them as JSON escapes
+            text = json.dumps(record)
+        self._handle.write(text + "\n")
         self._handle.flush()
         self.num_written += 1
         if time.monotonic() - self._last_sync_s > FSYNC_INTERVAL_S:

@@ -110,6 +110,7 @@ class BulkJob:
         done = DoneSet()
         repair_and_scan(self.output_path, done, is_errors=False)
         repair_and_scan(self.errors_path, done, is_errors=True)
+        self.summary.num_earlier_errors = len(done.lines)
         self.summary.num_total = count_records(self.input_path, self.input_format)
         records = self._unfinished(read_items(self.input_path, self.input_format,
                                               prompt_column=self.options.prompt_column,

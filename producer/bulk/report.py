@@ -29,6 +29,7 @@ class BulkSummary:
     num_submitted: int = 0  # requests sent (retries included)
     num_retried: int = 0  # retry requests sent
     num_invalid: int = 0  # records that never became a request (bad JSON, bad params, duplicate id)
+    num_earlier_errors: int = 0  # records an earlier run wrote to the errors file (failed or invalid)
     status_counts: Counter[str] = field(default_factory=Counter)  # final status of items finished this run
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -50,6 +51,11 @@ class BulkSummary:
         return sum(self.status_counts.values()) + self.num_invalid
 
     @property
+    def has_errors(self) -> bool:
+        """Some record is in the errors file: failed or invalid in this run or an earlier one."""
+        return bool(self.num_failed or self.num_invalid or self.num_earlier_errors)
+
+    @property
     def tokens_per_s(self) -> float:
         """Completion tokens per wall-clock second of this run."""
         return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
@@ -62,7 +68,8 @@ class BulkSummary:
     def as_dict(self) -> dict[str, Any]:
         return {"output": str(self.output_path), "errors": str(self.errors_path), "total": self.num_total,
                 "skipped": self.num_skipped, "recovered": self.num_recovered, "submitted": self.num_submitted,
-                "retried": self.num_retried, "invalid": self.num_invalid, "statuses": dict(self.status_counts),
+                "retried": self.num_retried, "invalid": self.num_invalid,
+                "earlier_errors": self.num_earlier_errors, "statuses": dict(self.status_counts),
                 "ok": self.num_ok, "failed": self.num_failed, "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens, "wall_s": round(self.wall_s, 3),
                 "tokens_per_s": round(self.tokens_per_s, 1), "interrupted": self.is_interrupted,
@@ -113,7 +120,9 @@ def render_summary(summary: BulkSummary, console: Console) -> None:
     rows: list[tuple[str, str]] = [("records", str(summary.num_total)),
                                    ("already done (skipped)", str(summary.num_skipped))]
     rows += [(f"status {status}", str(n)) for status, n in sorted(summary.status_counts.items())]
-    rows += [("invalid records", str(summary.num_invalid)), ("recovered from Redis", str(summary.num_recovered)),
+    rows += [("invalid records", str(summary.num_invalid)),
+             ("errors from earlier runs", str(summary.num_earlier_errors)),
+             ("recovered from Redis", str(summary.num_recovered)),
              ("requests sent", str(summary.num_submitted)), ("retries", str(summary.num_retried)),
              ("prompt tokens", str(summary.prompt_tokens)), ("completion tokens", str(summary.completion_tokens)),
              ("wall time", f"{summary.wall_s:.2f} s"), ("tokens/s", f"{summary.tokens_per_s:.1f}")]

@@ -2,32 +2,24 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import redis
 
 from producer.keys import Keys
 from producer.schema import decode_result
-from tests.worker_helpers import enqueue
+from tests.worker_helpers import enqueue, start_worker_process
 from worker.heartbeat import read_heartbeats
 
-ROOT = Path(__file__).resolve().parents[2]
 NUM_REQUESTS = 200
 
 
 def _start_worker(redis_url: str, prefix: str, name: str, *extra: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "TOKENMILL_ECHO__TOKENS_PER_STEP": "1", "TOKENMILL_ECHO__STEP_DELAY_S": "0.004",
-           "TOKENMILL_ENGINE__MAX_NUM_SEQS": "16", "TOKENMILL_WORKER__HEARTBEAT_INTERVAL_S": "0.2",
-           "TOKENMILL_WORKER__STALE_AFTER_S": "1.0", "TOKENMILL_WORKER__RECLAIM_INTERVAL_S": "0.2",
-           "TOKENMILL_WORKER__BLOCK_MS": "200", "TOKENMILL_WORKER__RECLAIM_MIN_IDLE_MS": "0"}
-    command = [sys.executable, "-m", "worker", "worker", "--model", "echo", "--redis-url", redis_url,
-               "--prefix", prefix, "--name", name, "--max-waiting", "16", *extra]
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = {"TOKENMILL_ECHO__TOKENS_PER_STEP": "1", "TOKENMILL_ECHO__STEP_DELAY_S": "0.004",
+           "TOKENMILL_ENGINE__MAX_NUM_SEQS": "16"}
+    return start_worker_process(redis_url, prefix, name, "--max-waiting", "16", *extra, env=env)
 
 
 def _fill(client: redis.Redis, keys: Keys, reply: str) -> list[str]:
@@ -51,7 +43,8 @@ def _assert_exactly_once(client: redis.Redis, keys: Keys, ids: list[str], reply:
 
 
 def test_sigkill_mid_run_then_second_worker(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
-    keys, reply = Keys(key_prefix), f"{key_prefix}:reply"
+    keys = Keys(key_prefix)
+    reply = keys.reply("crash")
     ids = _fill(redis_client, keys, reply)
     first = _start_worker(redis_url, key_prefix, "victim")
     _wait_for_results(redis_client, keys, ids, at_least=30, timeout_s=20)
@@ -67,7 +60,8 @@ def test_sigkill_mid_run_then_second_worker(redis_url: str, redis_client: redis.
 
 
 def test_sigterm_drains_and_exits_zero(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
-    keys, reply = Keys(key_prefix), f"{key_prefix}:reply"
+    keys = Keys(key_prefix)
+    reply = keys.reply("crash")
     ids = _fill(redis_client, keys, reply)
     first = _start_worker(redis_url, key_prefix, "leaver")
     _wait_for_results(redis_client, keys, ids, at_least=30, timeout_s=20)

@@ -196,8 +196,8 @@ def test_stats_on_a_populated_queue(producer: Producer, redis_client: redis.Redi
 
 
 def test_reply_to_stream_receives_the_result(producer: Producer, fake_worker: FakeWorker,
-                                             redis_client: redis.Redis, key_prefix: str) -> None:
-    reply_to = f"{key_prefix}:replies"
+                                             redis_client: redis.Redis) -> None:
+    reply_to = producer.keys.reply("fan-in")
     request_id = producer.submit(prompt="x", reply_to=reply_to)
     fake_worker.finish(request_id, "fan-in", reply_to=reply_to)
     (_, fields), = redis_client.xrange(reply_to)

@@ -31,7 +31,8 @@ def test_round_trip_through_producer(redis_url: str, redis_client: redis.Redis, 
 
 def test_reply_to_stream_gets_each_result_once(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
     settings = make_settings(redis_url, key_prefix)
-    keys, reply = settings.worker.keys, f"{key_prefix}:replies"
+    keys = settings.worker.keys
+    reply = keys.reply("replies")
     with running_worker(settings):
         ids = [enqueue(redis_client, keys, prompt=f"r{i}", reply_to=reply) for i in range(5)]
         for rid in ids:
@@ -55,7 +56,8 @@ def test_token_stream_has_deltas_then_end(redis_url: str, redis_client: redis.Re
 
 def test_most_urgent_lane_first(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
     settings = make_settings(redis_url, key_prefix, engine={"max_num_seqs": 1}, max_waiting=1)
-    keys, reply = settings.worker.keys, f"{key_prefix}:order"
+    keys = settings.worker.keys
+    reply = keys.reply("order")
     ids = {lane: [enqueue(redis_client, keys, lane, prompt=f"l{lane}", reply_to=reply) for _ in range(4)]
            for lane in (2, 1, 0)}
     with running_worker(settings):

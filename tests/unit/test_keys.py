@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from producer.keys import CONSUMER_GROUP, DONE_TTL_S, PRIORITY_NAMES, Keys
+from producer.schema import GenerationRequest, check_reply_to
 
 
 def test_layout() -> None:
@@ -47,3 +48,27 @@ def test_lane_out_of_range() -> None:
 def test_invalid_keys(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         Keys(**kwargs)  # type: ignore[arg-type]
+
+
+def test_reply_streams_live_in_their_own_namespace() -> None:
+    keys = Keys(prefix="tm", queue="q")
+    assert keys.reply_prefix == "tm:q:reply:" and keys.reply("fan-in") == "tm:q:reply:fan-in"
+    assert keys.bulk_replies("job1") == "tm:q:reply:bulk:job1" and keys.is_reply_stream(keys.bulk_replies("j"))
+    assert Keys(prefix="tm", queue="q", hash_tag=True).reply("r") == "{tm:q}:reply:r"
+    with pytest.raises(ValueError, match="non-empty"):
+        keys.reply("")
+
+
+@pytest.mark.parametrize("key", ["tm:q:res:other", "tm:q:cancel", "tm:q:lane:0", "tm:q:done:x", "tm:q:workers",
+                                 "tm:q:dead", "tm:q:reply:", "tm:q:reply", "tm:other:reply:r", "other:q:reply:r",
+                                 "xtm:q:reply:r", "tm:q:bulk:job"])
+def test_only_reply_streams_pass_the_check(key: str) -> None:
+    assert not Keys(prefix="tm", queue="q").is_reply_stream(key)
+
+
+def test_check_reply_to_names_the_namespace() -> None:
+    keys = Keys(prefix="tm", queue="q")
+    assert check_reply_to(GenerationRequest(prompt="x"), keys) is None
+    assert check_reply_to(GenerationRequest(prompt="x", reply_to="tm:q:reply:mine"), keys) is None
+    reason = check_reply_to(GenerationRequest(prompt="x", reply_to="tm:q:cancel"), keys)
+    assert reason is not None and "tm:q:reply:" in reason and "tm:q:cancel" in reason
