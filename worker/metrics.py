@@ -176,6 +176,14 @@ class WorkerMetrics:
 
         self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
 
+    @property
+    def bound_address(self) -> tuple[str, int] | None:
+        """``(host, port)`` the endpoint listens on; None when not serving."""
+        if self._server is None:
+            return None
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
     def close(self) -> None:
         """Stop the HTTP endpoint, if serving."""
         if self._server is not None:

@@ -93,3 +93,11 @@ def test_two_workers_in_one_process_have_their_own_registries(redis_url: str, ke
         assert all("tokenmill_requests_running" in scrape_when_up(port) for port in ports)
     with pytest.raises(OSError):  # the endpoint stops with its worker
         scrape(ports[0])
+
+
+def test_metrics_bind_the_configured_address_only(redis_url: str, key_prefix: str) -> None:
+    """Metrics listen on 127.0.0.1 unless ``metrics_host`` says otherwise (they bound 0.0.0.0)."""
+    port = free_port()
+    with running_worker(make_settings(redis_url, key_prefix, metrics_port=port)) as worker:
+        scrape_when_up(port)
+        assert worker.metrics is not None and worker.metrics.bound_address == ("127.0.0.1", port)
