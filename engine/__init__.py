@@ -1,44 +1,39 @@
 """tokenmill's continuous-batching inference engine. Knows nothing of Redis, Celery or msgpack.
 
-``Engine`` is imported lazily so that the pure parts (config, scheduler, sampling params)
-load without torch.
+Importing it needs no torch: only ``Engine.from_config`` loads a model.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.engine import Engine
 from engine.errors import EngineError, InvariantError, ModelLoadError
+from engine.offline import GenerationOutput
 from engine.outputs import RequestMetrics, RequestOutput
+from engine.prompts import ChatPrompt, Prompt, PromptError, TextPrompt, TokensPrompt
+from engine.request import FinishReason, RequestErrorCode
 from engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from engine.engine import Engine
-    from engine.offline import GenerationOutput
+from engine.stats import EngineStats
 
 __all__ = [
     "CacheConfig",
+    "ChatPrompt",
     "Engine",
     "EngineConfig",
     "EngineError",
+    "EngineStats",
+    "FinishReason",
     "GenerationOutput",
     "InvariantError",
+    "ModelConfig",
     "ModelLoadError",
+    "Prompt",
+    "PromptError",
+    "RequestErrorCode",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
+    "TextPrompt",
+    "TokensPrompt",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "Engine":
-        from engine.engine import Engine
-
-        return Engine
-    if name == "GenerationOutput":
-        from engine.offline import GenerationOutput
-
-        return GenerationOutput
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -225,10 +225,6 @@ class BlockManager:
         self._gpu.release(self._gpu_tables.pop(request_id, []))
         self._cpu.release(self._cpu_tables.pop(request_id, []))
 
-    def owns_blocks(self, request_id: str) -> bool:
-        """Whether the request owns a table (possibly empty) in either pool."""
-        return request_id in self._gpu_tables or request_id in self._cpu_tables
-
     def check_invariants(self) -> None:
         """Raise InvariantError unless both pools balance and every block has one clear owner.
 
@@ -241,16 +237,3 @@ class BlockManager:
         both = self._gpu_tables.keys() & self._cpu_tables.keys()
         if both:
             raise InvariantError(f"requests own blocks in both pools: {sorted(both)}")
-
-    def usage(self) -> dict[str, int | float]:
-        """Used and total blocks per pool, and the used fraction (0.0 for an empty pool)."""
-        num_used_gpu = self.num_gpu_blocks - self.num_free_gpu_blocks
-        num_used_cpu = self.num_cpu_blocks - self.num_free_cpu_blocks
-        return {
-            "num_used_gpu_blocks": num_used_gpu,
-            "num_gpu_blocks": self.num_gpu_blocks,
-            "gpu_usage": num_used_gpu / self.num_gpu_blocks if self.num_gpu_blocks else 0.0,
-            "num_used_cpu_blocks": num_used_cpu,
-            "num_cpu_blocks": self.num_cpu_blocks,
-            "cpu_usage": num_used_cpu / self.num_cpu_blocks if self.num_cpu_blocks else 0.0,
-        }

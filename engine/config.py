@@ -1,7 +1,7 @@
 """Typed, validated engine configuration (pydantic only, no torch).
 
-``EngineConfig`` is the flat user-facing object; the scheduler and cache receive the plain
-sub-configs it derives, so tests build those inline.
+``EngineConfig`` nests one section per part (``model``, ``cache``, ``scheduler``); each part
+receives its own plain section, so tests build those inline.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class SchedulerConfig(_Frozen):
     watermark_blocks: int = Field(0, ge=0, description="device blocks kept free at admission to spare decodes")
 
     @model_validator(mode="after")
-    def _check(self) -> SchedulerConfig:
+    def _check_budgets(self) -> SchedulerConfig:
         if self.max_prefill_chunk > self.max_num_batched_tokens:
             raise ValueError("max_prefill_chunk must not exceed max_num_batched_tokens")
         if self.max_prefill_tokens is not None and self.max_prefill_tokens > self.max_num_batched_tokens:
@@ -66,45 +66,31 @@ class SchedulerConfig(_Frozen):
         return self.max_prefill_tokens or self.max_num_batched_tokens
 
 
-class CacheConfig(_Frozen):
-    """Sizes of the paged KV cache, in blocks (the engine derives them from bytes)."""
-
-    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
-    num_gpu_blocks: int = Field(..., ge=1, description="blocks in the device pool")
-    num_cpu_blocks: int = Field(0, ge=0, description="blocks in the host (swap) pool")
-
-
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "float16", "bfloat16", "float64"]
 
 
-class EngineConfig(_Frozen):
-    """Everything needed to build an :class:`engine.Engine`.
+class ModelConfig(_Frozen):
+    """Which model, on which device, in which dtype."""
 
-    Sizes accept bytes or strings like ``"2GiB"``.
-    """
-
-    model: str = Field("smollm2-135m", description="alias, Hugging Face id, local directory or .gguf file")
+    name: str = Field("smollm2-135m", min_length=1,
+                      description="alias, Hugging Face id, local directory, .gguf file, or echo (no model)")
     device: Device = "auto"
     dtype: DType = Field("auto", description="auto: float32 on CPU, bfloat16 on CUDA")
+    max_model_len: int | None = Field(None, ge=1, description="cap on prompt + output tokens; None: the model's")
+    cache_dir: str | None = Field(None, description="where dequantized GGUF weights are cached")
+    num_threads: int | None = Field(None, ge=1, description="CPU threads for torch; None: leave torch's default")
+
+
+class CacheConfig(_Frozen):
+    """The paged KV cache: block size and the memory of its two pools. Sizes take bytes or "2GiB"."""
+
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     kv_cache_memory: int | str | None = Field(
         None, description="device KV pool size; None: 1GiB on CPU, gpu_memory_utilization on CUDA"
     )
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=0.99, description="CUDA: fraction of free memory for KV")
     swap_space: int | str = Field("1GiB", description="host KV pool for swapped-out requests")
-    block_size: int = Field(16, ge=1, le=1024)
-    max_model_len: int | None = Field(None, ge=1, description="cap on prompt + output tokens; None: the model's")
-    num_threads: int | None = Field(None, ge=1, description="CPU threads for torch; None: leave torch's default")
-    cache_dir: str | None = Field(None, description="where dequantized GGUF weights are cached")
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    max_num_seqs: int = Field(64, ge=1)
-    max_prefill_chunk: int = Field(512, ge=1)
-    max_prefill_tokens: int | None = Field(None, ge=1)
-    aging_interval_s: float = Field(0.0, ge=0.0)
-    max_consecutive_decode_steps: int = Field(0, ge=0)
-    min_resident_steps: int = Field(4, ge=0)
-    preemption_mode: Literal["swap", "recompute"] = "swap"
-    enable_priority_preemption: bool = True
 
     @field_validator("kv_cache_memory", "swap_space")
     @classmethod
@@ -112,11 +98,6 @@ class EngineConfig(_Frozen):
         if value is not None:
             parse_bytes(value)
         return value
-
-    @model_validator(mode="after")
-    def _check(self) -> EngineConfig:
-        self.scheduler_config  # noqa: B018 - validates the cross-field budget rules
-        return self
 
     @property
     def kv_cache_bytes(self) -> int | None:
@@ -126,16 +107,18 @@ class EngineConfig(_Frozen):
     def swap_space_bytes(self) -> int:
         return parse_bytes(self.swap_space)
 
-    @property
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            max_prefill_chunk=self.max_prefill_chunk,
-            max_prefill_tokens=self.max_prefill_tokens,
-            aging_interval_s=self.aging_interval_s,
-            max_consecutive_decode_steps=self.max_consecutive_decode_steps,
-            min_resident_steps=self.min_resident_steps,
-            preemption_mode=self.preemption_mode,
-            enable_priority_preemption=self.enable_priority_preemption,
-        )
+
+class EngineConfig(_Frozen):
+    """Everything needed to build an :class:`engine.Engine`: one section per part.
+
+    ``model`` also takes a plain string, the model's name: ``EngineConfig(model="smollm2-135m")``.
+    """
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_by_name(cls, value: object) -> object:
+        return {"name": value} if isinstance(value, str) else value

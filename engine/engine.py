@@ -1,110 +1,92 @@
-"""The continuous-batching engine: admit requests, then step = schedule, run, postprocess.
+"""The continuous-batching engine: admit requests, then step = schedule, execute, update, emit.
 
 Knows nothing of Redis, Celery or wire schemas: inputs are prompts and SamplingParams,
-outputs are RequestOutputs.
+outputs are RequestOutputs. ``Engine.from_config`` builds the real parts (torch, a model);
+``Engine(...)`` takes any parts, so tests step a real engine with a scripted runner.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from engine.block_manager import BlockManager
 from engine.clock import Clock, MonotonicClock
-from engine.config import CacheConfig, EngineConfig
-from engine.engine_sizing import size_kv_cache
-from engine.kv_cache import KVCache, KVCacheSpec
-from engine.model_loader import load_model
-from engine.model_runner import ModelRunner
+from engine.config import EngineConfig
 from engine.offline import GenerationOutput, run_offline
-from engine.outputs import RequestOutput
-from engine.paged_attention import register
+from engine.outputs import RequestOutput, StepRunner
 from engine.postprocess import OutputProcessor
 from engine.prompts import Prompt, PromptError, tokenize_prompt
-from engine.request import Request, RequestStatus
-from engine.sampler import Sampler
+from engine.request import Request, RequestErrorCode, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the engine checks requests against."""
+
+    model_name: str  # as configured (alias, id or path)
+    source: str  # what was loaded: the resolved directory or hub id
+    vocab_size: int  # prompt token ids must be below this
+    max_request_tokens: int  # prompt + max_tokens of one request: the model context or the whole KV cache
+    is_cache_bound: bool  # max_request_tokens is the KV cache's size, not the model's context
+    kv_block_bytes: int  # bytes of one KV block (stats)
 
 
 class Engine:
     """Continuous batching over a paged KV cache for any Hugging Face decoder model.
 
     Args:
-        config: model, device, cache sizes and scheduling policy.
-        clock: time source for arrival/queue/TTFT metrics and aging (default: monotonic).
+        scheduler: decides each step and holds the live requests.
+        runner: executes a step (swaps, forward, sampling).
+        processor: turns new tokens into outputs.
+        tokenizer: the model's tokenizer (prompts are tokenized with a copy of it).
+        limits: the model's and cache's limits.
+        clock: time source for arrival/queue/TTFT metrics and aging.
     """
 
-    def __init__(self, config: EngineConfig, clock: Clock | None = None) -> None:
-        self.config = config
-        self.clock = clock or MonotonicClock()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.loaded = load_model(
-            config.model,
-            device=config.device,
-            dtype=config.dtype,
-            attn_implementation=register(),
-            max_model_len=config.max_model_len,
-            cache_dir=config.cache_dir,
-        )
-        self.tokenizer = self.loaded.tokenizer
+    def __init__(self, scheduler: Scheduler, runner: StepRunner, processor: OutputProcessor, tokenizer: Any,
+                 limits: ModelLimits, clock: Clock) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.processor = processor
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.clock = clock
         # NOTE: tokenize() may run on another thread while step() detokenizes: a Hugging Face fast
         # tokenizer must not be used by two threads at once ("Already borrowed"), so prompts get
         # their own copy.
-        self._prompt_tokenizer = copy.deepcopy(self.tokenizer)
+        self._prompt_tokenizer = copy.deepcopy(tokenizer)
         self._tokenize_lock = threading.Lock()
-        self.max_model_len = self.loaded.max_model_len
-        model_config = self.loaded.model.config
-        num_heads = model_config.num_attention_heads
-        self.kv_spec = KVCacheSpec(
-            num_layers=model_config.num_hidden_layers,
-            num_kv_heads=getattr(model_config, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(model_config, "head_dim", None) or model_config.hidden_size // num_heads,
-            block_size=config.block_size,
-            dtype=self.loaded.dtype,
-        )
-        self.cache_config: CacheConfig = size_kv_cache(config, self.kv_spec, self.loaded.device)
-        self.kv_cache = KVCache(
-            self.kv_spec, self.cache_config.num_gpu_blocks, self.cache_config.num_cpu_blocks, self.loaded.device
-        )
-        self.block_manager = BlockManager(
-            self.cache_config.num_gpu_blocks, self.cache_config.num_cpu_blocks, config.block_size
-        )
-        self.scheduler = Scheduler(config.scheduler_config, self.block_manager, self.clock)
-        self.runner = ModelRunner(self.loaded, self.kv_cache, Sampler())
-        self.processor = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids, self.max_model_len, self.clock)
-        self.requests: dict[str, Request] = {}
-        self._num_steps = 0
         self._num_generated_tokens = 0
-        logger.info(
-            "engine ready: model=%s device=%s dtype=%s kv_blocks=%d (+%d host) block_size=%d max_model_len=%d",
-            config.model, self.loaded.device, self.loaded.dtype, self.cache_config.num_gpu_blocks,
-            self.cache_config.num_cpu_blocks, config.block_size, self.max_model_len,
-        )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> Engine:
+        """Load the model and size the KV cache (imports torch)."""
+        from engine.model_setup import build_engine_parts  # noqa: PLC0415 - torch only for real engines
+
+        clock = clock or MonotonicClock()
+        parts = build_engine_parts(config, clock)
+        return cls(parts.scheduler, parts.runner, OutputProcessor(parts.tokenizer, clock), parts.tokenizer,
+                   parts.limits, clock)
 
     @property
     def model_name(self) -> str:
-        """The model as configured (alias, id or path)."""
-        return self.config.model
-
-    @property
-    def max_request_tokens(self) -> int:
-        """Most prompt + output tokens one request may hold: the model context or the whole cache."""
-        return min(self.max_model_len, self.cache_config.num_gpu_blocks * self.cache_config.block_size)
+        return self.limits.model_name
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt; chat messages go through the model's chat template.
 
         Thread-safe, and meant to run off the engine thread: a long prompt then never stalls a
-        step (the tokenizer releases the GIL). ``add_request`` of the ids skips this work.
+        step (the tokenizer releases the GIL).
 
         Raises:
             PromptError: empty or malformed prompt, or no chat template.
@@ -112,20 +94,14 @@ class Engine:
         with self._tokenize_lock:
             return tokenize_prompt(self._prompt_tokenizer, prompt)
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        priority: int = 0,
-        arrival_time: float | None = None,
-    ) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
         """Queue a request. Per-request problems never raise: they finish the request with an
         ``error`` output on the next :meth:`step`.
 
         Args:
             request_id: unique among live requests.
-            prompt: text, token ids, or chat messages (``[{"role": ..., "content": ...}]``).
+            prompt_token_ids: the prompt, tokenized (see :meth:`tokenize`).
             params: sampling parameters (default: greedy, 256 tokens).
             priority: lower is more urgent.
             arrival_time: engine-clock time it arrived (default: now).
@@ -133,46 +109,43 @@ class Engine:
         Raises:
             ValueError: ``request_id`` is already live.
         """
-        if request_id in self.requests or self.processor.has_pending(request_id):
+        if self.scheduler.get_request(request_id) is not None or self.processor.has_rejected(request_id):
             raise ValueError(f"request {request_id!r} is already in the engine")
         params = params or SamplingParams()
         arrival = self.clock.now() if arrival_time is None else arrival_time
         try:
-            prompt_token_ids = tokenize_prompt(self.tokenizer, prompt)
             self._check_fits(prompt_token_ids, params)
         except PromptError as exc:
             self.processor.reject(request_id, exc.code, str(exc), arrival, num_prompt_tokens=exc.num_prompt_tokens)
             return
-        request = Request(request_id, prompt_token_ids, params, arrival_time_s=arrival, priority=priority)
-        self.requests[request_id] = request
-        self.processor.track(request)
+        request = Request(request_id, list(prompt_token_ids), params, arrival_time_s=arrival, priority=priority)
+        self.processor.start(request)
         self.scheduler.add_request(request)
 
     def _check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        vocab_size = self.loaded.model.config.vocab_size
+        if not prompt_token_ids:
+            raise PromptError(RequestErrorCode.VALIDATION, "prompt is empty")
+        vocab_size = self.limits.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
-            raise PromptError("validation", f"prompt token ids must be in [0, {vocab_size})")
+            raise PromptError(RequestErrorCode.VALIDATION, f"prompt token ids must be in [0, {vocab_size})")
         needed = len(prompt_token_ids) + params.max_tokens
-        if needed > self.max_request_tokens:
-            limit = "the model context" if self.max_model_len <= self.max_request_tokens else "the KV cache"
+        if needed > self.limits.max_request_tokens:
+            limit = "the KV cache" if self.limits.is_cache_bound else "the model context"
             raise PromptError(
-                "prompt_too_long",
+                RequestErrorCode.PROMPT_TOO_LONG,
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {needed} "
-                f"exceeds {limit} ({self.max_request_tokens} tokens)",
+                f"exceeds {limit} ({self.limits.max_request_tokens} tokens)",
                 num_prompt_tokens=len(prompt_token_ids),
             )
 
     def abort(self, request_id: str) -> None:
         """Stop a request; the next :meth:`step` reports it finished with reason ``abort``.
         Unknown or already finished ids are ignored."""
-        request = self.requests.get(request_id)
-        if request is None or request.is_finished:
-            return
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        self.processor.finish(request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or self.processor.has_any_pending()
+        """Whether a step would run something or hand out an output not seen yet."""
+        return self.scheduler.has_unfinished() or self.scheduler.has_finished() or self.processor.has_rejected()
 
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration and one model forward.
@@ -181,52 +154,36 @@ class Engine:
             An output for every request that progressed or finished in this step.
         """
         scheduler_output = self.scheduler.schedule()
-        model_output = self.runner.execute(scheduler_output, self.requests)
+        model_output = self.runner.execute(scheduler_output)
         progressed = self.scheduler.update(scheduler_output, model_output)
-        self._num_steps += 1
-        self._num_generated_tokens += sum(len(t) for t in model_output.sampled_token_ids.values())
-        for request_id in scheduler_output.finished_request_ids:
-            # The scheduler finishes requests on its own only when they can never run.
-            finished = self.requests.get(request_id)
-            if finished is not None and finished.is_finished:
-                self.processor.finish(finished, finished.status)
-        for request in progressed:
-            status = self.processor.process_new_tokens(request, model_output.logprobs.get(request.request_id))
-            if status is not None:
-                self.scheduler.finish_request(request.request_id, status)
-                self.processor.finish(request, status)
-        outputs = self.processor.drain()
-        for output in outputs:
-            if output.finished:
-                self.requests.pop(output.request_id, None)
-        return outputs
+        self._num_generated_tokens += len(progressed)
+        for request in self.processor.detokenize(progressed):
+            self._stop_on_string(request)
+        return self.processor.make_outputs(progressed, self.scheduler.take_finished())
+
+    def _stop_on_string(self, request: Request) -> None:
+        """A stop string matched: the request stops (``stop`` wins over a length limit its token hit)."""
+        if request.is_finished:
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def generate(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Sequence[Any],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: bool = True,
         priorities: Sequence[int] | None = None,
     ) -> list[GenerationOutput]:
-        """Offline convenience: run prompts to completion.
+        """Offline convenience: run prompts (text, token ids, chat messages or typed prompts) to
+        completion, with a progress bar.
 
         Returns:
             Final outputs in input order.
         """
         return run_offline(self, prompts, params, progress=progress, priorities=priorities)
 
-    def stats(self) -> dict[str, Any]:
-        """Scheduler counters, KV usage (blocks, fraction, swap bytes) and totals."""
-        stats = dict(self.scheduler.stats())
-        bytes_per_block = self.kv_spec.bytes_per_block
-        stats.update(
-            num_steps=self._num_steps,
-            num_generated_tokens=self._num_generated_tokens,
-            kv_block_bytes=bytes_per_block,
-            kv_device_blocks_total=self.cache_config.num_gpu_blocks,
-            kv_host_blocks_total=self.cache_config.num_cpu_blocks,
-        )
-        for direction in ("out", "in"):
-            blocks = stats.get(f"num_swapped_{direction}_blocks", 0)
-            stats[f"swap_{direction}_bytes"] = blocks * bytes_per_block
-        return stats
+    def stats(self) -> EngineStats:
+        """Queues, KV usage, totals and the scheduler's counters."""
+        return dataclasses.replace(self.scheduler.stats(), kv_block_bytes=self.limits.kv_block_bytes,
+                                   num_generated_tokens=self._num_generated_tokens)

@@ -4,7 +4,6 @@ then sampling from the logits of each sequence's last token. Knows nothing of qu
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +12,6 @@ from engine.kv_cache import KVCache
 from engine.model_loader import LoadedModel
 from engine.outputs import ModelOutput, ScheduledChunk, SchedulerOutput
 from engine.paged_attention import AttentionMetadata, PrefillSpan
-from engine.request import Request
 from engine.sampler import Sampler, SamplingContext
 
 
@@ -30,7 +28,7 @@ class PreparedBatch:
     position_ids: torch.Tensor  # [1, T]
     metadata: AttentionMetadata
     sample_indices: torch.Tensor  # [S] batch index of the last token of each chunk that samples
-    sample_request_ids: list[str]  # request of each row of the sampled logits
+    sample_chunks: list[ScheduledChunk]  # the chunk of each row of the sampled logits
 
 
 class ModelRunner:
@@ -51,12 +49,11 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self._gather_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def execute(self, scheduler_output: SchedulerOutput, requests: Mapping[str, Request]) -> ModelOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Swap out, swap in, run the forward, sample.
 
         Args:
-            scheduler_output: what to run this step.
-            requests: live requests by id (for sampling parameters and output lengths).
+            scheduler_output: what to run this step, with each chunk's sampling parameters.
 
         Returns:
             One sampled token for every chunk with ``needs_sample``.
@@ -66,24 +63,17 @@ class ModelRunner:
         if not scheduler_output.chunks:
             return ModelOutput()
         batch = self.prepare(scheduler_output.chunks)
-        if not batch.sample_request_ids:
-            self._forward(batch)
-            return ModelOutput()
         logits = self._forward(batch)
-        contexts = [
-            SamplingContext(
-                params=requests[rid].sampling_params,
-                num_output_tokens=requests[rid].num_output_tokens,
-                eos_token_ids=self.eos_token_ids,
-            )
-            for rid in batch.sample_request_ids
-        ]
+        if not batch.sample_chunks:
+            return ModelOutput()
+        contexts = [SamplingContext(params=chunk.sampling_params, num_output_tokens=chunk.num_output_tokens,
+                                    eos_token_ids=self.eos_token_ids) for chunk in batch.sample_chunks]
         sampled = self.sampler(logits, contexts)
         output = ModelOutput()
-        for rid, token_id, logprobs in zip(batch.sample_request_ids, sampled.token_ids, sampled.logprobs):
-            output.sampled_token_ids[rid] = [token_id]
+        for chunk, token_id, logprobs in zip(batch.sample_chunks, sampled.token_ids, sampled.logprobs):
+            output.sampled_token_ids[chunk.request_id] = [token_id]
             if logprobs is not None:
-                output.logprobs[rid] = [logprobs]
+                output.logprobs[chunk.request_id] = [logprobs]
         return output
 
     @torch.inference_mode()
@@ -114,13 +104,13 @@ class ModelRunner:
         spans, prefill_slots = self._prefill_inputs(prefills, offset=len(decodes))
         slot_mapping = torch.cat([decode_slots, *prefill_slots]) if prefill_slots else decode_slots
         sample_indices: list[int] = []
-        sample_ids: list[str] = []
+        sample_chunks: list[ScheduledChunk] = []
         offset = 0
         for chunk in ordered:
             offset += chunk.num_tokens
             if chunk.needs_sample:
                 sample_indices.append(offset - 1)
-                sample_ids.append(chunk.request_id)
+                sample_chunks.append(chunk)
         metadata = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=slot_mapping.to(dev),
@@ -137,7 +127,7 @@ class ModelRunner:
             position_ids=torch.tensor([positions], device=dev),
             metadata=metadata,
             sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=dev),
-            sample_request_ids=sample_ids,
+            sample_chunks=sample_chunks,
         )
 
     def _decode_chunks(self, decodes: list[ScheduledChunk]) -> list[tuple[int, int, int]]:

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 from tqdm.auto import tqdm
 
 from engine.outputs import RequestMetrics
-from engine.prompts import Prompt
+from engine.prompts import PromptError, PromptLike, as_prompt
+from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ class GenerationOutput:
     request_id: str
     token_ids: list[int]
     text: str
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None
     prompt_token_count: int
     metrics: RequestMetrics
     error: str | None = None
@@ -35,7 +36,7 @@ class GenerationOutput:
 
 def run_offline(
     engine: Engine,
-    prompts: Sequence[Prompt],
+    prompts: Sequence[PromptLike],
     params: SamplingParams | Sequence[SamplingParams] | None,
     progress: bool = True,
     priorities: Sequence[int] | None = None,
@@ -44,7 +45,7 @@ def run_offline(
 
     Args:
         engine: an idle or busy engine (other requests keep running alongside).
-        prompts: texts, token-id lists or chat-message lists.
+        prompts: texts, token-id lists, chat-message lists or typed prompts.
         params: one SamplingParams for all, one per prompt, or None for defaults.
         progress: show a tqdm bar with requests done and output tokens/s.
         priorities: optional per-prompt priority (lower = more urgent).
@@ -60,11 +61,17 @@ def run_offline(
         raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
     batch_number = next(_batch_numbers)
     request_ids = [f"offline-{batch_number}-{i}" for i in range(len(prompts))]
-    for i, (request_id, prompt) in enumerate(zip(request_ids, prompts)):
-        engine.add_request(request_id, prompt, per_prompt[i], priority=priorities[i] if priorities else 0)
     results: dict[str, GenerationOutput] = {}
+    for i, (request_id, prompt) in enumerate(zip(request_ids, prompts)):
+        try:
+            prompt_token_ids = engine.tokenize(as_prompt(prompt))
+        except PromptError as exc:
+            metrics = RequestMetrics(arrival_time_s=engine.clock.now(), finished_time_s=engine.clock.now())
+            results[request_id] = GenerationOutput(request_id, [], "", FinishReason.ERROR, 0, metrics, str(exc))
+            continue
+        engine.add_request(request_id, prompt_token_ids, per_prompt[i], priority=priorities[i] if priorities else 0)
     wanted = set(request_ids)
-    bar = tqdm(total=len(prompts), desc="generating", unit="req", disable=not progress)
+    bar = tqdm(total=len(prompts), initial=len(results), desc="generating", unit="req", disable=not progress)
     num_tokens = 0
     while len(results) < len(prompts):
         for output in engine.step():

@@ -1,9 +1,13 @@
 """Plain dataclasses where "decide" (scheduler) and "execute" (model runner) meet, and what
-the engine hands back to callers. Standard library only."""
+the engine hands back to callers. Standard library and pydantic only."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.request import FinishReason, RequestErrorCode
+from engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -12,7 +16,8 @@ class ScheduledChunk:
 
     The runner writes their KV at positions ``start_position .. start_position + len(token_ids) - 1``
     into the device blocks ``block_ids`` (the request's whole block table) and, if
-    ``needs_sample``, samples the request's next token from the logits of the last one.
+    ``needs_sample``, samples the request's next token from the logits of the last one, with
+    ``sampling_params``: everything the runner needs is here, it reads no request table.
     """
 
     request_id: str
@@ -20,6 +25,8 @@ class ScheduledChunk:
     start_position: int  # position of token_ids[0] in the sequence == num_computed_tokens before the step
     block_ids: list[int]  # device block table; covers start_position + len(token_ids) tokens
     needs_sample: bool  # True when this chunk reaches the end of the known tokens
+    sampling_params: SamplingParams
+    num_output_tokens: int  # tokens generated so far == index of the token to sample (min_tokens, seeds)
 
     @property
     def num_tokens(self) -> int:
@@ -34,15 +41,10 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device_block_id, host_block_id) copies
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host_block_id, device_block_id) copies
     preempted_request_ids: list[str] = field(default_factory=list)  # lost their device blocks this step
-    finished_request_ids: list[str] = field(default_factory=list)  # finished since the previous step
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks and not self.swap_out and not self.swap_in
 
 
 @dataclass
@@ -51,6 +53,12 @@ class ModelOutput:
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request_id -> new tokens
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # request_id -> top logprobs per token
+
+
+class StepRunner(Protocol):
+    """Executes one step: the real ``ModelRunner``, or a scripted one in tests."""
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput: ...
 
 
 @dataclass
@@ -100,9 +108,9 @@ class RequestOutput:
     token_ids: list[int]  # all generated tokens so far
     text: str  # all generated text so far (stop string cut)
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
+    finish_reason: FinishReason | None  # set once finished
     prompt_token_count: int
     metrics: RequestMetrics
-    error: str | None = None  # human-readable reason when finish_reason == "error"
-    error_code: str | None = None  # machine-readable, e.g. "prompt_too_long"
+    error: str | None = None  # human-readable reason when finish_reason is ERROR
+    error_code: RequestErrorCode | None = None  # machine-readable, when finish_reason is ERROR
     logprobs: list[dict[int, float]] | None = None

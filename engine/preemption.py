@@ -1,51 +1,51 @@
-"""Preemption for the scheduler: who yields device blocks, hysteresis, swap-or-recompute.
+"""Preemption policy of the scheduler: who yields device blocks, and hysteresis. It reads the
+scheduler's queues and blocks and changes nothing; the scheduler carries its decisions out.
 
 Standard library only. Rules (also in engine/scheduler.py):
 
-* PRIORITY / STARVATION (``make_room``): a waiting or swapped request that cannot be placed
+* PRIORITY / STARVATION (``victims_for_room``): a waiting or swapped request that cannot be placed
   may preempt unprotected running requests that are demoted (long-output limit) or strictly
   less urgent by effective priority; demoted ones go first, then the least urgent.
-* MEMORY (``pick_memory_victim``): see the hysteresis rule in engine/scheduler.py; a victim
+* MEMORY (``memory_victim``): see the hysteresis rule in engine/scheduler.py; a victim
   is always demoted or less urgent than the request that needs the blocks, so memory
   preemption never ping-pongs between two requests.
-* A victim is swapped to the host pool when mode is "swap" and the host pool has room,
-  otherwise its KV is dropped and it is recomputed later (never an error).
+* The scheduler swaps a victim to the host pool when mode is "swap" and the host pool has
+  room, otherwise drops its KV to recompute it later (never an error).
 """
 
 from __future__ import annotations
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.request import PreemptionCause, Request, RequestStatus
+from engine.request import Request
 from engine.request_queue import RequestQueues
 from engine.scheduler_policy import choose_victim, room_victims, urgency_key
-from engine.scheduler_stats import SchedulerStats
 from engine.scheduler_step import StepPlan
 
 
-class Preemptor:
-    """Chooses and preempts victims; shares the scheduler's queues, blocks and counters."""
+class PreemptionPolicy:
+    """Answers "who yields?" for the scheduler; read-only over its queues and block manager."""
 
-    def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, queues: RequestQueues, stats: SchedulerStats
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, queues: RequestQueues) -> None:
         self.config = config
         self.block_manager = block_manager
         self._queues = queues
-        self.stats = stats
 
-    def make_room(self, request: Request, num_blocks: int, plan: StepPlan) -> bool:
-        """Ensure ``num_blocks`` free device blocks and a sequence slot for ``request``.
+    def victims_for_room(self, request: Request, num_blocks: int, plan: StepPlan) -> list[Request] | None:
+        """Who must yield so that ``num_blocks`` device blocks and a sequence slot are free for ``request``.
 
-        Preempts protected-free running requests that are demoted (cause STARVATION) or, with
-        priority preemption on, strictly less urgent (cause PRIORITY) -- but only if enough of
-        them together make the room; otherwise nobody is preempted.
+        Candidates are unprotected running requests that are demoted (cause STARVATION) or, with
+        priority preemption on, strictly less urgent (cause PRIORITY), preferred victim first.
+
+        Returns:
+            The victims (empty when the room is already there), or None when even all of the
+            candidates together would not make the room: then nobody is preempted.
         """
         if self.has_room(num_blocks, 0, 0):
-            return True
+            return []
         if plan.swap_in and self.config.preemption_mode == "swap":
             # NOTE: a swap-out now could reuse host blocks a swap-in of this step still reads.
-            return False
+            return None
         victims: list[Request] = []
         num_freed_blocks = 0
         unprotected = [r for r in self._queues.running if not self.is_protected(r, plan)]
@@ -55,14 +55,9 @@ class Preemptor:
                 break
             victims.append(victim)
             num_freed_blocks += len(self.block_manager.get_block_ids(victim.request_id))
-        if not self.has_room(num_blocks, num_freed_blocks, len(victims)):
-            return False
-        for victim in victims:
-            cause = PreemptionCause.STARVATION if victim.is_demoted else PreemptionCause.PRIORITY
-            self.preempt(victim, cause, plan)
-        return True
+        return victims if self.has_room(num_blocks, num_freed_blocks, len(victims)) else None
 
-    def pick_memory_victim(self, request: Request, plan: StepPlan) -> Request | None:
+    def memory_victim(self, request: Request, plan: StepPlan) -> Request | None:
         """MEMORY victim for ``request``, which needs device blocks for its next tokens.
 
         Rule (hysteresis included): among the other running requests that are demoted or less
@@ -78,38 +73,12 @@ class Preemptor:
         unprotected = [r for r in lower if not self.is_protected(r, plan)]
         return choose_victim(unprotected or lower or [request], plan.now_s, self.config.aging_interval_s)
 
-    def preempt(self, victim: Request, cause: PreemptionCause, plan: StepPlan) -> None:
-        """Take the victim's device blocks: swap to the host pool if it has room, else recompute."""
-        plan.remove(victim.request_id)
-        mapping = None
-        if self.config.preemption_mode == "swap":
-            mapping = self.block_manager.swap_out(victim.request_id)
-        if mapping is not None:
-            plan.swap_out.extend(mapping)
-            self.stats.num_swap_outs += 1
-            self.stats.num_swapped_out_blocks += len(mapping)
-            self._queues.move(victim, RequestStatus.SWAPPED)
-        else:
-            self.stats.num_recompute_preemptions += 1
-            self.stats.num_recomputed_tokens += victim.num_computed_tokens
-            self.block_manager.free(victim.request_id)
-            victim.num_computed_tokens = 0
-            self._queues.move(victim, RequestStatus.WAITING)
-        if cause is PreemptionCause.STARVATION:
-            victim.waiting_since_s = plan.now_s  # NOTE: it had its turn; it ages again from now
-        victim.is_demoted = False
-        victim.num_preemptions += 1
-        self.stats.cause_to_num_preemptions[cause] += 1
-        plan.preempted_request_ids.append(victim.request_id)
-
-    def mark_demoted(self) -> None:
-        """Long-output limit: while others wait, flag requests that decoded too long as victims."""
+    def requests_to_demote(self) -> list[Request]:
+        """Long-output limit: while others wait, running requests that decoded too long."""
         limit = self.config.max_consecutive_decode_steps
         if limit == 0 or not (self._queues.waiting or self._queues.swapped):
-            return
-        for request in self._queues.running:
-            if request.num_steps_since_admitted > limit:
-                request.is_demoted = True
+            return []
+        return [r for r in self._queues.running if r.num_steps_since_admitted > limit]
 
     def is_protected(self, request: Request, plan: StepPlan) -> bool:
         """Hysteresis: (re)admitted this step or fewer than min_resident_steps steps ago."""
@@ -119,4 +88,3 @@ class Preemptor:
     def has_room(self, num_blocks: int, num_freed_blocks: int, num_freed_seqs: int) -> bool:
         has_blocks = self.block_manager.num_free_gpu_blocks + num_freed_blocks >= num_blocks
         return has_blocks and len(self._queues.running) - num_freed_seqs < self.config.max_num_seqs
-

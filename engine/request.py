@@ -1,11 +1,19 @@
-"""One generation request's state inside the engine. Standard library and pydantic only."""
+"""One generation request's state inside the engine, and when it stops.
+
+Standard library and pydantic only. The engine's one registry of live requests holds these
+objects (the scheduler's queues); everything known about a request lives on it.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.detokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.IntEnum):
@@ -15,7 +23,7 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1  # holds device blocks, scheduled every step it fits
     SWAPPED = 2  # its KV sits in the host pool, waiting to be swapped back in
     FINISHED_STOPPED = 3  # EOS, stop token id or stop string
-    FINISHED_LENGTH = 4  # reached max_tokens
+    FINISHED_LENGTH = 4  # reached max_tokens or the model's context
     FINISHED_ABORTED = 5  # aborted by the caller (cancel, deadline)
     FINISHED_ERROR = 6  # rejected or failed (e.g. can never fit in the KV cache)
 
@@ -24,12 +32,29 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
 
+class FinishReason(str, enum.Enum):
+    """Why a request finished, as callers see it."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class RequestErrorCode(str, enum.Enum):
+    """Why a request finished with ``FinishReason.ERROR``."""
+
+    VALIDATION = "validation"  # malformed prompt (empty, bad token ids, no chat template)
+    PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens beyond the model's context or the KV cache
+    CANNOT_PLACE = "cannot_place"  # the scheduler could never place it in the KV cache (an internal failure)
+
+
 # The one table from internal state to the user-facing finish reason.
-FINISH_REASON: dict[RequestStatus, str] = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
+FINISH_REASON: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -65,6 +90,13 @@ class Request:
     first_scheduled_time_s: float | None = None
     first_token_time_s: float | None = None
     finished_time_s: float | None = None
+    stop_token_id: int | None = None  # the EOS / stop id that finished it (kept in the ids, not in the text)
+    error_code: RequestErrorCode | None = None  # set with FINISHED_ERROR
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, when asked for
+    # Output side: turns output_token_ids into text; set by the output processor on admission.
+    detokenizer: IncrementalDetokenizer | None = None
+    num_reported_tokens: int = 0  # output tokens already handed out in a RequestOutput
+    num_reported_chars: int = 0  # characters of final text already handed out as deltas
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -90,3 +122,30 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+
+def check_stop(request: Request, eos_token_ids: frozenset[int], max_model_len: int | None) -> RequestStatus | None:
+    """Whether the request's newest token ends it; the one place stopping on tokens is decided.
+
+    Stop *strings* need text: the output processor finds them and finishes the request then.
+
+    Args:
+        request: a request that just received a token.
+        eos_token_ids: the model's end-of-sequence ids (ignored with ``ignore_eos``).
+        max_model_len: the model's context length; None = unbounded.
+
+    Returns:
+        FINISHED_STOPPED (EOS or a stop id, once ``min_tokens`` are out; sets ``stop_token_id``),
+        FINISHED_LENGTH (``max_tokens`` or the context is full), or None to go on.
+    """
+    params = request.sampling_params
+    token_id = request.output_token_ids[-1]
+    if request.num_output_tokens > params.min_tokens and (
+        (token_id in eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids
+    ):
+        request.stop_token_id = token_id
+        return RequestStatus.FINISHED_STOPPED
+    is_context_full = max_model_len is not None and request.num_tokens >= max_model_len
+    if request.num_output_tokens >= params.max_tokens or is_context_full:
+        return RequestStatus.FINISHED_LENGTH
+    return None

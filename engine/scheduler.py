@@ -1,7 +1,7 @@
 """Iteration-level scheduler: waiting / running / swapped queues over a BlockManager.
 
 Pure and deterministic: reads time only from the injected Clock. Standard library and
-pydantic only; never torch.
+pydantic only; never torch. It holds the engine's one registry of live requests.
 
 Hysteresis rule (``min_resident_steps``): a request is *protected* during the step it is
 admitted or resumed and the next ``min_resident_steps - 1`` steps. Protected requests are never
@@ -15,6 +15,7 @@ never fit and is finished with FINISHED_ERROR.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from engine.block_manager import BlockManager
@@ -22,39 +23,43 @@ from engine.clock import Clock
 from engine.config import SchedulerConfig
 from engine.errors import InvariantError
 from engine.outputs import ModelOutput, SchedulerOutput
-from engine.preemption import Preemptor
-from engine.request import PreemptionCause, Request, RequestStatus
+from engine.preemption import PreemptionPolicy
+from engine.request import PreemptionCause, Request, RequestErrorCode, RequestStatus, check_stop
 from engine.request_queue import RequestQueues
 from engine.scheduler_policy import UrgencyKey, is_decode, queue_key, urgency_key
-from engine.scheduler_stats import SchedulerStats
 from engine.scheduler_step import StepPlan
+from engine.stats import EngineStats, SchedulerCounters
 
 
 class Scheduler:
-    """Decides, once per engine step, which requests run how many tokens, and what to swap.
+    """Decides, once per engine step, which requests run how many tokens, and what to swap;
+    then applies the step's sampled tokens and decides who stopped.
 
     Order each step: running decodes, then running (chunked) prefills, then swapped and
     waiting requests merged by ``queue_key`` (a swapped request resumes before a new admission
     of equal effective priority). Admission stops at the first request that cannot be placed
     (head-of-line), so nothing less urgent takes the room a more urgent request waits for.
+
+    Args:
+        config: budgets and policy.
+        block_manager: the KV block pools (owned by this scheduler from now on).
+        clock: the only source of time.
+        eos_token_ids: the model's end-of-sequence ids (see :func:`engine.request.check_stop`).
+        max_model_len: the model's context length; None = unbounded.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock: Clock) -> None:
-        """Create an empty scheduler.
-
-        Args:
-            config: budgets and policy.
-            block_manager: the KV block pools (owned by this scheduler from now on).
-            clock: the only source of time.
-        """
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock: Clock,
+                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
         self.clock = clock
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.counters = SchedulerCounters()
         self._queues = RequestQueues()
-        self._finished_request_ids: list[str] = []  # finished since the last schedule()
+        self._finished: list[Request] = []  # finished since the last take_finished()
         self._next_seq_no = 0
-        self._stats = SchedulerStats()
-        self._preemptor = Preemptor(config, block_manager, self._queues, self._stats)
+        self._policy = PreemptionPolicy(config, block_manager, self._queues)
 
     @property
     def num_waiting(self) -> int:
@@ -80,7 +85,7 @@ class Scheduler:
         """Queue a new request as WAITING; assign its seq_no and start its aging clock.
 
         A request that could never fit in the device pool is finished at once with
-        FINISHED_ERROR (its id appears in the next output's ``finished_request_ids``).
+        FINISHED_ERROR (it comes out of the next :meth:`take_finished`).
 
         Raises:
             ValueError: a request with this id is already unfinished here.
@@ -96,10 +101,12 @@ class Scheduler:
         """Plan one step within every budget; preempt when blocks or priority require it.
 
         Returns:
-            What to run (chunks), swap (block pairs), and who was preempted or finished.
+            What to run (chunks, with what the runner needs to sample), swap (block pairs),
+            and who was preempted.
         """
-        plan = StepPlan.start(self.config, self._stats.num_steps, self.clock.now())
-        self._preemptor.mark_demoted()
+        plan = StepPlan.start(self.config, self.counters.num_steps, self.clock.now())
+        for request in self._policy.requests_to_demote():
+            request.is_demoted = True
         self._schedule_running(plan)
         for request in sorted(self._queues.swapped + self._queues.waiting, key=self._queue_key(plan)):
             if request.request_id in plan.preempted_request_ids:
@@ -110,18 +117,17 @@ class Scheduler:
                 is_placed = self._schedule_waiting(request, plan)
             if not is_placed:
                 break  # head-of-line: nothing less urgent may take the room it waits for
-        self._stats.num_steps += 1
-        finished_request_ids, self._finished_request_ids = self._finished_request_ids, []
-        return plan.build_output(self._queues.requests, self.block_manager, finished_request_ids)
+        self.counters.num_steps += 1
+        return plan.build_output(self._queues.requests, self.block_manager)
 
     def update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
-        """Apply one executed step: advance computed tokens and append sampled tokens.
+        """Apply one executed step: advance computed tokens, append sampled tokens, and finish
+        the requests whose new token ends them (:func:`engine.request.check_stop`).
 
-        Does not decide stopping; the engine calls :meth:`finish_request` for that.
         Chunks of requests finished since ``schedule()`` are skipped.
 
         Returns:
-            The requests that received new tokens, in chunk order.
+            The requests that received new tokens, in chunk order (finished ones included).
 
         Raises:
             InvariantError: the output does not match the plan (wrong position, missing sample).
@@ -139,17 +145,16 @@ class Scheduler:
                 request.num_steps_since_admitted += 1
             request.num_computed_tokens += chunk.num_tokens
             new_token_ids = model_output.sampled_token_ids.get(chunk.request_id, [])
-            if bool(new_token_ids) != chunk.needs_sample:
+            if len(new_token_ids) != int(chunk.needs_sample):
                 raise InvariantError(f"{chunk.request_id}: needs_sample={chunk.needs_sample}, "
                                      f"got {len(new_token_ids)} tokens")
             if new_token_ids:
-                request.output_token_ids.extend(new_token_ids)
-                if request.first_token_time_s is None:
-                    request.first_token_time_s = now_s
+                self._append_token(request, new_token_ids[0], model_output.logprobs.get(chunk.request_id), now_s)
                 updated.append(request)
         return updated
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       error_code: RequestErrorCode | None = None) -> None:
         """Finish a request: drop it from its queue and free its blocks in both pools.
 
         Unknown or already finished ids are ignored (abort is idempotent).
@@ -164,18 +169,29 @@ class Scheduler:
             return
         self.block_manager.free(request_id)
         request.status = status
+        request.error_code = error_code
         request.finished_time_s = self.clock.now()
-        self._finished_request_ids.append(request_id)
+        self._finished.append(request)
 
-    def stats(self) -> dict[str, int | float]:
-        """Queue lengths, block usage per pool, and the cumulative counters of SchedulerStats."""
-        return {
-            "num_running": self.num_running,
-            "num_waiting": self.num_waiting,
-            "num_swapped": self.num_swapped,
-            **self.block_manager.usage(),
-            **self._stats.as_dict(),
-        }
+    def has_finished(self) -> bool:
+        """Whether requests finished since the last :meth:`take_finished`."""
+        return bool(self._finished)
+
+    def take_finished(self) -> list[Request]:
+        """The requests finished since the last call, in the order they finished."""
+        finished, self._finished = self._finished, []
+        return finished
+
+    def stats(self) -> EngineStats:
+        """Queue lengths, block usage per pool, and the cumulative counters."""
+        bm = self.block_manager
+        return EngineStats(
+            num_running=self.num_running, num_waiting=self.num_waiting, num_swapped=self.num_swapped,
+            num_used_gpu_blocks=bm.num_gpu_blocks - bm.num_free_gpu_blocks, num_gpu_blocks=bm.num_gpu_blocks,
+            num_used_cpu_blocks=bm.num_cpu_blocks - bm.num_free_cpu_blocks, num_cpu_blocks=bm.num_cpu_blocks,
+            counters=dataclasses.replace(self.counters,
+                                         cause_to_num_preemptions=dict(self.counters.cause_to_num_preemptions)),
+        )
 
     def check_invariants(self) -> None:
         """Raise InvariantError unless queues, statuses and block ownership agree."""
@@ -199,11 +215,11 @@ class Scheduler:
         if num_tokens == 0:
             return
         while (num_fit := min(num_tokens, self._num_free_slots(request))) == 0:
-            victim = self._preemptor.pick_memory_victim(request, plan)
+            victim = self._policy.memory_victim(request, plan)
             if victim is None:  # alone and still out of blocks: it can never fit
                 self._finish_with_error(request)
                 return
-            self._preemptor.preempt(victim, PreemptionCause.MEMORY, plan)
+            self._preempt(victim, PreemptionCause.MEMORY, plan)
             if victim is request:
                 return
         # NOTE: a prefill chunk shrinks to the free slots instead of preempting anyone.
@@ -216,14 +232,14 @@ class Scheduler:
         if num_tokens == 0:
             return False
         num_needed_tokens = request.num_computed_tokens + num_tokens
-        if not self._preemptor.make_room(request, self.block_manager.num_blocks_for(num_needed_tokens), plan):
+        if not self._make_room(request, self.block_manager.num_blocks_for(num_needed_tokens), plan):
             return self._finish_if_never_fits(request, plan)
-        mapping = self.block_manager.swap_in(request.request_id)
-        if mapping is None:
-            raise InvariantError(f"swap-in of {request.request_id} failed after room was made")
+        if not self.block_manager.can_swap_in(request.request_id):
+            raise InvariantError(f"no room to swap {request.request_id} in after room was made")
+        mapping = self.block_manager.swap_in(request.request_id) or []
         plan.swap_in.extend(mapping)
-        self._stats.num_swap_ins += 1
-        self._stats.num_swapped_in_blocks += len(mapping)
+        self.counters.num_swap_ins += 1
+        self.counters.num_swapped_in_blocks += len(mapping)
         self._admit(request, num_tokens, plan)
         return True
 
@@ -235,12 +251,56 @@ class Scheduler:
         # NOTE: the watermark spares blocks for running decodes; with nothing running it would only block.
         num_reserved_blocks = self.config.watermark_blocks if self._queues.running else 0
         num_blocks = self.block_manager.num_blocks_for(num_tokens) + num_reserved_blocks
-        if not self._preemptor.make_room(request, num_blocks, plan):
+        if not self._make_room(request, num_blocks, plan):
             return self._finish_if_never_fits(request, plan)
         self._admit(request, num_tokens, plan)
         return True
 
     # --------------------------------------------------------------------------- helpers
+
+    def _append_token(self, request: Request, token_id: int, logprobs: list[dict[int, float]] | None,
+                      now_s: float) -> None:
+        request.output_token_ids.append(token_id)
+        if logprobs:
+            request.logprobs.extend(logprobs)
+        if request.first_token_time_s is None:
+            request.first_token_time_s = now_s
+        status = check_stop(request, self.eos_token_ids, self.max_model_len)
+        if status is not None:
+            self.finish_request(request.request_id, status)
+
+    def _make_room(self, request: Request, num_blocks: int, plan: StepPlan) -> bool:
+        """Preempt whom the policy names so that ``num_blocks`` and a sequence slot are free."""
+        victims = self._policy.victims_for_room(request, num_blocks, plan)
+        if victims is None:
+            return False
+        for victim in victims:
+            cause = PreemptionCause.STARVATION if victim.is_demoted else PreemptionCause.PRIORITY
+            self._preempt(victim, cause, plan)
+        return True
+
+    def _preempt(self, victim: Request, cause: PreemptionCause, plan: StepPlan) -> None:
+        """Take the victim's device blocks: swap to the host pool if it has room, else recompute."""
+        plan.remove(victim.request_id)
+        is_swap = self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(victim.request_id)
+        if is_swap:
+            mapping = self.block_manager.swap_out(victim.request_id) or []
+            plan.swap_out.extend(mapping)
+            self.counters.num_swap_outs += 1
+            self.counters.num_swapped_out_blocks += len(mapping)
+            self._queues.move(victim, RequestStatus.SWAPPED)
+        else:
+            self.counters.num_recompute_preemptions += 1
+            self.counters.num_recomputed_tokens += victim.num_computed_tokens
+            self.block_manager.free(victim.request_id)
+            victim.num_computed_tokens = 0
+            self._queues.move(victim, RequestStatus.WAITING)
+        if cause is PreemptionCause.STARVATION:
+            victim.waiting_since_s = plan.now_s  # NOTE: it had its turn; it ages again from now
+        victim.is_demoted = False
+        victim.num_preemptions += 1
+        self.counters.cause_to_num_preemptions[cause] += 1
+        plan.preempted_request_ids.append(victim.request_id)
 
     def _admit(self, request: Request, num_tokens: int, plan: StepPlan) -> None:
         """Move a placed request to RUNNING, allocate its chunk's slots and schedule the chunk."""
@@ -254,8 +314,9 @@ class Scheduler:
         plan.add(request, num_tokens)
 
     def _append_slots(self, request: Request, num_tokens: int) -> None:
-        if self.block_manager.append_slots(request.request_id, num_tokens) is None:
+        if not self.block_manager.can_append_slots(request.request_id, num_tokens):
             raise InvariantError(f"no blocks for {request.request_id} after room was checked")
+        self.block_manager.append_slots(request.request_id, num_tokens)
 
     def _num_free_slots(self, request: Request) -> int:
         """Tokens the request can add to its device table, counting free blocks."""
@@ -271,8 +332,8 @@ class Scheduler:
         return True
 
     def _finish_with_error(self, request: Request) -> None:
-        self._stats.num_finished_errors += 1
-        self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+        self.counters.num_finished_errors += 1
+        self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR, RequestErrorCode.CANNOT_PLACE)
 
     def _urgency_key(self, plan: StepPlan) -> Callable[[Request], UrgencyKey]:
         return lambda r: urgency_key(r, plan.now_s, self.config.aging_interval_s)

@@ -80,9 +80,7 @@ class StepPlan:
             self.prefill_request_ids.discard(request_id)
             self.num_prefill_tokens_left += num_tokens
 
-    def build_output(
-        self, requests: dict[str, Request], block_manager: BlockManager, finished_request_ids: list[str]
-    ) -> SchedulerOutput:
+    def build_output(self, requests: dict[str, Request], block_manager: BlockManager) -> SchedulerOutput:
         """The plain output for the runner: decode chunks first, then prefill chunks."""
         chunks = [self._chunk(requests[rid], n, block_manager) for rid, n in self.request_to_num_tokens.items()]
         chunks.sort(key=lambda chunk: chunk.request_id in self.prefill_request_ids)
@@ -91,7 +89,6 @@ class StepPlan:
             swap_out=list(self.swap_out),
             swap_in=list(self.swap_in),
             preempted_request_ids=list(self.preempted_request_ids),
-            finished_request_ids=list(finished_request_ids),
         )
 
     @staticmethod
@@ -103,4 +100,6 @@ class StepPlan:
             start_position=start,
             block_ids=block_manager.get_block_ids(request.request_id),
             needs_sample=start + num_tokens == request.num_tokens,
+            sampling_params=request.sampling_params,
+            num_output_tokens=request.num_output_tokens,
         )

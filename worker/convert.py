@@ -1,25 +1,36 @@
 """Translation between the wire schema and the engine: request -> engine call, output -> result.
 
-Imports producer.schema and engine's torch-free modules (sampling_params, outputs); never engine.engine.
+Imports producer.schema and engine's torch-free modules; never torch. The engine's finish
+reasons and error codes meet the wire's here, in one table each.
 """
 
 from __future__ import annotations
 
-from producer.schema import ErrorInfo, FinishReason, GenerationRequest, GenerationResult, Timings, Usage
 from engine.outputs import RequestOutput
+from engine.prompts import ChatPrompt, Prompt, TextPrompt, TokensPrompt
+from engine.request import FinishReason as EngineFinishReason
+from engine.request import RequestErrorCode
 from engine.sampling_params import SamplingParams as EngineSamplingParams
-from worker.messages import Admit, Prompt
+from producer.schema import ErrorCode, ErrorInfo, FinishReason, GenerationRequest, GenerationResult, Timings, Usage
+from worker.messages import Admit
 
-_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+FINISH_REASONS: dict[EngineFinishReason, FinishReason] = {
+    EngineFinishReason.STOP: "stop", EngineFinishReason.LENGTH: "length", EngineFinishReason.ABORT: "abort",
+}
+ERROR_CODES: dict[RequestErrorCode, ErrorCode] = {
+    RequestErrorCode.VALIDATION: ErrorCode.VALIDATION,
+    RequestErrorCode.PROMPT_TOO_LONG: ErrorCode.PROMPT_TOO_LONG,
+    RequestErrorCode.CANNOT_PLACE: ErrorCode.INTERNAL,
+}
 
 
 def engine_prompt(request: GenerationRequest) -> Prompt:
-    """The prompt in the form ``Engine.add_request`` takes (chat messages are templated by the engine)."""
+    """The request's prompt as the engine's typed prompt (chat messages are templated by the engine)."""
     if request.prompt_token_ids is not None:
-        return list(request.prompt_token_ids)
+        return TokensPrompt(list(request.prompt_token_ids))
     if request.messages is not None:
-        return [{k: str(v) for k, v in m.model_dump().items()} for m in request.messages]
-    return request.prompt or ""
+        return ChatPrompt([m.model_dump() for m in request.messages])
+    return TextPrompt(request.prompt or "")
 
 
 def engine_params(request: GenerationRequest) -> EngineSamplingParams:
@@ -41,22 +52,24 @@ def build_result(output: RequestOutput, admit: Admit, worker: str, abort_status:
         abort_status: ``"cancelled"`` / ``"expired"`` when the worker aborted the request, else None.
 
     Returns:
-        ``ok`` for stop/length, ``error`` with the engine's code for errors, the abort status for aborts.
+        ``ok`` for stop/length, ``error`` with the wire code for errors, the abort status for aborts.
     """
     request = admit.request
     completion_tokens = len(output.token_ids)
     usage = Usage(prompt_tokens=output.prompt_token_count, completion_tokens=completion_tokens,
                   total_tokens=output.prompt_token_count + completion_tokens)
+    reason = output.finish_reason
     result = GenerationResult(
         id=request.id, status="ok", text=output.text, token_ids=list(output.token_ids),
-        finish_reason=_FINISH_REASONS.get(output.finish_reason or ""), usage=usage,
+        finish_reason=FINISH_REASONS.get(reason) if reason is not None else None, usage=usage,
         timings=_timings(output, admit), worker=worker, metadata=request.metadata,
         logprobs=output.logprobs if request.params.logprobs is not None else None,
     )
-    if output.finish_reason == "error":
-        code = output.error_code or "internal"
-        return result.model_copy(update={"status": "error", "error": ErrorInfo(code=code, message=output.error or code)})
-    if output.finish_reason == "abort":
+    if reason is EngineFinishReason.ERROR:
+        code = ERROR_CODES.get(output.error_code, ErrorCode.INTERNAL) if output.error_code else ErrorCode.INTERNAL
+        info = ErrorInfo(code=code.value, message=output.error or code.value)
+        return result.model_copy(update={"status": "error", "error": info})
+    if reason is EngineFinishReason.ABORT:
         status = abort_status or "cancelled"
         info = ErrorInfo(code=status, message=f"request {status} while {'running' if completion_tokens else 'waiting'}")
         return result.model_copy(update={"status": status, "error": info})

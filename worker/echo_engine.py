@@ -1,7 +1,8 @@
 """EchoEngine: the engine interface without torch or a model, for tests and queue benchmarks.
 
-Token ids are the UTF-8 bytes of the prompt; the output echoes them. Imports engine's
-torch-free modules only (config, outputs, sampling_params); never engine.engine.
+Token ids are the UTF-8 bytes of the prompt; the output echoes them. Served as the model
+``echo``, or ``echo:tokens_per_step=1,step_delay_s=0.004`` to pace it like a real engine.
+Imports engine's torch-free modules only (config, outputs, sampling_params); never engine.engine.
 """
 
 from __future__ import annotations
@@ -13,11 +14,46 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.outputs import RequestMetrics, RequestOutput
+from engine.prompts import ChatPrompt, Prompt, TextPrompt
+from engine.request import FinishReason, RequestErrorCode
 from engine.sampling_params import SamplingParams
-from worker.messages import Prompt
+from engine.stats import EngineStats
 
 ECHO_MODEL = "echo"
 DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def is_echo_model(name: str) -> bool:
+    """Whether a model name selects the echo engine (``echo`` or ``echo:options``)."""
+    return name == ECHO_MODEL or name.startswith(ECHO_MODEL + ":")
+
+
+@dataclass(frozen=True)
+class EchoOptions:
+    """The pace of the echo engine, from ``echo:tokens_per_step=N,step_delay_s=S``."""
+
+    tokens_per_step: int = 0  # tokens each request gets per step; 0 = the whole output in one step
+    step_delay_s: float = 0.0  # sleep per step, standing in for a forward pass
+
+    @classmethod
+    def parse(cls, name: str) -> EchoOptions:
+        """Options of an echo model name.
+
+        Raises:
+            ValueError: not an echo name, or an unknown or malformed option.
+        """
+        if not is_echo_model(name):
+            raise ValueError(f"{name!r} is not an echo model")
+        values: dict[str, float] = {}
+        for item in filter(None, name.removeprefix(ECHO_MODEL).removeprefix(":").split(",")):
+            key, _, text = item.partition("=")
+            if key not in ("tokens_per_step", "step_delay_s"):
+                raise ValueError(f"unknown echo option {key!r} (use tokens_per_step, step_delay_s)")
+            values[key] = float(text)
+        options = cls(int(values.get("tokens_per_step", 0)), values.get("step_delay_s", 0.0))
+        if options.tokens_per_step < 0 or options.step_delay_s < 0:
+            raise ValueError("echo options must be >= 0")
+        return options
 
 
 @dataclass
@@ -41,23 +77,23 @@ class EchoEngine:
     ``ignore_eos``, which repeats it up to ``max_tokens`` (``"length"``).
 
     Args:
-        config: engine settings; uses ``model``, ``max_num_seqs`` and ``max_model_len``.
-        tokens_per_step: tokens per request per step; 0 = the whole output in one step.
-        step_delay_s: sleep per step, standing in for a forward pass.
+        config: engine settings; uses the model's name (with the echo options), ``max_model_len``
+            and ``max_num_seqs``.
     """
 
-    def __init__(self, config: EngineConfig, tokens_per_step: int = 0, step_delay_s: float = 0.0) -> None:
-        self.model_name = config.model
-        self._max_num_seqs = config.max_num_seqs
-        self._max_model_len = config.max_model_len or DEFAULT_MAX_MODEL_LEN
-        self._tokens_per_step = tokens_per_step
-        self._step_delay_s = step_delay_s
+    def __init__(self, config: EngineConfig) -> None:
+        options = EchoOptions.parse(config.model.name)
+        self.model_name = ECHO_MODEL
+        self._max_num_seqs = config.scheduler.max_num_seqs
+        self._max_model_len = config.model.max_model_len or DEFAULT_MAX_MODEL_LEN
+        self._tokens_per_step = options.tokens_per_step
+        self._step_delay_s = options.step_delay_s
         self._waiting: dict[str, _EchoRequest] = {}
         self._running: dict[str, _EchoRequest] = {}
         self._rejected: list[RequestOutput] = []
         self._num_seen = 0
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
                     arrival_time: float | None = None) -> None:
         """Queue a request; a prompt beyond ``max_model_len`` finishes with ``prompt_too_long``.
 
@@ -68,10 +104,10 @@ class EchoEngine:
             raise ValueError(f"request {request_id!r} is already live")
         self._num_seen += 1
         metrics = RequestMetrics(arrival_time_s=arrival_time if arrival_time is not None else time.monotonic())
-        request = _EchoRequest(request_id, _token_ids(prompt), params, priority, self._num_seen, metrics)
+        request = _EchoRequest(request_id, list(prompt_token_ids), params, priority, self._num_seen, metrics)
         if len(request.prompt_token_ids) + 1 > self._max_model_len:
             message = f"prompt has {len(request.prompt_token_ids)} tokens; max_model_len is {self._max_model_len}"
-            self._rejected.append(_output(request, [], "", finished=True, reason="error", error=message))
+            self._rejected.append(_output(request, [], "", finished=True, reason=FinishReason.ERROR, error=message))
             return
         self._waiting[request_id] = request
 
@@ -84,7 +120,7 @@ class EchoEngine:
         if self._step_delay_s:
             time.sleep(self._step_delay_s)
         outputs, self._rejected = self._rejected, []
-        outputs += [self._finish(r, "abort") for r in self._take_aborted()]
+        outputs += [self._finish(r, FinishReason.ABORT) for r in self._take_aborted()]
         now = time.monotonic()
         for request in sorted(self._waiting.values(), key=lambda r: (r.priority, r.seq)):
             if len(self._running) >= self._max_num_seqs:
@@ -104,9 +140,8 @@ class EchoEngine:
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running or self._rejected)
 
-    def stats(self) -> dict[str, Any]:
-        return {"num_running": len(self._running), "num_waiting": len(self._waiting), "num_swapped": 0,
-                "kv_usage": 0.0, "num_preemptions": 0}
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self._running), num_waiting=len(self._waiting))
 
     def _take_aborted(self) -> list[_EchoRequest]:
         aborted = [r for r in [*self._waiting.values(), *self._running.values()] if r.is_aborted]
@@ -129,7 +164,7 @@ class EchoEngine:
         if len(request.token_ids) < target:
             return _output(request, new, delta, finished=False, reason=None)
         del self._running[request.request_id]
-        reason = "length" if target == request.params.max_tokens else "stop"
+        reason = FinishReason.LENGTH if target == request.params.max_tokens else FinishReason.STOP
         return self._finish(request, reason, new, delta)
 
     def _target_length(self, request: _EchoRequest) -> int:
@@ -137,25 +172,26 @@ class EchoEngine:
         return min(request.params.max_tokens, echo_length, self._max_model_len - len(request.prompt_token_ids))
 
     @staticmethod
-    def _finish(request: _EchoRequest, reason: str, new: list[int] | None = None, delta: str = "") -> RequestOutput:
+    def _finish(request: _EchoRequest, reason: FinishReason, new: list[int] | None = None,
+                delta: str = "") -> RequestOutput:
         request.metrics.finished_time_s = time.monotonic()
         request.metrics.num_output_tokens = len(request.token_ids)
         return _output(request, new or [], delta, finished=True, reason=reason)
 
 
 def _token_ids(prompt: Prompt) -> list[int]:
-    if isinstance(prompt, str):
-        return list(prompt.encode())
-    if prompt and isinstance(prompt[0], dict):
-        return list("\n".join(str(m.get("content", "")) for m in prompt if isinstance(m, dict)).encode())
-    return [int(t) for t in prompt if isinstance(t, int)]
+    if isinstance(prompt, TextPrompt):
+        return list(prompt.text.encode())
+    if isinstance(prompt, ChatPrompt):
+        return list("\n".join(str(m.get("content", "")) for m in prompt.messages).encode())
+    return list(prompt.token_ids)
 
 
-def _output(request: _EchoRequest, new: list[int], delta: str, *, finished: bool, reason: str | None,
+def _output(request: _EchoRequest, new: list[int], delta: str, *, finished: bool, reason: FinishReason | None,
             error: str | None = None) -> RequestOutput:
     logprobs = [{t: 0.0} for t in request.token_ids] if request.params.logprobs is not None else None
     return RequestOutput(
         request_id=request.request_id, new_token_ids=new, text_delta=delta, token_ids=list(request.token_ids),
         text=request.text, finished=finished, finish_reason=reason, prompt_token_count=len(request.prompt_token_ids),
-        metrics=request.metrics, error=error, error_code="prompt_too_long" if error else None, logprobs=logprobs,
+        metrics=request.metrics, error=error, error_code=RequestErrorCode.PROMPT_TOO_LONG if error else None, logprobs=logprobs,
     )

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from engine.outputs import RequestOutput
+from engine.prompts import PromptError
 from producer.schema import ErrorCode, GenerationResult
-from worker.convert import build_result, engine_params, engine_prompt
+from worker.convert import ERROR_CODES, build_result, engine_params, engine_prompt
 from worker.messages import Abort, Admit, EngineLike, Entry, Finish, Incoming, Outgoing, Prepared, TokenDelta
 from worker.metrics import WorkerMetrics
 from worker.state import Load
@@ -78,7 +79,7 @@ class EngineLoop:
         if self._metrics is not None:
             self._metrics.observe_engine(stats)
         live_ids = frozenset(rid for rid, live in self._live.items() if live.abort_status is None)
-        self._load.publish(int(stats.get("num_waiting", 0)), int(stats.get("num_running", 0)), live_ids)
+        self._load.publish(stats.num_waiting, stats.num_running, live_ids)
 
     def hand_back_waiting(self) -> None:
         """Stop admitting and abort every request that has not started, leaving its entry pending."""
@@ -189,7 +190,6 @@ class EngineLoop:
             self._outbox.put(Finish(result, entry, request.reply_to, request.stream_tokens))
 
 
-def _error_code(exc: Exception | None) -> str:
+def _error_code(exc: Exception | None) -> ErrorCode:
     """The wire error code of a tokenization failure: the prompt's own code, else ``internal``."""
-    code = getattr(exc, "code", None)
-    return code if isinstance(code, str) else ErrorCode.INTERNAL.value
+    return ERROR_CODES[exc.code] if isinstance(exc, PromptError) else ErrorCode.INTERNAL

@@ -6,15 +6,13 @@ Standard library and producer.schema only; never imports engine.engine (torch) o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Protocol
 
+from engine.outputs import RequestOutput
+from engine.prompts import Prompt
+from engine.sampling_params import SamplingParams as EngineSamplingParams
+from engine.stats import EngineStats
 from producer.schema import GenerationRequest, GenerationResult
-
-if TYPE_CHECKING:
-    from engine.outputs import RequestOutput
-    from engine.sampling_params import SamplingParams as EngineSamplingParams
-
-Prompt = str | list[int] | list[dict[str, str]]
 
 
 class EngineLike(Protocol):
@@ -28,7 +26,7 @@ class EngineLike(Protocol):
     def add_request(
         self,
         request_id: str,
-        prompt: Prompt,
+        prompt_token_ids: list[int],
         params: EngineSamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
@@ -40,7 +38,7 @@ class EngineLike(Protocol):
 
     def has_unfinished(self) -> bool: ...
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> EngineStats: ...
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from engine.stats import EngineStats
 from producer.keys import CONSUMER_GROUP, Keys
 from producer.schema import GenerationResult
 
@@ -25,26 +26,25 @@ log = logging.getLogger("tokenmill.worker")
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 # Seconds per output token after the first.
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
-PREEMPTION_CAUSES = ("memory", "priority", "starvation")
-# (metric name, help, engine stats key): engine counters that only grow, exported as *_total.
-_ENGINE_COUNTERS = (
-    ("tokenmill_swap_out_bytes", "KV bytes copied device -> host (swap-out)", "swap_out_bytes"),
-    ("tokenmill_swap_in_bytes", "KV bytes copied host -> device (swap-in)", "swap_in_bytes"),
+# (metric name, help, value): engine counters that only grow, exported as *_total.
+_ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
+    ("tokenmill_swap_out_bytes", "KV bytes copied device -> host (swap-out)", lambda s: s.swap_out_bytes),
+    ("tokenmill_swap_in_bytes", "KV bytes copied host -> device (swap-in)", lambda s: s.swap_in_bytes),
     ("tokenmill_recomputed_tokens", "computed tokens whose KV was dropped by recompute preemption",
-     "num_recomputed_tokens"),
-    ("tokenmill_engine_steps", "engine scheduler steps", "num_steps"),
+     lambda s: s.counters.num_recomputed_tokens),
+    ("tokenmill_engine_steps", "engine scheduler steps", lambda s: s.counters.num_steps),
 )
-# (metric name, help, engine stats key): engine state exported as gauges.
-_ENGINE_GAUGES = (
-    ("tokenmill_requests_running", "requests generating in the engine", "num_running"),
-    ("tokenmill_requests_waiting", "requests waiting inside the engine", "num_waiting"),
-    ("tokenmill_requests_swapped", "requests swapped out to the host KV pool", "num_swapped"),
-    ("tokenmill_kv_device_usage_ratio", "used fraction of the device KV pool (0..1)", "gpu_usage"),
-    ("tokenmill_kv_host_usage_ratio", "used fraction of the host (swap) KV pool (0..1)", "cpu_usage"),
-    ("tokenmill_kv_device_blocks_used", "used device KV blocks", "num_used_gpu_blocks"),
-    ("tokenmill_kv_device_blocks", "device KV blocks in total", "num_gpu_blocks"),
-    ("tokenmill_kv_host_blocks_used", "used host KV blocks", "num_used_cpu_blocks"),
-    ("tokenmill_kv_host_blocks", "host KV blocks in total", "num_cpu_blocks"),
+# (metric name, help, value): engine state exported as gauges.
+_ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
+    ("tokenmill_requests_running", "requests generating in the engine", lambda s: s.num_running),
+    ("tokenmill_requests_waiting", "requests waiting inside the engine", lambda s: s.num_waiting),
+    ("tokenmill_requests_swapped", "requests swapped out to the host KV pool", lambda s: s.num_swapped),
+    ("tokenmill_kv_device_usage_ratio", "used fraction of the device KV pool (0..1)", lambda s: s.gpu_usage),
+    ("tokenmill_kv_host_usage_ratio", "used fraction of the host (swap) KV pool (0..1)", lambda s: s.cpu_usage),
+    ("tokenmill_kv_device_blocks_used", "used device KV blocks", lambda s: s.num_used_gpu_blocks),
+    ("tokenmill_kv_device_blocks", "device KV blocks in total", lambda s: s.num_gpu_blocks),
+    ("tokenmill_kv_host_blocks_used", "used host KV blocks", lambda s: s.num_used_cpu_blocks),
+    ("tokenmill_kv_host_blocks", "host KV blocks in total", lambda s: s.num_cpu_blocks),
 )
 
 
@@ -58,16 +58,14 @@ class _EngineCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
 
         stats = self._metrics.engine_stats
-        for name, text, key in _ENGINE_GAUGES:
-            yield GaugeMetricFamily(name, text, value=float(stats.get(key, 0) or 0))
+        for name, text, gauge in _ENGINE_GAUGES:
+            yield GaugeMetricFamily(name, text, value=float(gauge(stats)))
         preemptions = CounterMetricFamily("tokenmill_preemptions", "preemptions by cause", labels=["cause"])
-        causes = {*PREEMPTION_CAUSES, *(k.removeprefix("num_preemptions_") for k in stats
-                                        if k.startswith("num_preemptions_"))}
-        for cause in sorted(causes):
-            preemptions.add_metric([cause], float(stats.get(f"num_preemptions_{cause}", 0) or 0))
+        for cause, count in stats.counters.cause_to_num_preemptions.items():
+            preemptions.add_metric([cause.value], float(count))
         yield preemptions
-        for name, text, key in _ENGINE_COUNTERS:
-            yield CounterMetricFamily(name, text, value=float(stats.get(key, 0) or 0))
+        for name, text, counter in _ENGINE_COUNTERS:
+            yield CounterMetricFamily(name, text, value=float(counter(stats)))
 
 
 class WorkerMetrics:
@@ -85,7 +83,7 @@ class WorkerMetrics:
 
         self.keys = keys
         self.registry = CollectorRegistry()
-        self.engine_stats: dict[str, Any] = {}  # latest engine.stats(); replaced whole, never mutated
+        self.engine_stats = EngineStats()  # latest engine.stats(); replaced whole, never mutated
         self._server: Any = None
         self._thread: threading.Thread | None = None
         reg = self.registry
@@ -118,7 +116,7 @@ class WorkerMetrics:
                                   registry=reg)
         reg.register(_EngineCollector(self))
 
-    def observe_engine(self, stats: dict[str, Any]) -> None:
+    def observe_engine(self, stats: EngineStats) -> None:
         """Engine thread, after every step: keep ``engine.stats()`` for the next scrape."""
         self.engine_stats = stats
 

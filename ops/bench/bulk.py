@@ -33,17 +33,18 @@ from ops.bench.common import fmt, machine_info, print_table, write_json  # noqa:
 from ops.bench.workload import SYSTEM_PROMPT, WorkItem, build_workload, describe  # noqa: E402
 
 
-def engine_config(args: argparse.Namespace) -> dict[str, Any]:
-    return {"model": args.model, "device": "cpu", "dtype": "float32", "kv_cache_memory": args.kv_cache_memory,
-            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "num_threads": args.threads}
+def engine_config(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The engine's sections (``EngineConfig``), shared by the offline run and the worker."""
+    return {"model": {"name": args.model, "device": "cpu", "dtype": "float32", "num_threads": args.threads},
+            "cache": {"kv_cache_memory": args.kv_cache_memory},
+            "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}}
 
 
-def run_offline(items: list[WorkItem], config: dict[str, Any]) -> dict[str, Any]:
+def run_offline(items: list[WorkItem], config: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Engine.generate over the workload's token ids; returns tokens/s and wall time."""
     from engine import Engine, EngineConfig, SamplingParams
 
-    engine = Engine(EngineConfig(**config))
+    engine = Engine.from_config(EngineConfig.model_validate(config))
     params = [SamplingParams(max_tokens=item.max_tokens, ignore_eos=True) for item in items]
     start = time.perf_counter()
     outputs = engine.generate([item.prompt_token_ids for item in items], params, progress=False)
@@ -65,10 +66,11 @@ def write_input(items: list[WorkItem], path: Path) -> None:
 
 def start_worker(args: argparse.Namespace, redis_url: str, prefix: str, queue: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    env.update({f"TOKENMILL_ENGINE__{key.upper()}": str(value) for key, value in engine_config(args).items()})
+    env.update({f"TOKENMILL_ENGINE__{section.upper()}__{key.upper()}": str(value)
+                for section, values in engine_config(args).items() for key, value in values.items()})
     env["TOKENMILL_WORKER__MAX_WAITING"] = str(args.max_num_seqs)
-    cmd = [sys.executable, "-m", "worker", "worker", "--redis-url", redis_url, "--prefix", prefix,
-           "--queue", queue, "--log-json"]
+    cmd = [sys.executable, "-m", "cli", "--redis-url", redis_url, "--prefix", prefix, "--queue", queue,
+           "worker", "--log-json"]
     return subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

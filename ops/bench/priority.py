@@ -24,6 +24,8 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
+from engine.request import PreemptionCause  # noqa: E402
+from engine.stats import EngineStats  # noqa: E402
 from ops.bench.common import fmt, machine_info, mib, percentile, print_table, write_json  # noqa: E402
 from ops.bench.workload import build_workload  # noqa: E402
 
@@ -65,14 +67,17 @@ def run_mode(mode: str, schedule: list[Arrival], args: argparse.Namespace) -> di
     """Run the schedule on a fresh engine; ``mode`` is ``priority`` or ``fifo``."""
     from engine import Engine, EngineConfig, SamplingParams
 
-    config = EngineConfig(
-        model=args.model, device="cpu", dtype="float32", num_threads=args.threads,
-        kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
-        preemption_mode=args.preemption_mode, enable_priority_preemption=(mode == "priority"),
-        max_consecutive_decode_steps=args.max_consecutive_decode_steps if mode == "priority" else 0,
-        aging_interval_s=args.aging_interval_s if mode == "priority" else 0.0,
-    )
-    engine = Engine(config)
+    config = EngineConfig.model_validate({
+        "model": {"name": args.model, "device": "cpu", "dtype": "float32", "num_threads": args.threads},
+        "cache": {"kv_cache_memory": args.kv_cache_memory, "swap_space": args.swap_space},
+        "scheduler": {
+            "max_num_seqs": args.max_num_seqs, "preemption_mode": args.preemption_mode,
+            "enable_priority_preemption": mode == "priority",
+            "max_consecutive_decode_steps": args.max_consecutive_decode_steps if mode == "priority" else 0,
+            "aging_interval_s": args.aging_interval_s if mode == "priority" else 0.0,
+        },
+    })
+    engine = Engine.from_config(config)
     engine.generate([schedule[0].prompt_token_ids], SamplingParams(max_tokens=4, ignore_eos=True), progress=False)
     by_id = {a.request_id: a for a in schedule}
     pending = list(schedule)
@@ -99,7 +104,7 @@ def run_mode(mode: str, schedule: list[Arrival], args: argparse.Namespace) -> di
 
 
 def _mode_result(mode: str, by_id: dict[str, Arrival], finished: dict[str, Any], makespan_s: float,
-                 stats: dict[str, Any], base: dict[str, Any], config: Any) -> dict[str, Any]:
+                 stats: EngineStats, base: EngineStats, config: Any) -> dict[str, Any]:
     def ttfts(is_high: bool) -> list[float]:
         return [o.metrics.ttft_s for rid, o in finished.items() if by_id[rid].is_high == is_high
                 and o.metrics.ttft_s is not None]
@@ -107,9 +112,16 @@ def _mode_result(mode: str, by_id: dict[str, Arrival], finished: dict[str, Any],
     wrong = [rid for rid, o in finished.items() if len(o.token_ids) != by_id[rid].max_tokens]
     num_tokens = sum(len(o.token_ids) for o in finished.values())
     high, low = ttfts(True), ttfts(False)
-    counters = ("num_steps", "num_preemptions", "num_preemptions_memory", "num_preemptions_priority",
-                "num_preemptions_starvation", "num_swap_outs", "num_swap_ins", "swap_out_bytes", "swap_in_bytes",
-                "num_recompute_preemptions", "num_recomputed_tokens")
+    counters = {
+        "num_steps": lambda s: s.counters.num_steps,
+        "num_preemptions": lambda s: s.counters.num_preemptions,
+        **{f"num_preemptions_{cause.value}": (lambda s, c=cause: s.counters.cause_to_num_preemptions[c])
+           for cause in PreemptionCause},
+        "num_swap_outs": lambda s: s.counters.num_swap_outs, "num_swap_ins": lambda s: s.counters.num_swap_ins,
+        "swap_out_bytes": lambda s: s.swap_out_bytes, "swap_in_bytes": lambda s: s.swap_in_bytes,
+        "num_recompute_preemptions": lambda s: s.counters.num_recompute_preemptions,
+        "num_recomputed_tokens": lambda s: s.counters.num_recomputed_tokens,
+    }
     return {
         "mode": mode, "high_ttfts_s": high, "low_ttfts_s": low,
         "high_totals_s": [o.metrics.total_s for rid, o in finished.items() if by_id[rid].is_high],
@@ -119,7 +131,7 @@ def _mode_result(mode: str, by_id: dict[str, Arrival], finished: dict[str, Any],
         "high_ttft_max_s": max(high, default=None), "low_ttft_p50_s": percentile(low, 50),
         "low_ttft_p99_s": percentile(low, 99),
         "high_total_p50_s": percentile([o.metrics.total_s for rid, o in finished.items() if by_id[rid].is_high], 50),
-        "stats": {k: stats.get(k, 0) - base.get(k, 0) for k in counters},
+        "stats": {k: value(stats) - value(base) for k, value in counters.items()},
         "config": config.model_dump(),
     }
 

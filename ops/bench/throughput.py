@@ -13,6 +13,7 @@ batches run to their longest member, but only the tokens each request asked for 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -123,16 +124,19 @@ def run_tokenmill(items: list[WorkItem], args: argparse.Namespace) -> dict[str, 
     torch = _setup_torch(args.threads)
     from engine import Engine, EngineConfig, SamplingParams
 
-    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=args.threads,
-                          kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    config = EngineConfig.model_validate({
+        "model": {"name": args.model, "device": args.device, "dtype": args.dtype, "num_threads": args.threads},
+        "cache": {"kv_cache_memory": args.kv_cache_memory, "swap_space": args.swap_space},
+        "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
+    })
     load_start = time.perf_counter()
-    engine = Engine(config)
+    engine = Engine.from_config(config)
     load_s = time.perf_counter() - load_start
     rss_after_load = current_rss_bytes()
-    weights = _weights_bytes(engine.loaded.model)
-    kv_bytes = engine.cache_config.num_gpu_blocks * engine.kv_spec.bytes_per_block
-    swap_bytes = engine.cache_config.num_cpu_blocks * engine.kv_spec.bytes_per_block
+    weights = _weights_bytes(engine.runner.model)
+    stats = engine.stats()
+    kv_bytes = stats.num_gpu_blocks * stats.kv_block_bytes
+    swap_bytes = stats.num_cpu_blocks * stats.kv_block_bytes
     engine.generate([items[0].prompt_token_ids], SamplingParams(max_tokens=4, ignore_eos=True), progress=False)
 
     def run() -> tuple[list[int], list[Any], float]:
@@ -159,8 +163,8 @@ def run_tokenmill(items: list[WorkItem], args: argparse.Namespace) -> dict[str, 
     ttfts = [m.ttft_s for m in metrics if m is not None and m.ttft_s is not None]
     result = {"system": "tokenmill", "load_s": load_s, "weights_bytes": weights, "kv_cache_bytes": kv_bytes,
               "swap_space_bytes": swap_bytes, "rss_after_load_bytes": rss_after_load,
-              "num_gpu_blocks": engine.cache_config.num_gpu_blocks, "ttft_p50_s": percentile(ttfts, 50),
-              "ttft_p99_s": percentile(ttfts, 99), "engine_stats": engine.stats(),
+              "num_gpu_blocks": stats.num_gpu_blocks, "ttft_p50_s": percentile(ttfts, 50),
+              "ttft_p99_s": percentile(ttfts, 99), "engine_stats": dataclasses.asdict(engine.stats()),
               "config": config.model_dump()}
     if profile is not None:
         result["profile"] = profile
@@ -191,8 +195,8 @@ def _profiled(run: Any, torch: Any, engine: Any) -> tuple[list[int], list[Any], 
         "runner._forward (model forward)": ("engine/model_runner.py", "_forward"),
         "paged attention (all layers)": ("engine/paged_attention.py", "paged_attention_forward"),
         "sampler": ("engine/sampler.py", "__call__"),
-        "postprocess (detokenize, stop checks)": ("engine/postprocess.py", "process_new_tokens"),
-        "outputs (drain)": ("engine/postprocess.py", "drain"),
+        "postprocess (detokenize, stop strings)": ("engine/postprocess.py", "detokenize"),
+        "outputs": ("engine/postprocess.py", "make_outputs"),
     }
     breakdown: dict[str, float] = {}
     linear_s = 0.0
@@ -203,7 +207,7 @@ def _profiled(run: Any, torch: Any, engine: Any) -> tuple[list[int], list[Any], 
         if func in ("<built-in method torch._C._nn.linear>", "<built-in method linear>"):
             linear_s += tottime
     breakdown["linear layers (torch._C._nn.linear)"] = linear_s
-    num_steps = engine.stats()["num_steps"]
+    num_steps = engine.stats().counters.num_steps
     table = torch_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
     _CPU_AT_START[0] += cpu_seconds() - cpu_after_run  # the profiler's own post-processing is not the run's
     return produced, metrics, elapsed, {"elapsed_s": elapsed, "num_steps": num_steps, "seconds": breakdown,
@@ -465,7 +469,7 @@ def _summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> 
             ["peak RSS", mib(tm["peak_rss_bytes"])],
             ["peak / (weights + KV)", f"{ratio:.2f}x  (target <= 1.5x)"],
             ["TTFT p50 / p99 (all submitted at t=0)", f"{fmt(tm['ttft_p50_s'], 2)} s / {fmt(tm['ttft_p99_s'], 2)} s"],
-            ["preemptions", str(tm["engine_stats"].get("num_preemptions"))],
+            ["preemptions", str(sum(tm["engine_stats"]["counters"]["cause_to_num_preemptions"].values()))],
         ])
     checks = []
     for system, factor in (("hf_static16", 3.0), ("hf_cb", 2.0)):

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, PromptError, SamplingParams, TextPrompt
+from tests.engine_helpers import build_engine
 
 pytestmark = pytest.mark.e2e
 
@@ -16,9 +17,8 @@ PROMPTS = ["The quick brown fox", "Paged attention stores", "héllo wörld", "Re
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dirs: dict[str, Path]) -> Engine:
-    return Engine(EngineConfig(model=str(tiny_model_dirs["llama"]), device="cpu", dtype="float64",
-                               kv_cache_memory="4MiB", block_size=4, max_prefill_chunk=5,
-                               max_num_batched_tokens=64))
+    return build_engine(str(tiny_model_dirs["llama"]), device="cpu", dtype="float64", kv_cache_memory="4MiB",
+                        block_size=4, max_prefill_chunk=5, max_num_batched_tokens=64)
 
 
 def test_seeded_sampling_is_independent_of_the_batch(engine: Engine, tiny_model_dirs: dict[str, Path]) -> None:
@@ -29,11 +29,11 @@ def test_seeded_sampling_is_independent_of_the_batch(engine: Engine, tiny_model_
                             [others[0], seeded, others[1], others[2]], progress=False)
     assert batch[1].token_ids == alone
     # Under recompute preemption (tiny KV) the seeded request still draws the same tokens.
-    tight = Engine(EngineConfig(model=str(tiny_model_dirs["llama"]), device="cpu", dtype="float64",
-                                kv_cache_memory=48 * 1024, block_size=4, preemption_mode="recompute"))  # 48 tokens
+    tight = build_engine(str(tiny_model_dirs["llama"]), device="cpu", dtype="float64",
+                         kv_cache_memory=48 * 1024, block_size=4, preemption_mode="recompute")  # 48 tokens
     crowded = tight.generate([PROMPTS[1], PROMPTS[0], PROMPTS[3]], [others[0], seeded, others[1]], progress=False)
     assert crowded[1].token_ids == alone
-    assert tight.stats()["num_preemptions"] > 0
+    assert tight.stats().counters.num_preemptions > 0
     different_seed = engine.generate([PROMPTS[0]], seeded.model_copy(update={"seed": 99}), progress=False)[0]
     assert different_seed.token_ids != alone
 
@@ -53,19 +53,22 @@ def test_stop_string_is_cut_and_stop_ids_stop(engine: Engine) -> None:
 
 
 def test_min_tokens_and_max_tokens(engine: Engine) -> None:
-    eos = next(iter(engine.loaded.eos_token_ids))
+    eos = next(iter(engine.scheduler.eos_token_ids))
     out = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=9, min_tokens=9, stop_token_ids=[eos]),
                           progress=False)[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 9 and eos not in out.token_ids
 
 
 def test_bad_requests_finish_with_errors_and_abort(engine: Engine) -> None:
+    prompt_ids = engine.tokenize(TextPrompt(PROMPTS[0]))
+    with pytest.raises(PromptError, match="empty"):
+        engine.tokenize(TextPrompt(""))
     engine.add_request("too-long", list(range(5, 300)) * 20, SamplingParams(max_tokens=4))
-    engine.add_request("empty", "", SamplingParams(max_tokens=4))
+    engine.add_request("empty", [], SamplingParams(max_tokens=4))
     engine.add_request("bad-ids", [10**9], SamplingParams(max_tokens=4))
-    engine.add_request("aborted", PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("aborted", prompt_ids, SamplingParams(max_tokens=50, ignore_eos=True))
     with pytest.raises(ValueError):
-        engine.add_request("aborted", PROMPTS[0])
+        engine.add_request("aborted", prompt_ids)
     finished = {}
     for _ in range(3):
         for out in engine.step():
@@ -80,4 +83,4 @@ def test_bad_requests_finish_with_errors_and_abort(engine: Engine) -> None:
     assert finished["empty"].error_code == "validation"
     assert finished["bad-ids"].error_code == "validation"
     assert finished["aborted"].finish_reason == "abort" and 0 < len(finished["aborted"].token_ids) < 50
-    assert engine.block_manager.num_free_gpu_blocks == engine.block_manager.num_gpu_blocks
+    assert engine.stats().num_used_gpu_blocks == 0

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, SamplingParams
+from tests.engine_helpers import build_engine
 from tests.e2e.parity_helpers import DEVICES, NEAR_TIE, first_divergence, hf_greedy, load_reference, top2_gap
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -44,17 +45,17 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 @pytest.fixture(scope="module", params=DEVICES)
 def engine_and_reference(
     request: pytest.FixtureRequest,
-) -> tuple[Engine, torch.nn.Module, list[list[int]], list[list[int]]]:
+) -> tuple[Engine, torch.nn.Module, list[list[int]], list[list[int]], str]:
     device = request.param
-    engine = Engine(EngineConfig(model="smollm2-135m", device=device, dtype="float32", kv_cache_memory="256MiB"))
+    engine = build_engine("smollm2-135m", device=device, dtype="float32", kv_cache_memory="256MiB")
     tokenizer = engine.tokenizer
     prompts = [
         list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"])
         for q in QUESTIONS
     ]
-    reference = load_reference(engine.loaded.source, torch.float32, device)
+    reference = load_reference(engine.limits.source, torch.float32, device)
     expected = [hf_greedy(reference, p, MAX_TOKENS) for p in prompts]
-    return engine, reference, prompts, expected
+    return engine, reference, prompts, expected, device
 
 
 def _assert_parity(got: list[int], want: list[int], prompt: list[int], reference: torch.nn.Module) -> None:
@@ -68,20 +69,20 @@ def _assert_parity(got: list[int], want: list[int], prompt: list[int], reference
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_smollm2_greedy_matches_hf_generate(scenario: str, engine_and_reference: Any) -> None:
-    base_engine, reference, prompts, expected = engine_and_reference
+    base_engine, reference, prompts, expected, device = engine_and_reference
     if scenario == "block16":
         engine = base_engine
     else:
-        engine = Engine(EngineConfig(model="smollm2-135m", device=base_engine.config.device, dtype="float32",
-                                     **{"kv_cache_memory": "256MiB", **SCENARIOS[scenario]}))
+        engine = build_engine("smollm2-135m", device=device, dtype="float32",
+                              **{"kv_cache_memory": "256MiB", **SCENARIOS[scenario]})
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
     for out, prompt, want in zip(outputs, prompts, expected):
         _assert_parity(out.token_ids, want, prompt, reference)
     stats = engine.stats()
     if "preemption" in scenario:
-        assert stats["num_preemptions"] > 0, stats
+        assert stats.counters.num_preemptions > 0, stats
     if scenario == "swap-preemption":
-        assert stats["num_swapped_out_blocks"] > 0, stats
+        assert stats.counters.num_swapped_out_blocks > 0, stats
 
 
 def test_smollm2_outputs_read_well(engine_and_reference: Any) -> None:

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import SamplingParams
+from tests.engine_helpers import build_engine
 from tests.e2e.parity_helpers import DEVICES, hf_greedy, load_reference, random_prompts
 from tests.tiny_models import FAMILIES, VOCAB_SIZE
 
@@ -60,24 +61,21 @@ def _kv_budget(path: Path, scenario: str) -> dict[str, Any]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_hf_generate(family: str, scenario: str, device: str, tiny_model_dirs: dict[str, Path]) -> None:
     prompts, expected = _reference(family, tiny_model_dirs[family], device)
-    config = EngineConfig(
-        model=str(tiny_model_dirs[family]), device=device, dtype="float64",
-        **SCENARIOS[scenario], **_kv_budget(tiny_model_dirs[family], scenario),
-    )
-    engine = Engine(config)
+    engine = build_engine(str(tiny_model_dirs[family]), device=device, dtype="float64",
+                          **SCENARIOS[scenario], **_kv_budget(tiny_model_dirs[family], scenario))
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
     for i, (out, ref) in enumerate(zip(outputs, expected)):
         assert out.finish_reason in ("stop", "length"), out
         assert out.token_ids == ref, f"{family}/{scenario}: prompt {i} diverged"
     stats = engine.stats()
     if "preemption" in scenario:
-        assert stats["num_preemptions"] > 0, stats
+        assert stats.counters.num_preemptions > 0, stats
     if scenario == "swap-preemption":
-        assert stats["num_swapped_out_blocks"] > 0 and stats["num_swapped_in_blocks"] > 0, stats
+        assert stats.counters.num_swapped_out_blocks > 0 and stats.counters.num_swapped_in_blocks > 0, stats
     if scenario == "recompute-preemption":
-        assert stats["num_recomputed_tokens"] > 0, stats
+        assert stats.counters.num_recomputed_tokens > 0, stats
     assert not engine.has_unfinished()
-    assert engine.block_manager.num_free_gpu_blocks == engine.block_manager.num_gpu_blocks
+    assert stats.num_used_gpu_blocks == 0
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -89,6 +87,6 @@ def test_parity_with_decode_attention_in_chunks(
 
     monkeypatch.setattr(engine.model_runner, "CPU_DECODE_CHUNK_BYTES", 1)
     prompts, expected = _reference(family, tiny_model_dirs[family], "cpu")
-    config = EngineConfig(model=str(tiny_model_dirs[family]), device="cpu", dtype="float64", kv_cache_memory="8MiB")
-    outputs = Engine(config).generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
+    engine = build_engine(str(tiny_model_dirs[family]), device="cpu", dtype="float64", kv_cache_memory="8MiB")
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
     assert [out.token_ids for out in outputs] == expected

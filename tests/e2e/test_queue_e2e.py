@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import SamplingParams
+from tests.engine_helpers import build_engine
 from producer import Producer
 from tests.worker_helpers import make_settings, running_worker
 from worker.runtime import Worker
@@ -25,9 +26,9 @@ def model_dir(tiny_model_dirs: dict[str, Path]) -> Path:
 
 @pytest.fixture
 def worker(redis_url: str, key_prefix: str, model_dir: Path) -> Iterator[Worker]:
-    engine_cfg = {"model": str(model_dir), "device": "cpu", "dtype": "float64", "kv_cache_memory": "4MiB",
-                  "max_model_len": 256}
-    with running_worker(make_settings(redis_url, key_prefix, engine=engine_cfg)) as running:
+    engine_cfg = {"model": {"device": "cpu", "dtype": "float64", "max_model_len": 256},
+                  "cache": {"kv_cache_memory": "4MiB"}}
+    with running_worker(make_settings(redis_url, key_prefix, model=str(model_dir), engine=engine_cfg)) as running:
         yield running
 
 
@@ -38,7 +39,7 @@ def producer(redis_url: str, key_prefix: str) -> Iterator[Producer]:
 
 
 def test_queue_results_equal_offline_engine(worker: Worker, producer: Producer, model_dir: Path) -> None:
-    offline = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float64", kv_cache_memory="4MiB"))
+    offline = build_engine(str(model_dir), device="cpu", dtype="float64", kv_cache_memory="4MiB")
     expected = offline.generate(PROMPTS, SamplingParams(max_tokens=12), progress=False)
     ids = [producer.submit(prompt=p, max_tokens=12, priority=i % 3) for i, p in enumerate(PROMPTS)]
     results = producer.wait_all(ids, timeout=120)

@@ -52,12 +52,17 @@ def make_scheduler(
     num_cpu_blocks: int = 0,
     block_size: int = 4,
     clock: FakeClock | None = None,
+    eos_token_id: int | None = None,
     **scheduler_config: Any,
 ) -> Scheduler:
-    """A scheduler over a fresh BlockManager and a FakeClock (pass ``clock`` to share one)."""
-    config = SchedulerConfig(**scheduler_config)
+    """A scheduler over a fresh BlockManager and a FakeClock (pass ``clock`` to share one).
+
+    Aging and the long-output cap are off unless asked for: each scenario names the policy it tests.
+    """
+    config = SchedulerConfig(**{"aging_interval_s": 0.0, "max_consecutive_decode_steps": 0, **scheduler_config})
     block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, block_size)
-    return Scheduler(config, block_manager, clock if clock is not None else FakeClock())
+    eos_token_ids = frozenset() if eos_token_id is None else frozenset({eos_token_id})
+    return Scheduler(config, block_manager, clock if clock is not None else FakeClock(), eos_token_ids)
 
 
 def next_token(request_id: str, context_token_ids: Sequence[int], vocab_size: int) -> int:
@@ -83,8 +88,6 @@ class ScriptedModelRunner:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Swap out, swap in, then 'forward' every chunk; sample where asked."""
-        for request_id in scheduler_output.finished_request_ids:
-            self.request_to_token_ids.pop(request_id, None)
         _copy_blocks(scheduler_output.swap_out, self.device, self.host)
         _copy_blocks(scheduler_output.swap_in, self.host, self.device)
         self.num_swapped_out_blocks += len(scheduler_output.swap_out)
@@ -180,13 +183,12 @@ def step_until_done(
     arrivals: Mapping[int, Sequence[Request]] | None = None,
     max_steps: int = 2000,
     advance_s: float = 0.0,
-    eos_token_id: int | None = None,
     on_step: Callable[[int, SchedulerOutput], None] | None = None,
 ) -> Run:
     """Drive the scheduler like the engine does until every request finished.
 
     Adds ``arrivals[i]`` before step i, checks budgets and invariants after every schedule
-    and update, finishes requests at max_tokens (LENGTH) or ``eos_token_id`` (STOPPED), and
+    and update, records what the scheduler finished (it decides stopping itself), and
     advances a FakeClock by ``advance_s`` per step.
 
     Raises:
@@ -208,9 +210,8 @@ def step_until_done(
         _record_admissions(scheduler, output, run, step)
         if on_step is not None:
             on_step(step, output)
-        for request in scheduler.update(output, runner.execute(output)):
-            _maybe_finish(scheduler, request, run, step, eos_token_id)
-        _record_scheduler_finishes(scheduler, output, run, step)
+        scheduler.update(output, runner.execute(output))
+        _record_finishes(scheduler, runner, run, step)
         scheduler.check_invariants()
         clock = scheduler.clock
         if advance_s and isinstance(clock, FakeClock):
@@ -225,25 +226,12 @@ def _record_admissions(scheduler: Scheduler, output: SchedulerOutput, run: Run, 
             run.admitted_time_s[chunk.request_id] = scheduler.clock.now()
 
 
-def _record_scheduler_finishes(scheduler: Scheduler, output: SchedulerOutput, run: Run, step: int) -> None:
-    """Requests the scheduler finished itself (FINISHED_ERROR) show up in finished_request_ids."""
-    for request_id in output.finished_request_ids:
-        if request_id not in run.statuses:
-            run.statuses[request_id] = RequestStatus.FINISHED_ERROR
-            run.finished_step[request_id] = step
-
-
-def _maybe_finish(scheduler: Scheduler, request: Request, run: Run, step: int, eos_token_id: int | None) -> None:
-    if eos_token_id is not None and request.output_token_ids[-1] == eos_token_id:
-        status = RequestStatus.FINISHED_STOPPED
-    elif request.num_output_tokens >= request.sampling_params.max_tokens:
-        status = RequestStatus.FINISHED_LENGTH
-    else:
-        return
-    scheduler.finish_request(request.request_id, status)
-    run.outputs[request.request_id] = list(request.output_token_ids)
-    run.statuses[request.request_id] = status
-    run.finished_step[request.request_id] = step
+def _record_finishes(scheduler: Scheduler, runner: ScriptedModelRunner, run: Run, step: int) -> None:
+    for request in scheduler.take_finished():
+        run.outputs[request.request_id] = list(request.output_token_ids)
+        run.statuses[request.request_id] = request.status
+        run.finished_step[request.request_id] = step
+        runner.request_to_token_ids.pop(request.request_id, None)
 
 
 def assert_no_leaks(scheduler: Scheduler) -> None:
@@ -264,8 +252,8 @@ def reference_outputs(
                            max_tokens=r.sampling_params.max_tokens) for r in requests]
     num_tokens = sum(r.max_total_tokens for r in copies)
     scheduler = make_scheduler(num_gpu_blocks=num_tokens, block_size=1, max_num_batched_tokens=num_tokens,
-                               max_prefill_chunk=num_tokens, max_num_seqs=len(copies))
+                               max_prefill_chunk=num_tokens, max_num_seqs=len(copies), eos_token_id=eos_token_id)
     runner = ScriptedModelRunner(scheduler.block_manager, vocab_size)
-    run = step_until_done(scheduler, runner, arrivals={0: copies}, eos_token_id=eos_token_id)
+    run = step_until_done(scheduler, runner, arrivals={0: copies})
     assert_no_leaks(scheduler)
     return run.outputs

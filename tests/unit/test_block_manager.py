@@ -126,12 +126,3 @@ def test_check_invariants_catches_corruption(corrupt) -> None:  # type: ignore[n
     corrupt(manager)
     with pytest.raises(InvariantError):
         manager.check_invariants()
-
-
-def test_usage_reports_used_blocks_and_fractions() -> None:
-    manager = BlockManager(num_gpu_blocks=4, num_cpu_blocks=0, block_size=2)
-    manager.allocate("a", 3)
-    assert manager.usage() == {
-        "num_used_gpu_blocks": 2, "num_gpu_blocks": 4, "gpu_usage": 0.5,
-        "num_used_cpu_blocks": 0, "num_cpu_blocks": 0, "cpu_usage": 0.0,
-    }

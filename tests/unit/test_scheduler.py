@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.outputs import ModelOutput, SchedulerOutput
-from engine.request import RequestStatus
+from engine.request import PreemptionCause, RequestStatus
 from tests.unit.scheduler_helpers import (
     KVMismatch,
     ScriptedModelRunner,
@@ -79,13 +79,13 @@ def test_memory_preemption_keeps_outputs_identical(preemption_mode: str) -> None
                                preemption_mode=preemption_mode)
     run = step_until_done(scheduler, arrivals={0: requests})
     stats = scheduler.stats()
-    assert stats["num_preemptions_memory"] > 0
+    assert stats.counters.cause_to_num_preemptions[PreemptionCause.MEMORY] > 0
     if preemption_mode == "swap":
-        assert stats["num_swap_outs"] > 0 and stats["num_recompute_preemptions"] == 0
-        assert stats["num_swap_ins"] == stats["num_swap_outs"]
-        assert stats["num_swapped_in_blocks"] == stats["num_swapped_out_blocks"]
+        assert stats.counters.num_swap_outs > 0 and stats.counters.num_recompute_preemptions == 0
+        assert stats.counters.num_swap_ins == stats.counters.num_swap_outs
+        assert stats.counters.num_swapped_in_blocks == stats.counters.num_swapped_out_blocks
     else:
-        assert stats["num_swap_outs"] == 0 and stats["num_recomputed_tokens"] > 0
+        assert stats.counters.num_swap_outs == 0 and stats.counters.num_recomputed_tokens > 0
     assert run.outputs == expected
     assert all(set(step.preempted_request_ids) <= {"r0", "r1", "r2", "r3"} for step in run.steps)
     assert_no_leaks(scheduler)
@@ -113,9 +113,9 @@ def test_host_pool_full_falls_back_to_recompute() -> None:
     scheduler = make_scheduler(num_gpu_blocks=6, num_cpu_blocks=1, block_size=4, min_resident_steps=0)
     run = step_until_done(scheduler, arrivals={0: requests})
     stats = scheduler.stats()
-    assert stats["num_preemptions"] > 0 and stats["num_swap_outs"] == 0
-    assert stats["num_recompute_preemptions"] == stats["num_preemptions"]
-    assert stats["num_recomputed_tokens"] > 0
+    assert stats.counters.num_preemptions > 0 and stats.counters.num_swap_outs == 0
+    assert stats.counters.num_recompute_preemptions == stats.counters.num_preemptions
+    assert stats.counters.num_recomputed_tokens > 0
     assert run.outputs == reference_outputs(requests)
     assert_no_leaks(scheduler)
 
@@ -145,8 +145,8 @@ def test_finish_request_frees_blocks_and_reports_the_id_once() -> None:
     scheduler.finish_request("a", RequestStatus.FINISHED_ABORTED)  # idempotent
     assert scheduler.get_request("a") is None and scheduler.num_running == 1
     assert scheduler.block_manager.num_free_gpu_blocks == 6
-    assert scheduler.schedule().finished_request_ids == ["a"]
-    assert scheduler.schedule().finished_request_ids == []
+    assert [r.request_id for r in scheduler.take_finished()] == ["a"]
+    assert scheduler.take_finished() == []
     scheduler.finish_request("b", RequestStatus.FINISHED_STOPPED)
     with pytest.raises(ValueError):
         scheduler.finish_request("b", RequestStatus.RUNNING)
@@ -173,7 +173,7 @@ def test_request_that_can_never_fit_is_finished_with_an_error_not_a_hang() -> No
     run = step_until_done(scheduler, arrivals={0: [too_big, make_request("ok", 3, max_tokens=2)]})
     assert too_big.status is RequestStatus.FINISHED_ERROR
     assert run.statuses == {"big": RequestStatus.FINISHED_ERROR, "ok": RequestStatus.FINISHED_LENGTH}
-    assert scheduler.stats()["num_finished_errors"] == 1
+    assert scheduler.stats().counters.num_finished_errors == 1
     assert_no_leaks(scheduler)
 
 
@@ -216,29 +216,43 @@ def test_stats_report_queues_blocks_and_counters() -> None:
     scheduler.add_request(make_request("b", 5))
     scheduler.schedule()
     stats = scheduler.stats()
-    assert stats["num_running"] == 2 and stats["num_waiting"] == 0 and stats["num_swapped"] == 0
-    assert stats["num_used_gpu_blocks"] == 4 and stats["gpu_usage"] == 0.5
-    assert stats["num_used_cpu_blocks"] == 0 and stats["num_steps"] == 1
-    for key in ("num_preemptions_memory", "num_preemptions_priority", "num_preemptions_starvation",
-                "num_swap_outs", "num_swapped_out_blocks", "num_swap_ins", "num_swapped_in_blocks",
-                "num_recomputed_tokens"):
-        assert stats[key] == 0
+    assert stats.num_running == 2 and stats.num_waiting == 0 and stats.num_swapped == 0
+    assert stats.num_used_gpu_blocks == 4 and stats.gpu_usage == 0.5
+    assert stats.num_used_cpu_blocks == 0 and stats.counters.num_steps == 1
+    counters = stats.counters
+    assert counters.num_preemptions == 0 and counters.num_recomputed_tokens == 0
+    assert counters.num_swap_outs == counters.num_swapped_out_blocks == 0
+    assert counters.num_swap_ins == counters.num_swapped_in_blocks == 0
     for request_id in ("a", "b"):
         scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
     assert_no_leaks(scheduler)
 
 
-def test_running_request_that_outgrows_the_whole_pool_is_finished_with_an_error() -> None:
-    """The engine should stop it at max_tokens; if it does not, the scheduler must not hang."""
+def test_a_request_that_fills_the_whole_pool_stops_at_max_tokens() -> None:
+    """The scheduler decides stopping itself: a request sized to the pool ends at max_tokens and
+    never grows past it (which would leave it no block to grow into)."""
     scheduler = make_scheduler(num_gpu_blocks=2, block_size=3)
     runner = ScriptedModelRunner(scheduler.block_manager)
     request = make_request("a", 4, max_tokens=2)  # 6 tokens: exactly the pool
     scheduler.add_request(request)
-    for _ in range(5):  # never finished by the "engine": it grows to a 7th token
+    for _ in range(5):
         output = scheduler.schedule()
         scheduler.update(output, runner.execute(output))
-    assert request.status is RequestStatus.FINISHED_ERROR
-    assert scheduler.stats()["num_finished_errors"] == 1
+    assert request.status is RequestStatus.FINISHED_LENGTH and request.num_output_tokens == 2
+    assert scheduler.take_finished() == [request]
+    assert_no_leaks(scheduler)
+
+
+def test_stop_tokens_end_a_request_once_min_tokens_are_out() -> None:
+    scheduler = make_scheduler(eos_token_id=7)
+    request = make_request("a", 3, max_tokens=10)
+    request.sampling_params = request.sampling_params.model_copy(update={"min_tokens": 2, "stop_token_ids": [9]})
+    scheduler.add_request(request)
+    for token_id, expected in ((7, None), (9, None), (5, None), (7, RequestStatus.FINISHED_STOPPED)):
+        output = scheduler.schedule()
+        scheduler.update(output, ModelOutput(sampled_token_ids={"a": [token_id]}))
+        assert (request.status if request.is_finished else None) is expected
+    assert request.stop_token_id == 7 and request.output_token_ids == [7, 9, 5, 7]
     assert_no_leaks(scheduler)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.request import Request, RequestStatus
+from engine.request import PreemptionCause, Request, RequestStatus
 from engine.scheduler_policy import choose_victim, effective_priority, queue_key, urgency_key
 from tests.unit.scheduler_helpers import (
     assert_no_leaks,
@@ -70,7 +70,7 @@ def test_aging_bound_admits_a_low_priority_request_under_a_high_priority_stream(
     room_s = 3.0  # one high-priority request's run (3 steps of 1 s) frees the only slot
     assert run.admitted_time_s["low"] <= t_low + gap * aging_interval_s + room_s
     assert run.admitted_time_s["low"] > t_low + (gap - 1) * aging_interval_s  # and not before aging got it there
-    assert scheduler.stats()["num_preemptions"] == 0  # later arrivals never outrank it once admitted
+    assert scheduler.stats().counters.num_preemptions == 0  # later arrivals never outrank it once admitted
     assert_no_leaks(scheduler)
 
 
@@ -92,7 +92,8 @@ def test_urgent_arrival_preempts_the_least_urgent_running_request() -> None:
     run = step_until_done(scheduler, arrivals={0: [low, mid], 2: [high]})
     assert run.steps[2].preempted_request_ids == ["low"]
     assert run.steps[2].chunks[-1].request_id == "high"  # admitted in the same step
-    assert scheduler.stats()["num_preemptions_priority"] == 1 and scheduler.stats()["num_swap_outs"] >= 1
+    counters = scheduler.stats().counters
+    assert counters.cause_to_num_preemptions[PreemptionCause.PRIORITY] == 1 and counters.num_swap_outs >= 1
     assert low.waiting_since_s == 0.0  # a PRIORITY victim keeps its aging credit
     assert run.outputs == reference_outputs([low, mid, high])
     assert_no_leaks(scheduler)
@@ -104,7 +105,7 @@ def test_no_priority_preemption_when_disabled_or_not_strictly_more_urgent() -> N
         other = make_request("other", 4, max_tokens=2, priority=priority, arrival_time_s=2.0)
         scheduler = make_scheduler(max_num_seqs=1, enable_priority_preemption=enable, min_resident_steps=0)
         run = step_until_done(scheduler, arrivals={0: [low], 2: [other]})
-        assert scheduler.stats()["num_preemptions"] == 0
+        assert scheduler.stats().counters.num_preemptions == 0
         assert run.admitted_step["other"] == 8  # only after low finished
         assert_no_leaks(scheduler)
 
@@ -142,7 +143,7 @@ def test_starvation_limit_demotes_a_long_output_request_which_resumes_later() ->
     # long: prefill at step 0, decodes at steps 1-4 (4 > 3), so step 5 demotes and swaps it out
     assert run.steps[5].preempted_request_ids == ["long"] and run.steps[5].swap_out
     assert run.admitted_step["short"] == 5
-    assert scheduler.stats()["num_preemptions_starvation"] == 1
+    assert scheduler.stats().counters.cause_to_num_preemptions[PreemptionCause.STARVATION] == 1
     resumed = next(i for i, step in enumerate(run.steps) if step.swap_in)
     assert resumed == 7 and long.num_preemptions == 1 and not demoted_seen
     assert long.waiting_since_s == 5.0  # demoted: it ages again from the step it yielded
@@ -155,7 +156,7 @@ def test_starvation_limit_is_off_at_zero() -> None:
     short = make_request("short", 4, max_tokens=2, arrival_time_s=1.0)
     scheduler = make_scheduler(max_num_seqs=1, num_cpu_blocks=16, max_consecutive_decode_steps=0)
     run = step_until_done(scheduler, arrivals={0: [long], 1: [short]})
-    assert scheduler.stats()["num_preemptions"] == 0 and run.admitted_step["short"] == 20
+    assert scheduler.stats().counters.num_preemptions == 0 and run.admitted_step["short"] == 20
     assert_no_leaks(scheduler)
 
 
@@ -163,6 +164,6 @@ def test_memory_preemption_still_progresses_when_everyone_is_protected() -> None
     requests = [make_request(f"r{i}", 4, max_tokens=12, priority=i) for i in range(3)]
     scheduler = make_scheduler(num_gpu_blocks=6, num_cpu_blocks=0, block_size=4, min_resident_steps=100)
     run = step_until_done(scheduler, arrivals={0: requests})
-    assert scheduler.stats()["num_preemptions_memory"] > 0
+    assert scheduler.stats().counters.cause_to_num_preemptions[PreemptionCause.MEMORY] > 0
     assert run.outputs == reference_outputs(requests)
     assert_no_leaks(scheduler)

@@ -60,7 +60,7 @@ def test_random_workloads_finish_with_unconstrained_outputs(workload: dict[str, 
     config = dict(workload)
     specs: list[tuple[int, int, int, int]] = config.pop("specs")
     eos_token_id = EOS_TOKEN_ID if config.pop("use_eos") else None
-    scheduler = make_scheduler(**config)
+    scheduler = make_scheduler(**config, eos_token_id=eos_token_id)
     arrivals: dict[int, list[Request]] = {}
     for i, (num_prompt_tokens, max_tokens, priority, arrival_step) in enumerate(specs):
         request = make_request(f"r{i}", num_prompt_tokens, max_tokens, priority, arrival_time_s=float(arrival_step))
@@ -68,7 +68,7 @@ def test_random_workloads_finish_with_unconstrained_outputs(workload: dict[str, 
     requests = [r for step in sorted(arrivals) for r in arrivals[step]]
     run = step_until_done(
         scheduler, ScriptedModelRunner(scheduler.block_manager, vocab_size=20),
-        arrivals=arrivals, max_steps=3000, advance_s=1.0, eos_token_id=eos_token_id,
+        arrivals=arrivals, max_steps=3000, advance_s=1.0,
     )
     assert run.outputs == reference_outputs(requests, eos_token_id, vocab_size=20)
     assert_no_leaks(scheduler)
@@ -91,5 +91,5 @@ def test_seeded_random_workload_checks_invariants_every_step() -> None:
         requests = [r for step in sorted(arrivals) for r in arrivals[step]]
         run = step_until_done(scheduler, arrivals=arrivals, max_steps=5000, advance_s=1.0)
         assert run.outputs == reference_outputs(requests)
-        assert scheduler.stats()["num_preemptions"] > 0
+        assert scheduler.stats().counters.num_preemptions > 0
         assert_no_leaks(scheduler)

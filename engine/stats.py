@@ -1,0 +1,66 @@
+"""Typed engine statistics: the scheduler's cumulative counters and one snapshot of the engine.
+
+Standard library only. The worker reads these fields (heartbeats, Prometheus); its echo engine
+fills the same snapshot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import PreemptionCause
+
+
+@dataclass
+class SchedulerCounters:
+    """Counters since the scheduler was created; all only ever grow."""
+
+    num_steps: int = 0  # schedule() calls
+    cause_to_num_preemptions: dict[PreemptionCause, int] = field(
+        default_factory=lambda: {cause: 0 for cause in PreemptionCause}
+    )  # preemptions per cause
+    num_swap_outs: int = 0  # requests swapped out to the host pool
+    num_swapped_out_blocks: int = 0  # device -> host block copies
+    num_swap_ins: int = 0  # requests swapped back in
+    num_swapped_in_blocks: int = 0  # host -> device block copies
+    num_recompute_preemptions: int = 0  # preemptions that dropped the KV (recompute)
+    num_recomputed_tokens: int = 0  # computed tokens whose KV was dropped and must be recomputed
+    num_finished_errors: int = 0  # requests the scheduler itself finished with FINISHED_ERROR
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.cause_to_num_preemptions.values())
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine at one moment: queues, KV pools, totals, and the scheduler's counters."""
+
+    num_running: int = 0  # requests holding device blocks
+    num_waiting: int = 0  # requests with no KV anywhere (new, or to recompute)
+    num_swapped: int = 0  # requests whose KV sits in the host pool
+    num_used_gpu_blocks: int = 0
+    num_gpu_blocks: int = 0  # device pool size, in blocks
+    num_used_cpu_blocks: int = 0
+    num_cpu_blocks: int = 0  # host (swap) pool size, in blocks
+    kv_block_bytes: int = 0  # bytes of one block, all layers, keys and values
+    num_generated_tokens: int = 0  # tokens sampled since the engine started
+    counters: SchedulerCounters = field(default_factory=SchedulerCounters)
+
+    @property
+    def gpu_usage(self) -> float:
+        """Used fraction of the device pool (0.0 for an empty pool)."""
+        return self.num_used_gpu_blocks / self.num_gpu_blocks if self.num_gpu_blocks else 0.0
+
+    @property
+    def cpu_usage(self) -> float:
+        """Used fraction of the host pool (0.0 for an empty pool)."""
+        return self.num_used_cpu_blocks / self.num_cpu_blocks if self.num_cpu_blocks else 0.0
+
+    @property
+    def swap_out_bytes(self) -> int:
+        return self.counters.num_swapped_out_blocks * self.kv_block_bytes
+
+    @property
+    def swap_in_bytes(self) -> int:
+        return self.counters.num_swapped_in_blocks * self.kv_block_bytes

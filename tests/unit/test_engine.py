@@ -1,0 +1,117 @@
+"""A real Engine stepped with the scripted runner and a fake tokenizer (no torch, no model): the
+one way a request goes from admission through stopping to its outputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.clock import FakeClock
+from engine.engine import Engine, ModelLimits
+from engine.outputs import RequestOutput
+from engine.postprocess import OutputProcessor
+from engine.request import FinishReason, RequestErrorCode
+from engine.sampling_params import SamplingParams
+from tests.unit.scheduler_helpers import ScriptedModelRunner, assert_no_leaks, make_scheduler, next_token
+
+VOCAB_SIZE = 26
+EOS = 25
+
+
+class FakeTokenizer:
+    """Token id i is the letter chr(97 + i); EOS (25, "z") is special."""
+
+    all_special_ids = [EOS]
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True, **kwargs: Any) -> str:
+        return "".join(chr(97 + t) for t in token_ids if not (skip_special_tokens and t == EOS))
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": [(ord(c) - 97) % VOCAB_SIZE for c in text]}
+
+
+def make_engine(**scheduler_config: Any) -> Engine:
+    clock = FakeClock()
+    scheduler = make_scheduler(num_gpu_blocks=32, block_size=4, clock=clock, eos_token_id=EOS, **scheduler_config)
+    tokenizer = FakeTokenizer()
+    limits = ModelLimits(model_name="fake", source="fake", vocab_size=VOCAB_SIZE, max_request_tokens=128,
+                         is_cache_bound=True, kv_block_bytes=64)
+    runner = ScriptedModelRunner(scheduler.block_manager, VOCAB_SIZE)
+    return Engine(scheduler, runner, OutputProcessor(tokenizer, clock), tokenizer, limits, clock)
+
+
+def run_all(engine: Engine) -> dict[str, list[RequestOutput]]:
+    outputs: dict[str, list[RequestOutput]] = {}
+    for _ in range(200):
+        if not engine.has_unfinished():
+            return outputs
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).append(output)
+    raise AssertionError("the engine did not finish")
+
+
+def expected_tokens(request_id: str, prompt: list[int], num_tokens: int) -> list[int]:
+    """What the scripted runner samples for a request with ample room."""
+    context = list(prompt)
+    for _ in range(num_tokens):
+        context.append(next_token(request_id, context, VOCAB_SIZE))
+    return context[len(prompt):]
+
+
+def test_outputs_stream_then_finish_once_with_the_whole_text() -> None:
+    engine = make_engine()
+    prompt = [1, 2, 3]
+    engine.add_request("a", prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+    outputs = run_all(engine)["a"]
+    tokens = expected_tokens("a", prompt, 6)
+    assert [o.finished for o in outputs] == [False] * 5 + [True]
+    assert [t for o in outputs for t in o.new_token_ids] == tokens == outputs[-1].token_ids
+    assert "".join(o.text_delta for o in outputs) == outputs[-1].text == FakeTokenizer().decode(tokens)
+    assert outputs[-1].finish_reason is FinishReason.LENGTH
+    assert engine.stats().num_generated_tokens == 6
+    assert_no_leaks(engine.scheduler)
+
+
+def test_a_stop_string_finishes_the_request_in_the_scheduler_and_is_cut() -> None:
+    engine = make_engine()
+    request_id = next(f"b{i}" for i in range(100) if EOS not in expected_tokens(f"b{i}", [4, 5], 12))
+    text = FakeTokenizer().decode(expected_tokens(request_id, [4, 5], 12))
+    stop = text[3:5]
+    engine.add_request(request_id, [4, 5], SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop]))
+    final = run_all(engine)[request_id][-1]
+    assert final.finish_reason is FinishReason.STOP and final.text == text[: text.index(stop)]
+    assert len(final.token_ids) == text.index(stop) + len(stop)  # it stopped the step the string completed
+    assert_no_leaks(engine.scheduler)
+
+
+def test_eos_stops_and_stays_out_of_the_text() -> None:
+    engine = make_engine()
+    request_id = next(f"e{i}" for i in range(200) if EOS in expected_tokens(f"e{i}", [1], 20)[1:15])
+    tokens = expected_tokens(request_id, [1], 20)
+    engine.add_request(request_id, [1], SamplingParams(max_tokens=20))
+    final = run_all(engine)[request_id][-1]
+    cut = tokens.index(EOS) + 1
+    assert final.finish_reason is FinishReason.STOP and final.token_ids == tokens[:cut]
+    assert final.text == FakeTokenizer().decode(tokens[: cut - 1])
+
+
+def test_abort_and_rejections_come_out_as_outputs() -> None:
+    engine = make_engine()
+    engine.add_request("long", [1, 2], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("bad", [99], SamplingParams(max_tokens=2))
+    engine.add_request("huge", [1] * 100, SamplingParams(max_tokens=100))
+    first = {o.request_id: o for o in engine.step()}
+    assert first["bad"].error_code is RequestErrorCode.VALIDATION
+    assert first["huge"].error_code is RequestErrorCode.PROMPT_TOO_LONG and first["huge"].prompt_token_count == 100
+    engine.abort("long")
+    final = run_all(engine)["long"][-1]
+    assert final.finished and final.finish_reason is FinishReason.ABORT
+    assert_no_leaks(engine.scheduler)
+
+
+def test_the_runner_gets_sampling_parameters_from_the_plan() -> None:
+    """SchedulerOutput carries what the runner needs: it reads no request table."""
+    engine = make_engine()
+    params = SamplingParams(max_tokens=3, temperature=0.7, seed=5)
+    engine.add_request("p", [3, 4, 5], params)
+    chunk = engine.scheduler.schedule().chunks[0]
+    assert chunk.sampling_params is params and chunk.num_output_tokens == 0
