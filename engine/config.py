@@ -44,9 +44,12 @@ class SchedulerConfig(_Frozen):
     max_prefill_tokens: int | None = Field(
         None, ge=1, description="prefill tokens per step (all requests); None = the total budget"
     )
-    aging_interval_s: float = Field(0.0, ge=0.0, description="each interval waited improves priority by 1; 0 = off")
+    aging_interval_s: float = Field(
+        30.0, ge=0.0, description="each interval waited improves priority by one level, so no lane starves; 0 = off"
+    )
     max_consecutive_decode_steps: int = Field(
-        0, ge=0, description="long-output limit: decode steps before a request may be demoted; 0 = off"
+        2048, ge=0, description="long-output limit: decode steps while others wait before a request may be "
+        "demoted (swapped out, resumed later); 0 = off"
     )
     min_resident_steps: int = Field(4, ge=0, description="a resumed request is not preempted again for this many steps")
     preemption_mode: Literal["swap", "recompute"] = "swap"

@@ -6,7 +6,7 @@ Never imports torch, transformers, the engine or the worker.
 from producer.aio import AsyncProducer
 from producer.client import Producer
 from producer.common import SubmitOptions
-from producer.config import ProducerConfig, RedisConfig
+from producer.config import ProducerConfig, QueueConfig, RedisConfig
 from producer.connection import aconnect, connect
 from producer.errors import JobFailed, ProducerError, RedisUnavailable, ResultTimeout, SchemaError, SubmitUncertain
 from producer.keys import Keys
@@ -22,6 +22,7 @@ __all__ = [
     "Producer",
     "ProducerConfig",
     "ProducerError",
+    "QueueConfig",
     "RedisConfig",
     "RedisUnavailable",
     "ResultTimeout",

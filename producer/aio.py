@@ -16,7 +16,7 @@ from typing_extensions import Unpack
 
 from producer import common
 from producer.common import Deadline, SubmitOptions
-from producer.config import ProducerConfig, RedisConfig
+from producer.config import ProducerConfig, QueueConfig, RedisConfig
 from producer.connection import aconnect
 from producer.keys import DONE_TTL_S
 from producer.schema import GenerationRequest, GenerationResult
@@ -28,21 +28,14 @@ class AsyncProducer:
     The connection is made (with retries) on first use or by ``await producer.connect()``;
     ``async with AsyncProducer(...) as producer`` does both and closes it.
 
-    Args:
-        url: redis://, rediss:// or unix:// URL; None = ``REDIS_URL``, else the embedded Redis.
-        prefix: key namespace shared with the workers.
-        queue: queue name.
-        num_lanes: priority lanes; must match the workers.
-        result_ttl_s: how long results live; cancel marks older than this are trimmed.
-        client: a ready ``redis.asyncio.Redis`` (bytes responses); the caller closes it.
+    Args: as :class:`producer.Producer`'s; ``client`` is a ready ``redis.asyncio.Redis``.
     """
 
     def __init__(self, url: str | None = None, *, prefix: str = "tokenmill", queue: str = "default",
                  num_lanes: int = 3, result_ttl_s: float = 86_400.0,
                  client: redis.asyncio.Redis | None = None) -> None:
-        config = ProducerConfig(redis=RedisConfig(url=url), prefix=prefix, queue=queue,
-                                num_lanes=num_lanes, result_ttl_s=result_ttl_s)
-        self._setup(config, client)
+        queue_config = QueueConfig(prefix=prefix, name=queue, num_lanes=num_lanes, result_ttl_s=result_ttl_s)
+        self._setup(ProducerConfig(redis=RedisConfig(url=url), queue=queue_config), client)
 
     @classmethod
     def from_config(cls, config: ProducerConfig, *, client: redis.asyncio.Redis | None = None) -> AsyncProducer:
@@ -173,7 +166,7 @@ class AsyncProducer:
         now = time.time()
         pipe = client.pipeline(transaction=False)
         pipe.zadd(self.keys.cancel, {request_id: now})
-        pipe.zremrangebyscore(self.keys.cancel, "-inf", now - self.config.result_ttl_s)
+        pipe.zremrangebyscore(self.keys.cancel, "-inf", now - self.config.queue.result_ttl_s)
         await pipe.execute()
 
     async def stream(self, request_id: str, timeout: float | None = None) -> AsyncIterator[str]:

@@ -133,7 +133,7 @@ class _Generator:
         producer = self.producer
         request = build_request(producer.keys, {**options, "request_id": request_id})
         fields = encode_request(request)
-        ttl_ms = int(self.config.result_ttl_s * 1000)
+        ttl_ms = int(self.config.queue.result_ttl_s * 1000)
         keys = [producer.keys.submitted(request_id), producer.keys.lane(request.priority), producer.keys.cancel]
         first = self._submit_script(keys=keys, args=[repr(time.time()), ttl_ms, fields["d"], SCHEMA_VERSION, request_id])
         return float(first)

@@ -15,7 +15,7 @@ from typing_extensions import Unpack
 
 from producer import common
 from producer.common import Deadline, SubmitOptions
-from producer.config import ProducerConfig, RedisConfig
+from producer.config import ProducerConfig, QueueConfig, RedisConfig
 from producer.connection import connect
 from producer.keys import DONE_TTL_S
 from producer.schema import GenerationRequest, GenerationResult
@@ -40,9 +40,8 @@ class Producer:
 
     def __init__(self, url: str | None = None, *, prefix: str = "tokenmill", queue: str = "default",
                  num_lanes: int = 3, result_ttl_s: float = 86_400.0, client: redis.Redis | None = None) -> None:
-        config = ProducerConfig(redis=RedisConfig(url=url), prefix=prefix, queue=queue,
-                                num_lanes=num_lanes, result_ttl_s=result_ttl_s)
-        self._setup(config, client)
+        queue_config = QueueConfig(prefix=prefix, name=queue, num_lanes=num_lanes, result_ttl_s=result_ttl_s)
+        self._setup(ProducerConfig(redis=RedisConfig(url=url), queue=queue_config), client)
 
     @classmethod
     def from_config(cls, config: ProducerConfig, *, client: redis.Redis | None = None) -> Producer:
@@ -203,7 +202,7 @@ class Producer:
         now = time.time()
         pipe = self.client.pipeline(transaction=False)
         pipe.zadd(self.keys.cancel, {request_id: now})
-        pipe.zremrangebyscore(self.keys.cancel, "-inf", now - self.config.result_ttl_s)
+        pipe.zremrangebyscore(self.keys.cancel, "-inf", now - self.config.queue.result_ttl_s)
         pipe.execute()
 
     def stream(self, request_id: str, timeout: float | None = None) -> Iterator[str]:

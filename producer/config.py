@@ -1,49 +1,92 @@
-"""Typed, validated configuration of Redis connections and producers (pydantic only).
+"""Typed, validated configuration shared by every tokenmill process (pydantic only).
 
-Owns ``RedisConfig`` (shared with the worker) and ``ProducerConfig``. Never imports redis,
-torch, the engine or the worker.
+Owns ``QueueConfig`` and ``RedisConfig`` (the ``[queue]`` / ``[redis]`` sections of a deployment's
+TOML file), ``ProducerConfig``, and ``FileSettings``: the one merge of flags > env > file > defaults.
+Never imports redis, torch, the engine or the worker.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Annotated, Any, cast
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+from typing_extensions import Self
+
+from producer.errors import ConfigError
 from producer.keys import DEFAULT_NUM_LANES, DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
 
 URL_SCHEMES = ("redis", "rediss", "unix")
 # NOTE: the producer never blocks in one command for longer than this, so a socket timeout
 # above it can never cut a healthy BLPOP / XREAD short.
 MAX_BLOCK_S = 5.0
+REDIS_URL_ENV = "REDIS_URL"  # the one env name of the Redis URL (docs/design.md)
+# Env names that once set the URL: refused with a pointer, so no setting has two names.
+_REFUSED_URL_ENVS = frozenset({"TOKENMILL_REDIS__URL", "TOKENMILL_REDIS_URL"})
+
+
+def _no_whitespace(value: str) -> str:
+    if any(ch.isspace() for ch in value):
+        raise ValueError("must not contain whitespace")
+    return value
+
+
+Name = Annotated[str, Field(min_length=1), AfterValidator(_no_whitespace)]  # a prefix, queue or consumer name
 
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class QueueConfig(_Frozen):
+    """One queue's key layout and result lifetime: the ``[queue]`` section, shared by workers and producers."""
+
+    prefix: Name = Field(DEFAULT_PREFIX, description="key namespace shared by workers and producers")
+    name: Name = Field(DEFAULT_QUEUE, description="queue name; no ':'")
+    num_lanes: int = Field(DEFAULT_NUM_LANES, ge=1, le=64, description="priority lanes; lane k runs at priority k")
+    hash_tag: bool = Field(False, description="keys as {prefix:name}:... so a queue lives in one Redis Cluster slot")
+    result_ttl_s: float = Field(86_400.0, gt=0, description="how long results and cancel marks live")
+
+    @model_validator(mode="after")
+    def _check_keys(self) -> QueueConfig:
+        _ = self.keys  # raises ValueError with the reason
+        return self
+
+    @property
+    def keys(self) -> Keys:
+        """Key layout of this queue."""
+        return Keys(self.prefix, self.name, self.num_lanes, self.hash_tag)
+
+
 class RedisConfig(_Frozen):
-    """Where Redis is and how to reach it.
+    """Where Redis is and how to reach it: ``url`` if set, else the ``REDIS_URL`` environment
+    variable, else the embedded Redis under ``embedded_dir`` (see :mod:`producer.embedded`)."""
 
-    The server is chosen as: ``url`` if set, else the ``REDIS_URL`` environment variable,
-    else the embedded Redis under ``embedded_dir`` (see :mod:`producer.embedded`).
-    """
-
-    url: str | None = Field(
-        default=None, description="redis://, rediss:// (TLS) or unix:// URL; user:password@ for ACLs"
-    )
-    embedded_dir: Path | None = Field(default=
-        None, description="data dir of the embedded Redis; None = $TOKENMILL_HOME/redis or ~/.cache/tokenmill/redis"
-    )
+    url: str | None = Field(None, description="redis://, rediss:// (TLS) or unix:// URL; user:password@ for ACLs")
+    embedded_dir: Path | None = Field(None, description="data dir of the embedded Redis; "
+                                      "None = $TOKENMILL_HOME/redis or ~/.cache/tokenmill/redis")
     connect_timeout_s: float = Field(default=5.0, gt=0, description="TCP/unix connect timeout per attempt")
     socket_timeout_s: float | None = Field(default=30.0, description="read timeout of one command; None = wait forever")
     connect_retries: int = Field(default=5, ge=0, description="extra connect attempts after the first fails")
     retry_backoff_s: float = Field(default=0.2, gt=0, description="first backoff; doubles per attempt")
     max_backoff_s: float = Field(default=5.0, gt=0, description="cap of one backoff")
-    health_check_interval_s: int = Field(
-        default=30, ge=0, description="PING idle pooled connections this often; 0 = off"
-    )
+    health_check_interval_s: int = Field(default=30, ge=0, description="PING idle pooled connections this often; 0 = off")
 
     @field_validator("url")
     @classmethod
@@ -72,27 +115,71 @@ class ProducerConfig(_Frozen):
     """Which queue a producer feeds and how it talks to it."""
 
     redis: RedisConfig = Field(default_factory=RedisConfig)
-    prefix: str = Field(default=DEFAULT_PREFIX, min_length=1, description="key namespace shared with the workers")
-    queue: str = Field(default=DEFAULT_QUEUE, min_length=1, description="queue name; no ':'")
-    num_lanes: int = Field(default=DEFAULT_NUM_LANES, ge=1, le=64, description="priority lanes; must match the workers")
-    result_ttl_s: float = Field(default=
-        86_400.0, gt=0, description="how long results live; cancel marks older than this are trimmed"
-    )
+    queue: QueueConfig = Field(default_factory=QueueConfig)
     submit_chunk_size: int = Field(default=500, ge=1, le=100_000, description="requests per pipelined round trip")
-
-    @field_validator("prefix", "queue")
-    @classmethod
-    def _no_space(cls, value: str) -> str:
-        if any(ch.isspace() for ch in value):
-            raise ValueError("must not contain whitespace")
-        return value
-
-    @model_validator(mode="after")
-    def _check_keys(self) -> ProducerConfig:
-        Keys(self.prefix, self.queue, self.num_lanes)  # raises ValueError with the reason
-        return self
 
     @property
     def keys(self) -> Keys:
-        """Key layout of this queue."""
-        return Keys(self.prefix, self.queue, self.num_lanes)
+        """Key layout of the queue."""
+        return self.queue.keys
+
+
+class FileSettings(BaseSettings):
+    """Root settings of a process (subclasses declare the sections): flags > env > a TOML file >
+    defaults. Env names are ``TOKENMILL_<SECTION>__<KEY>``, except the Redis URL's: ``REDIS_URL``."""
+
+    model_config = SettingsConfigDict(env_prefix="TOKENMILL_", env_nested_delimiter="__", extra="forbid",
+                                      frozen=True)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        refused = sorted(_REFUSED_URL_ENVS & {name.upper() for name in os.environ})
+        if refused:
+            raise ConfigError(f"{', '.join(refused)} is not read: set {REDIS_URL_ENV}, the one env name of the Redis URL")
+        url = os.environ.get(REDIS_URL_ENV)
+        redis_url = InitSettingsSource(settings_cls, {"redis": {"url": url}} if url else {})
+        return init_settings, redis_url, env_settings, TomlConfigSettingsSource(settings_cls)
+
+    @classmethod
+    def load(cls, config_file: Path | None = None, overrides: Mapping[str, Any] | None = None) -> Self:
+        """Merge defaults, the TOML file, the environment and ``overrides`` (flags: section -> {key:
+        value}, nested like the file; None values, flags not given, are left out).
+
+        Raises:
+            ConfigError: the file is missing or not TOML, or a refused env name is set.
+            pydantic.ValidationError: a value is invalid or a key unknown (listed field by field).
+        """
+        if config_file is not None:
+            try:
+                tomllib.loads(config_file.read_text())
+            except (OSError, tomllib.TOMLDecodeError) as exc:
+                raise ConfigError(f"cannot read config file {config_file}: {exc}") from exc
+        from_file = type(cls.__name__, (cls,), {"model_config": SettingsConfigDict(toml_file=config_file)})
+        return cast(Self, from_file(**_given(overrides or {})))
+
+
+def _given(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` without None leaves and without sections left empty."""
+    pruned = {key: _given(value) if isinstance(value, Mapping) else value for key, value in values.items()}
+    return {key: value for key, value in pruned.items() if value is not None and value != {}}
+
+
+class ClientSettings(FileSettings):
+    """The ``[redis]`` and ``[queue]`` sections of a deployment's settings, for producer-side commands.
+    NOTE: other sections (the worker's) are ignored, so one file serves a whole deployment."""
+
+    model_config = SettingsConfigDict(extra="ignore")
+
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    queue: QueueConfig = Field(default_factory=QueueConfig)
+
+    @property
+    def producer_config(self) -> ProducerConfig:
+        return ProducerConfig(redis=self.redis, queue=self.queue)

@@ -1,12 +1,12 @@
-"""Exceptions of the producer side. Never imports torch or the engine."""
+"""Exceptions of the producer side. Imports pydantic only: never the schema (which imports this
+module), torch or the engine."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from producer.schema import GenerationResult
+from pydantic import BaseModel
 
 
 class ProducerError(Exception):
@@ -34,25 +34,27 @@ class JobFailed(ProducerError):
     """The remote generation finished with a non-ok status; carries the remote reason.
 
     Args:
-        result: the failed result, or its JSON dict (so the exception survives pickling and
-            Celery's JSON result backend, which rebuild it as ``JobFailed(*exc.args)``).
+        result: the failed ``GenerationResult``, or its JSON dict (so the exception survives
+            pickling and Celery's JSON result backend, which rebuild it as ``JobFailed(*exc.args)``).
+
+    Attributes:
+        result: the result as its JSON dict.
     """
 
-    def __init__(self, result: GenerationResult | Mapping[str, Any]) -> None:
-        from producer.schema import GenerationResult as Result  # noqa: PLC0415 - schema imports this module
-
-        if not isinstance(result, Result):
-            result = Result.model_validate(dict(result))
-        reason = result.error.message if result.error else result.status
-        code = result.error.code if result.error else result.status
-        self.message = f"request {result.id} {result.status}: [{code}] {reason}"
-        super().__init__(result.model_dump(mode="json"))
-        self.result = result
-        self.code = code
-        self.reason = reason
+    def __init__(self, result: BaseModel | Mapping[str, Any]) -> None:
+        self.result = result.model_dump(mode="json") if isinstance(result, BaseModel) else dict(result)
+        status, error = self.result["status"], self.result.get("error")
+        self.code: str = error["code"] if error else status
+        self.reason: str = error["message"] if error else status
+        self.message = f"request {self.result['id']} {status}: [{self.code}] {self.reason}"
+        super().__init__(self.result)
 
     def __str__(self) -> str:
         return self.message
+
+
+class ConfigError(ProducerError):
+    """A settings file cannot be read, or the environment names a setting in a refused way."""
 
 
 class RedisUnavailable(ProducerError, ConnectionError):

@@ -1,6 +1,6 @@
 """Every Redis key and stream name tokenmill uses, built from one prefix and queue name.
 
-This module is the protocol's key layout (DESIGN.md); producer and worker both import it.
+This module is the protocol's key layout (docs/design.md); producer and worker both import it.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class Keys:
 
     @property
     def reply_prefix(self) -> str:
-        """Namespace of reply streams: a request's ``reply_to`` must start with it (DESIGN.md)."""
+        """Namespace of reply streams: a request's ``reply_to`` must start with it (docs/design.md)."""
         return f"{self.base}:reply:"
 
     def reply(self, name: str) -> str:

@@ -1,4 +1,4 @@
-"""The wire contract (DESIGN.md): pydantic v2 models, msgpack-encoded, versioned.
+"""The wire contract (docs/design.md): pydantic v2 models, msgpack-encoded, versioned.
 
 A request is one stream entry with fields ``d`` (msgpack bytes) and ``v`` (schema version).
 A result is msgpack bytes stored as a plain string value and XADDed to reply streams as
@@ -256,7 +256,7 @@ def decode_request(fields: dict[Any, Any]) -> GenerationRequest:
 def check_reply_to(request: GenerationRequest, keys: Keys) -> str | None:
     """Why ``request.reply_to`` may not be written by a worker of ``keys``' queue, or None when it may.
 
-    A reply stream must live under ``keys.reply_prefix`` (DESIGN.md), so a request can never name
+    A reply stream must live under ``keys.reply_prefix`` (docs/design.md), so a request can never name
     another key (a result, the cancel set, a lane). The schema alone cannot know the queue: the
     producer calls this before sending, the worker at triage (answering ``validation``).
     """

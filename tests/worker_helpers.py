@@ -16,23 +16,30 @@ from typing import Any
 import redis
 
 from producer.keys import Keys
-from producer.schema import GenerationRequest, GenerationResult, decode_result, encode_request
-from worker.config import Settings, load_settings
+from producer.schema import ErrorCode, GenerationRequest, GenerationResult, decode_result, encode_request, encode_result
+from worker.config import Settings
 from worker.runtime import Worker
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST_WORKER = {"block_ms": 100, "heartbeat_interval_s": 0.1, "stale_after_s": 0.5, "reclaim_interval_s": 0.1,
-               "reclaim_min_idle_ms": 0, "cancel_poll_s": 0.01, "drain_timeout_s": 5.0}
+FAST_WORKER = {"block_ms": 100, "heartbeat_interval_s": 0.1, "stale_after_s": 0.5, "cancel_poll_s": 0.01,
+               "drain_timeout_s": 5.0}
 
 
-def make_settings(redis_url: str, prefix: str, *, echo: dict[str, Any] | None = None,
-                  engine: dict[str, Any] | None = None, **worker: Any) -> Settings:
-    """Echo-engine settings on the test's own prefix, with fast intervals."""
-    return load_settings(None, {
-        "worker": {**FAST_WORKER, "prefix": prefix, "name": f"w-{uuid.uuid4().hex[:6]}", **worker},
+def make_settings(redis_url: str, prefix: str, *, model: str = "echo", engine: dict[str, dict[str, Any]] | None = None,
+                  **worker: Any) -> Settings:
+    """Settings on the test's own prefix, with fast intervals.
+
+    Args:
+        model: the model's name; ``echo:tokens_per_step=1,step_delay_s=0.01`` paces the echo engine.
+        engine: more engine settings by section, e.g. ``{"scheduler": {"max_num_seqs": 1}}``.
+        **worker: ``[worker]`` settings.
+    """
+    engine = engine or {}
+    return Settings.load(None, {
+        "queue": {"prefix": prefix},
+        "worker": {**FAST_WORKER, "name": f"w-{uuid.uuid4().hex[:6]}", **worker},
         "redis": {"url": redis_url},
-        "engine": {"model": "echo", **(engine or {})},
-        "echo": echo or {},
+        "engine": {**engine, "model": {**engine.get("model", {}), "name": model}},
     })
 
 
@@ -57,6 +64,15 @@ def enqueue(client: redis.Redis, keys: Keys, lane: int = 0, **fields: Any) -> st
     return request.id
 
 
+def add_dead_letter(client: redis.Redis, keys: Keys, request_id: str) -> None:
+    """What the worker does after max_deliveries: a dead entry (from lane 1) plus a stored failure."""
+    request = GenerationRequest(id=request_id, prompt="revived", priority=1)
+    client.xadd(keys.dead, {"reason": "max_deliveries: delivered 6 times", "stream": keys.lane(1),
+                            "entry_id": "1-0", **encode_request(request)})  # type: ignore[dict-item]
+    failure = GenerationResult.failure(request_id, ErrorCode.MAX_DELIVERIES, "delivered 6 times")
+    client.set(keys.result(request_id), encode_result(failure))
+
+
 def wait_result(client: redis.Redis, keys: Keys, request_id: str, timeout_s: float = 5.0) -> GenerationResult:
     """Poll for the stored result of ``request_id``."""
     deadline = time.monotonic() + timeout_s
@@ -68,21 +84,21 @@ def wait_result(client: redis.Redis, keys: Keys, request_id: str, timeout_s: flo
     raise AssertionError(f"no result for {request_id} within {timeout_s} s")
 
 
-def start_worker_process(redis_url: str, prefix: str, name: str, *args: str,
+def start_worker_process(redis_url: str, prefix: str, name: str, *args: str, model: str = "echo",
                          env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """``tokenmill worker --model echo`` as a real process on the test's prefix, with fast intervals.
+    """``python -m cli worker --model echo`` as a real process on the test's prefix, with fast intervals.
 
     It logs warnings and worse only: stderr is a pipe nobody reads while the test runs, and a
     full pipe would block the worker.
 
     Args:
+        *args: extra flags of the worker command.
+        model: the model's name (``echo:...`` options pace the echo engine).
         env: extra ``TOKENMILL_*`` variables (they win over the defaults here).
-        *args: extra command-line flags.
     """
     defaults = {"TOKENMILL_WORKER__HEARTBEAT_INTERVAL_S": "0.2", "TOKENMILL_WORKER__STALE_AFTER_S": "1.0",
-                "TOKENMILL_WORKER__RECLAIM_INTERVAL_S": "0.2", "TOKENMILL_WORKER__BLOCK_MS": "200",
-                "TOKENMILL_WORKER__RECLAIM_MIN_IDLE_MS": "0", "TOKENMILL_WORKER__LOG_LEVEL": "WARNING"}
-    command = [sys.executable, "-m", "worker", "worker", "--model", "echo", "--redis-url", redis_url,
-               "--prefix", prefix, "--name", name, *args]
+                "TOKENMILL_WORKER__BLOCK_MS": "200", "TOKENMILL_WORKER__LOG_LEVEL": "WARNING"}
+    command = [sys.executable, "-m", "cli", "--redis-url", redis_url, "--prefix", prefix, "worker", "--model", model,
+               "--name", name, *args]
     return subprocess.Popen(command, cwd=ROOT, env={**os.environ, **defaults, **(env or {})},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -1,1 +1,1 @@
-"""The tokenmill worker: Redis Streams to one engine and back. Nothing imports this package."""
+"""The tokenmill worker: Redis Streams to one engine and back. Only the cli imports it, inside its commands."""

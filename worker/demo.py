@@ -1,7 +1,6 @@
-"""``tokenmill demo`` (what ``make run`` calls): an embedded or given Redis, one in-process worker
-on a demo queue, a handful of chat prompts through the Producer, completions as they land.
-
-Imports producer and worker.runtime (the engine only through it, when a real model is served).
+"""The demo behind ``tokenmill demo`` (what ``make run`` calls): an embedded or given Redis, one
+in-process worker on a demo queue, a handful of chat prompts through the Producer, completions as
+they land. Imports producer and worker.runtime (the engine only through it, for a real model).
 """
 
 from __future__ import annotations
@@ -10,18 +9,14 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Annotated
 
-import typer
-from pydantic import ValidationError
 from rich.console import Console
 
 from producer.client import Producer
 from producer.config import RedisConfig
 from producer.connection import resolve_url
-from producer.errors import ProducerError, ResultTimeout
-from worker.cli_common import fail, state_of, validation_exit
-from worker.errors import WorkerError
+from worker.config import Settings
+from worker.runtime import Worker
 
 DEMO_QUEUE = "demo"
 DEMO_PROMPTS: tuple[str, ...] = (
@@ -56,16 +51,12 @@ def run_demo(console: Console, *, redis_url: str | None, model: str, num_prompts
 
     Raises:
         ProducerError: Redis cannot be reached, or results did not land within ``timeout_s``.
-        WorkerError: the worker could not start.
     """
-    from worker.config import load_settings  # noqa: PLC0415 - pydantic-settings only when demoing
-    from worker.runtime import Worker  # noqa: PLC0415
-
     url = resolve_url(RedisConfig(url=redis_url))  # NOTE: starts/reuses the embedded Redis when none is given
     console.print(f"[bold]tokenmill demo[/] redis={url} queue={DEMO_QUEUE} model={model}")
-    settings = load_settings(None, {"worker": {"queue": DEMO_QUEUE, "prefix": prefix, "drain_timeout_s": 10.0,
-                                               "block_ms": 200},
-                                    "redis": {"url": url}, "engine": {"model": model, "device": device}})
+    settings = Settings.load(None, {"queue": {"name": DEMO_QUEUE, "prefix": prefix},
+                                    "worker": {"drain_timeout_s": 10.0, "block_ms": 200},
+                                    "redis": {"url": url}, "engine": {"model": {"name": model, "device": device}}})
     console.print("loading the model ...")
     worker = Worker(settings, handle_signals=False)
     thread = threading.Thread(target=worker.run, name="tm-demo-worker", daemon=True)
@@ -107,27 +98,3 @@ def _submit_and_print(console: Console, producer: Producer, num_prompts: int, ma
                   f"tokens in {report.wall_s:.2f} s = {report.tokens_per_s:.1f} tokens/s[/]")
     return report
 
-
-def demo(
-    ctx: typer.Context,
-    model: Annotated[str, typer.Option(help="model alias, HF id, local dir, or 'echo'")] = "smollm2-135m",
-    num_prompts: Annotated[int, typer.Option(min=1, max=64, help="how many prompts to send")] = 8,
-    max_tokens: Annotated[int, typer.Option(min=1, help="most tokens per completion")] = 64,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
-    timeout: Annotated[float, typer.Option(help="seconds to wait for all results")] = 600.0,
-) -> None:
-    """Run a worker on a demo queue and send it a few chat prompts (embedded Redis if none is set)."""
-    state = state_of(ctx)
-    console = Console(highlight=False)
-    try:
-        report = run_demo(console, redis_url=state.redis_url, model=model, num_prompts=num_prompts,
-                          max_tokens=max_tokens, device=device, prefix=state.prefix or "tokenmill",
-                          timeout_s=timeout)
-    except ResultTimeout as exc:
-        raise fail(f"error: {exc}") from None
-    except (ProducerError, WorkerError) as exc:
-        raise fail(f"error: {exc}") from None
-    except ValidationError as exc:
-        raise validation_exit(exc) from None
-    if report.num_ok < report.num_requests:
-        raise typer.Exit(code=1)

@@ -5,7 +5,3 @@ from __future__ import annotations
 
 class WorkerError(Exception):
     """Base class of every error the worker raises on purpose."""
-
-
-class ConfigError(WorkerError):
-    """The merged configuration (file, env, flags) is invalid or unreadable."""

@@ -19,6 +19,7 @@ from producer.keys import Keys
 
 RUNNING = "running"
 STOPPED = "stopped"  # written on a clean exit: its pending entries may be reclaimed at once
+FORGET_AFTER_S = 86_400.0  # a silent worker's heartbeat stays visible (as stale) this long, then is deleted
 
 
 @dataclass
@@ -53,13 +54,8 @@ def write_heartbeat(client: redis.Redis, keys: Keys, beat: Heartbeat) -> None:
 
 def read_heartbeats(client: redis.Redis, keys: Keys) -> dict[str, Heartbeat]:
     """Every worker's last beat, by name; undecodable fields are skipped."""
-    beats: dict[str, Heartbeat] = {}
-    for raw_name, raw in client.hgetall(keys.workers).items():
-        name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
-        beat = _decode(raw)
-        if beat is not None:
-            beats[name] = beat
-    return beats
+    beats = {as_text(name): _decode(raw) for name, raw in client.hgetall(keys.workers).items()}
+    return {name: beat for name, beat in beats.items() if beat is not None}
 
 
 def is_dead(name: str, consumer_idle_ms: int, beats: dict[str, Heartbeat], now_s: float,
@@ -75,10 +71,9 @@ def is_dead(name: str, consumer_idle_ms: int, beats: dict[str, Heartbeat], now_s
     return beat.is_stale(now_s, stale_after_s)
 
 
-def forget_old(client: redis.Redis, keys: Keys, beats: dict[str, Heartbeat], now_s: float,
-               forget_after_s: float) -> list[str]:
-    """Delete the fields of workers silent for ``forget_after_s`` (they stay visible as stale until then)."""
-    names = [name for name, beat in beats.items() if beat.age_s(now_s) > forget_after_s]
+def forget_old(client: redis.Redis, keys: Keys, now_s: float) -> list[str]:
+    """Delete the fields of workers silent for :data:`FORGET_AFTER_S` (they stay visible as stale until then)."""
+    names = [name for name, beat in read_heartbeats(client, keys).items() if beat.age_s(now_s) > FORGET_AFTER_S]
     if names:
         client.hdel(keys.workers, *names)
     return names
@@ -90,3 +85,8 @@ def _decode(raw: Any) -> Heartbeat | None:
         return Heartbeat(**data)
     except Exception:  # noqa: BLE001 - a foreign or older value: not a heartbeat we can judge
         return None
+
+
+def as_text(value: Any) -> str:
+    """A Redis reply value (bytes from a bytes client) as text."""
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,6 +1,6 @@
-"""Structured logging of worker lifecycle events: one line per event, text or JSON.
-
-Standard library only. Events carry ``extra={"event": ..., **fields}``.
+"""Structured logging of the worker process (its ``tokenmill.*`` events and the ``engine.*``
+loggers): one line per event, text or JSON. Standard library only. Events carry
+``extra={"event": ..., **fields}``.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ class _Formatter(logging.Formatter):
 
 
 def setup_logging(level: str = "INFO", as_json: bool = False) -> None:
-    """Send ``tokenmill.*`` logs to stderr, one line per event."""
+    """Send ``tokenmill.*`` and ``engine.*`` logs to stderr, one line per event."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_Formatter(as_json))
-    root = logging.getLogger("tokenmill")
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    root.propagate = False
+    for name in ("tokenmill", "engine"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(level)
+        logger.propagate = False

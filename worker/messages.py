@@ -71,7 +71,7 @@ class Prepared:
 
 @dataclass
 class Abort:
-    """Writer -> engine thread: stop a request; its result gets ``status``."""
+    """Reader -> engine thread: stop a request; its result gets ``status``."""
 
     request_id: str
     status: str  # "cancelled" or "expired"

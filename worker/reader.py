@@ -1,5 +1,6 @@
 """The reader thread: takes entries from the lanes (most urgent first, only as many as the engine
-can admit soon), reclaims dead consumers' entries, and triages everything into the two queues.
+can admit soon), reclaims dead consumers' entries, triages everything into the two queues, and
+aborts cancelled requests (at admission, and while they run: the one cancellation poll).
 
 Imports redis and producer (keys, schema); never the engine object (it only sees queues and Load).
 """
@@ -18,8 +19,9 @@ from producer.keys import CONSUMER_GROUP, Keys
 from producer.schema import ErrorCode, GenerationResult, peek_request_id
 from worker.config import WorkerConfig
 from worker.backoff import Backoff
+from worker.heartbeat import as_text
 from worker.intake import IntakePolicy, answer, triage
-from worker.messages import Admit, DeadLetter, Entry, Finish, Incoming, Outgoing
+from worker.messages import Abort, Admit, DeadLetter, Entry, Finish, Incoming, Outgoing
 from worker.reclaim import Reclaimed, Reclaimer
 from worker.state import Load
 
@@ -36,9 +38,9 @@ class Reader:
     Args:
         client: Redis client (thread-safe pool; a blocking read holds one connection).
         keys: key layout of the served queue.
-        config: worker settings (batch sizes, block time, reclaim policy).
-        load: shared counters (backpressure).
-        inbox: admits for the engine thread.
+        config: worker settings (batch sizes, block time, reclaim policy, cancellation poll).
+        load: shared counters (backpressure, the engine's live ids).
+        inbox: admits and aborts for the engine thread.
         outbox: immediate answers and dead letters for the writer.
         model_name: the model the engine serves.
     """
@@ -47,15 +49,19 @@ class Reader:
                  inbox: queue.Queue[Incoming], outbox: queue.Queue[Outgoing], model_name: str) -> None:
         self._client, self._keys, self._config, self._load = client, keys, config, load
         self._inbox, self._outbox = inbox, outbox
-        self._reclaimer = Reclaimer(client, keys, config.name, config.stale_after_s, config.reclaim_min_idle_ms)
+        # NOTE: reclaim keeps the heartbeat's pace: it looks once per beat, and claims only entries idle
+        # for half a beat (longer than two reclaimers racing, shorter than any dead worker's silence).
+        self._reclaimer = Reclaimer(client, keys, config.name, config.stale_after_s,
+                                    min_idle_ms=int(config.heartbeat_interval_s * 500))
         self._intake = IntakePolicy(keys, model_name, config.name, config.max_request_bytes)
         self._backoff = Backoff()
-        self._next_reclaim_s = 0.0
+        self._next_reclaim_s = self._next_cancel_poll_s = 0.0
         self._needs_groups = True  # (re-)create the consumer groups before the next read
         # Lanes whose entries already delivered to this consumer name are still to be re-read
         # (a restart under the same --name), with the id to read after.
         self._backlog: dict[str, str] = {stream: "0" for stream in keys.lanes}
         self.stopping = threading.Event()  # set by the worker: read nothing more
+        self.closing = threading.Event()  # set by the worker: poll cancellations no more, end the thread
         self.drained = threading.Event()  # set in burst mode when every lane came back empty
 
     def _ensure_groups(self) -> None:
@@ -69,7 +75,8 @@ class Reader:
         self._needs_groups = False
 
     def run(self, burst: bool) -> None:
-        """Read until :attr:`stopping` is set (or, with ``burst``, until the lanes are empty).
+        """Read until :attr:`stopping` is set (or, with ``burst``, until the lanes are empty), and
+        poll cancellations of running requests until :attr:`closing` is set.
 
         Redis errors never end the loop: a lost consumer group (``NOGROUP``: the lanes were
         deleted, or a Redis without persistence restarted) is re-created, and transient errors
@@ -78,12 +85,14 @@ class Reader:
         exit non-zero rather than heartbeat while doing nothing.
         """
         num_hard_errors = 0
-        while not self.stopping.is_set():
+        is_reading = True
+        while not self.closing.is_set():
             try:
-                if self._needs_groups:
-                    self._ensure_groups()
-                if self._read_once(burst):
-                    return
+                self._poll_cancels()
+                if is_reading and not self.stopping.is_set():
+                    is_reading = not self._read_once(burst)
+                else:
+                    self.closing.wait(self._config.cancel_poll_s)
                 num_hard_errors = 0
                 self._backoff.reset()
             except redis.RedisError as exc:
@@ -91,6 +100,8 @@ class Reader:
 
     def _read_once(self, burst: bool) -> bool:
         """One round: reclaim when due, then read as much as the engine can take; True when drained."""
+        if self._needs_groups:
+            self._ensure_groups()
         now_s = time.monotonic()
         # NOTE: reclaiming moves entries into this consumer's pending list, where the backlog
         # read would meet them again: this worker's own backlog goes first.
@@ -98,7 +109,7 @@ class Reader:
             num_reclaimed, capacity = self._take_reclaimed()
             # NOTE: a full batch means more may be waiting: go on at once while there is room.
             is_more = num_reclaimed >= capacity
-            self._next_reclaim_s = now_s + (0.0 if is_more else self._config.reclaim_interval_s)
+            self._next_reclaim_s = now_s + (0.0 if is_more else self._config.heartbeat_interval_s)
         capacity = self._load.capacity(self._config.max_waiting)
         if capacity == 0:
             self._load.wait_for_room(0.05)
@@ -107,7 +118,11 @@ class Reader:
         if self._backlog:
             self._dispatch(self._read_backlog(count))
             return False
-        entries = self._read_lanes(count, block_ms=None if burst else self._config.block_ms)
+        # NOTE: while requests run, a read blocks no longer than one cancellation poll period.
+        block_ms = self._config.block_ms
+        if self._load.live_ids:
+            block_ms = min(block_ms, int(self._config.cancel_poll_s * 1000) or 1)
+        entries = self._read_lanes(count, block_ms=None if burst else block_ms)
         if burst and not entries and self._take_reclaimed()[0] == 0:
             self.drained.set()
             return True
@@ -135,8 +150,18 @@ class Reader:
             num_hard_errors += 1
             if num_hard_errors >= MAX_HARD_ERRORS:
                 raise exc
-        self._backoff.wait(self.stopping)
+        self._backoff.wait(self.closing)
         return num_hard_errors
+
+    def _poll_cancels(self) -> None:
+        """Abort cancelled live requests: one ZMSCORE over the engine's live ids per ``cancel_poll_s``.
+        NOTE: a hit is sent again each poll until the engine drops it; a repeated abort is a no-op."""
+        now_s = time.monotonic()
+        if now_s < self._next_cancel_poll_s:
+            return
+        self._next_cancel_poll_s = now_s + self._config.cancel_poll_s
+        for request_id in self._cancelled_ids(sorted(self._load.live_ids)):
+            self._inbox.put(Abort(request_id, "cancelled"))
 
     def _read_lanes(self, count: int, block_ms: int | None) -> list[Entry]:
         """Up to ``count`` new entries, lane 0 first; blocks only when every lane is empty."""
@@ -166,7 +191,7 @@ class Reader:
         deleted = [eid for eid, fields in items if not fields]
         if deleted:
             self._client.xack(stream, CONSUMER_GROUP, *deleted)
-        return [Entry(stream, _text(eid), lane, dict(fields)) for eid, fields in items if fields]
+        return [Entry(stream, as_text(eid), lane, dict(fields)) for eid, fields in items if fields]
 
     def _xreadgroup(self, streams: dict[Any, Any], count: int, block_ms: int | None) -> list[Entry]:
         reply: Any = self._client.xreadgroup(CONSUMER_GROUP, self._config.name, streams, count=count,
@@ -174,8 +199,8 @@ class Reader:
         lanes = {stream: k for k, stream in enumerate(self._keys.lanes)}
         out = []
         for raw_stream, items in reply or []:
-            stream = _text(raw_stream)
-            out += [Entry(stream, _text(eid), lanes[stream], dict(fields)) for eid, fields in items if fields]
+            stream = as_text(raw_stream)
+            out += [Entry(stream, as_text(eid), lanes[stream], dict(fields)) for eid, fields in items if fields]
         return out
 
     def _take_reclaimed(self) -> tuple[int, int]:
@@ -239,7 +264,3 @@ class Reader:
             error = item.result.error
             log.info("refused", extra={"event": "error", "request_id": item.result.id,
                                        "code": error.code if error else item.result.status})
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

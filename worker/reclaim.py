@@ -14,7 +14,7 @@ from typing import Any
 import redis
 
 from producer.keys import CONSUMER_GROUP, Keys
-from worker.heartbeat import Heartbeat, is_dead, read_heartbeats
+from worker.heartbeat import Heartbeat, as_text, is_dead, read_heartbeats
 from worker.messages import Entry
 
 log = logging.getLogger("tokenmill.worker")
@@ -35,7 +35,6 @@ class Reclaimed:
 
     entry: Entry
     num_deliveries: int  # including this one
-    previous_owner: str
 
 
 class Reclaimer:
@@ -81,7 +80,7 @@ class Reclaimer:
             return []
         out = []
         for consumer in consumers:
-            name = _text(consumer["name"])
+            name = as_text(consumer["name"])
             if name != self._consumer and is_dead(name, int(consumer["idle"]), beats, now_s, self._stale_after_s):
                 out.append({"name": name, "pending": int(consumer["pending"])})
         return out
@@ -89,7 +88,7 @@ class Reclaimer:
     def _claim(self, stream: str, lane: int, owner: str, limit: int) -> list[Reclaimed]:
         pending = self._client.xpending_range(stream, CONSUMER_GROUP, min="-", max="+", count=limit,
                                               consumername=owner)
-        deliveries = {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
+        deliveries = {as_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
         if not deliveries:
             return []
         entries: Any = self._client.xclaim(stream, CONSUMER_GROUP, self._consumer, self._min_idle_ms,
@@ -98,8 +97,8 @@ class Reclaimer:
         for entry_id, fields in entries:
             if fields is None:  # deleted from the stream meanwhile; XCLAIM already dropped it
                 continue
-            rid = _text(entry_id)
-            out.append(Reclaimed(Entry(stream, rid, lane, dict(fields)), deliveries[rid] + 1, owner))
+            rid = as_text(entry_id)
+            out.append(Reclaimed(Entry(stream, rid, lane, dict(fields)), deliveries[rid] + 1))
         if out:
             log.info("reclaimed", extra={"event": "reclaimed", "count": len(out), "from": owner, "stream": stream})
         return out
@@ -107,7 +106,3 @@ class Reclaimer:
     def _remove(self, stream: str, name: str) -> None:
         if int(self._delete_if_idle(keys=[stream], args=[CONSUMER_GROUP, name])) >= 0:
             log.info("consumer removed", extra={"event": "consumer_removed", "consumer": name, "stream": stream})
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -11,7 +11,7 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from producer.keys import CONSUMER_GROUP, Keys
+from producer.keys import CONSUMER_GROUP, DONE_TTL_S, Keys
 from producer.schema import SCHEMA_VERSION, ErrorCode, GenerationResult, encode_result
 from worker.messages import DeadLetter, Finish, Outgoing, TokenDelta
 
@@ -103,15 +103,13 @@ class ResultWriter:
         client: the worker's Redis client.
         keys: key layout of the served queue.
         result_ttl_s: lifetime of a stored result.
-        done_ttl_s: lifetime of the done list (BLPOP waiters).
         token_ttl_s: lifetime of a token stream after its last entry.
     """
 
-    def __init__(self, client: redis.Redis, keys: Keys, result_ttl_s: float, done_ttl_s: float,
-                 token_ttl_s: float) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, result_ttl_s: float, token_ttl_s: float) -> None:
         self._client = client
         self._keys = keys
-        self._ttl_ms = {"result": int(result_ttl_s * 1000), "done": int(done_ttl_s * 1000),
+        self._ttl_ms = {"result": int(result_ttl_s * 1000), "done": DONE_TTL_S * 1000,
                         "tokens": int(token_ttl_s * 1000)}
         self._script: Script = client.register_script(FINISH_LUA)
 

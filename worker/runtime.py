@@ -1,5 +1,5 @@
 """The worker process: wires Redis, the reader and writer threads and the engine loop; owns
-startup, signals, draining and burst mode. Imports engine.engine lazily (only for real models).
+startup, signals, draining and burst mode. Loads torch only for real models (Engine.from_config).
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ from types import FrameType
 
 import redis
 
+from engine.engine import Engine
 from producer.connection import connect
 from worker.config import Settings
-from worker.echo_engine import ECHO_MODEL, EchoEngine
+from worker.echo_engine import EchoEngine, is_echo_model
 from worker.heartbeat import STOPPED
+from worker.logs import setup_logging
 from worker.loop import EngineLoop
 from worker.messages import EngineLike, Incoming, Outgoing
 from worker.metrics import WorkerMetrics
@@ -31,13 +33,18 @@ IDLE_WAIT_S = 0.05  # engine thread: wait for commands this long when it has not
 
 
 def build_engine(settings: Settings) -> EngineLike:
-    """The echo engine for model ``"echo"``, else the real engine (imports torch; slow)."""
-    if settings.engine.model == ECHO_MODEL:
-        return EchoEngine(settings.engine, settings.echo.tokens_per_step, settings.echo.step_delay_s)
-    from engine.engine import Engine  # noqa: PLC0415 - torch only when a real model is served
-
-    engine: EngineLike = Engine(settings.engine)
+    """The echo engine for an echo model name, else the real engine (imports torch; slow)."""
+    if is_echo_model(settings.engine.model.name):
+        return EchoEngine(settings.engine)
+    engine: EngineLike = Engine.from_config(settings.engine)
     return engine
+
+
+def run_worker(settings: Settings, *, burst: bool = False) -> int:
+    """Set up logging, serve (see :class:`Worker`) and return the exit code; ``RedisUnavailable``
+    when Redis cannot be reached."""
+    setup_logging(settings.worker.log_level, settings.worker.log_json)
+    return Worker(settings, burst=burst).run()
 
 
 class Worker:
@@ -64,12 +71,12 @@ class Worker:
         inbox: queue.Queue[Incoming] = queue.Queue()
         outbox: queue.Queue[Outgoing] = queue.Queue()
         self._load = load = Load()
-        keys, config, model = settings.worker.keys, settings.worker, self._engine.model_name
+        keys, config, model = settings.queue.keys, settings.worker, self._engine.model_name
         # NOTE: one registry per worker, so several workers can live in one process (tests).
         self.metrics = WorkerMetrics(self.name, model, keys) if config.metrics_port is not None else None
         self._loop = EngineLoop(self._engine, inbox, outbox, load, self.name, self.metrics)
         self._reader = Reader(self._client, keys, config, load, inbox, outbox, model)
-        self._writer = Writer(self._client, keys, config, load, inbox, outbox, model, self.metrics)
+        self._writer = Writer(self._client, settings.queue, config, load, outbox, model, self.metrics)
         self._stopping = threading.Event()
         self._forced = threading.Event()
         self._failed = threading.Event()  # a thread died: exit non-zero at once
@@ -97,7 +104,7 @@ class Worker:
         for thread in threads:
             thread.start()
         log.info("started", extra={"event": "started", "worker": self.name, "model": self._engine.model_name,
-                                   "queue": self.settings.worker.queue, "burst": self._burst})
+                                   "queue": self.settings.queue.name, "burst": self._burst})
         try:
             self._serve()
         except Exception:  # noqa: BLE001 - the engine thread failed: same as any thread dying
@@ -144,8 +151,8 @@ class Worker:
         return self._loop.num_live == 0 and self._load.num_queued == 0
 
     def _shut_down(self, threads: list[threading.Thread]) -> None:
-        self._reader.stopping.set()
-        self._writer.closing.set()
+        for event in (self._reader.stopping, self._reader.closing, self._writer.closing):
+            event.set()
         self._loop.close()
         for thread in threads:
             thread.join(timeout=self.settings.worker.block_ms / 1000 + 5.0)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Load:
-    """How busy the engine is, for backpressure, cancellation polling and heartbeats.
+    """How busy the engine is, for backpressure and cancellation polling (reader) and heartbeats (writer).
 
     The engine thread publishes ``num_waiting`` / ``num_running`` / ``live_ids`` after each
     step; the reader counts admits it queued that the engine thread has not taken yet.
@@ -23,7 +23,7 @@ class Load:
     num_tokens: int = 0  # completion tokens generated since start
     num_finished: int = 0  # results handed to the writer since start
     live_ids: frozenset[str] = frozenset()  # request ids inside the engine, not yet aborted
-    is_write_blocked: bool = False  # the writer has results Redis refused: read nothing more until written
+    is_write_blocked: bool = False  # Redis refused the writer's last round: read nothing more until one succeeds
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _room: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -49,7 +49,7 @@ class Load:
             self._room.set()
 
     def set_write_blocked(self, is_blocked: bool) -> None:
-        """Writer: whether results are waiting for Redis to accept them; unblocking wakes the reader."""
+        """Writer: whether Redis refuses its writes; unblocking wakes the reader."""
         with self._lock:
             was_blocked, self.is_write_blocked = self.is_write_blocked, is_blocked
         if was_blocked and not is_blocked:

@@ -105,9 +105,9 @@ def bench_tokenmill(url: str, args: argparse.Namespace, log_dir: Path) -> dict[s
     prefix, queue_name = f"tmbench-{os.getpid()}-{secrets.token_hex(3)}", "bench"
     # NOTE: the echo engine admits everything in one step, so the worker's intake (backpressure
     # high-water mark) is sized like a GPU worker's (configs/gpu.toml), not the CPU default of 32.
-    cmd = [sys.executable, "-m", "worker", "worker", "--model", "echo", "--prefix", prefix, "--queue", queue_name,
-           "--redis-url", url, "--log-text", "--max-waiting", str(args.max_waiting)]
-    proc = _spawn(cmd, {"TOKENMILL_WORKER__LOG_LEVEL": "WARNING"}, log_dir / "tokenmill-worker.log")
+    cmd = [sys.executable, "-m", "cli", "--prefix", prefix, "--queue", queue_name, "--redis-url", url,
+           "worker", "--model", "echo", "--log-text", "--log-level", "WARNING", "--max-waiting", str(args.max_waiting)]
+    proc = _spawn(cmd, {}, log_dir / "tokenmill-worker.log")
     producer = Producer(url, prefix=prefix, queue=queue_name)
     try:
         _wait_tokenmill_ready(producer, proc)
@@ -121,7 +121,7 @@ def bench_tokenmill(url: str, args: argparse.Namespace, log_dir: Path) -> dict[s
             result = producer.result(producer.submit(prompt=PROMPT, max_tokens=MAX_TOKENS), timeout=30)
             latencies.append(time.perf_counter() - start)
             assert result.status == "ok", result
-        return {"system": "tokenmill", "worker": "1 process: python -m worker worker --model echo",
+        return {"system": "tokenmill", "worker": "1 process: python -m cli worker --model echo",
                 **throughput, **drain, "latency": _latency_stats(latencies)}
     finally:
         _stop(proc)

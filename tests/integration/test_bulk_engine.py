@@ -18,8 +18,8 @@ def test_bulk_through_the_real_engine_on_a_tiny_model(tmp_path: Path, redis_url:
     from tests.tiny_models import save_tiny_model
 
     model_dir = save_tiny_model("llama", tmp_path / "tiny")
-    settings = make_settings(redis_url, key_prefix, engine={"model": str(model_dir), "device": "cpu",
-                                                             "kv_cache_memory": "16MiB", "swap_space": "4MiB"})
+    settings = make_settings(redis_url, key_prefix, model=str(model_dir), engine={
+        "model": {"device": "cpu"}, "cache": {"kv_cache_memory": "16MiB", "swap_space": "4MiB"}})
     source = write_input(tmp_path / "in.jsonl", "openai", num_items=12)
     out = tmp_path / "out.jsonl"
     with running_worker(settings):

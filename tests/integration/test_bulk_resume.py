@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _start_bulk(redis_url: str, prefix: str, source: Path, out: Path) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "worker", "--redis-url", redis_url, "--prefix", prefix, "bulk", str(source),
+    command = [sys.executable, "-m", "cli", "--redis-url", redis_url, "--prefix", prefix, "bulk", str(source),
                str(out), "--max-in-flight", "8", "--no-progress", "--json"]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "CI": "true"})
@@ -40,7 +40,7 @@ def test_killed_bulk_resumes_with_every_item_exactly_once(signum: int, tmp_path:
                                                           key_prefix: str, producer: Producer) -> None:
     source = write_input(tmp_path / "in.jsonl", "jsonl")
     out = tmp_path / "out.jsonl"
-    settings = make_settings(redis_url, key_prefix, echo={"tokens_per_step": 1, "step_delay_s": 0.01})
+    settings = make_settings(redis_url, key_prefix, model="echo:tokens_per_step=1,step_delay_s=0.01")
     with running_worker(settings):
         process = _start_bulk(redis_url, key_prefix, source, out)
         try:

@@ -17,7 +17,7 @@ celery = pytest.importorskip("celery")
 from celery import Celery, chain, chord  # noqa: E402
 from celery.contrib.testing.worker import start_worker  # noqa: E402
 
-from producer import Producer, ProducerConfig, RedisConfig  # noqa: E402
+from producer import Producer, ProducerConfig, QueueConfig, RedisConfig  # noqa: E402
 from producer.celery import JSON_ONLY, register_tasks  # noqa: E402
 from producer.errors import JobFailed  # noqa: E402
 from tests.worker_helpers import make_settings, running_worker  # noqa: E402
@@ -54,7 +54,7 @@ def make_celery(redis_url: str, prefix: str, **task_options: Any) -> tuple[Celer
 
     for fn in (prepare, postprocess, collect):
         app.task(name=f"test.{fn.__name__}", shared=False)(fn)
-    config = ProducerConfig(redis=RedisConfig(url=redis_url), prefix=prefix)
+    config = ProducerConfig(redis=RedisConfig(url=redis_url), queue=QueueConfig(prefix=prefix))
     generate = register_tasks(app, config, **{**FAST_POLL, **task_options})
     return app, generate
 
@@ -91,8 +91,8 @@ def test_chain_through_a_real_model(redis_url: str, redis_client: redis.Redis, k
                                     tiny_llama: Path) -> None:
     app, generate = make_celery(redis_url, key_prefix)
     prepare, postprocess = app.tasks["test.prepare"], app.tasks["test.postprocess"]
-    settings = make_settings(redis_url, key_prefix, engine={"model": str(tiny_llama), "device": "cpu",
-                                                            "kv_cache_memory": "8MiB", "swap_space": 0})
+    settings = make_settings(redis_url, key_prefix, model=str(tiny_llama), engine={
+        "model": {"device": "cpu"}, "cache": {"kv_cache_memory": "8MiB", "swap_space": 0}})
     with running_worker(settings), celery_worker(app):
         out = chain(prepare.s("sea"), generate.s(max_tokens=8), postprocess.s()).apply_async().get(timeout=60)
         with Producer(redis_url, prefix=key_prefix) as producer:  # greedy: the same prompt, the same text
@@ -106,7 +106,7 @@ def test_chord_of_twenty_and_result_as_next_prompt(redis_url: str, redis_client:
                                                    key_prefix: str) -> None:
     app, generate = make_celery(redis_url, key_prefix)
     collect = app.tasks["test.collect"]
-    settings = make_settings(redis_url, key_prefix, echo={"tokens_per_step": 1, "step_delay_s": 0.005})
+    settings = make_settings(redis_url, key_prefix, model="echo:tokens_per_step=1,step_delay_s=0.005")
     with running_worker(settings), celery_worker(app):
         texts = chord(generate.s(f"prompt {i}", max_tokens=64) for i in range(20))(collect.s()).get(timeout=60)
         relayed = chain(generate.s({"messages": [{"role": "user", "content": "hi"}]}, max_tokens=64),
@@ -119,7 +119,7 @@ def test_chord_of_twenty_and_result_as_next_prompt(redis_url: str, redis_client:
 @pytest.mark.parametrize("mode", ["recheck", "blocking"])
 def test_llm_error_fails_the_task_with_the_remote_reason(redis_url: str, key_prefix: str, mode: str) -> None:
     app, generate = make_celery(redis_url, key_prefix, mode=mode)
-    settings = make_settings(redis_url, key_prefix, engine={"max_model_len": 16})
+    settings = make_settings(redis_url, key_prefix, engine={"model": {"max_model_len": 16}})
     with running_worker(settings), celery_worker(app):
         async_result = generate.delay("x" * 100, max_tokens=4)
         with pytest.raises(JobFailed) as failed:

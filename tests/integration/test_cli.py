@@ -10,12 +10,12 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
+from cli.app import app
 from producer import Producer
 from producer.keys import Keys
-from producer.schema import ErrorCode, GenerationRequest, GenerationResult, encode_request, encode_result
+from producer.schema import GenerationResult
 from tests.integration.bulk_helpers import read_jsonl, write_input
-from tests.worker_helpers import make_settings, running_worker, wait_result
-from worker.cli import app
+from tests.worker_helpers import add_dead_letter, make_settings, running_worker, wait_result
 
 runner = CliRunner()
 
@@ -89,20 +89,11 @@ def test_status_table_and_json(cli: list[str], echo_worker: None, producer: Prod
     assert "dead letters: 0" in outcome.stdout and "echo" in outcome.stdout and "tok/s" in outcome.stdout
 
 
-def _dead_letter(client: redis.Redis, keys: Keys, request_id: str) -> None:
-    """What the worker does after max_deliveries: a dead entry plus a stored failure."""
-    request = GenerationRequest(id=request_id, prompt="revived", priority=1)
-    client.xadd(keys.dead, {"reason": "max_deliveries: delivered 6 times", "stream": keys.lane(1),
-                            "entry_id": "1-0", **encode_request(request)})  # type: ignore[dict-item]
-    failure = GenerationResult.failure(request_id, ErrorCode.MAX_DELIVERIES, "delivered 6 times")
-    client.set(keys.result(request_id), encode_result(failure))
-
-
 def test_dead_lists_and_requeues(cli: list[str], redis_url: str, key_prefix: str,
                                  redis_client: redis.Redis) -> None:
     keys = Keys(key_prefix)
     for request_id in ("dead-a", "dead-b", "dead-c"):
-        _dead_letter(redis_client, keys, request_id)
+        add_dead_letter(redis_client, keys, request_id)
     outcome = runner.invoke(app, [*cli, "dead", "--json"])
     listed = json.loads(outcome.stdout)
     assert [d["request_id"] for d in listed] == ["dead-a", "dead-b", "dead-c"]

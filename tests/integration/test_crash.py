@@ -17,9 +17,9 @@ NUM_REQUESTS = 200
 
 
 def _start_worker(redis_url: str, prefix: str, name: str, *extra: str) -> subprocess.Popen[bytes]:
-    env = {"TOKENMILL_ECHO__TOKENS_PER_STEP": "1", "TOKENMILL_ECHO__STEP_DELAY_S": "0.004",
-           "TOKENMILL_ENGINE__MAX_NUM_SEQS": "16"}
-    return start_worker_process(redis_url, prefix, name, "--max-waiting", "16", *extra, env=env)
+    return start_worker_process(redis_url, prefix, name, "--max-waiting", "16", *extra,
+                                model="echo:tokens_per_step=1,step_delay_s=0.004",
+                                env={"TOKENMILL_ENGINE__SCHEDULER__MAX_NUM_SEQS": "16"})
 
 
 def _fill(client: redis.Redis, keys: Keys, reply: str) -> list[str]:

@@ -38,8 +38,8 @@ def scrape(port: int) -> dict[str, float]:
 
 def test_scrape_during_a_run_shows_the_work(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
     port = free_port()
-    settings = make_settings(redis_url, key_prefix, metrics_port=port, engine={"max_model_len": 64},
-                             echo={"tokens_per_step": 2, "step_delay_s": 0.002})
+    settings = make_settings(redis_url, key_prefix, metrics_port=port, engine={"model": {"max_model_len": 64}},
+                             model="echo:tokens_per_step=2,step_delay_s=0.002")
     with running_worker(settings) as worker, Producer(redis_url, prefix=key_prefix) as producer:
         ok_ids = [producer.submit(prompt=f"hello {i}", max_tokens=8, priority="high") for i in range(10)]
         bad_id = producer.submit(prompt="x" * 200, max_tokens=4)

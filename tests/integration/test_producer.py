@@ -9,7 +9,8 @@ import msgpack
 import pytest
 import redis
 
-from producer import JobFailed, Producer, ProducerConfig, RedisConfig, RedisUnavailable, ResultTimeout, SchemaError
+from producer import (JobFailed, Producer, ProducerConfig, QueueConfig, RedisConfig, RedisUnavailable, ResultTimeout,
+                      SchemaError)
 from producer.common import WAIT_SLICE_S
 from producer.keys import CONSUMER_GROUP, Keys
 from producer.schema import GenerationRequest, decode_request
@@ -67,7 +68,7 @@ def test_submit_many_is_pipelined_and_keeps_order(redis_url: str, key_prefix: st
     client = redis.Redis.from_url(redis_url, connection_class=CountingConnection)
     client.ping()
     sends.clear()
-    producer = Producer.from_config(ProducerConfig(prefix=key_prefix, submit_chunk_size=500), client=client)
+    producer = Producer.from_config(ProducerConfig(queue=QueueConfig(prefix=key_prefix), submit_chunk_size=500), client=client)
     items: list[GenerationRequest | dict[str, object]] = [
         {"prompt": f"p{i}", "priority": i % 3} for i in range(1199)
     ]
@@ -165,7 +166,7 @@ def test_stream_ends_when_the_result_lands_without_tokens(producer: Producer, fa
 
 
 def test_cancel_marks_and_trims(producer: Producer, redis_client: redis.Redis, keys: Keys) -> None:
-    redis_client.zadd(keys.cancel, {"ancient": time.time() - 2 * producer.config.result_ttl_s})
+    redis_client.zadd(keys.cancel, {"ancient": time.time() - 2 * producer.config.queue.result_ttl_s})
     producer.cancel("job-9")
     assert redis_client.zscore(keys.cancel, "job-9") == pytest.approx(time.time(), abs=5)
     assert redis_client.zscore(keys.cancel, "ancient") is None

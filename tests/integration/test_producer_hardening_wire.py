@@ -44,7 +44,7 @@ POISONED: dict[str, dict[str, Any]] = {
 def test_bad_input_is_answered_at_its_id_and_the_worker_serves_on(redis_url: str, redis_client: redis.Redis,
                                                                   key_prefix: str) -> None:
     settings = make_settings(redis_url, key_prefix)
-    keys = settings.worker.keys
+    keys = settings.queue.keys
     _xadd(redis_client, keys, _with_bad_utf8_prompt("bad-utf8"))
     for request_id, data in POISONED.items():
         _xadd(redis_client, keys, msgpack.packb({"id": request_id, **data}, use_bin_type=True))

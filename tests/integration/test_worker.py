@@ -11,7 +11,7 @@ from producer.client import Producer
 from producer.schema import decode_result
 from tests.worker_helpers import enqueue, make_settings, running_worker, wait_result
 
-SLOW = {"tokens_per_step": 1, "step_delay_s": 0.01}
+SLOW = "echo:tokens_per_step=1,step_delay_s=0.01"
 
 
 def test_round_trip_through_producer(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
@@ -31,7 +31,7 @@ def test_round_trip_through_producer(redis_url: str, redis_client: redis.Redis, 
 
 def test_reply_to_stream_gets_each_result_once(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
     settings = make_settings(redis_url, key_prefix)
-    keys = settings.worker.keys
+    keys = settings.queue.keys
     reply = keys.reply("replies")
     with running_worker(settings):
         ids = [enqueue(redis_client, keys, prompt=f"r{i}", reply_to=reply) for i in range(5)]
@@ -43,8 +43,8 @@ def test_reply_to_stream_gets_each_result_once(redis_url: str, redis_client: red
 
 
 def test_token_stream_has_deltas_then_end(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
-    settings = make_settings(redis_url, key_prefix, echo={"tokens_per_step": 2})
-    keys = settings.worker.keys
+    settings = make_settings(redis_url, key_prefix, model="echo:tokens_per_step=2")
+    keys = settings.queue.keys
     with running_worker(settings), Producer(client=redis_client, prefix=key_prefix) as producer:
         rid = producer.submit(prompt="streaming!", stream_tokens=True)
         assert "".join(producer.stream(rid, timeout=5)) == "streaming!"
@@ -55,8 +55,8 @@ def test_token_stream_has_deltas_then_end(redis_url: str, redis_client: redis.Re
 
 
 def test_most_urgent_lane_first(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
-    settings = make_settings(redis_url, key_prefix, engine={"max_num_seqs": 1}, max_waiting=1)
-    keys = settings.worker.keys
+    settings = make_settings(redis_url, key_prefix, engine={"scheduler": {"max_num_seqs": 1}}, max_waiting=1)
+    keys = settings.queue.keys
     reply = keys.reply("order")
     ids = {lane: [enqueue(redis_client, keys, lane, prompt=f"l{lane}", reply_to=reply) for _ in range(4)]
            for lane in (2, 1, 0)}
@@ -68,8 +68,8 @@ def test_most_urgent_lane_first(redis_url: str, redis_client: redis.Redis, key_p
 
 
 def test_cancel_before_and_during_generation(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
-    settings = make_settings(redis_url, key_prefix, echo=SLOW)
-    keys = settings.worker.keys
+    settings = make_settings(redis_url, key_prefix, model=SLOW)
+    keys = settings.queue.keys
     with Producer(client=redis_client, prefix=key_prefix) as producer:
         early = enqueue(redis_client, keys, prompt="never")
         producer.cancel(early)
@@ -84,8 +84,8 @@ def test_cancel_before_and_during_generation(redis_url: str, redis_client: redis
 
 
 def test_deadline_expired_at_read_and_while_waiting(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
-    settings = make_settings(redis_url, key_prefix, echo=SLOW, engine={"max_num_seqs": 1})
-    keys = settings.worker.keys
+    settings = make_settings(redis_url, key_prefix, model=SLOW, engine={"scheduler": {"max_num_seqs": 1}})
+    keys = settings.queue.keys
     past = enqueue(redis_client, keys, deadline=time.time() - 1)
     blocker = enqueue(redis_client, keys, prompt="b" * 40, params={"max_tokens": 40})
     waiting = enqueue(redis_client, keys, prompt="w", deadline=time.time() + 0.2)

@@ -17,8 +17,8 @@ def _raw(client: redis.Redis, keys: Keys, data: object, version: object = 1) -> 
 
 
 def test_every_bad_input_gets_its_error_code(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
-    settings = make_settings(redis_url, key_prefix, engine={"max_model_len": 64})
-    keys = settings.worker.keys
+    settings = make_settings(redis_url, key_prefix, engine={"model": {"max_model_len": 64}})
+    keys = settings.queue.keys
     _raw(redis_client, keys, b"\xc1 not msgpack")
     _raw(redis_client, keys, {"id": "bad-version", "prompt": "x"}, version=99)
     _raw(redis_client, keys, {"id": "no-prompt"})
@@ -48,7 +48,7 @@ def _deliver_to_ghost(client: redis.Redis, keys: Keys, times: int) -> None:
 
 def test_retry_then_dead_letter_after_max_deliveries(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
     settings = make_settings(redis_url, key_prefix, max_deliveries=2)
-    keys = settings.worker.keys
+    keys = settings.queue.keys
     retried = enqueue(redis_client, keys, prompt="again")
     _deliver_to_ghost(redis_client, keys, times=1)
     doomed = enqueue(redis_client, keys, prompt="doomed")
@@ -71,9 +71,9 @@ def test_retry_then_dead_letter_after_max_deliveries(redis_url: str, redis_clien
 
 def test_live_workers_long_generation_is_never_reclaimed(redis_url: str, redis_client: redis.Redis,
                                                          key_prefix: str) -> None:
-    slow = make_settings(redis_url, key_prefix, echo={"tokens_per_step": 1, "step_delay_s": 0.01})
+    slow = make_settings(redis_url, key_prefix, model="echo:tokens_per_step=1,step_delay_s=0.01")
     other = make_settings(redis_url, key_prefix)
-    keys = slow.worker.keys
+    keys = slow.queue.keys
     with running_worker(slow):
         rid = enqueue(redis_client, keys, prompt="z" * 150)  # ~1.5 s, three times stale_after_s
         time.sleep(0.3)

@@ -111,7 +111,7 @@ def test_a_reader_survives_deleted_lanes(redis_url: str, redis_client: redis.Red
     """NOGROUP after the lane streams vanish (or a Redis without persistence restarted): the group
     is re-created and new work is served (the reader used to die while the heartbeat stayed fresh)."""
     settings = make_settings(redis_url, key_prefix)
-    keys = settings.worker.keys
+    keys = settings.queue.keys
     with running_worker(settings):
         assert wait_result(redis_client, keys, enqueue(redis_client, keys, prompt="before")).ok
         redis_client.delete(*keys.lanes)
@@ -133,10 +133,10 @@ def test_a_dead_thread_stops_the_worker_with_a_failure(redis_url: str, redis_cli
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(worker.run()), daemon=True)
     thread.start()
-    enqueue(redis_client, settings.worker.keys, prompt="trigger")
+    enqueue(redis_client, settings.queue.keys, prompt="trigger")
     thread.join(timeout=10)
     assert not thread.is_alive() and codes == [1]
-    assert read_heartbeats(redis_client, settings.worker.keys)[settings.worker.name].state == "stopped"
+    assert read_heartbeats(redis_client, settings.queue.keys)[settings.worker.name].state == "stopped"
 
 
 def test_restart_under_the_same_name_drains_its_whole_pending_list(
@@ -161,10 +161,9 @@ def test_a_killed_workers_thousand_entries_are_all_answered_promptly(
     redis_client.xgroup_create(keys.lane(0), CONSUMER_GROUP, id="0", mkstream=True)
     ids = [enqueue(redis_client, keys, prompt=f"k{i}") for i in range(1000)]
     stale_after_s = 2.0
-    env = {"TOKENMILL_WORKER__STALE_AFTER_S": str(stale_after_s), "TOKENMILL_WORKER__HEARTBEAT_INTERVAL_S": "0.5",
-           "TOKENMILL_WORKER__RECLAIM_INTERVAL_S": "1.0"}
-    holder = start_worker_process(redis_url, key_prefix, "holder", "--max-waiting", "1000", env={
-        **env, "TOKENMILL_WORKER__READ_COUNT": "1000", "TOKENMILL_ECHO__STEP_DELAY_S": "60"})
+    env = {"TOKENMILL_WORKER__STALE_AFTER_S": str(stale_after_s), "TOKENMILL_WORKER__HEARTBEAT_INTERVAL_S": "0.5"}
+    holder = start_worker_process(redis_url, key_prefix, "holder", "--max-waiting", "1000", model="echo:step_delay_s=60",
+                                  env={**env, "TOKENMILL_WORKER__READ_COUNT": "1000"})
     try:
         _wait_until(lambda: redis_client.xpending(keys.lane(0), CONSUMER_GROUP)["pending"] == 1000, timeout_s=30)
     finally:
@@ -216,6 +215,8 @@ def test_results_wait_out_redis_oom_and_reads_pause(private_redis_url: str, tmp_
     client.config_set("maxmemory-policy", "noeviction")
     settings = make_settings(private_redis_url, prefix, max_waiting=8, read_count=8)
     with running_worker(settings):
+        # NOTE: XGROUP CREATE is refused under OOM too: let the worker create its groups first.
+        _wait_until(lambda: bool(client.exists(keys.lane(2))) and bool(client.xinfo_groups(keys.lane(2))), 10)
         used = int(client.info("memory")["used_memory"])
         client.config_set("maxmemory", str(used))
         time.sleep(2.0)
@@ -230,7 +231,7 @@ def test_results_wait_out_redis_oom_and_reads_pause(private_redis_url: str, tmp_
 def test_a_huge_request_is_refused_before_it_is_decoded(redis_url: str, redis_client: redis.Redis,
                                                         key_prefix: str) -> None:
     settings = make_settings(redis_url, key_prefix)
-    keys = settings.worker.keys
+    keys = settings.queue.keys
     huge = enqueue(redis_client, keys, prompt="x" * (5 << 20))
     with running_worker(settings):
         result = wait_result(redis_client, keys, huge, timeout_s=20)
@@ -242,7 +243,7 @@ def test_a_huge_request_is_refused_before_it_is_decoded(redis_url: str, redis_cl
 def test_raw_results_are_decodable_by_any_client(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
     """Answers of poisoned requests are plain msgpack maps a raw client reads (no Python types)."""
     settings = make_settings(redis_url, key_prefix)
-    keys = settings.worker.keys
+    keys = settings.queue.keys
     redis_client.xadd(keys.lane(0), _with_raw_prompt("raw-bad", b"\xff"))  # type: ignore[arg-type]
     with running_worker(settings):
         wait_result(redis_client, keys, "raw-bad")
@@ -264,5 +265,5 @@ def test_prompts_are_tokenized_off_the_engine_thread(redis_url: str, redis_clien
     monkeypatch.setattr(EchoEngine, "tokenize", recording)
     settings = make_settings(redis_url, key_prefix)
     with running_worker(settings):
-        assert wait_result(redis_client, settings.worker.keys, enqueue(redis_client, settings.worker.keys)).ok
+        assert wait_result(redis_client, settings.queue.keys, enqueue(redis_client, settings.queue.keys)).ok
     assert threads and all(name.startswith("tm-tokenize") for name in threads), threads

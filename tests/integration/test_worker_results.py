@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis
 
-from producer.keys import CONSUMER_GROUP, Keys
+from producer.keys import CONSUMER_GROUP, DONE_TTL_S, Keys
 from producer.schema import GenerationResult, decode_result
 from worker.messages import DeadLetter, Entry, Finish
 from worker.results import FlushOutcome, ResultWriter
@@ -26,19 +26,19 @@ def test_result_and_ack_in_one_step(redis_client: redis.Redis, key_prefix: str) 
     keys = Keys(key_prefix)
     entry = _delivered_entry(redis_client, keys)
     assert redis_client.xpending(keys.lane(0), CONSUMER_GROUP)["pending"] == 1
-    writer = ResultWriter(redis_client, keys, result_ttl_s=60, done_ttl_s=30, token_ttl_s=30)
+    writer = ResultWriter(redis_client, keys, result_ttl_s=60, token_ttl_s=30)
     assert _stored(writer.flush([Finish(GenerationResult(id="r1", status="ok", text="a"), entry)])) == [1]
     assert decode_result(redis_client.get(keys.result("r1"))).text == "a"  # type: ignore[arg-type]
     assert redis_client.xpending(keys.lane(0), CONSUMER_GROUP)["pending"] == 0
     assert 0 < redis_client.pttl(keys.result("r1")) <= 60_000
-    assert 0 < redis_client.pttl(keys.done("r1")) <= 30_000
+    assert 0 < redis_client.pttl(keys.done("r1")) <= DONE_TTL_S * 1000
 
 
 def test_second_write_changes_nothing_and_notifies_once(redis_client: redis.Redis, key_prefix: str) -> None:
     keys = Keys(key_prefix)
     reply = keys.reply("r")
     first, second = _delivered_entry(redis_client, keys), _delivered_entry_again(redis_client, keys)
-    writer = ResultWriter(redis_client, keys, result_ttl_s=60, done_ttl_s=30, token_ttl_s=30)
+    writer = ResultWriter(redis_client, keys, result_ttl_s=60, token_ttl_s=30)
     stored = _stored(writer.flush([Finish(GenerationResult(id="r1", status="ok", text="first"), first, reply, True),
                            Finish(GenerationResult(id="r1", status="ok", text="second"), second, reply, True)]))
     assert stored == [1, 0]
@@ -63,7 +63,7 @@ def test_finish_never_fails_half_way_on_keys_of_the_wrong_type(redis_client: red
     redis_client.set(reply, "not a stream")
     redis_client.set(keys.done("r1"), "not a list")
     redis_client.set(keys.tokens("r1"), "not a stream")
-    writer = ResultWriter(redis_client, keys, result_ttl_s=60, done_ttl_s=30, token_ttl_s=30)
+    writer = ResultWriter(redis_client, keys, result_ttl_s=60, token_ttl_s=30)
     assert _stored(writer.flush([Finish(GenerationResult(id="r1", status="ok", text="a"), entry, reply, True)])) == [1]
     assert redis_client.xpending(keys.lane(0), CONSUMER_GROUP)["pending"] == 0
     assert redis_client.get(reply) == b"not a stream"
@@ -74,7 +74,7 @@ def test_finish_acks_nothing_and_fails_nothing_when_the_group_is_gone(redis_clie
     keys = Keys(key_prefix)
     entry = _delivered_entry(redis_client, keys)
     redis_client.xgroup_destroy(keys.lane(0), CONSUMER_GROUP)
-    writer = ResultWriter(redis_client, keys, result_ttl_s=60, done_ttl_s=30, token_ttl_s=30)
+    writer = ResultWriter(redis_client, keys, result_ttl_s=60, token_ttl_s=30)
     assert _stored(writer.flush([Finish(GenerationResult(id="r1", status="ok", text="a"), entry)])) == [1]
     assert redis_client.exists(keys.result("r1"))
 
@@ -86,7 +86,7 @@ def test_unencodable_result_is_answered_with_an_error(redis_client: redis.Redis,
     entry = _delivered_entry(redis_client, keys)
     result = GenerationResult.model_construct(**{**GenerationResult(id="r1", status="ok").__dict__,
                                                   "metadata": {"b": b"\xff"}})
-    writer = ResultWriter(redis_client, keys, result_ttl_s=60, done_ttl_s=30, token_ttl_s=30)
+    writer = ResultWriter(redis_client, keys, result_ttl_s=60, token_ttl_s=30)
     assert _stored(writer.flush([Finish(result, entry)])) == [1]
     stored = decode_result(redis_client.get(keys.result("r1")))  # type: ignore[arg-type]
     assert stored.status == "error" and stored.error is not None and stored.error.code == "internal"
@@ -95,7 +95,7 @@ def test_unencodable_result_is_answered_with_an_error(redis_client: redis.Redis,
 def test_dead_letter_keeps_the_entry_fields(redis_client: redis.Redis, key_prefix: str) -> None:
     keys = Keys(key_prefix)
     entry = _delivered_entry(redis_client, keys)
-    writer = ResultWriter(redis_client, keys, result_ttl_s=60, done_ttl_s=30, token_ttl_s=30)
+    writer = ResultWriter(redis_client, keys, result_ttl_s=60, token_ttl_s=30)
     assert _stored(writer.flush([DeadLetter(entry, "undecodable: garbage")])) == [0]
     [(_, fields)] = redis_client.xrange(keys.dead)
     assert fields[b"reason"] == b"undecodable: garbage" and fields[b"d"] == b"x"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
-from worker.cli import app
+from cli.app import app
 
 runner = CliRunner()
 
@@ -43,6 +45,13 @@ def test_bad_queue_and_prefix_are_each_reported() -> None:
 def test_global_options_come_from_the_environment() -> None:
     outcome = runner.invoke(app, ["status"], env={"REDIS_URL": "ftp://from-env"})
     assert outcome.exit_code == 1 and "ftp://from-env" in outcome.output
+
+
+def test_client_commands_read_the_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "deploy.toml"
+    path.write_text('[redis]\nurl = "ftp://from-file"\n[worker]\nmax_waiting = 1\n')
+    outcome = runner.invoke(app, ["--config", str(path), "status"])
+    assert outcome.exit_code == 1 and "redis.url" in outcome.output and "ftp://from-file" in outcome.output
 
 
 def test_dead_requeue_needs_ids_or_all() -> None:

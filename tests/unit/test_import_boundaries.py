@@ -1,6 +1,7 @@
-"""The dependency rule of DESIGN.md, enforced: engine never imports Redis/Celery/msgpack or the
+"""The dependency rule of docs/design.md, enforced: engine never imports Redis/Celery/msgpack or the
 other packages; the pure scheduler core never imports torch; the producer never imports torch,
-the engine or the worker; nothing imports the worker."""
+the engine, the worker or the cli; the cli imports the worker only inside its commands; nothing
+imports the worker or the cli."""
 
 from __future__ import annotations
 
@@ -19,16 +20,17 @@ PURE_ENGINE_MODULES = [
     "detokenizer", "postprocess", "prompts",
 ]
 FORBIDDEN = {
-    "engine": {"redis", "celery", "msgpack", "producer", "worker", "typer"},
-    "producer": {"torch", "transformers", "engine", "worker"},
-    "worker": set(),
+    "engine": {"redis", "celery", "msgpack", "producer", "worker", "cli", "typer"},
+    "producer": {"torch", "transformers", "engine", "worker", "cli"},
+    "worker": {"cli"},
+    "cli": {"torch", "transformers", "engine"},
 }
 
 
-def _imported_top_levels(path: Path) -> set[str]:
+def _imported_top_levels(path: Path, *, module_level_only: bool = False) -> set[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     names: set[str] = set()
-    for node in ast.walk(tree):
+    for node in tree.body if module_level_only else ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -56,6 +58,12 @@ def test_nothing_imports_the_worker() -> None:
     assert not offenders
 
 
+def test_the_cli_imports_the_worker_only_inside_commands() -> None:
+    offenders = [str(path.relative_to(ROOT)) for path in (ROOT / "cli").rglob("*.py")
+                 if "worker" in _imported_top_levels(path, module_level_only=True)]
+    assert not offenders
+
+
 def _loaded_modules_after(statement: str) -> set[str]:
     code = f"import sys; {statement}; print(' '.join(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -72,7 +80,7 @@ def test_producer_loads_without_torch_or_engine() -> None:
     assert not {"torch", "transformers", "engine", "worker"} & modules
 
 
-def test_worker_cli_loads_without_torch() -> None:
-    """`tokenmill --help` and the echo worker must not pay for torch."""
-    modules = _loaded_modules_after("import worker.cli")
-    assert "torch" not in modules
+def test_cli_loads_without_the_worker() -> None:
+    """`tokenmill --help` and the client commands pay for neither the worker nor torch."""
+    modules = _loaded_modules_after("import cli.app")
+    assert not {"torch", "transformers", "engine", "worker"} & modules

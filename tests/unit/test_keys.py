@@ -1,4 +1,4 @@
-"""The Redis key layout (DESIGN.md), built from one prefix and queue name."""
+"""The Redis key layout (docs/design.md), built from one prefix and queue name."""
 
 from __future__ import annotations
 

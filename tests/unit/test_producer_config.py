@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
 from producer import ProducerConfig, RedisConfig, SchemaError
+from producer.config import ClientSettings
 from producer.common import Deadline, build_request, rotate
 from producer.config import MAX_BLOCK_S
 from producer.connection import redact_url, resolve_url
@@ -14,7 +17,8 @@ from producer.keys import Keys
 
 def test_defaults() -> None:
     config = ProducerConfig()
-    assert (config.prefix, config.queue, config.num_lanes, config.submit_chunk_size) == ("tokenmill", "default", 3, 500)
+    queue = config.queue
+    assert (queue.prefix, queue.name, queue.num_lanes, config.submit_chunk_size) == ("tokenmill", "default", 3, 500)
     assert config.redis.url is None and config.keys == Keys()
     assert config.redis.socket_timeout_s is not None and config.redis.socket_timeout_s > MAX_BLOCK_S
 
@@ -39,11 +43,12 @@ def test_rejected_urls(url: str, match: str) -> None:
 @pytest.mark.parametrize(("kwargs", "field", "match"), [
     ({"redis": {"urll": "redis://x"}}, "redis.urll", "Extra inputs are not permitted"),
     ({"queues": "q"}, "queues", "Extra inputs are not permitted"),
-    ({"queue": "a:b"}, "", "must not contain ':'"),
-    ({"queue": "a b"}, "queue", "whitespace"),
-    ({"prefix": ""}, "prefix", "at least 1 character"),
-    ({"num_lanes": 0}, "num_lanes", "greater than or equal to 1"),
-    ({"result_ttl_s": 0}, "result_ttl_s", "greater than 0"),
+    ({"queue": {"name": "a:b"}}, "queue", "must not contain ':'"),
+    ({"queue": {"name": "a b"}}, "queue.name", "whitespace"),
+    ({"queue": {"prefix": ""}}, "queue.prefix", "at least 1 character"),
+    ({"queue": {"num_lanes": 0}}, "queue.num_lanes", "greater than or equal to 1"),
+    ({"queue": {"result_ttl_s": 0}}, "queue.result_ttl_s", "greater than 0"),
+    ({"queue": {"prefix": "{tm}", "hash_tag": True}}, "queue", "must not contain '{' or '}'"),
     ({"redis": {"retry_backoff_s": 2, "max_backoff_s": 1}}, "redis", "max_backoff_s must be >= retry_backoff_s"),
     ({"redis": {"socket_timeout_s": 1}}, "redis", "socket_timeout_s must exceed"),
     ({"redis": {"connect_retries": -1}}, "redis.connect_retries", "greater than or equal to 0"),
@@ -57,7 +62,19 @@ def test_validation_messages_name_the_field(kwargs: dict[str, object], field: st
 
 def test_configs_are_frozen() -> None:
     with pytest.raises(ValidationError, match="frozen"):
-        ProducerConfig().queue = "other"  # type: ignore[misc]
+        ProducerConfig().queue.name = "other"  # type: ignore[misc]
+
+
+def test_client_settings_read_a_deployment_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "deploy.toml"
+    path.write_text('[queue]\nname = "batch"\nhash_tag = true\n[redis]\nurl = "redis://file:6379/0"\n'
+                    '[worker]\nmax_waiting = 1\n[engine.model]\nname = "echo"\n')
+    monkeypatch.setenv("TOKENMILL_QUEUE__NUM_LANES", "2")
+    config = ClientSettings.load(path, {"queue": {"prefix": "tm"}}).producer_config
+    assert config.keys == Keys("tm", "batch", 2, hash_tag=True) and config.redis.url == "redis://file:6379/0"
+    path.write_text('[queue]\nnam = "typo"\n')
+    with pytest.raises(ValidationError, match="queue.nam"):
+        ClientSettings.load(path)
 
 
 def test_socket_timeout_may_be_none() -> None:

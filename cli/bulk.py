@@ -1,0 +1,80 @@
+"""``tokenmill bulk``: a thin command over :func:`producer.bulk.run`. Never imports the worker or the engine."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Annotated, Any
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+
+from cli.common import app, fail, open_producer, validation_exit
+from producer import bulk
+from producer.bulk.report import render_summary
+from producer.errors import ProducerError
+
+EXIT_INTERRUPTED = 130
+EXIT_INCOMPLETE = 3  # some records failed or were invalid, in this run or an earlier one (see the errors file)
+
+
+def _sigterm_as_interrupt(_signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+@app.command("bulk")
+def bulk_command(
+    ctx: typer.Context,
+    input_path: Annotated[Path, typer.Argument(help="JSONL, OpenAI Batch JSONL, CSV or Parquet")],
+    output_path: Annotated[Path, typer.Argument(help="results JSONL; re-run with the same path to resume")],
+    priority: Annotated[str, typer.Option(help="high, normal, low or a lane number")] = "low",
+    max_in_flight: Annotated[int, typer.Option(help="most requests outstanding at once")] = 256,
+    max_tokens: Annotated[int | None, typer.Option(help="default max_tokens (items may override)")] = None,
+    temperature: Annotated[float | None, typer.Option(help="default temperature (items may override)")] = None,
+    top_p: Annotated[float | None, typer.Option(help="default top_p")] = None,
+    seed: Annotated[int | None, typer.Option(help="default seed")] = None,
+    retries: Annotated[int, typer.Option(help="extra attempts for retryable failures")] = 2,
+    errors: Annotated[Path | None, typer.Option(help="errors file (default OUTPUT.errors.jsonl)")] = None,
+    input_format: Annotated[str, typer.Option("--format", help="auto, jsonl, openai, csv or parquet")] = "auto",
+    prompt_column: Annotated[str, typer.Option(help="CSV/Parquet prompt column")] = "prompt",
+    id_column: Annotated[str, typer.Option(help="CSV/Parquet id column (optional)")] = "id",
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="progress bar on stderr")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
+) -> None:
+    """Generate completions for every record of INPUT into OUTPUT (resumable; Ctrl-C is safe).
+
+    Exit status:
+    0 every record succeeded;
+    1 the job could not run (bad options, unreadable input, Redis unreachable);
+    3 the errors file holds failed or invalid records (from this run or an earlier one);
+    130 interrupted (re-run the same command to finish).
+    """
+    options: dict[str, Any] = {"priority": int(priority) if priority.isdigit() else priority,
+                               "max_in_flight": max_in_flight, "max_tokens": max_tokens, "temperature": temperature,
+                               "top_p": top_p, "seed": seed, "retries": retries, "errors_path": errors,
+                               "format": input_format, "prompt_column": prompt_column, "id_column": id_column}
+    # NOTE: SIGTERM stops like Ctrl-C (valid files, exit 130); handlers need the main thread.
+    is_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt) if is_main else None
+    try:
+        with open_producer(ctx) as producer:
+            summary = bulk.run(input_path, output_path, producer=producer, show_progress=progress, **options)
+    except ValidationError as exc:
+        raise validation_exit(exc, "bulk options") from None
+    except ProducerError as exc:
+        raise fail(f"error: {exc}") from None
+    finally:
+        if is_main:
+            signal.signal(signal.SIGTERM, previous)
+    if as_json:
+        typer.echo(json.dumps(summary.as_dict()))
+    else:
+        render_summary(summary, Console())
+    if summary.is_interrupted:
+        raise typer.Exit(code=EXIT_INTERRUPTED)
+    if summary.has_errors:
+        raise typer.Exit(code=EXIT_INCOMPLETE)

@@ -1,0 +1,63 @@
+"""``tokenmill worker`` and ``tokenmill demo``: thin commands over :mod:`worker.runtime` and
+:func:`worker.demo.run_demo`.
+
+The worker (and through it the engine) is imported inside the commands only, so ``--help``
+and the client commands never pay for it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from cli.common import CliState, app, client_settings, or_exit
+
+
+@app.command()
+def worker(
+    ctx: typer.Context,
+    model: Annotated[str | None, typer.Option(help="model alias, HF id, path, or 'echo'")] = None,
+    name: Annotated[str | None, typer.Option(help="consumer name (default host-pid-random)")] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda")] = None,
+    max_waiting: Annotated[int | None, typer.Option(help="backpressure high-water mark")] = None,
+    drain_timeout: Annotated[float | None, typer.Option("--drain-timeout", help="seconds to drain on SIGTERM")] = None,
+    metrics_port: Annotated[int | None, typer.Option(help="serve Prometheus metrics on this port")] = None,
+    log_json: Annotated[bool | None, typer.Option("--log-json/--log-text", help="JSON log lines")] = None,
+    log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = None,
+    burst: Annotated[bool, typer.Option(help="exit when every lane is empty and nothing is in flight")] = False,
+) -> None:
+    """Serve one queue: read requests, run them on the engine, write results."""
+    from worker.config import Settings  # noqa: PLC0415 - keeps --help and the client commands light
+    from worker.runtime import run_worker  # noqa: PLC0415
+
+    state: CliState = ctx.obj
+    overrides: dict[str, Any] = {
+        **state.overrides,
+        "worker": {"name": name, "max_waiting": max_waiting, "drain_timeout_s": drain_timeout,
+                   "metrics_port": metrics_port, "log_json": log_json, "log_level": log_level},
+        "engine": {"model": {"name": model, "device": device}},
+    }
+    settings = or_exit(lambda: Settings.load(state.config_file, overrides))
+    raise typer.Exit(code=or_exit(lambda: run_worker(settings, burst=burst)))
+
+
+@app.command()
+def demo(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Option(help="model alias, HF id, local dir, or 'echo'")] = "smollm2-135m",
+    num_prompts: Annotated[int, typer.Option(min=1, max=64, help="how many prompts to send")] = 8,
+    max_tokens: Annotated[int, typer.Option(min=1, help="most tokens per completion")] = 64,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
+    timeout: Annotated[float, typer.Option(help="seconds to wait for all results")] = 600.0,
+) -> None:
+    """Run a worker on a demo queue and send it a few chat prompts (embedded Redis if none is set)."""
+    from worker.demo import run_demo  # noqa: PLC0415 - keeps --help and the client commands light
+
+    settings = client_settings(ctx)
+    report = or_exit(lambda: run_demo(Console(highlight=False), redis_url=settings.redis.url, model=model,
+                                      num_prompts=num_prompts, max_tokens=max_tokens, device=device,
+                                      prefix=settings.queue.prefix, timeout_s=timeout))
+    if report.num_ok < report.num_requests:
+        raise typer.Exit(code=1)
