@@ -111,6 +111,17 @@ class CacheConfig(_Frozen):
         return parse_bytes(self.swap_space)
 
 
+class ExecutionConfig(_Frozen):
+    """How a step executes: the attention backend, and whether the forward is compiled / captured."""
+
+    attention_backend: Literal["auto", "reference", "cpu", "triton"] = Field(
+        "auto", description="auto: the device's kernel (cpu: C++, cuda: Triton), else reference (gather + SDPA)"
+    )
+    compile: Literal["auto", "off"] = Field(
+        "auto", description="auto: capture decode steps (CUDA graphs on CUDA, inductor on CPU); off: eager"
+    )
+
+
 class EngineConfig(_Frozen):
     """Everything needed to build an :class:`engine.Engine`: one section per part.
 
@@ -120,6 +131,7 @@ class EngineConfig(_Frozen):
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
 
     @field_validator("model", mode="before")
     @classmethod

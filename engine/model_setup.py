@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from engine.attention import select_backend
 from engine.block_manager import BlockManager
 from engine.clock import Clock
 from engine.config import CacheConfig, EngineConfig
@@ -64,7 +65,9 @@ def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
         model_config.name, loaded.device, loaded.dtype, num_gpu_blocks, num_cpu_blocks, spec.block_size,
         loaded.max_model_len,
     )
-    return EngineParts(scheduler, ModelRunner(loaded, kv_cache, Sampler()), loaded.tokenizer, limits)
+    backend = select_backend(config.execution.attention_backend, loaded.device)
+    logger.info("attention backend: %s", backend.name)
+    return EngineParts(scheduler, ModelRunner(loaded, kv_cache, Sampler(), backend), loaded.tokenizer, limits)
 
 
 def kv_cache_spec(loaded: LoadedModel, block_size: int) -> KVCacheSpec:

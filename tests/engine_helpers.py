@@ -1,14 +1,15 @@
 """Builders of engine configs and engines for tests: flat keyword arguments, each routed to its
-section (``model``, ``cache``, ``scheduler``), so a scenario reads as one line."""
+section (``model``, ``cache``, ``scheduler``, ``execution``), so a scenario reads as one line."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from engine import CacheConfig, Engine, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import ExecutionConfig
 
 _SECTION_OF = {name: section for section, model in (("model", ModelConfig), ("cache", CacheConfig),
-                                                     ("scheduler", SchedulerConfig))
+                                                     ("scheduler", SchedulerConfig), ("execution", ExecutionConfig))
                for name in model.model_fields}
 
 

@@ -22,6 +22,15 @@ DEVICES = [
 ]
 
 
+# Every parity test runs with the reference attention (gather + SDPA) and with the device's kernel.
+BACKENDS = ["reference", "kernel"]
+
+
+def attention_backend(kind: str, device: str) -> str:
+    """The ``attention_backend`` setting of a BACKENDS entry on ``device``."""
+    return kind if kind == "reference" else ("triton" if device == "cuda" else "cpu")
+
+
 def load_reference(path: Path | str, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval()

@@ -10,7 +10,7 @@ import torch
 
 from engine import Engine, SamplingParams
 from tests.engine_helpers import build_engine
-from tests.e2e.parity_helpers import DEVICES, NEAR_TIE, first_divergence, hf_greedy, load_reference, top2_gap
+from tests.e2e.parity_helpers import DEVICES, NEAR_TIE, attention_backend, first_divergence, hf_greedy, load_reference, top2_gap
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -39,6 +39,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "block4-chunked": dict(block_size=4, max_prefill_chunk=16, max_num_batched_tokens=128),
     "recompute-preemption": dict(block_size=4, preemption_mode="recompute", kv_cache_memory=80 * 4 * 46080),
     "swap-preemption": dict(block_size=4, preemption_mode="swap", kv_cache_memory=80 * 4 * 46080),
+    # The base engine runs the device's kernel; the reference backend once, on the base scenario.
+    "block16-reference": dict(block_size=16, attention_backend="reference"),
 }
 
 
@@ -47,7 +49,8 @@ def engine_and_reference(
     request: pytest.FixtureRequest,
 ) -> tuple[Engine, torch.nn.Module, list[list[int]], list[list[int]], str]:
     device = request.param
-    engine = build_engine("smollm2-135m", device=device, dtype="float32", kv_cache_memory="256MiB")
+    engine = build_engine("smollm2-135m", device=device, dtype="float32", kv_cache_memory="256MiB",
+                          attention_backend=attention_backend("kernel", device))
     tokenizer = engine.tokenizer
     prompts = [
         list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"])
@@ -73,8 +76,9 @@ def test_smollm2_greedy_matches_hf_generate(scenario: str, engine_and_reference:
     if scenario == "block16":
         engine = base_engine
     else:
-        engine = build_engine("smollm2-135m", device=device, dtype="float32",
-                              **{"kv_cache_memory": "256MiB", **SCENARIOS[scenario]})
+        settings = {"kv_cache_memory": "256MiB", "attention_backend": attention_backend("kernel", device),
+                    **SCENARIOS[scenario]}
+        engine = build_engine("smollm2-135m", device=device, dtype="float32", **settings)
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
     for out, prompt, want in zip(outputs, prompts, expected):
         _assert_parity(out.token_ids, want, prompt, reference)

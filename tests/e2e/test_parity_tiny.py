@@ -11,7 +11,7 @@ import pytest
 
 from engine import SamplingParams
 from tests.engine_helpers import build_engine
-from tests.e2e.parity_helpers import DEVICES, hf_greedy, load_reference, random_prompts
+from tests.e2e.parity_helpers import BACKENDS, DEVICES, attention_backend, hf_greedy, load_reference, random_prompts
 from tests.tiny_models import FAMILIES, VOCAB_SIZE
 
 pytestmark = pytest.mark.e2e
@@ -56,12 +56,15 @@ def _kv_budget(path: Path, scenario: str) -> dict[str, Any]:
     return dict(kv_cache_memory=tokens * bytes_per_token, swap_space="8MiB")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_matches_hf_generate(family: str, scenario: str, device: str, tiny_model_dirs: dict[str, Path]) -> None:
+def test_greedy_matches_hf_generate(family: str, scenario: str, device: str, backend: str,
+                                    tiny_model_dirs: dict[str, Path]) -> None:
     prompts, expected = _reference(family, tiny_model_dirs[family], device)
     engine = build_engine(str(tiny_model_dirs[family]), device=device, dtype="float64",
+                          attention_backend=attention_backend(backend, device),
                           **SCENARIOS[scenario], **_kv_budget(tiny_model_dirs[family], scenario))
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
     for i, (out, ref) in enumerate(zip(outputs, expected)):
@@ -82,11 +85,10 @@ def test_greedy_matches_hf_generate(family: str, scenario: str, device: str, tin
 def test_parity_with_decode_attention_in_chunks(
     family: str, tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The CPU decode path attends a few rows at a time; force one row per chunk."""
-    import engine.model_runner
-
-    monkeypatch.setattr(engine.model_runner, "CPU_DECODE_CHUNK_BYTES", 1)
+    """The reference backend's CPU decode path attends a few rows at a time; force one row per group."""
     prompts, expected = _reference(family, tiny_model_dirs[family], "cpu")
-    engine = build_engine(str(tiny_model_dirs[family]), device="cpu", dtype="float64", kv_cache_memory="8MiB")
+    engine = build_engine(str(tiny_model_dirs[family]), device="cpu", dtype="float64", kv_cache_memory="8MiB",
+                          attention_backend="reference")
+    monkeypatch.setattr(engine.runner.backend, "cpu_chunk_bytes", 1)  # type: ignore[attr-defined]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
     assert [out.token_ids for out in outputs] == expected
