@@ -65,7 +65,10 @@ class KVCache:
     def __init__(self, spec: KVCacheSpec, num_gpu_blocks: int, num_cpu_blocks: int, device: torch.device) -> None:
         self.spec = spec
         self.device = device
-        shape = (spec.num_layers, 2, num_gpu_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        # NOTE: one block more than the block manager hands out: the scratch block, where padding
+        # rows of static-shape decode steps write their keys and values (engine/static_decode.py).
+        self.scratch_block_id = num_gpu_blocks
+        shape = (spec.num_layers, 2, num_gpu_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim)
         host_shape = (spec.num_layers, 2, num_cpu_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         is_cuda = device.type == "cuda"
         # NOTE: zeros, never torch.empty: padded reads of never-written slots are masked out, but
@@ -84,7 +87,8 @@ class KVCache:
 
     @property
     def num_gpu_blocks(self) -> int:
-        return int(self.device_pool.shape[2])
+        """Blocks the block manager may hand out (the scratch block excluded)."""
+        return self.scratch_block_id
 
     @property
     def num_cpu_blocks(self) -> int:

@@ -14,6 +14,7 @@ from engine.model_loader import LoadedModel
 from engine.outputs import ModelOutput, ScheduledChunk, SchedulerOutput
 from engine.paged_attention import StepAttention
 from engine.sampler import Sampler, SamplingContext
+from engine.static_decode import StaticDecode
 
 
 @dataclass
@@ -45,6 +46,8 @@ class ModelRunner:
         self.sampler = sampler
         self.backend = backend
         self.block_size = kv_cache.spec.block_size
+        # Decode steps at static shapes (CUDA graphs); None: every step runs eagerly.
+        self.static_decode: StaticDecode | None = None
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Swap out, swap in, run the forward, sample.
@@ -57,31 +60,35 @@ class ModelRunner:
         """
         self.kv_cache.swap_out(scheduler_output.swap_out)
         self.kv_cache.swap_in(scheduler_output.swap_in)
-        if not scheduler_output.chunks:
+        chunks = scheduler_output.chunks
+        if not chunks:
             return ModelOutput()
-        batch = self.prepare(scheduler_output.chunks)
-        logits = self._forward(batch)
-        if not batch.sample_chunks:
+        if self.static_decode is not None and self.static_decode.fits(chunks):
+            logits, sample_chunks = self.static_decode.run(chunks), chunks
+        else:
+            batch = self.prepare(chunks)
+            logits, sample_chunks = self._forward(batch), batch.sample_chunks
+        if not sample_chunks:
             return ModelOutput()
         contexts = [SamplingContext(params=chunk.sampling_params, num_output_tokens=chunk.num_output_tokens,
-                                    eos_token_ids=self.eos_token_ids) for chunk in batch.sample_chunks]
+                                    eos_token_ids=self.eos_token_ids) for chunk in sample_chunks]
         sampled = self.sampler(logits, contexts)
         output = ModelOutput()
-        for chunk, token_id, logprobs in zip(batch.sample_chunks, sampled.token_ids, sampled.logprobs):
+        for chunk, token_id, logprobs in zip(sample_chunks, sampled.token_ids, sampled.logprobs):
             output.sampled_token_ids[chunk.request_id] = [token_id]
             if logprobs is not None:
                 output.logprobs[chunk.request_id] = [logprobs]
         return output
 
-    @torch.inference_mode()
     def _forward(self, batch: PreparedBatch) -> torch.Tensor:
-        out = self.model(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            use_cache=False,
-            logits_to_keep=batch.sample_indices,
-            tokenmill_step=batch.attention,
-        )
+        return self.forward(batch.input_ids, batch.position_ids, batch.sample_indices, batch.attention)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
+                step: StepAttention) -> torch.Tensor:
+        """The model over one flattened batch: logits ``[len(logits_to_keep), vocab]``."""
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                         logits_to_keep=logits_to_keep, tokenmill_step=step)
         logits: torch.Tensor = out.logits[0]
         return logits
 

@@ -21,6 +21,7 @@ from engine.model_runner import ModelRunner
 from engine.paged_attention import register
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.static_decode import StaticDecode, cuda_graph_runner, decode_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,30 @@ def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
     )
     backend = select_backend(config.execution.attention_backend, loaded.device)
     logger.info("attention backend: %s", backend.name)
-    return EngineParts(scheduler, ModelRunner(loaded, kv_cache, Sampler(), backend), loaded.tokenizer, limits)
+    runner = ModelRunner(loaded, kv_cache, Sampler(), backend)
+    if config.execution.compile == "auto":
+        capture_decode_steps(runner, config.scheduler.max_num_seqs, max_request_tokens)
+    return EngineParts(scheduler, runner, loaded.tokenizer, limits)
+
+
+def capture_decode_steps(runner: ModelRunner, max_num_seqs: int, max_request_tokens: int) -> None:
+    """On CUDA with a graph-safe backend, capture decode steps in CUDA graphs, one per batch bucket.
+
+    NOTE: on the CPU decode steps stay eager: inductor (per bucket, static shapes) took 70-140 s
+    per bucket to compile SmolLM2 on 2 cores for 10-25% faster steps, and with dynamic shapes
+    its outputs drifted from eager (see ops/bench/README.md).
+    """
+    if runner.device.type != "cuda":
+        logger.info("decode steps run eagerly on %s", runner.device.type)
+        return
+    if runner.backend.name == "reference":
+        logger.info("no CUDA graphs with the reference attention backend (it plans on the host per step)")
+        return
+    block_size = runner.block_size
+    static = StaticDecode(runner.forward, runner.kv_cache, runner.backend, decode_buckets(max_num_seqs),
+                          max_blocks_per_seq=(max_request_tokens + block_size - 1) // block_size)
+    static.prepare_runners(cuda_graph_runner(torch.cuda.graph_pool_handle()), "capturing CUDA graphs")
+    runner.static_decode = static
 
 
 def kv_cache_spec(loaded: LoadedModel, block_size: int) -> KVCacheSpec:

@@ -40,7 +40,10 @@
 // in a fraction of the time of torch/library.h, and its parallel_for runs on torch's own pool.
 //
 // Accumulation is float32 (float64 for float64 inputs); bfloat16/float16 K/V rows are widened
-// into a per-thread chunk buffer first. Needs GCC >= 12 or Clang (__builtin_shufflevector).
+// into a per-thread chunk buffer first. Softmax exponentials use at::vec's exp_u20 (as torch's
+// own CPU flash attention does): float32 relative error <= 3.8e-7 measured over [-104, 0], vs
+// 8.3e-8 for exp(), 3-9% faster overall; for float64 it is the exact exp().
+// Needs GCC >= 12 or Clang (__builtin_shufflevector).
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define CPU_CAPABILITY_AVX512
@@ -389,7 +392,7 @@ struct Workspace {
       const Vec m_vec(m_new);
       Vec sum(acc_t(0));
       for (int64_t j = 0; j < kKeyChunk; j += W) {
-        const Vec e = (Vec::loadu(sr + j) - m_vec).exp();
+        const Vec e = (Vec::loadu(sr + j) - m_vec).exp_u20();
         e.store(sr + j);
         sum = sum + e;
       }
@@ -431,7 +434,7 @@ struct Workspace {
       Vec sum(acc_t(0));
       for (int64_t j = 0; j < n; ++j) {
         acc_t* sv = s + j * ldq + v * W;
-        const Vec e = (Vec::loadu(sv) - m_new).exp();
+        const Vec e = (Vec::loadu(sv) - m_new).exp_u20();
         e.store(sv);
         sum = sum + e;
       }

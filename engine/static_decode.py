@@ -1,0 +1,168 @@
+"""Decode steps at static shapes: persistent input buffers padded to batch-size buckets, so that a
+decode step of n sequences runs the same kernels on the same memory every time. On CUDA each
+bucket's forward is captured once in a CUDA graph at start-up and replayed (no Python, no launch
+overhead). Tests run the same buffers eagerly on the CPU.
+
+Padding rows (bucket size - n of them) attend a one-token context in the KV cache's scratch
+block and write their (ignored) keys and values there, so real blocks are never touched::
+
+    rows:         0 .. n-1  real decodes          n .. bucket-1  padding
+    seq_lens:     c0 ... c(n-1)                   1
+    block row:    the request's blocks            [scratch, ...]
+    slot:         its next slot                   scratch * block_size
+
+Imports torch (a model-runner helper).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.kv_cache import KVCache
+from engine.outputs import ScheduledChunk
+from engine.paged_attention import StepAttention
+
+logger = logging.getLogger(__name__)
+
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepAttention], torch.Tensor]
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes captured: powers of two up to ``max_num_seqs``, and ``max_num_seqs`` itself."""
+    buckets = [1]
+    while buckets[-1] * 2 < max_num_seqs:
+        buckets.append(buckets[-1] * 2)
+    if buckets[-1] != max_num_seqs:
+        buckets.append(max_num_seqs)
+    return buckets
+
+
+class StaticDecode:
+    """Persistent decode inputs for up to ``max(buckets)`` sequences, and one runner per bucket.
+
+    Args:
+        forward: ``(input_ids [1, b], position_ids [1, b], logits_to_keep [b], step) -> logits [b, vocab]``.
+        kv_cache: the pools; its scratch block takes the padding rows' writes.
+        backend: the attention backend (it must not depend on host-side per-step values).
+        buckets: the batch sizes to prepare, ascending.
+        max_blocks_per_seq: block-table width (the longest request's blocks).
+    """
+
+    def __init__(self, forward: Forward, kv_cache: KVCache, backend: AttentionBackend, buckets: list[int],
+                 max_blocks_per_seq: int) -> None:
+        self._forward = forward
+        self._kv_cache = kv_cache
+        self._backend = backend
+        self.buckets = buckets
+        self.block_size = kv_cache.spec.block_size
+        device = kv_cache.device
+        size = buckets[-1]
+        self._input_ids = torch.zeros(1, size, dtype=torch.long, device=device)
+        self._positions = torch.zeros(1, size, dtype=torch.long, device=device)
+        self._slot_mapping = torch.zeros(size, dtype=torch.long, device=device)
+        self._block_tables = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self._seq_lens = torch.ones(size, dtype=torch.int32, device=device)
+        self._query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self._logits_to_keep = torch.arange(size, dtype=torch.long, device=device)
+        self._runners: dict[int, Callable[[], torch.Tensor]] = {}
+
+    def fits(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether this step is all decodes, few enough, with tables no wider than the buffers."""
+        width = self._block_tables.shape[1]
+        return (0 < len(chunks) <= self.buckets[-1] and all(c.num_tokens == 1 for c in chunks)
+                and all(len(c.block_ids) <= width for c in chunks))
+
+    def bucket_for(self, num_sequences: int) -> int:
+        return next(b for b in self.buckets if b >= num_sequences)
+
+    def prepare_runners(self, make_runner: Callable[[int, Callable[[], torch.Tensor]], Callable[[], torch.Tensor]],
+                        what: str) -> None:
+        """Build each bucket's runner from its eager forward, largest first, with a progress line.
+
+        Args:
+            make_runner: ``(bucket, eager forward) -> runner`` (capture a graph, or compile).
+            what: how the log names the work ("capturing CUDA graphs", ...).
+        """
+        start = time.perf_counter()
+        for i, bucket in enumerate(sorted(self.buckets, reverse=True), 1):
+            self._fill_padding(0, bucket)
+            self._runners[bucket] = make_runner(bucket, self._eager(bucket))
+            logger.info("%s: bucket %d (%d/%d)", what, bucket, i, len(self.buckets))
+        logger.info("%s: %d buckets in %.1f s", what, len(self.buckets), time.perf_counter() - start)
+
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Logits ``[len(chunks), vocab]`` of a decode step, rows in chunk order."""
+        num = len(chunks)
+        bucket = self.bucket_for(num)
+        self._fill(chunks)
+        self._fill_padding(num, bucket)
+        return self._runners[bucket]()[:num]
+
+    def _eager(self, bucket: int) -> Callable[[], torch.Tensor]:
+        meta = AttentionMetadata(
+            slot_mapping=self._slot_mapping[:bucket], block_tables=self._block_tables[:bucket],
+            seq_lens=self._seq_lens[:bucket], query_start_loc=self._query_start_loc[: bucket + 1],
+            num_decodes=bucket, max_seq_len=self._block_tables.shape[1] * self.block_size, max_query_len=1,
+            seq_lens_host=[], query_start_host=list(range(bucket + 1)),
+        )
+        step = StepAttention(self._kv_cache, meta, self._backend)
+        input_ids, positions, keep = self._input_ids[:, :bucket], self._positions[:, :bucket], self._logits_to_keep[:bucket]
+        return lambda: self._forward(input_ids, positions, keep, step)
+
+    def _fill(self, chunks: list[ScheduledChunk]) -> None:
+        """Copy one step's inputs into the first rows of the buffers (one copy per buffer)."""
+        bs = self.block_size
+        num = len(chunks)
+        positions = [c.start_position for c in chunks]
+        tables = [c.block_ids for c in chunks]
+        width = max(len(t) for t in tables)
+        host = {
+            "ids": torch.tensor([c.token_ids[0] for c in chunks]),
+            "positions": torch.tensor(positions),
+            "slots": torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]),
+            "tables": torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            "seq_lens": torch.tensor([p + 1 for p in positions], dtype=torch.int32),
+        }
+        self._input_ids[0, :num].copy_(host["ids"], non_blocking=True)
+        self._positions[0, :num].copy_(host["positions"], non_blocking=True)
+        self._slot_mapping[:num].copy_(host["slots"], non_blocking=True)
+        self._block_tables[:num, :width].copy_(host["tables"], non_blocking=True)
+        self._seq_lens[:num].copy_(host["seq_lens"], non_blocking=True)
+
+    def _fill_padding(self, start: int, end: int) -> None:
+        """Rows ``start .. end - 1`` attend one scratch slot and write their keys and values there."""
+        if start >= end:
+            return
+        scratch = self._kv_cache.scratch_block_id
+        self._input_ids[0, start:end] = 0
+        self._positions[0, start:end] = 0
+        self._slot_mapping[start:end] = scratch * self.block_size
+        self._block_tables[start:end, 0] = scratch
+        self._seq_lens[start:end] = 1
+
+
+def cuda_graph_runner(pool: Any) -> Callable[[int, Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]:
+    """A ``make_runner`` for :meth:`StaticDecode.prepare_runners` that captures CUDA graphs in one pool."""
+
+    def make(bucket: int, eager: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        with torch.inference_mode():
+            for _ in range(2):  # NOTE: warm up: kernels compile (Triton) and allocate outside the capture
+                eager()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                output = eager()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return output
+
+        return replay
+
+    return make
