@@ -65,7 +65,7 @@ def paged_attention_forward(
     step.backend.write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache, value_cache,
                           step.meta.slot_mapping)
     scale = scaling if scaling is not None else head_dim**-0.5
-    out = step.backend.attend(query[0].transpose(0, 1).contiguous(), key_cache, value_cache, step.meta, scale)
+    out = step.backend.attend(query[0].transpose(0, 1), key_cache, value_cache, step.meta, scale)
     return out.unsqueeze(0), None
 
 

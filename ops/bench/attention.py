@@ -1,7 +1,7 @@
-"""Paged-attention microbenchmark: today's gather + SDPA path (engine/paged_attention.py) against
+"""Paged-attention microbenchmark: the gather + SDPA path (engine/attention/reference.py) against
 the C++ CPU kernel (engine/attention/cpu_kernel.py), per call, measured in the same run.
 
-    python ops/bench/attention.py              # all shapes (~3-5 min on 2 cores, after the build)
+    python ops/bench/attention.py              # all shapes (~1 min on 2 cores, after the build)
     python ops/bench/attention.py --quick      # fewer shapes and repeats, for development
 
 Shapes: decode batches of 1/4/16/64 single-token queries over ragged contexts (100-1200 tokens,
@@ -13,8 +13,9 @@ The reference is the engine's gather + SDPA path from before this kernel: for de
 engine/attention/reference.py's ReferenceBackend (rows sorted longest first, gathered in groups of
 a few MiB into reused buffers, one masked SDPA per group); for a prefill chunk SDPA ``is_causal``
 on the chunk's own keys/values when nothing is cached, else gather + masked SDPA over the prefix.
-Per-step metadata (block tables, masks) is built outside the timed calls, as the runner does. Calls rotate over
-several layers of one pool so the KV bytes are not all cache-hot, as in a real forward.
+Per-step metadata (block tables, masks) is built outside the timed calls, as the runner does.
+Calls rotate over several layers of one pool so the KV bytes are not all cache-hot, as in a real
+forward.
 Timing alternates the two paths in rounds and reports the median per-call time of each.
 """
 
