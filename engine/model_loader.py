@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from engine.cpu_linear import use_onednn_linears
+from engine.cpu_linear import pack_linears
 from engine.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -188,8 +188,8 @@ def load_model(
         raise ModelLoadError(f"{model}: architecture {type(hf_model).__name__} does not support custom attention")
     hf_model.to(torch_device).eval()
     hf_model.requires_grad_(False)
-    if torch_device.type == "cpu" and torch_dtype == torch.float32:
-        use_onednn_linears(hf_model)
+    if torch_device.type == "cpu":
+        pack_linears(hf_model)
     return LoadedModel(
         model=hf_model,
         tokenizer=tokenizer,

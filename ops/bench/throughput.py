@@ -74,14 +74,19 @@ def _load_hf(args: argparse.Namespace, attn: str | None = None) -> tuple[Any, An
 
 
 def _weights_bytes(model: Any) -> int:
-    tensors = list(model.parameters()) + list(model.buffers())
-    seen: set[int] = set()
+    """Bytes of the model's weights, counting each once (tied embeddings) and counting linear
+    layers whose plain weight was replaced by a packed copy (engine.cpu_linear) by their size."""
     total = 0
-    for t in tensors:
-        if t.data_ptr() in seen:  # tied embeddings
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
+    seen: set[int] = set()
+    for module in model.modules():
+        tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        packed = getattr(module, "packed_weight", None)
+        if packed is not None:  # an opaque oneDNN tensor: size it by the weight it stands for
+            total += module.weight.numel() * module.weight.element_size()
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
     return total
 
 
