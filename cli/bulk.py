@@ -38,6 +38,10 @@ def bulk_command(
     top_p: Annotated[float | None, typer.Option(help="default top_p")] = None,
     seed: Annotated[int | None, typer.Option(help="default seed")] = None,
     retries: Annotated[int, typer.Option(help="extra attempts for retryable failures")] = 2,
+    raw: Annotated[bool, typer.Option("--raw", help="send plain prompts as raw text, not as a user message")] = False,
+    system: Annotated[str | None, typer.Option(help="a system message before each plain prompt")] = None,
+    cancel_on_interrupt: Annotated[bool, typer.Option(
+        "--cancel-on-interrupt", help="on Ctrl-C, cancel the requests this run queued (else they run on)")] = False,
     errors: Annotated[Path | None, typer.Option(help="errors file (default OUTPUT.errors.jsonl)")] = None,
     input_format: Annotated[str, typer.Option("--format", help="auto, jsonl, openai, csv or parquet")] = "auto",
     prompt_column: Annotated[str, typer.Option(help="CSV/Parquet prompt column")] = "prompt",
@@ -46,6 +50,8 @@ def bulk_command(
     as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
 ) -> None:
     """Generate completions for every record of INPUT into OUTPUT (resumable; Ctrl-C is safe).
+
+    Plain prompts (JSONL "prompt", CSV/Parquet) go to the model as user messages; --raw sends them as is.
 
     Exit status:
     0 every record succeeded;
@@ -56,6 +62,7 @@ def bulk_command(
     options: dict[str, Any] = {"priority": int(priority) if priority.isdigit() else priority,
                                "max_in_flight": max_in_flight, "max_tokens": max_tokens, "temperature": temperature,
                                "top_p": top_p, "seed": seed, "retries": retries, "errors_path": errors,
+                               "raw": raw, "system": system, "cancel_on_interrupt": cancel_on_interrupt,
                                "format": input_format, "prompt_column": prompt_column, "id_column": id_column}
     # NOTE: SIGTERM stops like Ctrl-C (valid files, exit 130); handlers need the main thread.
     is_main = threading.current_thread() is threading.main_thread()

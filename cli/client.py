@@ -16,6 +16,7 @@ from rich.table import Table
 
 from cli.common import app, fail, open_producer
 from producer import dead_letters
+from producer.common import as_chat
 from producer.errors import ResultTimeout, SchemaError
 from producer.schema import GenerationResult
 
@@ -52,6 +53,8 @@ def submit(
     ctx: typer.Context,
     prompt: Annotated[str | None, typer.Argument(help="the prompt; '-' or nothing reads stdin")] = None,
     messages: Annotated[str | None, typer.Option(help='chat messages as JSON: [{"role": "user", "content": ...}]')] = None,
+    system: Annotated[str | None, typer.Option(help="a system message before the prompt")] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="send the prompt as raw text, without the chat template")] = False,
     max_tokens: Annotated[int | None, typer.Option(help="most tokens to generate")] = None,
     temperature: Annotated[float | None, typer.Option(help="0 = greedy")] = None,
     top_p: Annotated[float | None, typer.Option()] = None,
@@ -65,8 +68,14 @@ def submit(
     timeout: Annotated[float | None, typer.Option(help="seconds to wait for the result")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the whole result as JSON")] = False,
 ) -> None:
-    """Submit one prompt and print its completion (or its id with --no-wait)."""
-    options: dict[str, Any] = {**_read_prompt(prompt, messages), "max_tokens": max_tokens,
+    """Submit one prompt and print its completion (or its id with --no-wait).
+
+    The prompt goes to the model as a user message (its chat template applies); --raw sends it as is.
+    """
+    if system is not None and (raw or messages is not None):
+        raise fail("error: --system goes with a plain prompt (not --raw, and inside --messages otherwise)")
+    given = _read_prompt(prompt, messages)
+    options: dict[str, Any] = {**(given if raw else as_chat(given, system)), "max_tokens": max_tokens,
                                "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
                                "stop": stop or None, "request_id": request_id, "stream_tokens": stream or None,
                                "priority": int(priority) if priority.isdigit() else priority}
@@ -152,7 +161,7 @@ def status(
 
 def _workers_table(stats: dict[str, Any]) -> Table:
     table = Table(title="workers", title_justify="left")
-    for column in ("name", "state", "model", "age s", "running", "waiting", "tok/s", "finished"):
+    for column in ("name", "state", "model", "age s", "running", "waiting", "tok/s", "finished", "prefix hit"):
         table.add_column(column, justify="left" if column in ("name", "state", "model") else "right")
     now = time.time()
     rows = [(name, info, "live") for name, info in stats["workers"].items()]
@@ -162,7 +171,7 @@ def _workers_table(stats: dict[str, Any]) -> Table:
         state = f"{info.get('state', '?')} ({liveness})"
         table.add_row(name, state, str(info.get("model", "")), age, str(info.get("running", "")),
                       str(info.get("waiting", "")), f"{float(info.get('tokens_per_s', 0.0)):.1f}",
-                      str(info.get("num_finished", "")))
+                      str(info.get("num_finished", "")), f"{float(info.get('prefix_hit_ratio', 0.0)):.0%}")
     return table
 
 

@@ -6,6 +6,7 @@ Imports producer only; never the worker or the engine.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -13,7 +14,8 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from producer.client import Producer
 from producer.config import ClientSettings
@@ -56,30 +58,51 @@ def fail(message: str) -> typer.Exit:
     return typer.Exit(code=1)
 
 
-def validation_exit(exc: ValidationError, what: str = "configuration") -> typer.Exit:
-    """Every invalid field on its own line; exit code 1."""
-    lines = [f"invalid {what} ({exc.error_count()} error(s)):"]
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or what
-        lines.append(f"  {where}: {err['msg']}" + (f" (got {err['input']!r})" if "input" in err else ""))
-    return fail("\n".join(lines))
+def validation_exit(exc: ValidationError, what: str = "configuration",
+                    model: type[BaseModel] | None = None) -> typer.Exit:
+    """Every invalid field on its own line (a single one: one line in all); an unknown key of
+    ``model`` with the nearest known key; exit code 1."""
+    clauses = [_describe(err, what, model) for err in exc.errors()]
+    if len(clauses) == 1:
+        return fail(f"invalid {what}: {clauses[0]}")
+    return fail("\n".join([f"invalid {what} ({len(clauses)} errors):", *(f"  {clause}" for clause in clauses)]))
 
 
-def or_exit(call: Callable[[], T]) -> T:
+def _describe(err: ErrorDetails, what: str, model: type[BaseModel] | None) -> str:
+    where = ".".join(str(p) for p in err["loc"]) or what
+    clause = f"{where}: {err['msg']}" + (f" (got {err['input']!r})" if "input" in err else "")
+    nearest = _nearest_key(model, err["loc"]) if model is not None and err["type"] == "extra_forbidden" else None
+    return clause if nearest is None else f"{clause}; did you mean {nearest!r}?"
+
+
+def _nearest_key(model: type[BaseModel], loc: tuple[int | str, ...]) -> str | None:
+    """The known key (dotted, as ``loc``) closest to the unknown one at ``loc``, or None."""
+    for part in loc[:-1]:
+        info = model.model_fields.get(str(part))
+        annotation = info.annotation if info is not None else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    matches = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.6)
+    return ".".join([*(str(p) for p in loc[:-1]), matches[0]]) if matches else None
+
+
+def or_exit(call: Callable[[], T], model: type[BaseModel] | None = None) -> T:
     """``call()``, or exit 1 saying why: a producer-side error (an unreadable settings file,
-    Redis unreachable, a wait that ran out) or every invalid field on its own line."""
+    Redis unreachable, a wait that ran out) or every invalid field on its own line (an unknown
+    key of ``model``, the settings ``call`` loads, with the nearest known key)."""
     try:
         return call()
     except ProducerError as exc:
         raise fail(f"error: {exc}") from None
     except ValidationError as exc:
-        raise validation_exit(exc) from None
+        raise validation_exit(exc, model=model) from None
 
 
 def client_settings(ctx: typer.Context) -> ClientSettings:
     """The ``[redis]`` and ``[queue]`` settings of the global options."""
     state: CliState = ctx.obj
-    return or_exit(lambda: ClientSettings.load(state.config_file, state.overrides))
+    return or_exit(lambda: ClientSettings.load(state.config_file, state.overrides), ClientSettings)
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from cli.common import CliState, app, client_settings, or_exit
+from cli.common import CliState, app, client_settings, fail, or_exit
 
 
 @app.command()
@@ -30,6 +30,7 @@ def worker(
 ) -> None:
     """Serve one queue: read requests, run them on the engine, write results."""
     from worker.config import Settings  # noqa: PLC0415 - keeps --help and the client commands light
+    from worker.errors import StartupError  # noqa: PLC0415
     from worker.runtime import run_worker  # noqa: PLC0415
 
     state: CliState = ctx.obj
@@ -39,8 +40,12 @@ def worker(
                    "metrics_port": metrics_port, "log_json": log_json, "log_level": log_level},
         "engine": {"model": {"name": model, "device": device}},
     }
-    settings = or_exit(lambda: Settings.load(state.config_file, overrides))
-    raise typer.Exit(code=or_exit(lambda: run_worker(settings, burst=burst)))
+    settings = or_exit(lambda: Settings.load(state.config_file, overrides), Settings)
+    try:
+        code = or_exit(lambda: run_worker(settings, burst=burst))
+    except StartupError as exc:
+        raise fail(f"error: {exc}") from None
+    raise typer.Exit(code=code)
 
 
 @app.command()

@@ -5,8 +5,7 @@ Owns block ids and reference counts only (no tensors). Standard library only; ne
 
 from __future__ import annotations
 
-from collections import deque
-
+from engine.block_pool import BlockPool
 from engine.errors import InvariantError
 
 # A block table maps token positions to blocks of ``block_size`` slots:
@@ -14,69 +13,9 @@ from engine.errors import InvariantError
 #   position:  0 1 2 3 | 4 5 6 7 | 8 9 . .        (block_size = 4)
 #   table:     [  b7   ,   b2    ,   b5   ]       -> position p lives in table[p // 4], slot p % 4
 #
-# Tables only grow (append_slots) or are released whole (free / swap_out / swap_in).
-
-
-class _Pool:
-    """One pool of fixed-size blocks: a LIFO free list and per-block reference counts.
-
-    NOTE: allocation pops from the front and release pushes back to the front, so the most
-    recently freed blocks are reused first and the blocks ever touched stay as few as the
-    peak demand: on CPU the pools are lazily committed memory, so resident memory follows
-    what is used, not what is configured. The order is deterministic (tests rely on it).
-    """
-
-    def __init__(self, name: str, num_blocks: int) -> None:
-        self.name = name
-        self.num_blocks = num_blocks
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
-        self.ref_counts = [0] * num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
-
-    def take(self, num_blocks: int) -> list[int] | None:
-        """Take ``num_blocks`` free blocks (ref count 1 each), or None if too few are free."""
-        if num_blocks > len(self.free_block_ids):
-            return None
-        block_ids = [self.free_block_ids.popleft() for _ in range(num_blocks)]
-        for block_id in block_ids:
-            self.ref_counts[block_id] = 1
-        return block_ids
-
-    def release(self, block_ids: list[int]) -> None:
-        """Drop one reference to each block; blocks that reach zero return to the free list."""
-        for block_id in reversed(block_ids):  # reversed: a re-take gets them back in table order
-            if self.ref_counts[block_id] <= 0:
-                raise InvariantError(f"{self.name} block {block_id} released with ref count 0")
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
-                self.free_block_ids.appendleft(block_id)
-
-    def check(self, tables: dict[str, list[int]]) -> None:
-        """Raise InvariantError unless free list, ref counts and ``tables`` agree."""
-        free = set(self.free_block_ids)
-        if len(free) != len(self.free_block_ids):
-            raise InvariantError(f"{self.name}: a block is on the free list twice")
-        owners = [0] * self.num_blocks
-        for request_id, block_ids in tables.items():
-            if len(set(block_ids)) != len(block_ids):
-                raise InvariantError(f"{self.name}: request {request_id} holds a block twice")
-            for block_id in block_ids:
-                owners[block_id] += 1
-        for block_id, (ref_count, num_owners) in enumerate(zip(self.ref_counts, owners)):
-            if ref_count < 0:
-                raise InvariantError(f"{self.name} block {block_id}: negative ref count {ref_count}")
-            if ref_count != num_owners:
-                raise InvariantError(
-                    f"{self.name} block {block_id}: ref count {ref_count} but {num_owners} owners"
-                )
-            if (block_id in free) == (ref_count > 0):
-                raise InvariantError(f"{self.name} block {block_id}: free={block_id in free}, ref={ref_count}")
-        num_used = sum(1 for ref_count in self.ref_counts if ref_count > 0)
-        if num_used + len(free) != self.num_blocks:
-            raise InvariantError(f"{self.name}: {num_used} used + {len(free)} free != {self.num_blocks}")
+# Tables only grow (append_slots) or are released whole (free / swap_out / swap_in). Device
+# blocks may be shared by several tables (prefix-cache hits, parallel samples); a shared block
+# is never written: copy_on_write gives a table its own copy first.
 
 
 class BlockManager:
@@ -102,8 +41,9 @@ class BlockManager:
         if block_size < 1 or num_gpu_blocks < 0 or num_cpu_blocks < 0:
             raise ValueError("block_size must be >= 1 and pool sizes >= 0")
         self.block_size = block_size
-        self._gpu = _Pool("gpu", num_gpu_blocks)
-        self._cpu = _Pool("cpu", num_cpu_blocks)
+        self.gpu_pool = BlockPool("gpu", num_gpu_blocks)
+        self._gpu = self.gpu_pool
+        self._cpu = BlockPool("cpu", num_cpu_blocks)
         self._gpu_tables: dict[str, list[int]] = {}
         self._cpu_tables: dict[str, list[int]] = {}
 
@@ -155,6 +95,54 @@ class BlockManager:
         if request_id in self._gpu_tables or request_id in self._cpu_tables:
             raise InvariantError(f"request {request_id} already owns blocks")
         return self.append_slots(request_id, num_tokens)
+
+    def share(self, request_id: str, block_ids: list[int]) -> None:
+        """Start the request's device table with blocks other tables (or the prefix cache) hold.
+
+        Raises:
+            InvariantError: the request already owns blocks.
+        """
+        if request_id in self._gpu_tables or request_id in self._cpu_tables:
+            raise InvariantError(f"request {request_id} already owns blocks")
+        self._gpu.share(block_ids)
+        self._gpu_tables[request_id] = list(block_ids)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give ``child_id`` a table sharing every device block of ``parent_id``'s."""
+        self.share(child_id, self._gpu_tables.get(parent_id, []))
+
+    def num_exclusive_blocks(self, request_id: str) -> int:
+        """Device blocks only this request holds: what preempting it frees."""
+        return sum(1 for b in self._gpu_tables.get(request_id, []) if self._gpu.ref_counts[b] == 1)
+
+    def num_unused(self, block_ids: list[int]) -> int:
+        """How many of these blocks no table holds (cached ones: sharing them uses up free room)."""
+        return sum(1 for b in block_ids if self._gpu.ref_counts[b] == 0)
+
+    def num_copies_on_write(self, request_id: str, position: int) -> int:
+        """Device blocks a write at ``position`` needs first (1 if that block is shared, else 0)."""
+        table = self._gpu_tables.get(request_id, [])
+        index = position // self.block_size
+        return int(index < len(table) and self._gpu.ref_counts[table[index]] > 1)
+
+    def copy_on_write(self, request_id: str, position: int) -> list[tuple[int, int]] | None:
+        """Give the request its own copy of the shared block holding ``position``.
+
+        Returns:
+            ``[(source, destination)]`` device-block copies for the runner (empty when the block is
+            not shared), or None (nothing changed) when no block is free.
+        """
+        if not self.num_copies_on_write(request_id, position):
+            return []
+        new = self._gpu.take(1)
+        if new is None:
+            return None
+        table = self._gpu_tables[request_id]
+        index = position // self.block_size
+        source = table[index]
+        table[index] = new[0]
+        self._gpu.release([source])
+        return [(source, new[0])]
 
     def can_append_slots(self, request_id: str, num_tokens: int) -> bool:
         """Whether the request's device table can grow to cover ``num_tokens`` tokens."""

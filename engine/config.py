@@ -94,6 +94,9 @@ class CacheConfig(_Frozen):
     )
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=0.99, description="CUDA: fraction of free memory for KV")
     swap_space: int | str = Field("1GiB", description="host KV pool for swapped-out requests")
+    enable_prefix_caching: bool = Field(
+        True, description="requests reuse the KV blocks of prompt prefixes computed before (shared system prompts)"
+    )
 
     @field_validator("kv_cache_memory", "swap_space")
     @classmethod

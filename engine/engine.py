@@ -13,10 +13,11 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.clock import Clock, MonotonicClock
 from engine.config import EngineConfig
+from engine.errors import GrammarError
 from engine.offline import GenerationOutput, run_offline
 from engine.outputs import RequestOutput, StepRunner
 from engine.postprocess import OutputProcessor
@@ -25,6 +26,9 @@ from engine.request import Request, RequestErrorCode, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -51,16 +55,19 @@ class Engine:
         tokenizer: the model's tokenizer (prompts are tokenized with a copy of it).
         limits: the model's and cache's limits.
         clock: time source for arrival/queue/TTFT metrics and aging.
+        grammars: compiles structured-output grammars (the runner's sampler shares it); None =
+            requests with a structured response_format are refused.
     """
 
     def __init__(self, scheduler: Scheduler, runner: StepRunner, processor: OutputProcessor, tokenizer: Any,
-                 limits: ModelLimits, clock: Clock) -> None:
+                 limits: ModelLimits, clock: Clock, grammars: GrammarCompiler | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.processor = processor
         self.tokenizer = tokenizer
         self.limits = limits
         self.clock = clock
+        self.grammars = grammars
         # NOTE: tokenize() may run on another thread while step() detokenizes: a Hugging Face fast
         # tokenizer must not be used by two threads at once ("Already borrowed"), so prompts get
         # their own copy.
@@ -76,7 +83,7 @@ class Engine:
         clock = clock or MonotonicClock()
         parts = build_engine_parts(config, clock)
         return cls(parts.scheduler, parts.runner, OutputProcessor(parts.tokenizer, clock), parts.tokenizer,
-                   parts.limits, clock)
+                   parts.limits, clock, parts.grammars)
 
     @property
     def model_name(self) -> str:
@@ -94,6 +101,26 @@ class Engine:
         with self._tokenize_lock:
             return tokenize_prompt(self._prompt_tokenizer, prompt)
 
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the grammar of a structured ``response_format`` into the engine's cache (nothing
+        for other requests), so that admitting the request finds it ready.
+
+        Thread-safe, and meant to run off the engine thread (next to :meth:`tokenize`): compiling a
+        large schema takes tens of milliseconds that would stall every running request.
+
+        Raises:
+            PromptError: code ``validation``: the schema, regex or grammar is invalid, or this
+                engine has no structured output.
+        """
+        if not params.is_structured or params.response_format is None:
+            return
+        if self.grammars is None:
+            raise PromptError(RequestErrorCode.VALIDATION, "this engine does not support structured output")
+        try:
+            self.grammars.compile(params.response_format)
+        except GrammarError as exc:
+            raise PromptError(RequestErrorCode.VALIDATION, str(exc)) from None
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> None:
         """Queue a request. Per-request problems never raise: they finish the request with an
@@ -109,17 +136,17 @@ class Engine:
         Raises:
             ValueError: ``request_id`` is already live.
         """
-        if self.scheduler.get_request(request_id) is not None or self.processor.has_rejected(request_id):
+        if self.scheduler.is_live(request_id) or self.processor.has_rejected(request_id):
             raise ValueError(f"request {request_id!r} is already in the engine")
         params = params or SamplingParams()
         arrival = self.clock.now() if arrival_time is None else arrival_time
         try:
             self._check_fits(prompt_token_ids, params)
+            self.compile_grammar(params)
         except PromptError as exc:
             self.processor.reject(request_id, exc.code, str(exc), arrival, num_prompt_tokens=exc.num_prompt_tokens)
             return
         request = Request(request_id, list(prompt_token_ids), params, arrival_time_s=arrival, priority=priority)
-        self.processor.start(request)
         self.scheduler.add_request(request)
 
     def _check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -128,6 +155,10 @@ class Engine:
         vocab_size = self.limits.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise PromptError(RequestErrorCode.VALIDATION, f"prompt token ids must be in [0, {vocab_size})")
+        if params.n > self.scheduler.config.max_num_seqs:
+            raise PromptError(RequestErrorCode.VALIDATION,
+                              f"n ({params.n}) exceeds the sequences this engine runs at once (max_num_seqs "
+                              f"{self.scheduler.config.max_num_seqs})")
         needed = len(prompt_token_ids) + params.max_tokens
         if needed > self.limits.max_request_tokens:
             limit = "the KV cache" if self.limits.is_cache_bound else "the model context"

@@ -11,3 +11,7 @@ class ModelLoadError(EngineError):
 
 class InvariantError(EngineError):
     """An internal invariant broke (a bug, never bad input). Tests must fail loudly on it."""
+
+
+class GrammarError(EngineError, ValueError):
+    """A structured-output spec (JSON schema, regex, grammar) cannot be compiled."""

@@ -98,6 +98,15 @@ class KVCache:
         """Key and value pools of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]``."""
         return self.device_pool[layer_idx, 0], self.device_pool[layer_idx, 1]
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks onto device blocks (``(source, destination)`` pairs), in every layer:
+        a sample's own copy of a block it shared, before it writes into it."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        self.device_pool[:, :, dst] = self.device_pool[:, :, src]
+
     def swap_out(self, device_to_host: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks (pairs of ``(device_block_id, host_block_id)``)."""
         self._finish_host_writes()
@@ -137,6 +146,8 @@ class KVCache:
             self.device_pool[:, :, dst] = self.host_pool[:, :, src]
             return
         pinned = self.host_pool[:, :, src].pin_memory()
+        # NOTE: block copies of this step (compute stream) may read blocks this swap-in overwrites.
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
             self.device_pool[:, :, dst] = pinned.to(self.device, non_blocking=True)
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]

@@ -121,6 +121,15 @@ def _materialize_gguf(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
+def _load_failure(model: str, path: Path | str, exc: Exception) -> str:
+    """Why the model cannot be loaded, in one line (transformers' messages span several)."""
+    if isinstance(path, str) and isinstance(exc, OSError):
+        return (f"model {model!r} is not an alias, a local file or directory, nor a hub id in the local Hugging "
+                f"Face cache: download it first (huggingface-cli download {model}) or give its directory")
+    reason = " ".join(str(exc).split()) or type(exc).__name__
+    return f"cannot load model {model!r}: {reason}"
+
+
 def _check_architecture(config: Any, source: str) -> None:
     if getattr(config, "is_encoder_decoder", False):
         raise ModelLoadError(f"{source} is an encoder-decoder model; tokenmill serves decoder-only models")
@@ -175,15 +184,15 @@ def load_model(
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load model {model!r}: {exc}") from None
+        raise ModelLoadError(_load_failure(model, path, exc)) from None
     _check_architecture(config, str(model))
     try:
         hf_model: Any = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, attn_implementation=attn_implementation
         )
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load model {model!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - whatever the files fail with (OSError, SafetensorError, ...)
+        raise ModelLoadError(_load_failure(model, path, exc)) from None
     if not getattr(hf_model, "_supports_attention_backend", False):
         raise ModelLoadError(f"{model}: architecture {type(hf_model).__name__} does not support custom attention")
     hf_model.to(torch_device).eval()

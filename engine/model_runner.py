@@ -58,7 +58,10 @@ class ModelRunner:
         Returns:
             One sampled token for every chunk with ``needs_sample``.
         """
+        # NOTE: this order: swap-outs read blocks a copy or swap-in may reuse; copies read shared
+        # blocks a swap-in may reuse (their other owner was preempted this step).
         self.kv_cache.swap_out(scheduler_output.swap_out)
+        self.kv_cache.copy_blocks(scheduler_output.copy_blocks)
         self.kv_cache.swap_in(scheduler_output.swap_in)
         chunks = scheduler_output.chunks
         if not chunks:
@@ -71,7 +74,8 @@ class ModelRunner:
         if not sample_chunks:
             return ModelOutput()
         contexts = [SamplingContext(params=chunk.sampling_params, num_output_tokens=chunk.num_output_tokens,
-                                    eos_token_ids=self.eos_token_ids) for chunk in sample_chunks]
+                                    eos_token_ids=self.eos_token_ids, state=chunk.sampling_state)
+                    for chunk in sample_chunks]
         sampled = self.sampler(logits, contexts)
         output = ModelOutput()
         for chunk, token_id, logprobs in zip(sample_chunks, sampled.token_ids, sampled.logprobs):

@@ -15,11 +15,13 @@ from engine.clock import Clock
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import ModelLimits
 from engine.errors import EngineError
+from engine.grammar import GrammarCompiler
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.paged_attention import register
 from engine.sampler import Sampler
+from engine.prefix_cache import PrefixCache
 from engine.scheduler import Scheduler
 from engine.static_decode import StaticDecode, cuda_graph_runner, decode_buckets
 
@@ -36,6 +38,7 @@ class EngineParts:
     runner: ModelRunner
     tokenizer: Any
     limits: ModelLimits
+    grammars: GrammarCompiler  # structured output, shared by the engine (admission) and the sampler
 
 
 def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
@@ -55,7 +58,9 @@ def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
     num_gpu_blocks, num_cpu_blocks = size_kv_cache(config.cache, spec, loaded.device)
     kv_cache = KVCache(spec, num_gpu_blocks, num_cpu_blocks, loaded.device)
     block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, spec.block_size)
-    scheduler = Scheduler(config.scheduler, block_manager, clock, loaded.eos_token_ids, loaded.max_model_len)
+    prefix_cache = PrefixCache(block_manager) if config.cache.enable_prefix_caching else None
+    scheduler = Scheduler(config.scheduler, block_manager, clock, loaded.eos_token_ids, loaded.max_model_len,
+                          prefix_cache)
     max_request_tokens = min(loaded.max_model_len, num_gpu_blocks * spec.block_size)
     limits = ModelLimits(model_name=model_config.name, source=loaded.source, vocab_size=loaded.model.config.vocab_size,
                          max_request_tokens=max_request_tokens,
@@ -68,10 +73,11 @@ def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
     )
     backend = select_backend(config.execution.attention_backend, loaded.device)
     logger.info("attention backend: %s", backend.name)
-    runner = ModelRunner(loaded, kv_cache, Sampler(), backend)
+    grammars = GrammarCompiler(loaded.tokenizer, limits.vocab_size, loaded.eos_token_ids)
+    runner = ModelRunner(loaded, kv_cache, Sampler(grammars), backend)
     if config.execution.compile == "auto":
         capture_decode_steps(runner, config.scheduler.max_num_seqs, max_request_tokens)
-    return EngineParts(scheduler, runner, loaded.tokenizer, limits)
+    return EngineParts(scheduler, runner, loaded.tokenizer, limits, grammars)
 
 
 def capture_decode_steps(runner: ModelRunner, max_num_seqs: int, max_request_tokens: int) -> None:

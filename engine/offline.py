@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
-from engine.outputs import RequestMetrics
+from engine.logprobs import TokenLogprob
+from engine.outputs import RequestMetrics, SampleOutput
 from engine.prompts import PromptError, PromptLike, as_prompt
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
@@ -32,6 +33,8 @@ class GenerationOutput:
     prompt_token_count: int
     metrics: RequestMetrics
     error: str | None = None
+    token_logprobs: list[TokenLogprob] | None = None  # when params.logprobs was set
+    samples: list[SampleOutput] | None = None  # n > 1: every sample (the fields above are sample 0's)
 
 
 def run_offline(
@@ -82,7 +85,8 @@ def run_offline(
                 results[output.request_id] = GenerationOutput(
                     request_id=output.request_id, token_ids=output.token_ids, text=output.text,
                     finish_reason=output.finish_reason, prompt_token_count=output.prompt_token_count,
-                    metrics=output.metrics, error=output.error,
+                    metrics=output.metrics, error=output.error, token_logprobs=output.token_logprobs,
+                    samples=output.samples,
                 )
                 bar.update(1)
         elapsed = bar.format_dict.get("elapsed") or 0.0

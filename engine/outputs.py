@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.logprobs import TokenLogprob
 from engine.request import FinishReason, RequestErrorCode
 from engine.sampling_params import SamplingParams
+from engine.sampling_state import SamplingState
 
 
 @dataclass
@@ -27,6 +29,7 @@ class ScheduledChunk:
     needs_sample: bool  # True when this chunk reaches the end of the known tokens
     sampling_params: SamplingParams
     num_output_tokens: int  # tokens generated so far == index of the token to sample (min_tokens, seeds)
+    sampling_state: SamplingState | None = None  # the request's penalty / grammar state (the sampler's)
 
     @property
     def num_tokens(self) -> int:
@@ -35,11 +38,13 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
-    """What one engine step does. The runner executes swap_out, then swap_in, then the forward."""
+    """What one engine step does. The runner executes swap_out, copy_blocks, swap_in, then the forward."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefill chunks
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device_block_id, host_block_id) copies
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host_block_id, device_block_id) copies
+    # (source, destination) device-block copies: a shared block a request is about to write into
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)  # lost their device blocks this step
 
     @property
@@ -99,6 +104,18 @@ class RequestMetrics:
 
 
 @dataclass
+class SampleOutput:
+    """One sample of an n > 1 request, once finished."""
+
+    index: int  # 0 .. n-1
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: list[dict[int, float]] | None = None
+    token_logprobs: list[TokenLogprob] | None = None  # OpenAI's shape, when logprobs were asked for
+
+
+@dataclass
 class RequestOutput:
     """One request's progress in one engine step (streaming) or its final state."""
 
@@ -113,4 +130,7 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None  # human-readable reason when finish_reason is ERROR
     error_code: RequestErrorCode | None = None  # machine-readable, when finish_reason is ERROR
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, float]] | None = None  # raw: per token, {token_id: logprob} (sampled first)
+    token_logprobs: list[TokenLogprob] | None = None  # OpenAI's shape; on final outputs that asked for logprobs
+    # n > 1: every sample, by index (the fields above are sample 0's); only final outputs carry them
+    samples: list[SampleOutput] | None = None

@@ -4,13 +4,14 @@ No torch, no scheduler internals."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from engine.clock import Clock
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvariantError
-from engine.outputs import RequestMetrics, RequestOutput
-from engine.request import FINISH_REASON, FinishReason, Request, RequestErrorCode
+from engine.logprobs import TokenBytes, TokenLogprob, build_token_logprobs
+from engine.outputs import RequestMetrics, RequestOutput, SampleOutput
+from engine.request import FINISH_REASON, FinishReason, ParallelGroup, Request, RequestErrorCode
 
 # Errors the scheduler decides on its own come with no message: say what happened.
 _ERROR_MESSAGES = {RequestErrorCode.CANNOT_PLACE: "the scheduler could not place this request in the KV cache"}
@@ -28,11 +29,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.clock = clock
         self._rejected: list[RequestOutput] = []  # refused at admission, handed out by the next step
-
-    def start(self, request: Request) -> None:
-        """Prepare a newly admitted request's text decoding."""
-        request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                                     request.sampling_params.stop)
+        self._token_bytes: TokenBytes | None = None  # made with the first request that asks for logprobs
 
     def reject(self, request_id: str, code: RequestErrorCode, message: str, arrival_s: float,
                num_prompt_tokens: int = 0) -> None:
@@ -58,7 +55,7 @@ class OutputProcessor:
         """
         matched: list[Request] = []
         for request in requests:
-            detokenizer = _detokenizer(request)
+            detokenizer = self._detokenizer(request)
             new_token_ids = request.output_token_ids[request.num_reported_tokens:]
             if request.stop_token_id is not None:
                 new_token_ids = new_token_ids[:-1]
@@ -69,18 +66,48 @@ class OutputProcessor:
         return matched
 
     def make_outputs(self, progressed: list[Request], finished: list[Request]) -> list[RequestOutput]:
-        """This step's outputs: rejections, progress of unfinished requests, then final outputs."""
+        """This step's outputs: rejections, progress of unfinished requests, then final outputs.
+
+        Samples of an n > 1 request stream nothing: one output carries them all once the last
+        of them finished.
+        """
         outputs, self._rejected = self._rejected, []
-        outputs += [self._output(r) for r in progressed if not r.is_finished]
+        outputs += [self._output(r) for r in progressed if not r.is_finished and r.group is None]
         for request in finished:
-            _detokenizer(request).finish()
-            outputs.append(self._output(request))
+            self._detokenizer(request).finish()
+            if request.group is None:
+                outputs.append(self._output(request))
+            elif request.group.is_finished and request is request.group.finished[-1]:
+                outputs.append(self._group_output(request.group))
         return outputs
 
-    @staticmethod
-    def _output(request: Request) -> RequestOutput:
+    def _group_output(self, group: ParallelGroup) -> RequestOutput:
+        """The final output of an n > 1 request: sample 0's fields, every sample, combined timings."""
+        by_index = sorted(group.finished, key=lambda r: r.sample_index)
+        outputs = [self._output(r) for r in by_index]
+        first = outputs[0]
+        first_tokens = [o.metrics.first_token_time_s for o in outputs if o.metrics.first_token_time_s is not None]
+        metrics = dataclasses.replace(
+            first.metrics, first_token_time_s=min(first_tokens, default=None),
+            finished_time_s=max(o.metrics.finished_time_s or 0.0 for o in outputs),
+            num_output_tokens=sum(o.metrics.num_output_tokens for o in outputs),
+            num_preemptions=sum(o.metrics.num_preemptions for o in outputs),
+        )
+        samples = [SampleOutput(r.sample_index, o.token_ids, o.text, o.finish_reason, o.logprobs, o.token_logprobs)
+                   for r, o in zip(by_index, outputs)]
+        return dataclasses.replace(first, request_id=group.request_id, new_token_ids=list(first.token_ids),
+                                   text_delta=first.text, metrics=metrics, samples=samples)
+
+    def _detokenizer(self, request: Request) -> IncrementalDetokenizer:
+        """The request's text decoder, made on first use (forked samples start without one)."""
+        if request.detokenizer is None:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                         request.sampling_params.stop)
+        return request.detokenizer
+
+    def _output(self, request: Request) -> RequestOutput:
         """The one way a request becomes an output: what is new since the last one, and all so far."""
-        text = _detokenizer(request).text
+        text = self._detokenizer(request).text
         text_delta = text[request.num_reported_chars:]
         new_token_ids = request.output_token_ids[request.num_reported_tokens:]
         request.num_reported_tokens = request.num_output_tokens
@@ -104,12 +131,17 @@ class OutputProcessor:
                 num_output_tokens=request.num_output_tokens,
             ),
             logprobs=list(request.logprobs) if request.logprobs else None,
+            token_logprobs=self._token_logprobs(request),
             error=_ERROR_MESSAGES.get(error_code) if error_code else None,
             error_code=error_code,
         )
 
+    def _token_logprobs(self, request: Request) -> list[TokenLogprob] | None:
+        """OpenAI-shaped logprobs of a finished request that asked for them (built once, at the end)."""
+        num_top = request.sampling_params.logprobs
+        if num_top is None or not request.is_finished:
+            return None
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.tokenizer)
+        return build_token_logprobs(request.output_token_ids, request.logprobs, num_top, self._token_bytes)
 
-def _detokenizer(request: Request) -> IncrementalDetokenizer:
-    if request.detokenizer is None:
-        raise InvariantError(f"request {request.request_id} was never started by the output processor")
-    return request.detokenizer

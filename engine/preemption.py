@@ -41,7 +41,8 @@ class PreemptionPolicy:
             The victims (empty when the room is already there), or None when even all of the
             candidates together would not make the room: then nobody is preempted.
         """
-        if self.has_room(num_blocks, 0, 0):
+        seats = request.num_seats
+        if self.has_room(num_blocks, 0, 0, seats):
             return []
         if plan.swap_in and self.config.preemption_mode == "swap":
             # NOTE: a swap-out now could reuse host blocks a swap-in of this step still reads.
@@ -51,11 +52,12 @@ class PreemptionPolicy:
         unprotected = [r for r in self._queues.running if not self.is_protected(r, plan)]
         for victim in room_victims(unprotected, request, plan.now_s, self.config.aging_interval_s,
                                    enable_priority_preemption=self.config.enable_priority_preemption):
-            if self.has_room(num_blocks, num_freed_blocks, len(victims)):
+            if self.has_room(num_blocks, num_freed_blocks, sum(v.num_seats for v in victims), seats):
                 break
             victims.append(victim)
-            num_freed_blocks += len(self.block_manager.get_block_ids(victim.request_id))
-        return victims if self.has_room(num_blocks, num_freed_blocks, len(victims)) else None
+            num_freed_blocks += self.block_manager.num_exclusive_blocks(victim.request_id)
+        num_freed_seats = sum(v.num_seats for v in victims)
+        return victims if self.has_room(num_blocks, num_freed_blocks, num_freed_seats, seats) else None
 
     def memory_victim(self, request: Request, plan: StepPlan) -> Request | None:
         """MEMORY victim for ``request``, which needs device blocks for its next tokens.
@@ -85,6 +87,8 @@ class PreemptionPolicy:
         num_resident_steps = plan.index - self._queues.request_to_admitted_step[request.request_id]
         return num_resident_steps < max(1, self.config.min_resident_steps)
 
-    def has_room(self, num_blocks: int, num_freed_blocks: int, num_freed_seqs: int) -> bool:
+    def has_room(self, num_blocks: int, num_freed_blocks: int, num_freed_seats: int, num_seats: int = 1) -> bool:
+        """Whether ``num_blocks`` and ``num_seats`` running slots are free once victims go."""
         has_blocks = self.block_manager.num_free_gpu_blocks + num_freed_blocks >= num_blocks
-        return has_blocks and len(self._queues.running) - num_freed_seqs < self.config.max_num_seqs
+        num_used_seats = sum(r.num_seats for r in self._queues.running)
+        return has_blocks and num_used_seats - num_freed_seats + num_seats <= self.config.max_num_seqs

@@ -95,6 +95,10 @@ def _apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list
         if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
             raise PromptError(RequestErrorCode.VALIDATION, "each chat message needs string 'role' and 'content'")
     if not getattr(tokenizer, "chat_template", None):
+        # NOTE: producers send plain prompts as one user message by default (chat for instruct
+        # models); a base model without a template reads that message's text as the raw prompt.
+        if len(messages) == 1 and messages[0]["role"] == "user" and messages[0]["content"]:
+            return list(tokenizer(messages[0]["content"])["input_ids"])
         raise PromptError(RequestErrorCode.VALIDATION,
                           "this model has no chat template; send a prompt string or token ids")
     try:

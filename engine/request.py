@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+from engine.sampling_state import SamplingState
 
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
@@ -93,10 +94,18 @@ class Request:
     stop_token_id: int | None = None  # the EOS / stop id that finished it (kept in the ids, not in the text)
     error_code: RequestErrorCode | None = None  # set with FINISHED_ERROR
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, when asked for
+    prefix_entry_ids: list[int] = field(default_factory=list)  # prefix-cache entries of its leading full blocks
+    group: ParallelGroup | None = None  # the n > 1 request this one is a sample of
+    sample_index: int = 0  # which sample of its group
     # Output side: turns output_token_ids into text; set by the output processor on admission.
     detokenizer: IncrementalDetokenizer | None = None
     num_reported_tokens: int = 0  # output tokens already handed out in a RequestOutput
     num_reported_chars: int = 0  # characters of final text already handed out as deltas
+    # Penalty counts and grammar matcher over this request's own token lists (filled by the sampler).
+    sampling_state: SamplingState = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.sampling_state = SamplingState(self.prompt_token_ids, self.output_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -122,6 +131,40 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_fork_pending(self) -> bool:
+        """An n > 1 request before its samples split off: it computes its prompt but the last
+        token (each sample computes that one itself and samples its own first token)."""
+        return self.sampling_params.n > 1 and self.group is None
+
+    @property
+    def num_seats(self) -> int:
+        """Running slots (``max_num_seqs``) it takes: its samples' once it forks."""
+        return self.sampling_params.n if self.is_fork_pending else 1
+
+    @property
+    def num_schedulable_tokens(self) -> int:
+        """Tokens the cache must hold before the next sample: all, or the prompt but one."""
+        return self.num_prompt_tokens - 1 if self.is_fork_pending else self.num_tokens
+
+
+@dataclass
+class ParallelGroup:
+    """The samples of one n > 1 request, once it forked (each sample is a Request of its own)."""
+
+    request_id: str  # the request as the caller named it
+    num_samples: int
+    finished: list[Request] = field(default_factory=list)  # samples that finished, in finishing order
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.finished) == self.num_samples
+
+    @staticmethod
+    def sample_id(request_id: str, index: int) -> str:
+        """A sample's request id: the caller's id, a space and ``#index`` (wire ids hold no spaces)."""
+        return f"{request_id} #{index}"
 
 
 def check_stop(request: Request, eos_token_ids: frozenset[int], max_model_len: int | None) -> RequestStatus | None:

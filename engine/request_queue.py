@@ -39,6 +39,15 @@ class RequestQueues:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def add_running(self, request: Request, step_index: int) -> None:
+        """Start tracking a request that already holds device blocks (a forked sample).
+
+        Raises:
+            ValueError: a request with this id is already tracked.
+        """
+        self.add(request)
+        self.move(request, RequestStatus.RUNNING, step_index)
+
     def move(self, request: Request, status: RequestStatus, step_index: int = 0) -> None:
         """Move a tracked request to the queue of ``status`` (RUNNING records ``step_index``)."""
         self._queue(request.status).remove(request)
@@ -66,12 +75,13 @@ class RequestQueues:
                 if request.status is not status or self.requests.get(request.request_id) is not request:
                     raise InvariantError(f"{request.request_id} is {request.status!r} in the {status.name} queue")
                 _check_blocks(request, block_manager)
-        if len(self.running) > max_num_seqs:
-            raise InvariantError(f"{len(self.running)} running > max_num_seqs {max_num_seqs}")
+        num_seats = sum(r.num_seats for r in self.running)
+        if num_seats > max_num_seqs:
+            raise InvariantError(f"{num_seats} running seats > max_num_seqs {max_num_seqs}")
         if self.request_to_admitted_step.keys() != {r.request_id for r in self.running}:
             raise InvariantError("admission records do not match the running queue")
         num_used = block_manager.num_gpu_blocks - block_manager.num_free_gpu_blocks
-        if num_used != sum(len(block_manager.get_block_ids(r.request_id)) for r in self.running):
+        if num_used != len({b for r in self.running for b in block_manager.get_block_ids(r.request_id)}):
             raise InvariantError("device blocks are owned by requests that are not running")
         num_used = block_manager.num_cpu_blocks - block_manager.num_free_cpu_blocks
         if num_used != sum(len(block_manager.get_host_block_ids(r.request_id)) for r in self.swapped):

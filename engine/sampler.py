@@ -1,5 +1,6 @@
-"""Turns one step's logits into next tokens: greedy, temperature, top-k, top-p, min_tokens,
-per-request seeds and raw logprobs. Imports torch; nothing from the scheduler side."""
+"""Turns one step's logits into next tokens: penalties, structured-output masks and min_tokens
+(engine/logits_processors.py), then greedy, temperature, top-k, top-p, per-request seeds, and raw
+logprobs. Imports torch; nothing from the scheduler side."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.grammar import GrammarCompiler
+from engine.logits_processors import LogitsProcessors
 from engine.sampling_params import SamplingParams
+from engine.sampling_state import SamplingState
 
 _MASK_64 = (1 << 64) - 1
 
@@ -19,6 +23,7 @@ class SamplingContext:
     params: SamplingParams  # the request's sampling parameters
     num_output_tokens: int  # tokens generated so far == index of the token being sampled
     eos_token_ids: frozenset[int]  # the model's EOS ids (possibly several)
+    state: SamplingState | None = None  # the request's penalty / grammar state (needed when it uses them)
 
     @property
     def is_min_tokens_active(self) -> bool:
@@ -55,18 +60,24 @@ def mix_seed(seed: int, num_output_tokens: int) -> int:
 
 
 class Sampler:
-    """Stateless sampler over a batch of logits rows.
+    """Sampler over a batch of logits rows; per-request state lives in each row's SamplingState.
 
     NOTE: returned logprobs are those of the *raw* model distribution (``log_softmax`` of the
-    unmodified logits, before temperature, top-k, top-p and min_tokens), as vLLM does by
-    default. They describe what the model believed, independently of how we chose to sample.
+    unmodified logits, before penalties, grammar masks, temperature, top-k, top-p and min_tokens),
+    as vLLM does by default. They describe what the model believed, independently of how we chose to sample.
 
     Randomness uses the exponential race (``argmax(p / q)`` with ``q ~ Exp(1)``), which is
     equivalent to drawing from ``p``. Unseeded rows draw ``q`` from the global torch RNG in one
     batched call; seeded rows draw their own row from a generator seeded with
     ``mix_seed(seed, num_output_tokens)``, so their token depends only on their own logits row
     (and on the device and compute dtype: torch's generators differ between CPU and CUDA).
+
+    Args:
+        grammars: compiles structured-output grammars; None = the engine admits no structured requests.
     """
+
+    def __init__(self, grammars: GrammarCompiler | None = None) -> None:
+        self.processors = LogitsProcessors(grammars)
 
     def __call__(self, logits: torch.Tensor, contexts: list[SamplingContext]) -> SamplerOutput:
         """Samples one token per row.
@@ -85,14 +96,15 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(contexts):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(contexts)} contexts")
         is_plain_greedy = all(
-            c.params.is_greedy and c.params.logprobs is None and not c.is_min_tokens_active for c in contexts
+            c.params.is_greedy and c.params.logprobs is None and not self.processors.needs_processing(c)
+            for c in contexts
         )
         if is_plain_greedy:  # the common case: one argmax, no copies, no per-row work
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(contexts))
 
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         raw = logits.to(dtype)
-        processed = _apply_min_tokens(raw, contexts)
+        processed = self.processors.apply(raw, contexts)
         token_ids = processed.argmax(dim=-1)
         random_rows = [i for i, c in enumerate(contexts) if not c.params.is_greedy]
         if random_rows:
@@ -101,28 +113,6 @@ class Sampler:
             token_ids[rows] = _sample_random(processed[rows], row_contexts)
         token_id_list: list[int] = token_ids.tolist()
         return SamplerOutput(token_id_list, _gather_logprobs(raw, token_id_list, contexts))
-
-
-def _apply_min_tokens(logits: torch.Tensor, contexts: list[SamplingContext]) -> torch.Tensor:
-    """Returns logits with EOS and stop ids at -inf on rows still below ``min_tokens``.
-
-    NOTE: masks EOS even when ``ignore_eos`` is set: min_tokens means "no EOS before N tokens".
-    Ids outside the vocabulary are ignored. ``logits`` itself is never modified.
-    """
-    vocab_size = logits.shape[1]
-    row_idx: list[int] = []
-    col_idx: list[int] = []
-    for i, c in enumerate(contexts):
-        if not c.is_min_tokens_active:
-            continue
-        banned_ids = [t for t in c.eos_token_ids | frozenset(c.params.stop_token_ids) if 0 <= t < vocab_size]
-        row_idx += [i] * len(banned_ids)
-        col_idx += banned_ids
-    if not col_idx:
-        return logits
-    masked = logits.clone()
-    masked[torch.tensor(row_idx, device=logits.device), torch.tensor(col_idx, device=logits.device)] = float("-inf")
-    return masked
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

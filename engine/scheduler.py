@@ -24,7 +24,8 @@ from engine.config import SchedulerConfig
 from engine.errors import InvariantError
 from engine.outputs import ModelOutput, SchedulerOutput
 from engine.preemption import PreemptionPolicy
-from engine.request import PreemptionCause, Request, RequestErrorCode, RequestStatus, check_stop
+from engine.prefix_cache import PrefixCache, PrefixStats
+from engine.request import ParallelGroup, PreemptionCause, Request, RequestErrorCode, RequestStatus, check_stop
 from engine.request_queue import RequestQueues
 from engine.scheduler_policy import UrgencyKey, is_decode, queue_key, urgency_key
 from engine.scheduler_step import StepPlan
@@ -46,18 +47,23 @@ class Scheduler:
         clock: the only source of time.
         eos_token_ids: the model's end-of-sequence ids (see :func:`engine.request.check_stop`).
         max_model_len: the model's context length; None = unbounded.
+        prefix_cache: an index of cached full blocks over ``block_manager``'s device pool (new
+            requests start after the blocks it already holds); None = every prompt is computed.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock: Clock,
-                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
         self.clock = clock
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.prefix_cache = prefix_cache
         self.counters = SchedulerCounters()
         self._queues = RequestQueues()
         self._finished: list[Request] = []  # finished since the last take_finished()
+        self._groups: dict[str, ParallelGroup] = {}  # n > 1 requests that forked, until every sample finished
         self._next_seq_no = 0
         self._policy = PreemptionPolicy(config, block_manager, self._queues)
 
@@ -77,6 +83,10 @@ class Scheduler:
         """Whether any request is waiting, running or swapped."""
         return bool(self._queues.requests)
 
+    def is_live(self, request_id: str) -> bool:
+        """Whether the id names an unfinished request, or an n > 1 request with unfinished samples."""
+        return request_id in self._queues.requests or request_id in self._groups
+
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request with this id, or None (unknown or already finished)."""
         return self._queues.requests.get(request_id)
@@ -90,6 +100,11 @@ class Scheduler:
         Raises:
             ValueError: a request with this id is already unfinished here.
         """
+        if self.is_live(request.request_id):
+            raise ValueError(f"request {request.request_id!r} is already queued")
+        if request.is_fork_pending and request.num_prompt_tokens == 1:  # nothing to share: fork at once
+            self._add_samples(request, self._fork(request, is_running=False))
+            return
         self._queues.add(request)
         request.seq_no = self._next_seq_no
         self._next_seq_no += 1
@@ -105,6 +120,9 @@ class Scheduler:
             and who was preempted.
         """
         plan = StepPlan.start(self.config, self.counters.num_steps, self.clock.now())
+        for parent in [r for r in self._queues.running if r.is_fork_pending]:
+            if parent.num_computed_tokens == parent.num_schedulable_tokens:
+                self._add_samples(parent, self._fork(parent, is_running=True), plan.index)
         for request in self._policy.requests_to_demote():
             request.is_demoted = True
         self._schedule_running(plan)
@@ -144,6 +162,9 @@ class Scheduler:
             if is_decode(request):
                 request.num_steps_since_admitted += 1
             request.num_computed_tokens += chunk.num_tokens
+            if self.prefix_cache is not None:
+                self.prefix_cache.register(request.all_token_ids, self.block_manager.get_block_ids(request.request_id),
+                                           request.prefix_entry_ids, request.num_computed_tokens)
             new_token_ids = model_output.sampled_token_ids.get(chunk.request_id, [])
             if len(new_token_ids) != int(chunk.needs_sample):
                 raise InvariantError(f"{chunk.request_id}: needs_sample={chunk.needs_sample}, "
@@ -164,6 +185,12 @@ class Scheduler:
         """
         if not status.is_finished:
             raise ValueError(f"{status!r} is not a finished status")
+        group = self._groups.get(request_id)
+        if group is not None:  # the caller's id of an n > 1 request: every live sample
+            live = [r for r in self._queues.requests.values() if r.group is group]
+            for sample in live:
+                self.finish_request(sample.request_id, status, error_code)
+            return
         request = self._queues.remove(request_id)
         if request is None:
             return
@@ -172,6 +199,10 @@ class Scheduler:
         request.error_code = error_code
         request.finished_time_s = self.clock.now()
         self._finished.append(request)
+        if request.group is not None:
+            request.group.finished.append(request)
+            if request.group.is_finished:
+                del self._groups[request.group.request_id]
 
     def has_finished(self) -> bool:
         """Whether requests finished since the last :meth:`take_finished`."""
@@ -191,12 +222,16 @@ class Scheduler:
             num_used_cpu_blocks=bm.num_cpu_blocks - bm.num_free_cpu_blocks, num_cpu_blocks=bm.num_cpu_blocks,
             counters=dataclasses.replace(self.counters,
                                          cause_to_num_preemptions=dict(self.counters.cause_to_num_preemptions)),
+            prefix=dataclasses.replace(self.prefix_cache.stats) if self.prefix_cache else PrefixStats(),
+            num_cached_blocks=self.prefix_cache.num_cached_blocks if self.prefix_cache else 0,
         )
 
     def check_invariants(self) -> None:
         """Raise InvariantError unless queues, statuses and block ownership agree."""
         self.block_manager.check_invariants()
         self._queues.check_invariants(self.block_manager, self.config.max_num_seqs)
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_invariants()
 
     # ----------------------------------------------------------------- the step's phases
 
@@ -210,11 +245,18 @@ class Scheduler:
                 self._schedule_running_request(request, plan)
 
     def _schedule_running_request(self, request: Request, plan: StepPlan) -> None:
-        """Schedule one running request, preempting others (MEMORY) if its blocks run out."""
+        """Schedule one running request, preempting others (MEMORY) if its blocks run out.
+
+        A shared block the chunk writes into (a forked sample's last prompt block) is copied first.
+        """
         num_tokens = plan.num_tokens_for(request)
         if num_tokens == 0:
             return
-        while (num_fit := min(num_tokens, self._num_free_slots(request))) == 0:
+        while True:
+            num_copies = self.block_manager.num_copies_on_write(request.request_id, request.num_computed_tokens)
+            num_fit = min(num_tokens, self._num_free_slots(request) - num_copies * self.block_manager.block_size)
+            if num_fit > 0:
+                break
             victim = self._policy.memory_victim(request, plan)
             if victim is None:  # alone and still out of blocks: it can never fit
                 self._finish_with_error(request)
@@ -222,6 +264,8 @@ class Scheduler:
             self._preempt(victim, PreemptionCause.MEMORY, plan)
             if victim is request:
                 return
+        for source, destination in self.block_manager.copy_on_write(request.request_id, request.num_computed_tokens) or []:
+            plan.copies[request.request_id] = (request.num_computed_tokens, source, destination)
         # NOTE: a prefill chunk shrinks to the free slots instead of preempting anyone.
         self._append_slots(request, request.num_computed_tokens + num_fit)
         plan.add(request, num_fit)
@@ -231,8 +275,11 @@ class Scheduler:
         num_tokens = plan.num_tokens_for(request)
         if num_tokens == 0:
             return False
-        num_needed_tokens = request.num_computed_tokens + num_tokens
-        if not self._make_room(request, self.block_manager.num_blocks_for(num_needed_tokens), plan):
+        # NOTE: its host table may hold a block more than its computed tokens need (preempted after
+        # a chunk was planned); all of it comes back.
+        num_blocks = max(self.block_manager.num_blocks_for(request.num_computed_tokens + num_tokens),
+                         len(self.block_manager.get_host_block_ids(request.request_id)))
+        if not self._make_room(request, num_blocks, plan):
             return self._finish_if_never_fits(request, plan)
         if not self.block_manager.can_swap_in(request.request_id):
             raise InvariantError(f"no room to swap {request.request_id} in after room was made")
@@ -244,17 +291,67 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, request: Request, plan: StepPlan) -> bool:
-        """Admit a waiting request with its first chunk; False if it cannot be placed."""
-        num_tokens = plan.num_tokens_for(request)
+        """Admit a waiting request with its first chunk, after the blocks the prefix cache already
+        holds for it; False if it cannot be placed."""
+        hit_block_ids, hit_entry_ids = self._prefix_hit(request)
+        num_hit_tokens = len(hit_block_ids) * self.block_manager.block_size
+        num_tokens = plan.num_tokens_for(request, start=num_hit_tokens)
         if num_tokens == 0:
             return False
         # NOTE: the watermark spares blocks for running decodes; with nothing running it would only block.
         num_reserved_blocks = self.config.watermark_blocks if self._queues.running else 0
-        num_blocks = self.block_manager.num_blocks_for(num_tokens) + num_reserved_blocks
+        num_new_blocks = self.block_manager.num_blocks_for(num_hit_tokens + num_tokens) - len(hit_block_ids)
+        num_blocks = num_new_blocks + self.block_manager.num_unused(hit_block_ids) + num_reserved_blocks
         if not self._make_room(request, num_blocks, plan):
             return self._finish_if_never_fits(request, plan)
+        # NOTE: a victim may have held hit blocks, now unused: taking them uses room counted as free.
+        if self.block_manager.num_free_gpu_blocks < num_new_blocks + self.block_manager.num_unused(hit_block_ids):
+            return False
+        if self.prefix_cache is not None:
+            self.block_manager.share(request.request_id, hit_block_ids)
+            request.num_computed_tokens, request.prefix_entry_ids = num_hit_tokens, hit_entry_ids
+            self.prefix_cache.count_query(request.num_schedulable_tokens, num_hit_tokens)
         self._admit(request, num_tokens, plan)
         return True
+
+    def _prefix_hit(self, request: Request) -> tuple[list[int], list[int]]:
+        """The cached blocks (and their entries) the request's leading tokens already have."""
+        if self.prefix_cache is None:
+            return [], []
+        # NOTE: match leaves the last of the tokens it gets uncached: one token is always computed.
+        return self.prefix_cache.match(request.all_token_ids[: request.num_schedulable_tokens])
+
+    def _fork(self, parent: Request, is_running: bool) -> list[Request]:
+        """The samples of an n > 1 request: each starts where the parent's cache ends (sharing its
+        blocks when running) and computes the last prompt token itself, sampling its own tokens."""
+        params = parent.sampling_params
+        group = ParallelGroup(parent.request_id, params.n)
+        self._groups[parent.request_id] = group
+        samples = []
+        for index in range(params.n):
+            sample = Request(ParallelGroup.sample_id(parent.request_id, index), parent.prompt_token_ids,
+                             params.for_sample(index), parent.arrival_time_s, parent.priority,
+                             num_computed_tokens=parent.num_computed_tokens, group=group, sample_index=index,
+                             prefix_entry_ids=list(parent.prefix_entry_ids),
+                             first_scheduled_time_s=parent.first_scheduled_time_s)
+            if is_running:
+                self.block_manager.fork(parent.request_id, sample.request_id)
+            samples.append(sample)
+        return samples
+
+    def _add_samples(self, parent: Request, samples: list[Request], step_index: int = 0) -> None:
+        """Put the samples where the parent was (running, or waiting) and drop the parent."""
+        admitted_step = self._queues.request_to_admitted_step.get(parent.request_id)
+        if self._queues.remove(parent.request_id) is not None:
+            self.block_manager.free(parent.request_id)
+        for sample in samples:
+            sample.seq_no = self._next_seq_no
+            self._next_seq_no += 1
+            sample.waiting_since_s = parent.waiting_since_s if parent.seq_no >= 0 else self.clock.now()
+            if admitted_step is not None:
+                self._queues.add_running(sample, admitted_step)
+            else:
+                self._queues.add(sample)
 
     # --------------------------------------------------------------------------- helpers
 
@@ -282,10 +379,13 @@ class Scheduler:
     def _preempt(self, victim: Request, cause: PreemptionCause, plan: StepPlan) -> None:
         """Take the victim's device blocks: swap to the host pool if it has room, else recompute."""
         plan.remove(victim.request_id)
+        _, copy_source, copy_destination = plan.copies.pop(victim.request_id, (0, -1, -1))
         is_swap = self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(victim.request_id)
         if is_swap:
             mapping = self.block_manager.swap_out(victim.request_id) or []
-            plan.swap_out.extend(mapping)
+            # NOTE: a copy-on-write planned this step never runs for a victim (swap-out comes
+            # first): its host block takes the content from the shared source instead.
+            plan.swap_out.extend((copy_source if d == copy_destination else d, h) for d, h in mapping)
             self.counters.num_swap_outs += 1
             self.counters.num_swapped_out_blocks += len(mapping)
             self._queues.move(victim, RequestStatus.SWAPPED)
@@ -294,6 +394,7 @@ class Scheduler:
             self.counters.num_recomputed_tokens += victim.num_computed_tokens
             self.block_manager.free(victim.request_id)
             victim.num_computed_tokens = 0
+            victim.prefix_entry_ids = []
             self._queues.move(victim, RequestStatus.WAITING)
         if cause is PreemptionCause.STARVATION:
             victim.waiting_since_s = plan.now_s  # NOTE: it had its turn; it ages again from now

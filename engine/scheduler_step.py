@@ -34,6 +34,8 @@ class StepPlan:
     preempted_request_ids: list[str] = field(default_factory=list)  # lost their device blocks this step
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) copies
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) copies
+    # request -> (position, source, destination): copy-on-write of a shared block it writes this step
+    copies: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
     @classmethod
     def start(cls, config: SchedulerConfig, index: int, now_s: float) -> StepPlan:
@@ -46,11 +48,16 @@ class StepPlan:
             num_prefill_tokens_left=config.prefill_token_budget,
         )
 
-    def num_tokens_for(self, request: Request) -> int:
-        """Most tokens the budgets allow the request this step (0: none left for it)."""
+    def num_tokens_for(self, request: Request, start: int | None = None) -> int:
+        """Most tokens the budgets allow the request this step (0: none left for it).
+
+        Args:
+            start: tokens already in the cache (default: the request's computed tokens; a prefix
+                hit not taken yet counts here).
+        """
         if is_decode(request):
             return min(1, self.num_tokens_left)
-        num_remaining = request.num_tokens - request.num_computed_tokens
+        num_remaining = request.num_schedulable_tokens - (request.num_computed_tokens if start is None else start)
         return max(
             0, min(num_remaining, self.max_prefill_chunk, self.num_tokens_left, self.num_prefill_tokens_left)
         )
@@ -88,6 +95,7 @@ class StepPlan:
             chunks=chunks,
             swap_out=list(self.swap_out),
             swap_in=list(self.swap_in),
+            copy_blocks=[(source, destination) for _, source, destination in self.copies.values()],
             preempted_request_ids=list(self.preempted_request_ids),
         )
 
@@ -102,4 +110,5 @@ class StepPlan:
             needs_sample=start + num_tokens == request.num_tokens,
             sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,
+            sampling_state=request.sampling_state,
         )

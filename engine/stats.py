@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.prefix_cache import PrefixStats
 from engine.request import PreemptionCause
 
 
@@ -45,7 +46,9 @@ class EngineStats:
     num_cpu_blocks: int = 0  # host (swap) pool size, in blocks
     kv_block_bytes: int = 0  # bytes of one block, all layers, keys and values
     num_generated_tokens: int = 0  # tokens sampled since the engine started
+    num_cached_blocks: int = 0  # device blocks whose content the prefix cache indexes
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
+    prefix: PrefixStats = field(default_factory=PrefixStats)
 
     @property
     def gpu_usage(self) -> float:

@@ -6,7 +6,6 @@ Same API and semantics, awaitable. Never imports torch, the engine or the worker
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, cast
@@ -162,12 +161,15 @@ class AsyncProducer:
 
     async def cancel(self, request_id: str) -> None:
         """Ask the workers to cancel ``request_id``; see :meth:`producer.Producer.cancel`."""
-        client = await self.connect()
-        now = time.time()
-        pipe = client.pipeline(transaction=False)
-        pipe.zadd(self.keys.cancel, {request_id: now})
-        pipe.zremrangebyscore(self.keys.cancel, "-inf", now - self.config.queue.result_ttl_s)
-        await pipe.execute()
+        await self.cancel_many([request_id])
+
+    async def cancel_many(self, request_ids: Sequence[str]) -> None:
+        """Cancel every id of ``request_ids`` in one round trip; see :meth:`producer.Producer.cancel`."""
+        if request_ids:
+            client = await self.connect()
+            pipe = client.pipeline(transaction=False)
+            common.queue_cancel_commands(pipe, self.keys, request_ids, self.config.queue.result_ttl_s)
+            await pipe.execute()
 
     async def stream(self, request_id: str, timeout: float | None = None) -> AsyncIterator[str]:
         """Yield text deltas as the worker writes them; see :meth:`producer.Producer.stream`."""

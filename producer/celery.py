@@ -21,10 +21,10 @@ from typing import Any, Literal, cast
 from celery import Celery
 
 from producer.client import Producer
-from producer.common import build_request
+from producer.common import as_chat
 from producer.config import ProducerConfig
 from producer.errors import JobFailed, ResultTimeout, SchemaError
-from producer.schema import SCHEMA_VERSION, ErrorCode, GenerationResult, encode_request
+from producer.schema import ErrorCode, GenerationResult
 
 Mode = Literal["recheck", "blocking"]
 TASK_NAME = "tokenmill.generate"
@@ -34,19 +34,9 @@ _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 # Keys of an input dict forwarded as submit options (task keyword arguments win over them).
 _INPUT_OPTION_KEYS = frozenset({*_PROMPT_KEYS, "metadata", "priority", "deadline", "model", "max_tokens",
                                 "temperature", "top_p", "top_k", "min_tokens", "seed", "stop", "stop_token_ids",
-                                "ignore_eos", "logprobs"})
+                                "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty",
+                                "repetition_penalty", "response_format"})
 
-# KEYS: 1 submit marker, 2 lane stream, 3 cancel set. ARGV: 1 now (unix s), 2 marker ttl ms, 3 d, 4 v, 5 id.
-# A first submit also clears an old cancel mark of the id (it would pre-cancel this request).
-# Returns the submit time of whoever submitted first (this call or an earlier run).
-SUBMIT_ONCE_LUA = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  redis.call('ZREM', KEYS[3], ARGV[5])
-  redis.call('XADD', KEYS[2], '*', 'd', ARGV[3], 'v', ARGV[4])
-  return ARGV[1]
-end
-return redis.call('GET', KEYS[1])
-"""
 
 
 @dataclass(frozen=True)
@@ -82,11 +72,14 @@ class TaskOptions:
 def request_options(source: Any, options: dict[str, Any]) -> dict[str, Any]:
     """Submit options from a task's input and its keyword arguments.
 
+    A plain prompt is sent as a user message (after ``system``, when given), unless ``raw=True``.
+
     Args:
         source: a prompt string; a chat ``messages`` list; a dict with ``prompt`` / ``messages`` /
             ``prompt_token_ids`` (plus optional submit options); a previous ``generate`` result
             dict (its ``text`` becomes the prompt); or None when a prompt is given by keyword.
-        options: the task's keyword arguments (sampling parameters, ``priority``, ...).
+        options: the task's keyword arguments (sampling parameters, ``priority``, ``raw``,
+            ``system``, ...).
 
     Raises:
         SchemaError: code ``validation`` when the input has no usable prompt.
@@ -106,9 +99,12 @@ def request_options(source: Any, options: dict[str, Any]) -> dict[str, Any]:
     elif source is not None:
         raise SchemaError(ErrorCode.VALIDATION.value,
                           f"generate takes a str, a messages list or a dict, got {type(source).__name__}")
+    options = dict(options)
+    is_raw, system = bool(options.pop("raw", False)), options.pop("system", None)
     if any(k in options for k in _PROMPT_KEYS):
         given = {k: v for k, v in given.items() if k not in _PROMPT_KEYS}
-    return {**given, **options}
+    merged = {**given, **options}
+    return merged if is_raw else as_chat(merged, system)
 
 
 class _Generator:
@@ -125,18 +121,11 @@ class _Generator:
         with self._lock:
             if self._producer is None:
                 self._producer = Producer.from_config(self.config)
-                self._submit_script = self._producer.client.register_script(SUBMIT_ONCE_LUA)
             return self._producer
 
     def submit_once(self, request_id: str, options: dict[str, Any]) -> float:
         """Enqueue ``request_id`` unless an earlier run did; returns the first submit's unix time."""
-        producer = self.producer
-        request = build_request(producer.keys, {**options, "request_id": request_id})
-        fields = encode_request(request)
-        ttl_ms = int(self.config.queue.result_ttl_s * 1000)
-        keys = [producer.keys.submitted(request_id), producer.keys.lane(request.priority), producer.keys.cancel]
-        first = self._submit_script(keys=keys, args=[repr(time.time()), ttl_ms, fields["d"], SCHEMA_VERSION, request_id])
-        return float(first)
+        return self.producer.submit_once([{**options, "request_id": request_id}])[0]
 
     def run(self, task: Any, source: Any, options: dict[str, Any]) -> dict[str, Any]:
         request_id = f"celery-{task.request.id}" if task.request.id else None

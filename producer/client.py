@@ -56,6 +56,7 @@ class Producer:
         self._owns_client = client is None
         self.client = client if client is not None else connect(config.redis)
         self._rearm = self.client.register_script(common.REARM_SCRIPT)
+        self._submit_once = self.client.register_script(common.SUBMIT_ONCE_SCRIPT)
 
     def close(self) -> None:
         """Close the connection pool, unless the client was injected."""
@@ -74,8 +75,12 @@ class Producer:
 
         Args:
             **options: exactly one of ``prompt`` / ``messages`` / ``prompt_token_ids``; sampling
-                parameters (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_tokens``,
-                ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``logprobs``); ``priority``
+                parameters (``n`` (samples, sharing the prompt: the result's ``samples``; sample i
+                uses ``seed + i``), ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_tokens``,
+                ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``logprobs`` (top alternatives
+                per token: the result's ``token_logprobs``), ``presence_penalty``,
+                ``frequency_penalty``, ``repetition_penalty``, ``response_format`` (e.g.
+                ``{"type": "json_schema", "json_schema": {"name": "x", "schema": {...}}}``)); ``priority``
                 (``"high"``/``"normal"``/``"low"`` or a lane number; default ``"normal"``);
                 ``request_id`` (idempotency key; default a uuid4 hex); ``deadline`` (unix time);
                 ``reply_to`` (a stream under ``keys.reply_prefix``, e.g. ``keys.reply("fan-in")``);
@@ -113,6 +118,29 @@ class Producer:
         for start in range(0, len(batch), self.config.submit_chunk_size):
             self._enqueue(batch[start:start + self.config.submit_chunk_size])
         return [request.id for request in batch]
+
+    def submit_once(self, requests: Iterable[GenerationRequest | Mapping[str, Any]]) -> list[float]:
+        """Enqueue each request unless its id was enqueued by ``submit_once`` before (within
+        ``result_ttl_s``): re-runs and redeliveries never queue an id twice.
+
+        Returns:
+            Per request, the unix time of its first submit: this call's own time for the requests
+            it enqueued, an earlier time for those already queued.
+
+        Raises:
+            SchemaError: an item is invalid; nothing was sent.
+            SubmitUncertain: Redis failed during a chunk; calling again with the same requests is safe.
+        """
+        batch = [common.coerce_request(self.keys, item) for item in requests]
+        first_submits: list[float] = []
+        for start in range(0, len(batch), self.config.submit_chunk_size):
+            chunk = batch[start:start + self.config.submit_chunk_size]
+            with common.uncertain_on_redis_error(chunk):
+                pipe = self.client.pipeline(transaction=False)
+                common.queue_submit_once_commands(pipe, self._submit_once, self.keys, chunk, time.time(),
+                                                  self.config.queue.result_ttl_s)
+                first_submits += [float(value) for value in pipe.execute()]
+        return first_submits
 
     def _enqueue(self, requests: Sequence[GenerationRequest]) -> None:
         """One round trip: clear stale cancel marks of the ids, XADD each request."""
@@ -199,11 +227,14 @@ class Producer:
         A request not yet picked up is answered ``cancelled`` without running; a finished one
         keeps its result. Marks older than ``result_ttl_s`` are trimmed in the same round trip.
         """
-        now = time.time()
-        pipe = self.client.pipeline(transaction=False)
-        pipe.zadd(self.keys.cancel, {request_id: now})
-        pipe.zremrangebyscore(self.keys.cancel, "-inf", now - self.config.queue.result_ttl_s)
-        pipe.execute()
+        self.cancel_many([request_id])
+
+    def cancel_many(self, request_ids: Sequence[str]) -> None:
+        """Cancel every id of ``request_ids`` in one round trip (see :meth:`cancel`)."""
+        if request_ids:
+            pipe = self.client.pipeline(transaction=False)
+            common.queue_cancel_commands(pipe, self.keys, request_ids, self.config.queue.result_ttl_s)
+            pipe.execute()
 
     def stream(self, request_id: str, timeout: float | None = None) -> Iterator[str]:
         """Yield the text deltas of a ``stream_tokens`` request as the worker writes them.

@@ -23,6 +23,7 @@ from producer.schema import (
     GenerationRequest,
     GenerationResult,
     Message,
+    ResponseFormat,
     SamplingParams,
     check_reply_to,
     decode_result,
@@ -52,6 +53,19 @@ end
 return value
 """
 
+# NOTE: the submit-once scheme (Celery tasks, bulk jobs): a marker per id, set NX with the result's
+# lifetime, guards the XADD, so a re-run or redelivery never queues an id twice. A first submit also
+# clears an old cancel mark of the id (it would pre-cancel this request). KEYS: marker, lane, cancel
+# set. ARGV: now (unix s), marker ttl ms, d, v, id. Returns the submit time of whoever submitted first.
+SUBMIT_ONCE_SCRIPT = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  redis.call('ZREM', KEYS[3], ARGV[5])
+  redis.call('XADD', KEYS[2], '*', 'd', ARGV[3], 'v', ARGV[4])
+  return ARGV[1]
+end
+return redis.call('GET', KEYS[1])
+"""
+
 _SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
 _REQUEST_FIELDS = frozenset({"prompt", "messages", "prompt_token_ids", "deadline", "reply_to",
                              "stream_tokens", "metadata", "model"})
@@ -61,6 +75,8 @@ _SEQUENCE_FIELDS = frozenset({"messages", "prompt_token_ids", "stop_token_ids", 
 
 class SubmitOptions(TypedDict, total=False):
     """Keyword arguments of ``submit``; dict items of ``submit_many`` use the same keys."""
+
+    n: int
 
     prompt: str
     messages: Sequence[Message | Mapping[str, Any]]
@@ -75,6 +91,10 @@ class SubmitOptions(TypedDict, total=False):
     stop_token_ids: Sequence[int]
     ignore_eos: bool
     logprobs: int | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    response_format: ResponseFormat | Mapping[str, Any] | None
     priority: Literal["high", "normal", "low"] | int
     request_id: str | None
     deadline: float | None
@@ -115,7 +135,7 @@ def _as_plain(name: str, value: Any) -> Any:
     """A Python-side convenience: tuples (any non-str sequence) as lists, mappings as dicts."""
     if name in _SEQUENCE_FIELDS and isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         return [dict(item) if isinstance(item, Mapping) else item for item in value]
-    if name == "metadata" and isinstance(value, Mapping):
+    if name in ("metadata", "response_format") and isinstance(value, Mapping):
         return dict(value)
     return value
 
@@ -140,6 +160,21 @@ def _check_for_queue(keys: Keys, request: GenerationRequest) -> None:
         raise SchemaError(ErrorCode.VALIDATION.value, reason)
 
 
+def as_chat(options: Mapping[str, Any], system: str | None = None) -> dict[str, Any]:
+    """``options`` with a plain ``prompt`` turned into chat messages: an optional system message,
+    then the prompt as the user's. Messages and token ids stay as given.
+
+    NOTE: chat is the default for plain prompts (CLI, Celery, bulk), because the models people serve
+    are instruct models that ramble on raw text; a worker whose model has no chat template reads a
+    lone user message as raw text (docs/design.md).
+    """
+    if options.get("prompt") is None or options.get("messages") is not None:
+        return dict(options)  # NOTE: prompt + messages stays invalid, for validation to say so
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": options["prompt"]})
+    return {**{k: v for k, v in options.items() if k != "prompt"}, "messages": messages}
+
+
 def queue_submit_commands(pipe: Any, keys: Keys, requests: Sequence[GenerationRequest]) -> None:
     """Queue the commands that enqueue ``requests`` (sync or asyncio pipeline, one round trip).
 
@@ -150,6 +185,22 @@ def queue_submit_commands(pipe: Any, keys: Keys, requests: Sequence[GenerationRe
     pipe.zrem(keys.cancel, *[request.id for request in requests])
     for request in requests:
         pipe.xadd(keys.lane(request.priority), encode_request(request))
+
+
+def queue_submit_once_commands(pipe: Any, script: Any, keys: Keys, requests: Sequence[GenerationRequest],
+                               now_s: float, ttl_s: float) -> None:
+    """Queue one :data:`SUBMIT_ONCE_SCRIPT` call per request (each replies with its first submit time)."""
+    for request in requests:
+        fields = encode_request(request)
+        script(keys=[keys.submitted(request.id), keys.lane(request.priority), keys.cancel],
+               args=[repr(now_s), int(ttl_s * 1000), fields["d"], fields["v"], request.id], client=pipe)
+
+
+def queue_cancel_commands(pipe: Any, keys: Keys, request_ids: Sequence[str], mark_ttl_s: float) -> None:
+    """Queue the commands that cancel ``request_ids`` and trim marks older than ``mark_ttl_s``."""
+    now = time.time()
+    pipe.zadd(keys.cancel, dict.fromkeys(request_ids, now))
+    pipe.zremrangebyscore(keys.cancel, "-inf", now - mark_ttl_s)
 
 
 @contextmanager

@@ -1,7 +1,8 @@
 """Typed, validated configuration shared by every tokenmill process (pydantic only).
 
-Owns ``QueueConfig`` and ``RedisConfig`` (the ``[queue]`` / ``[redis]`` sections of a deployment's
-TOML file), ``ProducerConfig``, and ``FileSettings``: the one merge of flags > env > file > defaults.
+Owns ``QueueConfig``, ``RedisConfig`` and ``ServeConfig`` (the ``[queue]`` / ``[redis]`` / ``[serve]``
+sections of a deployment's TOML file), ``ProducerConfig``, and ``FileSettings``: the one merge of
+flags > env > file > defaults.
 Never imports redis, torch, the engine or the worker.
 """
 
@@ -124,6 +125,30 @@ class ProducerConfig(_Frozen):
         return self.queue.keys
 
 
+class ServeConfig(_Frozen):
+    """The ``[serve]`` section: the OpenAI-compatible HTTP front (``tokenmill serve``)."""
+
+    host: str = Field("127.0.0.1", min_length=1, description="address to bind; 0.0.0.0 for every interface")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port")
+    api_keys: list[str] = Field(default_factory=list, description="accepted Bearer keys; empty = no authentication")
+    priority: str | int = Field("normal", description="lane of requests without X-Tokenmill-Priority / priority")
+    batch_priority: str | int = Field("low", description="lane of /v1/batches work")
+    request_timeout_s: float = Field(600.0, gt=0, description="longest wait for one request when the client "
+                                     "sends no timeout; also its deadline in the queue")
+    max_file_bytes: int = Field(100 << 20, ge=1024, le=512 << 20, description="largest /v1/files upload")
+    file_ttl_s: float = Field(30 * 86_400.0, gt=0, description="how long uploaded and batch output files live")
+    batch_max_in_flight: int = Field(256, ge=1, le=100_000, description="requests outstanding per batch")
+    batch_dir: Path | None = Field(None, description="scratch dir of running batches; default: the temp dir")
+    log_level: str = Field("info", description="uvicorn log level: critical, error, warning, info, debug")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _check_keys(cls, value: list[str]) -> list[str]:
+        if any(not key or any(ch.isspace() for ch in key) for key in value):
+            raise ValueError("api keys must be non-empty and contain no whitespace")
+        return value
+
+
 class FileSettings(BaseSettings):
     """Root settings of a process (subclasses declare the sections): flags > env > a TOML file >
     defaults. Env names are ``TOKENMILL_<SECTION>__<KEY>``, except the Redis URL's: ``REDIS_URL``."""
@@ -183,3 +208,9 @@ class ClientSettings(FileSettings):
     @property
     def producer_config(self) -> ProducerConfig:
         return ProducerConfig(redis=self.redis, queue=self.queue)
+
+
+class ServeSettings(ClientSettings):
+    """The sections ``tokenmill serve`` reads: ``[redis]``, ``[queue]`` and ``[serve]``."""
+
+    serve: ServeConfig = Field(default_factory=ServeConfig)

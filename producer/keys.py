@@ -104,6 +104,24 @@ class Keys:
         """Reply stream of one bulk job (its results arrive here; deleted when the job completes)."""
         return self.reply(f"bulk:{job_id}")
 
+    def file(self, file_id: str) -> str:
+        """Hash of one file of the OpenAI Files API (``tokenmill serve``): fields ``meta`` (JSON) and ``data``."""
+        return f"{self.base}:file:{file_id}"
+
+    @property
+    def files(self) -> str:
+        """Sorted set of file ids by creation time (listing; ids whose hash expired are dropped lazily)."""
+        return f"{self.base}:files"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash of one OpenAI batch (``tokenmill serve``): its object's fields, JSON-encoded, plus owner fields."""
+        return f"{self.base}:batch:{batch_id}"
+
+    @property
+    def batches(self) -> str:
+        """Sorted set of batch ids by creation time."""
+        return f"{self.base}:batches"
+
     @property
     def dead(self) -> str:
         """Dead-letter stream."""

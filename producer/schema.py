@@ -62,9 +62,46 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+_SPEC_TYPES = ("json_schema", "regex", "grammar")  # response formats whose spec sits in the field of their name
+
+
+class JsonSchemaSpec(_Wire):
+    """OpenAI's ``json_schema`` object: the output follows ``schema`` (always strictly)."""
+
+    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+
+    name: Text = Field(default="response", min_length=1, max_length=64)
+    description: Text | None = None
+    schema_: Metadata = Field(default_factory=dict, alias="schema", description="a JSON Schema; {} = any JSON")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Wire):
+    """What the output must look like: ``{"type": "text"}`` (free text), ``{"type": "json_object"}``,
+    ``{"type": "json_schema", "json_schema": {...}}``, ``{"type": "regex", "regex": "..."}`` or
+    ``{"type": "grammar", "grammar": "<EBNF, GBNF dialect, start rule root>"}``."""
+
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar"] = "text"
+    json_schema: JsonSchemaSpec | None = None
+    regex: Text | None = Field(default=None, min_length=1)
+    grammar: Text | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        given = [name for name in _SPEC_TYPES if getattr(self, name) is not None]
+        if given != [name for name in _SPEC_TYPES if name == self.type]:
+            raise ValueError(f"type {self.type!r} needs exactly its own spec field, got {given}")
+        return self
+
+
+MAX_SAMPLES = 16
+
+
 class SamplingParams(_Wire):
     """How to generate. ``temperature == 0`` is greedy."""
 
+    n: int = Field(default=1, ge=1, le=MAX_SAMPLES,
+                   description="samples per request, sharing the prompt's KV; sample i uses seed + i")
     max_tokens: int = Field(default=256, ge=1, lt=_INT32_END)
     temperature: float = Field(default=0.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -75,6 +112,10 @@ class SamplingParams(_Wire):
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI's, over generated tokens")
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI's, over generated tokens")
+    repetition_penalty: float = Field(default=1.0, gt=0.0, description="Hugging Face's, over prompt + output")
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -87,6 +128,9 @@ class SamplingParams(_Wire):
             raise ValueError("min_tokens must not exceed max_tokens")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.response_format is not None and self.response_format.type != "text" and (
+                self.min_tokens or self.ignore_eos):
+            raise ValueError("min_tokens and ignore_eos cannot be combined with a structured response_format")
         return self
 
 
@@ -184,12 +228,39 @@ class ErrorInfo(_Model):
     message: str
 
 
+class TopLogprob(_Model):
+    """One candidate token at one position (OpenAI's shape)."""
+
+    token_id: int
+    token: str  # its text (incomplete UTF-8 shows as U+FFFD)
+    bytes: list[int]  # its exact bytes
+    logprob: float  # under the raw model distribution
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token and the most likely alternatives at its position."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
 ResultStatus = Literal["ok", "error", "cancelled", "expired"]
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class Sample(_Model):
+    """One sample of an ``n > 1`` request."""
+
+    index: int  # 0 .. n-1
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    logprobs: list[dict[int, float]] | None = None
+    token_logprobs: list[TokenLogprob] | None = None
+
+
 class GenerationResult(_Model):
-    """The one answer to one request id."""
+    """The one answer to one request id. With ``n > 1``, ``samples`` holds every sample and the
+    top-level ``text`` / ``token_ids`` / ``finish_reason`` are sample 0's (old readers see one answer)."""
 
     id: str
     status: ResultStatus
@@ -199,9 +270,12 @@ class GenerationResult(_Model):
     usage: Usage = Field(default_factory=Usage)
     timings: Timings = Field(default_factory=Timings)
     worker: str | None = None
+    model: str | None = None  # the served model name of the worker that answered (stamped when written)
     error: ErrorInfo | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, float]] | None = None  # raw, per token: {token_id: logprob}, the chosen one first
+    token_logprobs: list[TokenLogprob] | None = None  # OpenAI's shape, when the request set params.logprobs
+    samples: list[Sample] | None = None  # every sample of an n > 1 request, by index
 
     @property
     def ok(self) -> bool:
@@ -235,9 +309,21 @@ def _pack(obj: dict[str, Any]) -> bytes:
     return packed
 
 
+# NOTE: fields added to version 1 after it shipped are left out of the encoding while unused (at these
+# defaults, or None), so that what does not use them encodes exactly as before and older readers,
+# which reject unknown fields, still take it.
+_NEWER_PARAM_DEFAULTS: dict[str, Any] = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                                          "n": 1}
+_NEWER_RESULT_FIELDS = ("model", "token_logprobs", "samples")
+
+
 def encode_request(request: GenerationRequest) -> dict[str, bytes | int]:
     """Stream-entry fields (``d``, ``v``) for XADD."""
-    return {"d": _pack(request.model_dump(mode="json", exclude_none=True)), "v": SCHEMA_VERSION}
+    data = request.model_dump(mode="json", exclude_none=True)
+    for name, default in _NEWER_PARAM_DEFAULTS.items():
+        if data["params"].get(name) == default:
+            del data["params"][name]
+    return {"d": _pack(data), "v": SCHEMA_VERSION}
 
 
 def decode_request(fields: dict[Any, Any]) -> GenerationRequest:
@@ -298,7 +384,8 @@ def _unpack(payload: Any) -> Any:
 
 def encode_result(result: GenerationResult) -> bytes:
     """The msgpack bytes stored under the result key and sent as ``d`` to reply streams."""
-    return _pack({**result.model_dump(mode="json"), "v": SCHEMA_VERSION})
+    unused = {name for name in _NEWER_RESULT_FIELDS if getattr(result, name) is None}
+    return _pack({**result.model_dump(mode="json", exclude=unused), "v": SCHEMA_VERSION})
 
 
 def decode_result(data: bytes) -> GenerationResult:
@@ -316,8 +403,9 @@ def decode_result(data: bytes) -> GenerationResult:
     version = obj.pop("v", SCHEMA_VERSION)
     if version not in SUPPORTED_VERSIONS:
         raise SchemaError(ErrorCode.UNKNOWN_VERSION.value, f"result schema version {version!r} is not supported")
-    if obj.get("logprobs"):
-        obj["logprobs"] = [{int(k): v for k, v in d.items()} for d in obj["logprobs"]]
+    for item in [obj, *(obj.get("samples") or [])]:
+        if isinstance(item, dict) and item.get("logprobs"):  # NOTE: JSON mode made the token-id keys strings
+            item["logprobs"] = [{int(k): v for k, v in d.items()} for d in item["logprobs"]]
     try:
         return GenerationResult.model_validate(obj)
     except ValidationError as exc:

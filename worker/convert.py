@@ -6,12 +6,25 @@ reasons and error codes meet the wire's here, in one table each.
 
 from __future__ import annotations
 
+import dataclasses
+
+from engine.logprobs import TokenLogprob as EngineTokenLogprob
 from engine.outputs import RequestOutput
 from engine.prompts import ChatPrompt, Prompt, TextPrompt, TokensPrompt
 from engine.request import FinishReason as EngineFinishReason
 from engine.request import RequestErrorCode
 from engine.sampling_params import SamplingParams as EngineSamplingParams
-from producer.schema import ErrorCode, ErrorInfo, FinishReason, GenerationRequest, GenerationResult, Timings, Usage
+from producer.schema import (
+    ErrorCode,
+    ErrorInfo,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    Sample,
+    Timings,
+    TokenLogprob,
+    Usage,
+)
 from worker.messages import Admit
 
 FINISH_REASONS: dict[EngineFinishReason, FinishReason] = {
@@ -64,6 +77,8 @@ def build_result(output: RequestOutput, admit: Admit, worker: str, abort_status:
         finish_reason=FINISH_REASONS.get(reason) if reason is not None else None, usage=usage,
         timings=_timings(output, admit), worker=worker, metadata=request.metadata,
         logprobs=output.logprobs if request.params.logprobs is not None else None,
+        token_logprobs=wire_token_logprobs(output.token_logprobs) if request.params.logprobs is not None else None,
+        samples=_samples(output, with_logprobs=request.params.logprobs is not None),
     )
     if reason is EngineFinishReason.ERROR:
         code = ERROR_CODES.get(output.error_code, ErrorCode.INTERNAL) if output.error_code else ErrorCode.INTERNAL
@@ -74,6 +89,24 @@ def build_result(output: RequestOutput, admit: Admit, worker: str, abort_status:
         info = ErrorInfo(code=status, message=f"request {status} while {'running' if completion_tokens else 'waiting'}")
         return result.model_copy(update={"status": status, "error": info})
     return result
+
+
+def _samples(output: RequestOutput, with_logprobs: bool) -> list[Sample] | None:
+    """Every sample of an n > 1 request on the wire (None for one sample)."""
+    if output.samples is None:
+        return None
+    return [Sample(index=s.index, text=s.text, token_ids=list(s.token_ids),
+                   finish_reason=FINISH_REASONS.get(s.finish_reason) if s.finish_reason is not None else None,
+                   logprobs=s.logprobs if with_logprobs else None,
+                   token_logprobs=wire_token_logprobs(s.token_logprobs) if with_logprobs else None)
+            for s in output.samples]
+
+
+def wire_token_logprobs(token_logprobs: list[EngineTokenLogprob] | None) -> list[TokenLogprob] | None:
+    """The engine's OpenAI-shaped logprobs of one sequence (a request, or one sample) on the wire."""
+    if token_logprobs is None:
+        return None
+    return [TokenLogprob.model_validate(dataclasses.asdict(item)) for item in token_logprobs]
 
 
 def _timings(output: RequestOutput, admit: Admit) -> Timings:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.outputs import RequestMetrics, RequestOutput
+from engine.outputs import RequestMetrics, RequestOutput, SampleOutput
 from engine.prompts import ChatPrompt, Prompt, TextPrompt
 from engine.request import FinishReason, RequestErrorCode
 from engine.sampling_params import SamplingParams
@@ -115,6 +115,9 @@ class EchoEngine:
         """The prompt's UTF-8 bytes (chat messages: their contents, one per line)."""
         return _token_ids(prompt)
 
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Nothing to compile: the echo engine ignores response formats (it echoes)."""
+
     def step(self) -> list[RequestOutput]:
         """Admit by (priority, arrival), then emit tokens for every running request."""
         if self._step_delay_s:
@@ -190,8 +193,14 @@ def _token_ids(prompt: Prompt) -> list[int]:
 def _output(request: _EchoRequest, new: list[int], delta: str, *, finished: bool, reason: FinishReason | None,
             error: str | None = None) -> RequestOutput:
     logprobs = [{t: 0.0} for t in request.token_ids] if request.params.logprobs is not None else None
+    # NOTE: n > 1 echoes the same text n times (its samples are identical, as greedy ones would be)
+    samples = None
+    if finished and request.params.n > 1:
+        samples = [SampleOutput(i, list(request.token_ids), request.text, reason, logprobs)
+                   for i in range(request.params.n)]
     return RequestOutput(
         request_id=request.request_id, new_token_ids=new, text_delta=delta, token_ids=list(request.token_ids),
         text=request.text, finished=finished, finish_reason=reason, prompt_token_count=len(request.prompt_token_ids),
-        metrics=request.metrics, error=error, error_code=RequestErrorCode.PROMPT_TOO_LONG if error else None, logprobs=logprobs,
+        metrics=request.metrics, error=error, error_code=RequestErrorCode.PROMPT_TOO_LONG if error else None,
+        logprobs=logprobs, samples=samples,
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import msgpack
@@ -32,11 +32,14 @@ class Heartbeat:
     pid: int = field(default_factory=os.getpid)
     host: str = field(default_factory=socket.gethostname)
     started_at: float = field(default_factory=time.time)  # unix time the worker started
-    model: str = ""  # model served
+    model: str = ""  # model loaded (as configured: alias, id or path)
+    served_model_name: str = ""  # the name requests use for it (``/v1/models`` lists these)
     running: int = 0  # requests generating now
     waiting: int = 0  # requests waiting inside the engine
     tokens_per_s: float = 0.0  # completion tokens per second over the last interval
     num_finished: int = 0  # results produced since start
+    prefix_hit_ratio: float = 0.0  # prompt tokens found in the prefix cache / prompt tokens looked up
+    num_cached_blocks: int = 0  # KV blocks the prefix cache indexes
 
     def age_s(self, now_s: float) -> float:
         """Seconds since the beat."""
@@ -79,10 +82,15 @@ def forget_old(client: redis.Redis, keys: Keys, now_s: float) -> list[str]:
     return names
 
 
+_FIELDS = frozenset(f.name for f in fields(Heartbeat))
+
+
 def _decode(raw: Any) -> Heartbeat | None:
     try:
         data = msgpack.unpackb(raw, raw=False)
-        return Heartbeat(**data)
+        # NOTE: fields a newer worker added are ignored: a mixed fleet must never judge a live
+        # worker dead (and take its entries) because its heartbeat says more.
+        return Heartbeat(**{name: value for name, value in data.items() if name in _FIELDS})
     except Exception:  # noqa: BLE001 - a foreign or older value: not a heartbeat we can judge
         return None
 

@@ -25,7 +25,7 @@ class IntakePolicy:
     """What a worker accepts."""
 
     keys: Keys  # the served queue: reply streams must live in its reply namespace
-    model_name: str  # a request naming another model is refused
+    model_names: frozenset[str]  # the served name and the configured one; a request naming another is refused
     worker: str  # this worker's name, recorded in immediate answers
     max_request_bytes: int  # larger entries are refused before they are decoded or tokenized
 
@@ -54,8 +54,8 @@ def triage(entry: Entry, now_s: float, policy: IntakePolicy) -> Admit | Finish |
     if reply_error is not None:
         return answer(request.model_copy(update={"reply_to": None}), entry, ErrorCode.VALIDATION.value, reply_error,
                       policy.worker)
-    if request.model is not None and request.model != policy.model_name:
-        message = f"this worker serves {policy.model_name!r}, not {request.model!r}"
+    if request.model is not None and request.model not in policy.model_names:
+        message = f"this worker serves {' / '.join(sorted(map(repr, policy.model_names)))}, not {request.model!r}"
         return answer(request, entry, ErrorCode.MODEL_NOT_SERVED.value, message, policy.worker)
     if request.deadline is not None and request.deadline <= now_s:
         return answer(request, entry, "expired", "deadline passed before the request started", policy.worker,

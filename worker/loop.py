@@ -79,7 +79,7 @@ class EngineLoop:
         if self._metrics is not None:
             self._metrics.observe_engine(stats)
         live_ids = frozenset(rid for rid, live in self._live.items() if live.abort_status is None)
-        self._load.publish(stats.num_waiting, stats.num_running, live_ids)
+        self._load.publish(stats, live_ids)
 
     def hand_back_waiting(self) -> None:
         """Stop admitting and abort every request that has not started, leaving its entry pending."""
@@ -116,14 +116,17 @@ class EngineLoop:
             self._engine.abort(command.request_id)
 
     def _tokenize(self, admit: Admit) -> None:
-        """Tokenize on the tokenizer thread; the result comes back through the inbox as ``Prepared``.
+        """Tokenize (and compile a structured-output grammar) on the tokenizer thread; the result
+        comes back through the inbox as ``Prepared``.
 
-        NOTE: tokenizing a long prompt takes about a second per MB; on the engine thread it
-        would stall every running request for that long.
+        NOTE: tokenizing a long prompt takes about a second per MB, compiling a JSON schema tens of
+        milliseconds; on the engine thread either would stall every running request for that long.
         """
         def prepare() -> None:
             try:
-                prepared = Prepared(admit, self._engine.tokenize(engine_prompt(admit.request)))
+                prompt_token_ids = self._engine.tokenize(engine_prompt(admit.request))
+                self._engine.compile_grammar(engine_params(admit.request))
+                prepared = Prepared(admit, prompt_token_ids)
             except Exception as exc:  # noqa: BLE001 - any failure is this request's error result
                 prepared = Prepared(admit, None, exc)
             self._inbox.put(prepared)
@@ -191,5 +194,8 @@ class EngineLoop:
 
 
 def _error_code(exc: Exception | None) -> ErrorCode:
-    """The wire error code of a tokenization failure: the prompt's own code, else ``internal``."""
+    """The wire error code of a preparation failure: the prompt's own code, ``validation`` for
+    parameters the engine refuses, else ``internal``."""
+    if isinstance(exc, ValidationError):
+        return ErrorCode.VALIDATION
     return ERROR_CODES[exc.code] if isinstance(exc, PromptError) else ErrorCode.INTERNAL

@@ -23,6 +23,8 @@ class EngineLike(Protocol):
 
     def tokenize(self, prompt: Prompt) -> list[int]: ...
 
+    def compile_grammar(self, params: EngineSamplingParams) -> None: ...
+
     def add_request(
         self,
         request_id: str,

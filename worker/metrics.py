@@ -33,6 +33,9 @@ _ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = 
     ("tokenmill_recomputed_tokens", "computed tokens whose KV was dropped by recompute preemption",
      lambda s: s.counters.num_recomputed_tokens),
     ("tokenmill_engine_steps", "engine scheduler steps", lambda s: s.counters.num_steps),
+    ("tokenmill_prefix_query_tokens", "prompt tokens looked up in the prefix cache", lambda s: s.prefix.num_query_tokens),
+    ("tokenmill_prefix_hit_tokens", "prompt tokens found in the prefix cache (not computed again)",
+     lambda s: s.prefix.num_hit_tokens),
 )
 # (metric name, help, value): engine state exported as gauges.
 _ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
@@ -45,6 +48,8 @@ _ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
     ("tokenmill_kv_device_blocks", "device KV blocks in total", lambda s: s.num_gpu_blocks),
     ("tokenmill_kv_host_blocks_used", "used host KV blocks", lambda s: s.num_used_cpu_blocks),
     ("tokenmill_kv_host_blocks", "host KV blocks in total", lambda s: s.num_cpu_blocks),
+    ("tokenmill_prefix_cached_blocks", "device KV blocks the prefix cache indexes", lambda s: s.num_cached_blocks),
+    ("tokenmill_prefix_hit_ratio", "prompt tokens found in the prefix cache / looked up", lambda s: s.prefix.hit_ratio),
 )
 
 

@@ -42,18 +42,18 @@ class Reader:
         load: shared counters (backpressure, the engine's live ids).
         inbox: admits and aborts for the engine thread.
         outbox: immediate answers and dead letters for the writer.
-        model_name: the model the engine serves.
+        model_names: the names a request's ``model`` may give (served and configured).
     """
 
     def __init__(self, client: redis.Redis, keys: Keys, config: WorkerConfig, load: Load,
-                 inbox: queue.Queue[Incoming], outbox: queue.Queue[Outgoing], model_name: str) -> None:
+                 inbox: queue.Queue[Incoming], outbox: queue.Queue[Outgoing], model_names: frozenset[str]) -> None:
         self._client, self._keys, self._config, self._load = client, keys, config, load
         self._inbox, self._outbox = inbox, outbox
         # NOTE: reclaim keeps the heartbeat's pace: it looks once per beat, and claims only entries idle
         # for half a beat (longer than two reclaimers racing, shorter than any dead worker's silence).
         self._reclaimer = Reclaimer(client, keys, config.name, config.stale_after_s,
                                     min_idle_ms=int(config.heartbeat_interval_s * 500))
-        self._intake = IntakePolicy(keys, model_name, config.name, config.max_request_bytes)
+        self._intake = IntakePolicy(keys, model_names, config.name, config.max_request_bytes)
         self._backoff = Backoff()
         self._next_reclaim_s = self._next_cancel_poll_s = 0.0
         self._needs_groups = True  # (re-)create the consumer groups before the next read

@@ -15,9 +15,11 @@ from types import FrameType
 import redis
 
 from engine.engine import Engine
+from engine.errors import EngineError
 from producer.connection import connect
 from worker.config import Settings
 from worker.echo_engine import EchoEngine, is_echo_model
+from worker.errors import StartupError
 from worker.heartbeat import STOPPED
 from worker.logs import setup_logging
 from worker.loop import EngineLoop
@@ -33,16 +35,23 @@ IDLE_WAIT_S = 0.05  # engine thread: wait for commands this long when it has not
 
 
 def build_engine(settings: Settings) -> EngineLike:
-    """The echo engine for an echo model name, else the real engine (imports torch; slow)."""
+    """The echo engine for an echo model name, else the real engine (imports torch; slow).
+
+    Raises:
+        StartupError: the model cannot be found or loaded, or the engine cannot be sized.
+    """
     if is_echo_model(settings.engine.model.name):
         return EchoEngine(settings.engine)
-    engine: EngineLike = Engine.from_config(settings.engine)
+    try:
+        engine: EngineLike = Engine.from_config(settings.engine)
+    except EngineError as exc:
+        raise StartupError(str(exc)) from exc
     return engine
 
 
 def run_worker(settings: Settings, *, burst: bool = False) -> int:
     """Set up logging, serve (see :class:`Worker`) and return the exit code; ``RedisUnavailable``
-    when Redis cannot be reached."""
+    when Redis cannot be reached, ``StartupError`` when the engine cannot be built."""
     setup_logging(settings.worker.log_level, settings.worker.log_json)
     return Worker(settings, burst=burst).run()
 
@@ -75,8 +84,10 @@ class Worker:
         # NOTE: one registry per worker, so several workers can live in one process (tests).
         self.metrics = WorkerMetrics(self.name, model, keys) if config.metrics_port is not None else None
         self._loop = EngineLoop(self._engine, inbox, outbox, load, self.name, self.metrics)
-        self._reader = Reader(self._client, keys, config, load, inbox, outbox, model)
-        self._writer = Writer(self._client, settings.queue, config, load, outbox, model, self.metrics)
+        served = settings.served_model_name
+        self._reader = Reader(self._client, keys, config, load, inbox, outbox,
+                              frozenset({served, model, settings.engine.model.name}))
+        self._writer = Writer(self._client, settings.queue, config, load, outbox, model, served, self.metrics)
         self._stopping = threading.Event()
         self._forced = threading.Event()
         self._failed = threading.Event()  # a thread died: exit non-zero at once

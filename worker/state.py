@@ -8,6 +8,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from engine.stats import EngineStats
+
 
 @dataclass
 class Load:
@@ -23,6 +25,8 @@ class Load:
     num_tokens: int = 0  # completion tokens generated since start
     num_finished: int = 0  # results handed to the writer since start
     live_ids: frozenset[str] = frozenset()  # request ids inside the engine, not yet aborted
+    prefix_hit_ratio: float = 0.0  # of prompt tokens looked up in the prefix cache
+    num_cached_blocks: int = 0  # KV blocks the prefix cache indexes
     is_write_blocked: bool = False  # Redis refused the writer's last round: read nothing more until one succeeds
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _room: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -40,11 +44,13 @@ class Load:
         with self._lock:
             self.num_queued += delta
 
-    def publish(self, num_waiting: int, num_running: int, live_ids: frozenset[str]) -> None:
-        """Engine thread: the engine's queue sizes after a step; wakes a reader waiting for room."""
+    def publish(self, stats: EngineStats, live_ids: frozenset[str]) -> None:
+        """Engine thread: the engine's state after a step; wakes a reader waiting for room."""
+        num_waiting = stats.num_waiting
         with self._lock:
             had_room_for_less = num_waiting < self.num_waiting
-            self.num_waiting, self.num_running, self.live_ids = num_waiting, num_running, live_ids
+            self.num_waiting, self.num_running, self.live_ids = num_waiting, stats.num_running, live_ids
+            self.prefix_hit_ratio, self.num_cached_blocks = stats.prefix.hit_ratio, stats.num_cached_blocks
         if had_room_for_less or num_waiting == 0:
             self._room.set()
 

@@ -16,7 +16,7 @@ from producer.config import QueueConfig
 from worker.backoff import Backoff
 from worker.config import WorkerConfig
 from worker.heartbeat import RUNNING, STOPPED, Heartbeat, forget_old, write_heartbeat
-from worker.messages import DeadLetter, Finish, Outgoing
+from worker.messages import DeadLetter, Finish, Outgoing, TokenDelta
 from worker.metrics import WorkerMetrics
 from worker.results import ResultWriter
 from worker.state import Load
@@ -37,18 +37,21 @@ class Writer:
         config: worker settings (TTLs, intervals).
         load: shared counters (heartbeat stats; reads pause while writes fail).
         outbox: what to write.
-        model_name: the model served, shown in the heartbeat.
+        model_name: the model loaded, shown in the heartbeat.
+        served_model_name: the name it is served under: in the heartbeat and stamped on every result.
         metrics: counts written results; samples rate and lane depth each beat. None = no metrics.
     """
 
     def __init__(self, client: redis.Redis, queue_config: QueueConfig, config: WorkerConfig, load: Load,
-                 outbox: queue.Queue[Outgoing], model_name: str, metrics: WorkerMetrics | None = None) -> None:
+                 outbox: queue.Queue[Outgoing], model_name: str, served_model_name: str,
+                 metrics: WorkerMetrics | None = None) -> None:
         self._metrics = metrics
         self._client, self._keys, self._config, self._load = client, queue_config.keys, config, load
         self._outbox = outbox
         self._cancel_ttl_s = queue_config.result_ttl_s  # NOTE: a cancel mark is kept as long as a result
         self._results = ResultWriter(client, self._keys, queue_config.result_ttl_s, config.token_ttl_s)
-        self._beat = Heartbeat(name=config.name, ts=time.time(), model=model_name)
+        self._beat = Heartbeat(name=config.name, ts=time.time(), model=model_name,
+                               served_model_name=served_model_name)
         self._unwritten: list[Outgoing] = []  # items of a flush that failed, retried first
         self._backoff = Backoff()
         self._last_tokens = (time.monotonic(), 0)
@@ -62,6 +65,7 @@ class Writer:
         self._beat.ts, self._beat.state = time.time(), state
         self._beat.running, self._beat.waiting = self._load.num_running, self._load.num_waiting
         self._beat.num_finished = self._load.num_finished
+        self._beat.prefix_hit_ratio, self._beat.num_cached_blocks = self._load.prefix_hit_ratio, self._load.num_cached_blocks
         self._beat.tokens_per_s = (self._load.num_tokens - tokens_then) / max(now - then, 1e-6)
         write_heartbeat(self._client, self._keys, self._beat)
         if self._metrics is not None:
@@ -113,6 +117,9 @@ class Writer:
         Raises:
             redis.RedisError: the round trip or an item failed; the caller backs off.
         """
+        for item in items:
+            if not isinstance(item, TokenDelta) and item.result is not None and item.result.model is None:
+                item.result.model = self._beat.served_model_name
         self._unwritten += items
         if not self._unwritten:
             return

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from producer.bulk.errors import BulkError, BulkInputError
-from producer.bulk.pipeline import BulkJob, BulkOptions
+from producer.bulk.options import BulkOptions
+from producer.bulk.pipeline import BulkJob
 from producer.bulk.report import BulkSummary
 from producer.client import Producer
 from producer.config import ProducerConfig
@@ -29,7 +30,8 @@ def run(input_path: str | Path, output_path: str | Path, *, producer: Producer |
         config: queue and Redis settings when no ``producer`` is given.
         show_progress: draw a progress bar on stderr.
         **options: fields of :class:`BulkOptions` (``format``, ``priority``, ``max_in_flight``,
-            ``retries``, ``errors_path``, ``max_tokens``, ``temperature``, ...).
+            ``retries``, ``errors_path``, ``raw``, ``system``, ``cancel_on_interrupt``,
+            ``max_tokens``, ``temperature``, ...).
 
     Returns:
         Counts by status, tokens, wall time; ``is_interrupted`` after Ctrl-C (files stay valid).

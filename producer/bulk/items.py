@@ -16,17 +16,14 @@ from typing import Any, Literal
 from pydantic import TypeAdapter, ValidationError
 
 from producer.bulk.errors import BulkInputError
+from producer.openai_compat.bodies import ENDPOINTS, BodyError, Endpoint, parse_body
 from producer.schema import SamplingParams
 from producer.wire_values import is_utf8
 
 InputFormat = Literal["jsonl", "openai", "csv", "parquet"]
 FORMATS: tuple[str, ...] = ("auto", "jsonl", "openai", "csv", "parquet")
 SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
-_PLAIN_FIELDS = frozenset({"id", "prompt", "messages", "params", "metadata", "priority"})
-# NOTE: OpenAI body keys we accept without acting on them; any other unknown key is an error,
-# so a request never silently runs with different semantics than its author asked for.
-_OPENAI_IGNORED = frozenset({"model", "user", "stream", "n", "store"})
-_OPENAI_URLS = frozenset({"/v1/chat/completions", "/v1/completions"})
+_PLAIN_FIELDS = frozenset({"id", "prompt", "messages", "params", "metadata", "priority", "model"})
 # CSV cells are text: sampling columns are parsed to their field's type ("4" -> 4) before the
 # strict wire validation. ``stop`` stays text (one stop string per cell).
 _CELL_TYPES = {name: TypeAdapter(info.annotation) for name, info in SamplingParams.model_fields.items()
@@ -39,8 +36,9 @@ class BulkItem:
 
     item_id: str  # the user's id (id / custom_id / id column), else the line or row number
     line: int  # 1-based line (JSONL) or data row (CSV, Parquet) in the input
-    options: dict[str, Any]  # submit options: prompt or messages, sampling params, metadata, priority
-    model: str | None = None  # OpenAI body "model", echoed back in the output
+    options: dict[str, Any]  # submit options: prompt or messages, sampling params, metadata, priority, model
+    model: str | None = None  # the model the record names (the output names the one that answered)
+    endpoint: Endpoint = "chat"  # OpenAI input: the line's url (the output's object type follows it)
 
     @property
     def index(self) -> int:
@@ -163,10 +161,11 @@ def parse_plain(record: dict[str, Any], line_no: int) -> Parsed:
     if bad_params:
         return InvalidItem(line_no, f"unknown param(s): {', '.join(sorted(bad_params))}", item_id)
     options = {**{k: v for k, v in record.items() if k in SAMPLING_FIELDS}, **params}
-    for name in ("prompt", "messages", "metadata", "priority"):
+    for name in ("prompt", "messages", "metadata", "priority", "model"):
         if record.get(name) is not None:
             options[name] = record[name]
-    return BulkItem(item_id, line_no, options)
+    model = record.get("model")
+    return BulkItem(item_id, line_no, options, model=model if isinstance(model, str) else None)
 
 
 def parse_openai(record: dict[str, Any], line_no: int) -> Parsed:
@@ -177,38 +176,18 @@ def parse_openai(record: dict[str, Any], line_no: int) -> Parsed:
     if record.get("method", "POST") != "POST":
         return InvalidItem(line_no, f"method must be POST, got {record.get('method')!r}", custom_id)
     url = record.get("url", "/v1/chat/completions")
-    if url not in _OPENAI_URLS:
-        return InvalidItem(line_no, f"url must be one of {sorted(_OPENAI_URLS)}, got {url!r}", custom_id)
+    if url not in ENDPOINTS:
+        return InvalidItem(line_no, f"url must be one of {sorted(ENDPOINTS)}, got {url!r}", custom_id)
     body = record.get("body")
     if not isinstance(body, dict):
         return InvalidItem(line_no, "body must be an object", custom_id)
-    options, reason = _openai_options(body)
-    if reason is not None:
-        return InvalidItem(line_no, reason, custom_id)
-    model = body.get("model")
-    return BulkItem(custom_id, line_no, options, model=model if isinstance(model, str) else None)
-
-
-def _openai_options(body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
-    body = dict(body)
-    if body.get("n", 1) != 1:
-        return {}, "body.n must be 1"
-    if body.get("stream"):
-        return {}, "body.stream is not supported in a batch"
-    for name in _OPENAI_IGNORED:
-        body.pop(name, None)
-    options: dict[str, Any] = {}
-    if "max_completion_tokens" in body:
-        options["max_tokens"] = body.pop("max_completion_tokens")
-        body.pop("max_tokens", None)
-    for name in ("messages", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "metadata"):
-        if name in body:
-            value = body.pop(name)
-            if value is not None:
-                options[name] = value
-    if body:
-        return {}, f"unsupported body field(s): {', '.join(sorted(body))}"
-    return options, None
+    try:
+        parsed = parse_body(body, ENDPOINTS[url])
+    except BodyError as exc:
+        return InvalidItem(line_no, f"body.{exc}", custom_id)
+    if parsed.stream:
+        return InvalidItem(line_no, "body.stream is not supported in a batch", custom_id)
+    return BulkItem(custom_id, line_no, parsed.options, model=parsed.model, endpoint=parsed.endpoint)
 
 
 def _read_csv(path: Path, prompt_column: str, id_column: str) -> Iterator[Parsed]:

@@ -17,11 +17,15 @@ from typing import IO, Any, Literal
 
 from producer.bulk.errors import BulkError
 from producer.bulk.items import BulkItem, InvalidItem
+from producer.openai_compat.objects import completion_object, result_error
 from producer.schema import GenerationResult
 from producer.wire_values import is_utf8
 
 OutputFormat = Literal["plain", "openai"]
 FSYNC_INTERVAL_S = 2.0
+UNKNOWN_MODEL = "tokenmill"  # the model named in outputs of results that do not say (written by older workers)
+# Result fields a plain output line carries when the result has them (asked-for extras).
+_PLAIN_EXTRAS = ("logprobs", "token_logprobs", "samples")
 
 
 def _short_hash(text: str, num_chars: int = 24) -> str:
@@ -34,7 +38,9 @@ def result_line(fmt: OutputFormat, item: BulkItem, result: GenerationResult) -> 
         return _openai_line(item, result)
     line: dict[str, Any] = {"id": item.item_id, "status": result.status, "text": result.text,
                             "finish_reason": result.finish_reason, "usage": result.usage.model_dump(),
-                            "index": item.index}
+                            "model": result.model or item.model, "index": item.index}
+    dumped = result.model_dump(mode="json", include=set(_PLAIN_EXTRAS), exclude_none=True)
+    line.update(dumped)
     if result.error is not None:
         line["error"] = result.error.model_dump()
         line["line"] = item.line
@@ -44,25 +50,15 @@ def result_line(fmt: OutputFormat, item: BulkItem, result: GenerationResult) -> 
 
 
 def _openai_line(item: BulkItem, result: GenerationResult) -> dict[str, Any]:
-    line_id = f"batch_req_{_short_hash(result.id)}"
-    if not result.ok:
-        code = result.error.code if result.error else result.status
-        message = result.error.message if result.error else result.status
-        return {"id": line_id, "custom_id": item.item_id, "response": None,
-                "error": {"code": code, "message": message}, "line": item.line}
-    usage = result.usage
-    body = {
-        "id": f"chatcmpl-{_short_hash(result.id)}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": item.model or "tokenmill",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                     "logprobs": None, "finish_reason": result.finish_reason or "stop"}],
-        "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                  "total_tokens": usage.prompt_tokens + usage.completion_tokens},
-    }
-    return {"id": line_id, "custom_id": item.item_id,
-            "response": {"status_code": 200, "request_id": result.id, "body": body}, "error": None}
+    """OpenAI's Batch output line: the HTTP response a request would have had (200 with the
+    completion, or the error status with OpenAI's error body; failures also carry their input line)."""
+    line: dict[str, Any] = {"id": f"batch_req_{_short_hash(result.id)}", "custom_id": item.item_id}
+    if result.ok:
+        body = completion_object(item.endpoint, result, model=item.model or UNKNOWN_MODEL, created=int(time.time()))
+        return {**line, "response": {"status_code": 200, "request_id": result.id, "body": body}, "error": None}
+    status_code, error_body = result_error(result)
+    return {**line, "response": {"status_code": status_code, "request_id": result.id, "body": error_body},
+            "error": None, "line": item.line}
 
 
 def invalid_line(fmt: OutputFormat, item: InvalidItem) -> dict[str, Any]:

@@ -1,13 +1,14 @@
 """The bulk job: a windowed, resumable pipeline from an input file through the queue to JSONL.
 
 Request ids are deterministic per (job, item, attempt), the job being the OUTPUT path, so a
-re-run finishes only what is missing and picks up results that landed while it was dead.
+re-run finishes only what is missing: results that landed while it was dead are picked up, and
+requests an earlier run queued are waited for, never queued again (submit-once markers).
 Never imports torch, the engine or the worker.
 """
 
 from __future__ import annotations
 
-import hashlib
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -15,15 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from producer import common
 from producer.bulk.items import BulkItem, InvalidItem, Parsed, count_records, detect_format, read_items
+from producer.bulk.options import BulkOptions, job_id_of, request_id_of
 from producer.bulk.output import DoneSet, LineWriter, OutputFormat, invalid_line, repair_and_scan, result_line
 from producer.bulk.report import BulkProgress, BulkSummary
 from producer.client import Producer
 from producer.errors import SchemaError
-from producer.schema import ErrorCode, GenerationResult, decode_result
+from producer.schema import ErrorCode, GenerationRequest, GenerationResult, decode_result
 
 # Remote failures worth another attempt; every other non-ok result is final.
 RETRYABLE_CODES = frozenset({ErrorCode.INTERNAL.value, ErrorCode.MAX_DELIVERIES.value})
@@ -32,24 +32,8 @@ RECHECK_INTERVAL_S = 5.0  # fallback MGET of in-flight result keys, in case a re
 ABANDONED_REPLY_TTL_S = 86_400  # an interrupted job's reply stream lives this long for the re-run
 
 
-class BulkOptions(BaseModel):
-    """Options of one bulk run; per-item params override the sampling defaults here."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    format: str = Field("auto", description="auto, jsonl, openai, csv or parquet")
-    prompt_column: str = Field("prompt", min_length=1, description="CSV/Parquet column holding the prompt")
-    id_column: str = Field("id", min_length=1, description="CSV/Parquet column holding the item id (optional)")
-    priority: str | int = Field("low", description="high, normal, low or a lane number")
-    max_in_flight: int = Field(256, ge=1, le=100_000, description="most requests outstanding at once")
-    retries: int = Field(2, ge=0, le=20, description="extra attempts for retryable failures (e.g. internal)")
-    errors_path: Path | None = Field(None, description="failures file; default OUTPUT + '.errors.jsonl'")
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: list[str] | None = None
+class Stopped(Exception):
+    """Raised inside a run when :attr:`BulkJob.stopping` is set; handled like Ctrl-C."""
 
 
 @dataclass
@@ -60,45 +44,37 @@ class Flight:
     attempt: int  # 0 for the first request; each retry uses a new id
 
 
-def job_id_of(output_path: Path) -> str:
-    """The job's identity: a hash of the absolute OUTPUT path (same OUTPUT = same job)."""
-    return hashlib.sha256(str(output_path.resolve()).encode()).hexdigest()[:16]
-
-
-def request_id_of(job_id: str, item_id: str, attempt: int) -> str:
-    """Deterministic request id of one attempt of one item (no whitespace, <= 64 chars)."""
-    item_hash = hashlib.sha256(item_id.encode()).hexdigest()[:24]
-    return f"bulk-{job_id}-{item_hash}-{attempt}"
-
-
 class BulkJob:
     """One run of a bulk job. Use :func:`producer.bulk.run` rather than this class directly.
 
     Args:
         producer: the queue to feed (its client is used for the reply stream too).
         input_path: JSONL, OpenAI Batch JSONL, CSV or Parquet.
-        output_path: results JSONL; also the job's identity for resuming.
+        output_path: results JSONL; by default also the job's identity for resuming.
         options: see :class:`BulkOptions`.
         show_progress: draw a progress bar on stderr.
+        job_id: the job's identity when it is not the OUTPUT path (e.g. an OpenAI batch id): runs
+            with the same id share their requests and results in Redis.
     """
 
     def __init__(self, producer: Producer, input_path: Path, output_path: Path, options: BulkOptions,
-                 *, show_progress: bool = False) -> None:
+                 *, show_progress: bool = False, job_id: str | None = None) -> None:
         self.producer, self.options = producer, options
         self.input_path, self.output_path = input_path, output_path
         self.errors_path = options.errors_path or output_path.with_name(output_path.name + ".errors.jsonl")
         self.input_format = detect_format(input_path, options.format)
         self.output_format: OutputFormat = "openai" if self.input_format == "openai" else "plain"
-        self.job_id = job_id_of(output_path)
+        self.job_id = job_id or job_id_of(output_path)
         self.reply_stream = producer.keys.bulk_replies(self.job_id)
         self.summary = BulkSummary(output_path, self.errors_path)
+        self.stopping = threading.Event()  # set from any thread: stop like Ctrl-C (e.g. a cancelled batch)
         self._show_progress = show_progress
+        self._progress = BulkProgress(0, enabled=False)
         self._flights: dict[str, Flight] = {}  # request id -> attempt in flight
+        self._queued_here: set[str] = set()  # request ids this run enqueued (what --cancel-on-interrupt cancels)
         self._to_send: deque[Flight] = deque()
         self._last_reply_id = b"0"  # NOTE: from the start: replies an interrupted run never read
         self._last_recheck_s = time.monotonic()
-        self._defaults = {k: v for k, v in options.model_dump(include={
-            "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}).items() if v is not None}
 
     def run(self) -> BulkSummary:
         """Process every record not finished by an earlier run; Ctrl-C leaves valid files.
@@ -116,25 +92,32 @@ class BulkJob:
                                               prompt_column=self.options.prompt_column,
                                               id_column=self.options.id_column), done)
         self._out, self._err = LineWriter(self.output_path), LineWriter(self.errors_path)
-        progress = BulkProgress(self.summary.num_total, enabled=self._show_progress)
         try:
-            with progress:
-                self._progress = progress
-                progress.advance(self.summary.num_skipped)
+            with BulkProgress(self.summary.num_total, enabled=self._show_progress) as self._progress:
                 self._drive(records)
             self.producer.client.delete(self.reply_stream)
-        except KeyboardInterrupt:
-            self.summary.is_interrupted = True
-            self.producer.client.expire(self.reply_stream, ABANDONED_REPLY_TTL_S)
+        except (KeyboardInterrupt, Stopped):
+            self._interrupt()
         finally:
             self._out.close()
             self._err.close()
             self.summary.wall_s = time.monotonic() - start_s
         return self.summary
 
+    def _interrupt(self) -> None:
+        """Leave the job resumable; with ``cancel_on_interrupt``, cancel what this run queued."""
+        self.summary.is_interrupted = True
+        if self.options.cancel_on_interrupt:
+            request_ids = [request_id for request_id in self._flights if request_id in self._queued_here]
+            self.producer.cancel_many(request_ids)
+            self.summary.num_cancelled = len(request_ids)
+        self.producer.client.expire(self.reply_stream, ABANDONED_REPLY_TTL_S)
+
     def _drive(self, records: Iterator[Parsed]) -> None:
         has_input = True
         while True:
+            if self.stopping.is_set():
+                raise Stopped
             if has_input:
                 has_input = self._fill(records)
             else:
@@ -149,18 +132,22 @@ class BulkJob:
         seen: set[str] = set()
         for record in records:
             if record.line in done.lines:
-                self.summary.num_skipped += 1
+                self._skip()
                 if record.item_id is not None:
                     seen.add(record.item_id)
             elif isinstance(record, BulkItem) and record.item_id in seen:
                 yield InvalidItem(record.line, f"duplicate id {record.item_id!r}", record.item_id)
             elif isinstance(record, BulkItem) and record.item_id in done.item_ids:
                 seen.add(record.item_id)
-                self.summary.num_skipped += 1
+                self._skip()
             else:
                 if record.item_id is not None:
                     seen.add(record.item_id)
                 yield record
+
+    def _skip(self) -> None:
+        self.summary.num_skipped += 1
+        self._progress.skip()
 
     def _fill(self, records: Iterator[Parsed]) -> bool:
         """Top the window up: retries first, then new records. Returns whether input remains."""
@@ -189,14 +176,18 @@ class BulkJob:
             return exc.message
         return None
 
-    def _build(self, flight: Flight) -> Any:
-        options: dict[str, Any] = {"priority": self.options.priority, **self._defaults, **flight.item.options,
+    def _build(self, flight: Flight) -> GenerationRequest:
+        options: dict[str, Any] = {"priority": self.options.priority, **self.options.sampling_defaults,
+                                   **flight.item.options,
                                    "request_id": request_id_of(self.job_id, flight.item.item_id, flight.attempt),
                                    "reply_to": self.reply_stream}
+        if self.input_format != "openai" and not self.options.raw:
+            options = common.as_chat(options, self.options.system)
         return common.build_request(self.producer.keys, options)
 
     def _recover(self, items: list[BulkItem]) -> None:
-        """Pick up results an earlier run left in Redis (every attempt id); queue the rest."""
+        """Pick up results an earlier run left in Redis (every attempt id); queue the rest (requests an
+        earlier run queued are then waited for, not sent again: see :meth:`_send`)."""
         if not items:
             return
         num_attempts = self.options.retries + 1
@@ -210,20 +201,26 @@ class BulkJob:
                 self._to_send.append(Flight(item, 0))
                 continue
             attempt, raw = found[-1]
-            self.summary.num_recovered += 1
-            self._settle(Flight(item, attempt), decode_result(raw))
+            self._settle(Flight(item, attempt), decode_result(raw), is_recovered=True)
 
     def _send(self) -> None:
+        """Submit the queued attempts once each: ids an earlier run queued are adopted, not re-sent."""
         if not self._to_send:
             return
         batch = list(self._to_send)
         self._to_send.clear()
         requests = [self._build(flight) for flight in batch]
-        for flight, request in zip(batch, requests):
+        before_s = time.time()
+        first_submits = self.producer.submit_once(requests)
+        for flight, request, first_submit_s in zip(batch, requests, first_submits):
             self._flights[request.id] = flight
-            self.summary.num_retried += flight.attempt > 0
-        self.producer.submit_many(requests)
-        self.summary.num_submitted += len(requests)
+            if first_submit_s >= before_s:
+                self._queued_here.add(request.id)
+                self.summary.num_submitted += 1
+                self.summary.num_retried += flight.attempt > 0
+            else:
+                self.summary.num_adopted += 1
+                self._progress.adopt()
 
     def _wait(self) -> None:
         """One XREAD BLOCK on the job's reply stream; a fallback MGET when it stays quiet."""
@@ -254,9 +251,14 @@ class BulkJob:
         if flight is not None:  # NOTE: unknown ids are replies of an earlier run, already settled
             self._settle(flight, result)
 
-    def _settle(self, flight: Flight, result: GenerationResult) -> None:
-        """Write a final result, or queue the next attempt of a retryable failure."""
+    def _settle(self, flight: Flight, result: GenerationResult, *, is_recovered: bool = False) -> None:
+        """Write a final result, or queue the next attempt of a retryable failure.
+
+        NOTE: a ``cancelled`` result found from an earlier run (``--cancel-on-interrupt``) is
+        retryable: that run gave the item up, this one wants it done.
+        """
         is_retryable = result.status == "error" and result.error is not None and result.error.code in RETRYABLE_CODES
+        is_retryable |= is_recovered and result.status == "cancelled"
         if is_retryable and flight.attempt < self.options.retries:
             self._to_send.append(Flight(flight.item, flight.attempt + 1))
             return
@@ -268,8 +270,13 @@ class BulkJob:
             self._err.write(line)
         self.summary.status_counts[result.status] += 1
         self.summary.prompt_tokens += result.usage.prompt_tokens
-        self.summary.completion_tokens += result.usage.completion_tokens
-        self._progress.advance(1, result.usage.completion_tokens)
+        if is_recovered:
+            self.summary.num_recovered += 1
+            self.summary.recovered_tokens += result.usage.completion_tokens
+            self._progress.recover()
+        else:
+            self.summary.completion_tokens += result.usage.completion_tokens
+            self._progress.advance(1, result.usage.completion_tokens)
 
     def _write_invalid(self, record: InvalidItem) -> None:
         self._err.write(invalid_line(self.output_format, record))

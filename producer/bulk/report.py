@@ -26,13 +26,16 @@ class BulkSummary:
     num_total: int = 0  # records in the input
     num_skipped: int = 0  # already finished by an earlier run (found in the output/errors files)
     num_recovered: int = 0  # results an earlier run left in Redis, written without regenerating
-    num_submitted: int = 0  # requests sent (retries included)
+    num_adopted: int = 0  # requests an earlier run queued: waited for, not sent again
+    num_cancelled: int = 0  # requests of this run cancelled on interrupt (--cancel-on-interrupt)
+    num_submitted: int = 0  # requests sent by this run (retries included)
     num_retried: int = 0  # retry requests sent
     num_invalid: int = 0  # records that never became a request (bad JSON, bad params, duplicate id)
     num_earlier_errors: int = 0  # records an earlier run wrote to the errors file (failed or invalid)
     status_counts: Counter[str] = field(default_factory=Counter)  # final status of items finished this run
     prompt_tokens: int = 0
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # of results that landed during this run (recovered ones excluded)
+    recovered_tokens: int = 0  # completion tokens of recovered results
     wall_s: float = 0.0
     is_interrupted: bool = False  # Ctrl-C / SIGTERM: the files are valid; re-run to finish
 
@@ -57,7 +60,7 @@ class BulkSummary:
 
     @property
     def tokens_per_s(self) -> float:
-        """Completion tokens per wall-clock second of this run."""
+        """Completion tokens that landed during this run per wall-clock second (recovered ones excluded)."""
         return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
@@ -67,32 +70,41 @@ class BulkSummary:
 
     def as_dict(self) -> dict[str, Any]:
         return {"output": str(self.output_path), "errors": str(self.errors_path), "total": self.num_total,
-                "skipped": self.num_skipped, "recovered": self.num_recovered, "submitted": self.num_submitted,
+                "skipped": self.num_skipped, "recovered": self.num_recovered, "adopted": self.num_adopted,
+                "cancelled_on_interrupt": self.num_cancelled, "submitted": self.num_submitted,
                 "retried": self.num_retried, "invalid": self.num_invalid,
                 "earlier_errors": self.num_earlier_errors, "statuses": dict(self.status_counts),
                 "ok": self.num_ok, "failed": self.num_failed, "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens, "wall_s": round(self.wall_s, 3),
+                "completion_tokens": self.completion_tokens, "recovered_tokens": self.recovered_tokens,
+                "wall_s": round(self.wall_s, 3),
                 "tokens_per_s": round(self.tokens_per_s, 1), "interrupted": self.is_interrupted,
                 "complete": self.is_complete}
 
 
 class BulkProgress:
-    """A progress bar over the records still to do; a no-op when ``enabled`` is False."""
+    """A progress bar over the work of this run; a no-op when ``enabled`` is False.
+
+    NOTE: items finished by an earlier run (skipped: in the files; recovered: results found in
+    Redis) leave the bar's total instead of advancing it, and are shown as counts, so that the
+    rates and the ETA measure only what this run generates.
+    """
 
     def __init__(self, total: int, *, enabled: bool, console: Console | None = None) -> None:
         self._start_s = time.monotonic()
         self._num_tokens = 0
+        self._counts = {"skipped": 0, "recovered": 0, "adopted": 0}
         self._progress: Progress | None = None
         if enabled:
             self._progress = Progress(
                 TextColumn("[bold]bulk"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("{task.fields[items_s]:>7.1f} items/s {task.fields[tokens_s]:>8.1f} tok/s"),
-                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[earlier]}"),
                 console=console or Console(stderr=True),
             )
-            self._task = self._progress.add_task("bulk", total=total, items_s=0.0, tokens_s=0.0)
+            self._task = self._progress.add_task("bulk", total=total, items_s=0.0, tokens_s=0.0, earlier="")
 
     def advance(self, num_items: int = 1, num_tokens: int = 0) -> None:
+        """Items this run finished (generated, failed or invalid) and their completion tokens."""
         if self._progress is None:
             return
         self._num_tokens += num_tokens
@@ -100,6 +112,26 @@ class BulkProgress:
         elapsed_s = max(1e-6, time.monotonic() - self._start_s)
         done = self._progress.tasks[0].completed
         self._progress.update(self._task, items_s=done / elapsed_s, tokens_s=self._num_tokens / elapsed_s)
+
+    def skip(self) -> None:
+        """An item already in the output or errors file."""
+        self._count_earlier("skipped", leaves_total=True)
+
+    def recover(self) -> None:
+        """An item whose result an earlier run left in Redis."""
+        self._count_earlier("recovered", leaves_total=True)
+
+    def adopt(self) -> None:
+        """A request an earlier run queued: still to finish here, so it stays in the total."""
+        self._count_earlier("adopted", leaves_total=False)
+
+    def _count_earlier(self, what: str, *, leaves_total: bool) -> None:
+        self._counts[what] += 1
+        if self._progress is None:
+            return
+        total = self._progress.tasks[0].total or 0
+        earlier = " ".join(f"{name} {n}" for name, n in self._counts.items() if n)
+        self._progress.update(self._task, total=total - 1 if leaves_total else total, earlier=earlier)
 
     def __enter__(self) -> BulkProgress:
         if self._progress is not None:
@@ -123,7 +155,9 @@ def render_summary(summary: BulkSummary, console: Console) -> None:
     rows += [("invalid records", str(summary.num_invalid)),
              ("errors from earlier runs", str(summary.num_earlier_errors)),
              ("recovered from Redis", str(summary.num_recovered)),
+             ("queued by an earlier run (not re-sent)", str(summary.num_adopted)),
              ("requests sent", str(summary.num_submitted)), ("retries", str(summary.num_retried)),
+             ("cancelled on interrupt", str(summary.num_cancelled)),
              ("prompt tokens", str(summary.prompt_tokens)), ("completion tokens", str(summary.completion_tokens)),
              ("wall time", f"{summary.wall_s:.2f} s"), ("tokens/s", f"{summary.tokens_per_s:.1f}")]
     for what, value in rows:

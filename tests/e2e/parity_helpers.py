@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -37,12 +38,12 @@ def load_reference(path: Path | str, dtype: torch.dtype, device: str = "cpu") ->
 
 
 @torch.inference_mode()
-def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation by ``generate(do_sample=False)``, one prompt at a time (no padding)."""
+def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, **options: Any) -> list[int]:
+    """Greedy continuation by ``generate(do_sample=False, **options)``, one prompt at a time (no padding)."""
     device = next(model.parameters()).device
     out = model.generate(
         torch.tensor([prompt_ids], device=device), max_new_tokens=max_new_tokens, do_sample=False, attention_mask=None,
-        pad_token_id=model.config.pad_token_id or 0,
+        pad_token_id=model.config.pad_token_id or 0, **options,
     )
     return out[0, len(prompt_ids):].tolist()
 

@@ -84,3 +84,17 @@ def test_bad_requests_finish_with_errors_and_abort(engine: Engine) -> None:
     assert finished["bad-ids"].error_code == "validation"
     assert finished["aborted"].finish_reason == "abort" and 0 < len(finished["aborted"].token_ids) < 50
     assert engine.stats().num_used_gpu_blocks == 0
+
+
+def test_parallel_samples_match_separate_seeded_requests(engine: Engine) -> None:
+    """n = 4 shares the prompt's blocks, yet sample i draws what a request with seed + i draws."""
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=40, ignore_eos=True)
+    [together] = engine.generate([PROMPTS[3]], params.model_copy(update={"n": 4}), progress=False)
+    separate = engine.generate([PROMPTS[3]] * 4, [params.model_copy(update={"seed": 40 + i}) for i in range(4)],
+                               progress=False)
+    assert together.samples is not None
+    assert [s.token_ids for s in together.samples] == [o.token_ids for o in separate]
+    assert [s.index for s in together.samples] == [0, 1, 2, 3]
+    assert together.token_ids == together.samples[0].token_ids and together.text == together.samples[0].text
+    assert len({tuple(s.token_ids) for s in together.samples}) > 1
+    assert engine.stats().num_used_gpu_blocks == 0

@@ -3,6 +3,7 @@ the queue returns exactly what the engine generates offline."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,3 +67,16 @@ def test_prompt_too_long_is_an_error_result_and_worker_keeps_serving(worker: Wor
     bad = producer.result(too_long, timeout=120)
     assert bad.status == "error" and bad.error is not None and bad.error.code == "prompt_too_long"
     assert producer.result(fine, timeout=120).status == "ok"
+
+
+def test_structured_output_logprobs_and_penalties_through_the_queue(worker: Worker, producer: Producer) -> None:
+    schema = {"type": "object", "properties": {"mood": {"enum": ["happy", "sad"]}}, "required": ["mood"]}
+    structured = producer.submit(prompt="The quick brown fox", max_tokens=24, logprobs=2, repetition_penalty=1.2,
+                                 response_format={"type": "json_schema", "json_schema": {"name": "m", "schema": schema}})
+    invalid = producer.submit(prompt="The quick brown fox", response_format={"type": "regex", "regex": "a("})
+    result = producer.result(structured, timeout=120)
+    assert result.status == "ok" and json.loads(result.text)["mood"] in ("happy", "sad"), result
+    assert result.token_logprobs is not None and len(result.token_logprobs) == len(result.token_ids)
+    assert all(len(t.top_logprobs) == 2 for t in result.token_logprobs)
+    error = producer.result(invalid, timeout=120).error
+    assert error is not None and error.code == "validation" and "parenthesis" in error.message

@@ -10,8 +10,8 @@ from typing import Any
 NUM_ITEMS = 200
 
 
-def write_input(path: Path, fmt: str, num_items: int = NUM_ITEMS) -> Path:
-    """``num_items`` prompts ``item <i>`` with ids ``q<i>``, in ``fmt``."""
+def write_input(path: Path, fmt: str, num_items: int = NUM_ITEMS, model: str = "echo") -> Path:
+    """``num_items`` prompts ``item <i>`` with ids ``q<i>``, in ``fmt`` (OpenAI bodies name ``model``)."""
     if fmt == "jsonl":
         lines = [json.dumps({"id": f"q{i}", "prompt": f"item {i}", "max_tokens": 4} if i % 2 else
                             {"id": f"q{i}", "messages": [{"role": "user", "content": f"item {i}"}],
@@ -19,7 +19,7 @@ def write_input(path: Path, fmt: str, num_items: int = NUM_ITEMS) -> Path:
         path.write_text("\n".join(lines) + "\n")
     elif fmt == "openai":
         lines = [json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
-                             "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": f"item {i}"}],
+                             "body": {"model": model, "messages": [{"role": "user", "content": f"item {i}"}],
                                       "max_completion_tokens": 4, "temperature": 0}}) for i in range(num_items)]
         path.write_text("\n".join(lines) + "\n")
     elif fmt == "csv":

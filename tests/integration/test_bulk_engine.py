@@ -20,7 +20,7 @@ def test_bulk_through_the_real_engine_on_a_tiny_model(tmp_path: Path, redis_url:
     model_dir = save_tiny_model("llama", tmp_path / "tiny")
     settings = make_settings(redis_url, key_prefix, model=str(model_dir), engine={
         "model": {"device": "cpu"}, "cache": {"kv_cache_memory": "16MiB", "swap_space": "4MiB"}})
-    source = write_input(tmp_path / "in.jsonl", "openai", num_items=12)
+    source = write_input(tmp_path / "in.jsonl", "openai", num_items=12, model="tiny")
     out = tmp_path / "out.jsonl"
     with running_worker(settings):
         summary = bulk.run(source, out, producer=producer, max_in_flight=4)

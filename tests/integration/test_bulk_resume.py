@@ -1,27 +1,34 @@
 """Killing ``tokenmill bulk`` half way (SIGINT or SIGKILL) and re-running it: every item ends up
-in the output exactly once, and the interrupted run leaves valid JSONL."""
+in the output exactly once, the interrupted run leaves valid JSONL, and the re-run sends no request
+the first run had queued (the worker writes no duplicate result)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from producer import Producer, bulk
 from tests.integration.bulk_helpers import NUM_ITEMS, item_ids, read_jsonl, write_input
 from tests.worker_helpers import make_settings, running_worker
+from worker.runtime import Worker
+
+pytest.importorskip("prometheus_client")
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _start_bulk(redis_url: str, prefix: str, source: Path, out: Path) -> subprocess.Popen[bytes]:
+def _start_bulk(redis_url: str, prefix: str, source: Path, out: Path, *flags: str) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "cli", "--redis-url", redis_url, "--prefix", prefix, "bulk", str(source),
-               str(out), "--max-in-flight", "8", "--no-progress", "--json"]
+               str(out), "--max-in-flight", "8", "--no-progress", "--json", *flags]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "CI": "true"})
 
@@ -35,22 +42,43 @@ def _wait_for_lines(path: Path, num_lines: int, timeout_s: float = 20.0) -> None
     raise AssertionError(f"{path} never reached {num_lines} lines")
 
 
+def _interrupt_after(process: subprocess.Popen[bytes], out: Path, num_lines: int, signum: int) -> tuple[bytes, bytes]:
+    try:
+        _wait_for_lines(out, num_lines)
+        process.send_signal(signum)
+        return process.communicate(timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _num_duplicates(worker: Worker) -> float:
+    """Results the worker did not store because the id was already answered (a request sent twice)."""
+    assert worker.metrics is not None
+    value = worker.metrics.registry.get_sample_value("tokenmill_duplicate_results_total")
+    return value or 0.0
+
+
+def _paced_echo(redis_url: str, prefix: str) -> Any:
+    return make_settings(redis_url, prefix, model="echo:tokens_per_step=1,step_delay_s=0.01", metrics_port=_free_port())
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL])
 def test_killed_bulk_resumes_with_every_item_exactly_once(signum: int, tmp_path: Path, redis_url: str,
                                                           key_prefix: str, producer: Producer) -> None:
     source = write_input(tmp_path / "in.jsonl", "jsonl")
     out = tmp_path / "out.jsonl"
-    settings = make_settings(redis_url, key_prefix, model="echo:tokens_per_step=1,step_delay_s=0.01")
-    with running_worker(settings):
+    with running_worker(_paced_echo(redis_url, key_prefix)) as worker:
         process = _start_bulk(redis_url, key_prefix, source, out)
-        try:
-            _wait_for_lines(out, 40)
-            process.send_signal(signum)
-            stdout, stderr = process.communicate(timeout=20)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        stdout, stderr = _interrupt_after(process, out, 40, signum)
         if signum == signal.SIGINT:
             assert process.returncode == 130, stderr.decode()
             assert b'"interrupted": true' in stdout
@@ -58,7 +86,29 @@ def test_killed_bulk_resumes_with_every_item_exactly_once(signum: int, tmp_path:
         else:
             assert process.returncode == -signal.SIGKILL
         summary = bulk.run(source, out, producer=producer, max_in_flight=8)
+        assert _num_duplicates(worker) == 0, "the re-run sent nothing the first run had queued"
     assert summary.is_complete and 40 <= summary.num_skipped < NUM_ITEMS, "killed half way, finished on re-run"
+    assert summary.num_adopted + summary.num_recovered > 0, "the first run's queued requests were not re-sent"
+    assert summary.num_skipped + summary.num_done == NUM_ITEMS
     ids = item_ids(read_jsonl(out))
     assert sorted(ids) == sorted(f"q{i}" for i in range(NUM_ITEMS)), "every item exactly once"
+    assert read_jsonl(summary.errors_path) == []
+
+
+def test_cancel_on_interrupt_cancels_this_runs_requests_and_the_rerun_redoes_them(
+        tmp_path: Path, redis_url: str, key_prefix: str, producer: Producer) -> None:
+    source = write_input(tmp_path / "in.jsonl", "jsonl")
+    out = tmp_path / "out.jsonl"
+    with running_worker(_paced_echo(redis_url, key_prefix)) as worker:
+        process = _start_bulk(redis_url, key_prefix, source, out, "--cancel-on-interrupt")
+        stdout, stderr = _interrupt_after(process, out, 20, signal.SIGINT)
+        assert process.returncode == 130, stderr.decode()
+        first = json.loads(stdout)
+        assert first["cancelled_on_interrupt"] > 0
+        time.sleep(0.5)  # the worker answers the cancelled requests
+        assert producer.stats()["depth"] == 0, "nothing of the first run is left to run"
+        summary = bulk.run(source, out, producer=producer, max_in_flight=8)
+        assert _num_duplicates(worker) == 0
+    assert summary.is_complete and summary.num_ok == NUM_ITEMS - summary.num_skipped
+    assert sorted(item_ids(read_jsonl(out))) == sorted(f"q{i}" for i in range(NUM_ITEMS))
     assert read_jsonl(summary.errors_path) == []

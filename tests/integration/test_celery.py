@@ -96,7 +96,9 @@ def test_chain_through_a_real_model(redis_url: str, redis_client: redis.Redis, k
     with running_worker(settings), celery_worker(app):
         out = chain(prepare.s("sea"), generate.s(max_tokens=8), postprocess.s()).apply_async().get(timeout=60)
         with Producer(redis_url, prefix=key_prefix) as producer:  # greedy: the same prompt, the same text
-            direct = producer.result(producer.submit(prompt="Q: sea", max_tokens=8), timeout=30)
+            # NOTE: generate sends a plain prompt as a user message (chat by default)
+            chat = [{"role": "user", "content": "Q: sea"}]
+            direct = producer.result(producer.submit(messages=chat, max_tokens=8), timeout=30)
     assert out == {"text": direct.text, "topic": "sea", "num_tokens": len(direct.token_ids)}
     assert 1 <= out["num_tokens"] <= 8
     assert lane_entries(redis_client, key_prefix) == 2  # re-checks never resubmitted

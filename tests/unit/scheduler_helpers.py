@@ -1,11 +1,13 @@
 """Shared builders for scheduler and block manager tests: requests, schedulers, a scripted
 model runner that simulates the KV cache, a step loop with per-step checks, a leak check.
 
-No torch, no model. The ScriptedModelRunner stores, for every device and host slot, which
-(request, position, token) KV it holds; it executes swap copies like the real runner and
-verifies, before every forward, that each position it reads holds the KV that was written
-for it. Its sampled token is a hash of the context it read, so outputs are deterministic
-per (request, prompt) and any scheduling mistake changes them or fails loudly.
+No torch, no model. The ScriptedModelRunner stores, for every device and host slot, the KV a
+real model would: it depends on the position and on every token up to it (a chain hash of
+them), so requests with the same prefix write the same KV and may share it. It executes swap
+and block copies like the real runner and verifies, before every forward, that each position
+it reads holds KV of that position consistent with what it read before for the same request.
+Its sampled token is a hash of the context's chain and the request's seed, so outputs are
+deterministic per (prompt, seed) and any scheduling mistake changes them or fails loudly.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from typing import Any
 from engine.block_manager import BlockManager
 from engine.clock import FakeClock
 from engine.config import SchedulerConfig
+from engine.prefix_cache import PrefixCache
 from engine.outputs import ModelOutput, SchedulerOutput
-from engine.request import Request, RequestStatus
+from engine.request import ParallelGroup, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
-Slot = tuple[str, int, int] | None  # (request_id, position, token_id) whose KV a slot holds
+Slot = tuple[int, int] | None  # (position, chain hash of the tokens up to it) whose KV a slot holds
+ROOT_CHAIN = 0
 
 
 def make_request(
@@ -33,15 +37,17 @@ def make_request(
     priority: int = 0,
     arrival_time_s: float = 0.0,
     prompt_token_ids: list[int] | None = None,
+    n: int = 1,
+    seed: int | None = None,
 ) -> Request:
     """A request with a deterministic prompt derived from its id."""
     if prompt_token_ids is None:
-        seed = zlib.crc32(request_id.encode())
-        prompt_token_ids = [(seed + 7 * i) % 97 + 1 for i in range(num_prompt_tokens)]
+        prompt_seed = zlib.crc32(request_id.encode())
+        prompt_token_ids = [(prompt_seed + 7 * i) % 97 + 1 for i in range(num_prompt_tokens)]
     return Request(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
-        sampling_params=SamplingParams(max_tokens=max_tokens),
+        sampling_params=SamplingParams(max_tokens=max_tokens, n=n, seed=seed),
         arrival_time_s=arrival_time_s,
         priority=priority,
     )
@@ -53,6 +59,7 @@ def make_scheduler(
     block_size: int = 4,
     clock: FakeClock | None = None,
     eos_token_id: int | None = None,
+    prefix_caching: bool = False,
     **scheduler_config: Any,
 ) -> Scheduler:
     """A scheduler over a fresh BlockManager and a FakeClock (pass ``clock`` to share one).
@@ -62,12 +69,32 @@ def make_scheduler(
     config = SchedulerConfig(**{"aging_interval_s": 0.0, "max_consecutive_decode_steps": 0, **scheduler_config})
     block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, block_size)
     eos_token_ids = frozenset() if eos_token_id is None else frozenset({eos_token_id})
-    return Scheduler(config, block_manager, clock if clock is not None else FakeClock(), eos_token_ids)
+    prefix_cache = PrefixCache(block_manager) if prefix_caching else None
+    return Scheduler(config, block_manager, clock if clock is not None else FakeClock(), eos_token_ids,
+                     prefix_cache=prefix_cache)
 
 
-def next_token(request_id: str, context_token_ids: Sequence[int], vocab_size: int) -> int:
-    """The scripted 'model': a stable hash of the request and the whole context it read."""
-    return zlib.crc32(f"{request_id}:{list(context_token_ids)}".encode()) % vocab_size
+def chain(previous: int, token_id: int) -> int:
+    """The scripted KV of a position: a hash of the position's token and everything before it."""
+    return zlib.crc32(f"{previous}:{token_id}".encode())
+
+
+def next_token(seed: int | None, context_chain: int, vocab_size: int) -> int:
+    """The scripted 'model': a stable hash of the request's seed and the whole context it read."""
+    return zlib.crc32(f"{seed}:{context_chain}".encode()) % vocab_size
+
+
+def scripted_continuation(prompt_token_ids: Sequence[int], num_tokens: int, seed: int | None = None,
+                          vocab_size: int = 50) -> list[int]:
+    """What the scripted runner samples after ``prompt_token_ids`` with ample room."""
+    context = ROOT_CHAIN
+    for token_id in prompt_token_ids:
+        context = chain(context, token_id)
+    out: list[int] = []
+    for _ in range(num_tokens):
+        out.append(next_token(seed, context, vocab_size))
+        context = chain(context, out[-1])
+    return out
 
 
 class KVMismatch(AssertionError):
@@ -82,56 +109,64 @@ class ScriptedModelRunner:
         self.vocab_size = vocab_size
         self.device: list[list[Slot]] = [[None] * self.block_size for _ in range(block_manager.num_gpu_blocks)]
         self.host: list[list[Slot]] = [[None] * self.block_size for _ in range(block_manager.num_cpu_blocks)]
-        self.request_to_token_ids: dict[str, list[int]] = {}  # tokens the runner has seen per request
+        self.request_to_chains: dict[str, list[int]] = {}  # per request: the chain of each position it saw
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Swap out, swap in, then 'forward' every chunk; sample where asked."""
         _copy_blocks(scheduler_output.swap_out, self.device, self.host)
+        _copy_blocks(scheduler_output.copy_blocks, self.device, self.device)
         _copy_blocks(scheduler_output.swap_in, self.host, self.device)
         self.num_swapped_out_blocks += len(scheduler_output.swap_out)
         self.num_swapped_in_blocks += len(scheduler_output.swap_in)
-        written_block_ids: set[int] = set()
+        _check_writes(scheduler_output, self.block_size)
         output = ModelOutput()
         for chunk in scheduler_output.chunks:
             end = chunk.start_position + chunk.num_tokens
             if len(chunk.block_ids) * self.block_size < end:
                 raise KVMismatch(f"{chunk.request_id}: table {chunk.block_ids} too short for {end} tokens")
-            if written_block_ids & set(chunk.block_ids):
-                raise KVMismatch(f"{chunk.request_id}: shares blocks with another chunk of this step")
-            written_block_ids |= set(chunk.block_ids)
-            token_ids = self._record_tokens(chunk.request_id, chunk.start_position, chunk.token_ids)
-            self._verify_prefix(chunk.request_id, chunk.start_position, chunk.block_ids, token_ids)
-            for position in range(chunk.start_position, end):
-                block_id = chunk.block_ids[position // self.block_size]
-                self.device[block_id][position % self.block_size] = (chunk.request_id, position, token_ids[position])
+            context = self._read_prefix(chunk.request_id, chunk.start_position, chunk.block_ids)
+            chains = self.request_to_chains[chunk.request_id]
+            for position, token_id in zip(range(chunk.start_position, end), chunk.token_ids):
+                context = chain(context, token_id)
+                del chains[position:]
+                chains.append(context)
+                self._slot(chunk.block_ids, position)[position % self.block_size] = (position, context)
             if chunk.needs_sample:
-                if end != len(token_ids):
-                    raise KVMismatch(f"{chunk.request_id}: sampling at {end} but {len(token_ids)} tokens known")
-                token_id = next_token(chunk.request_id, token_ids[:end], self.vocab_size)
-                token_ids.append(token_id)
+                token_id = next_token(chunk.sampling_params.seed, context, self.vocab_size)
                 output.sampled_token_ids[chunk.request_id] = [token_id]
         return output
 
-    def _record_tokens(self, request_id: str, start: int, chunk_token_ids: list[int]) -> list[int]:
-        token_ids = self.request_to_token_ids.setdefault(request_id, [])
-        for offset, token_id in enumerate(chunk_token_ids):
-            position = start + offset
-            if position < len(token_ids):
-                if token_ids[position] != token_id:
-                    raise KVMismatch(f"{request_id}: token at {position} changed")
-            elif position == len(token_ids):
-                token_ids.append(token_id)
-            else:
-                raise KVMismatch(f"{request_id}: gap before position {position}")
-        return token_ids
+    def _slot(self, block_ids: list[int], position: int) -> list[Slot]:
+        return self.device[block_ids[position // self.block_size]]
 
-    def _verify_prefix(self, request_id: str, start: int, block_ids: list[int], token_ids: list[int]) -> None:
+    def _read_prefix(self, request_id: str, start: int, block_ids: list[int]) -> int:
+        """The chain at ``start``; every position before it must hold KV of that position, and the
+        same KV as when this request last read or wrote it (its record starts at first sight)."""
+        chains = self.request_to_chains.setdefault(request_id, [])
         for position in range(start):
-            slot = self.device[block_ids[position // self.block_size]][position % self.block_size]
-            if slot != (request_id, position, token_ids[position]):
+            slot = self._slot(block_ids, position)[position % self.block_size]
+            if slot is None or slot[0] != position:
                 raise KVMismatch(f"{request_id}: position {position} reads {slot}")
+            if position < len(chains) and chains[position] != slot[1]:
+                raise KVMismatch(f"{request_id}: position {position} changed under it")
+            if position == len(chains):
+                chains.append(slot[1])
+        return chains[start - 1] if start else ROOT_CHAIN
+
+
+def _check_writes(scheduler_output: SchedulerOutput, block_size: int) -> None:
+    """No block is written by two chunks, nor written by one while another chunk reads it."""
+    written: dict[int, str] = {}
+    for chunk in scheduler_output.chunks:
+        end = chunk.start_position + chunk.num_tokens
+        for index in range(chunk.start_position // block_size, (end - 1) // block_size + 1):
+            written[chunk.block_ids[index]] = chunk.request_id
+    for chunk in scheduler_output.chunks:
+        for block_id in chunk.block_ids:
+            if written.get(block_id, chunk.request_id) != chunk.request_id:
+                raise KVMismatch(f"block {block_id} is written by {written[block_id]} and held by {chunk.request_id}")
 
 
 def _copy_blocks(pairs: list[tuple[int, int]], source: list[list[Slot]], target: list[list[Slot]]) -> None:
@@ -231,7 +266,7 @@ def _record_finishes(scheduler: Scheduler, runner: ScriptedModelRunner, run: Run
         run.outputs[request.request_id] = list(request.output_token_ids)
         run.statuses[request.request_id] = request.status
         run.finished_step[request.request_id] = step
-        runner.request_to_token_ids.pop(request.request_id, None)
+        runner.request_to_chains.pop(request.request_id, None)
 
 
 def assert_no_leaks(scheduler: Scheduler) -> None:
@@ -247,9 +282,12 @@ def assert_no_leaks(scheduler: Scheduler) -> None:
 def reference_outputs(
     requests: Sequence[Request], eos_token_id: int | None = None, vocab_size: int = 50
 ) -> dict[str, list[int]]:
-    """Outputs of the same requests run with ample memory and budgets (fresh copies)."""
-    copies = [make_request(r.request_id, prompt_token_ids=list(r.prompt_token_ids),
-                           max_tokens=r.sampling_params.max_tokens) for r in requests]
+    """Outputs of the same requests run with ample memory and budgets and no prefix cache (fresh
+    copies); an n > 1 request becomes its samples run as separate requests (seed + index)."""
+    copies = [make_request(ParallelGroup.sample_id(r.request_id, i) if r.sampling_params.n > 1 else r.request_id,
+                           prompt_token_ids=list(r.prompt_token_ids), max_tokens=r.sampling_params.max_tokens,
+                           seed=r.sampling_params.for_sample(i).seed)
+              for r in requests for i in range(r.sampling_params.n)]
     num_tokens = sum(r.max_total_tokens for r in copies)
     scheduler = make_scheduler(num_gpu_blocks=num_tokens, block_size=1, max_num_batched_tokens=num_tokens,
                                max_prefill_chunk=num_tokens, max_num_seqs=len(copies), eos_token_id=eos_token_id)

@@ -11,7 +11,7 @@ from engine.outputs import RequestOutput
 from engine.postprocess import OutputProcessor
 from engine.request import FinishReason, RequestErrorCode
 from engine.sampling_params import SamplingParams
-from tests.unit.scheduler_helpers import ScriptedModelRunner, assert_no_leaks, make_scheduler, next_token
+from tests.unit.scheduler_helpers import ScriptedModelRunner, assert_no_leaks, make_scheduler, scripted_continuation
 
 VOCAB_SIZE = 26
 EOS = 25
@@ -49,12 +49,9 @@ def run_all(engine: Engine) -> dict[str, list[RequestOutput]]:
     raise AssertionError("the engine did not finish")
 
 
-def expected_tokens(request_id: str, prompt: list[int], num_tokens: int) -> list[int]:
-    """What the scripted runner samples for a request with ample room."""
-    context = list(prompt)
-    for _ in range(num_tokens):
-        context.append(next_token(request_id, context, VOCAB_SIZE))
-    return context[len(prompt):]
+def expected_tokens(prompt: list[int], num_tokens: int, seed: int | None = None) -> list[int]:
+    """What the scripted runner samples after a prompt with ample room."""
+    return scripted_continuation(prompt, num_tokens, seed, VOCAB_SIZE)
 
 
 def test_outputs_stream_then_finish_once_with_the_whole_text() -> None:
@@ -62,7 +59,7 @@ def test_outputs_stream_then_finish_once_with_the_whole_text() -> None:
     prompt = [1, 2, 3]
     engine.add_request("a", prompt, SamplingParams(max_tokens=6, ignore_eos=True))
     outputs = run_all(engine)["a"]
-    tokens = expected_tokens("a", prompt, 6)
+    tokens = expected_tokens(prompt, 6)
     assert [o.finished for o in outputs] == [False] * 5 + [True]
     assert [t for o in outputs for t in o.new_token_ids] == tokens == outputs[-1].token_ids
     assert "".join(o.text_delta for o in outputs) == outputs[-1].text == FakeTokenizer().decode(tokens)
@@ -73,10 +70,11 @@ def test_outputs_stream_then_finish_once_with_the_whole_text() -> None:
 
 def test_a_stop_string_finishes_the_request_in_the_scheduler_and_is_cut() -> None:
     engine = make_engine()
-    request_id = next(f"b{i}" for i in range(100) if EOS not in expected_tokens(f"b{i}", [4, 5], 12))
-    text = FakeTokenizer().decode(expected_tokens(request_id, [4, 5], 12))
+    seed = next(i for i in range(100) if EOS not in expected_tokens([4, 5], 12, seed=i))
+    text = FakeTokenizer().decode(expected_tokens([4, 5], 12, seed))
     stop = text[3:5]
-    engine.add_request(request_id, [4, 5], SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop]))
+    request_id = "b"
+    engine.add_request(request_id, [4, 5], SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop], seed=seed))
     final = run_all(engine)[request_id][-1]
     assert final.finish_reason is FinishReason.STOP and final.text == text[: text.index(stop)]
     assert len(final.token_ids) == text.index(stop) + len(stop)  # it stopped the step the string completed
@@ -85,9 +83,10 @@ def test_a_stop_string_finishes_the_request_in_the_scheduler_and_is_cut() -> Non
 
 def test_eos_stops_and_stays_out_of_the_text() -> None:
     engine = make_engine()
-    request_id = next(f"e{i}" for i in range(200) if EOS in expected_tokens(f"e{i}", [1], 20)[1:15])
-    tokens = expected_tokens(request_id, [1], 20)
-    engine.add_request(request_id, [1], SamplingParams(max_tokens=20))
+    seed = next(i for i in range(200) if EOS in expected_tokens([1], 20, seed=i)[1:15])
+    tokens = expected_tokens([1], 20, seed)
+    request_id = "e"
+    engine.add_request(request_id, [1], SamplingParams(max_tokens=20, seed=seed))
     final = run_all(engine)[request_id][-1]
     cut = tokens.index(EOS) + 1
     assert final.finish_reason is FinishReason.STOP and final.token_ids == tokens[:cut]

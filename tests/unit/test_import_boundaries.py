@@ -1,6 +1,7 @@
 """The dependency rule of docs/design.md, enforced: engine never imports Redis/Celery/msgpack or the
 other packages; the pure scheduler core never imports torch; the producer never imports torch,
-the engine, the worker or the cli; the cli imports the worker only inside its commands; nothing
+the engine, the worker, the server or the cli; the server (serve/) is a producer: never torch, the
+engine or the worker; the cli imports the worker and the server only inside its commands; nothing
 imports the worker or the cli."""
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ PURE_ENGINE_MODULES = [
 ]
 FORBIDDEN = {
     "engine": {"redis", "celery", "msgpack", "producer", "worker", "cli", "typer"},
-    "producer": {"torch", "transformers", "engine", "worker", "cli"},
-    "worker": {"cli"},
+    "producer": {"torch", "transformers", "engine", "worker", "cli", "serve", "fastapi", "uvicorn", "starlette"},
+    "serve": {"torch", "transformers", "engine", "worker", "cli"},
+    "worker": {"cli", "serve"},
     "cli": {"torch", "transformers", "engine"},
 }
 
@@ -58,9 +60,9 @@ def test_nothing_imports_the_worker() -> None:
     assert not offenders
 
 
-def test_the_cli_imports_the_worker_only_inside_commands() -> None:
+def test_the_cli_imports_the_worker_and_the_server_only_inside_commands() -> None:
     offenders = [str(path.relative_to(ROOT)) for path in (ROOT / "cli").rglob("*.py")
-                 if "worker" in _imported_top_levels(path, module_level_only=True)]
+                 if {"worker", "serve"} & _imported_top_levels(path, module_level_only=True)]
     assert not offenders
 
 
@@ -81,6 +83,12 @@ def test_producer_loads_without_torch_or_engine() -> None:
 
 
 def test_cli_loads_without_the_worker() -> None:
-    """`tokenmill --help` and the client commands pay for neither the worker nor torch."""
+    """`tokenmill --help` and the client commands pay for neither the worker, the server nor torch."""
     modules = _loaded_modules_after("import cli.app")
+    assert not {"torch", "transformers", "engine", "worker", "serve", "fastapi"} & modules
+
+
+def test_the_server_loads_without_torch_or_engine() -> None:
+    """`tokenmill serve` is a producer: its app and every route load no model code."""
+    modules = _loaded_modules_after("import serve.app, serve.completions, serve.batches, serve.files, serve.models")
     assert not {"torch", "transformers", "engine", "worker"} & modules

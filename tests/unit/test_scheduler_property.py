@@ -29,11 +29,13 @@ EOS_TOKEN_ID = 0
 def workloads(draw: st.DrawFn) -> dict[str, Any]:
     block_size = draw(st.sampled_from([1, 2, 4]))
     num_requests = draw(st.integers(1, 7))
+    max_num_seqs = draw(st.integers(1, 4))
     specs = [
-        (draw(st.integers(1, 12)), draw(st.integers(1, 8)), draw(st.integers(0, 3)), draw(st.integers(0, 12)))
+        (draw(st.integers(1, 12)), draw(st.integers(1, 8)), draw(st.integers(0, 3)), draw(st.integers(0, 12)),
+         draw(st.integers(0, 2)), draw(st.integers(1, max_num_seqs)))
         for _ in range(num_requests)
-    ]  # (prompt tokens, max_tokens, priority, arrival step)
-    largest = max(-(-(prompt + out) // block_size) for prompt, out, _, _ in specs)
+    ]  # (prompt tokens, max_tokens, priority, arrival step, shared prefix, samples)
+    largest = max(-(-(prompt + out) // block_size) for prompt, out, *_ in specs)
     max_num_batched_tokens = draw(st.integers(1, 16))
     return {
         "specs": specs,
@@ -43,7 +45,8 @@ def workloads(draw: st.DrawFn) -> dict[str, Any]:
         "max_num_batched_tokens": max_num_batched_tokens,
         "max_prefill_chunk": draw(st.integers(1, max_num_batched_tokens)),
         "max_prefill_tokens": draw(st.one_of(st.none(), st.integers(1, max_num_batched_tokens))),
-        "max_num_seqs": draw(st.integers(1, 4)),
+        "max_num_seqs": max_num_seqs,
+        "prefix_caching": draw(st.booleans()),
         "preemption_mode": draw(st.sampled_from(["swap", "recompute"])),
         "enable_priority_preemption": draw(st.booleans()),
         "aging_interval_s": draw(st.sampled_from([0.0, 1.0, 3.0])),
@@ -58,12 +61,15 @@ def workloads(draw: st.DrawFn) -> dict[str, Any]:
 @given(workloads())
 def test_random_workloads_finish_with_unconstrained_outputs(workload: dict[str, Any]) -> None:
     config = dict(workload)
-    specs: list[tuple[int, int, int, int]] = config.pop("specs")
+    specs: list[tuple[int, int, int, int, int, int]] = config.pop("specs")
     eos_token_id = EOS_TOKEN_ID if config.pop("use_eos") else None
     scheduler = make_scheduler(**config, eos_token_id=eos_token_id)
     arrivals: dict[int, list[Request]] = {}
-    for i, (num_prompt_tokens, max_tokens, priority, arrival_step) in enumerate(specs):
-        request = make_request(f"r{i}", num_prompt_tokens, max_tokens, priority, arrival_time_s=float(arrival_step))
+    for i, (num_prompt_tokens, max_tokens, priority, arrival_step, prefix, n) in enumerate(specs):
+        # NOTE: prompts of one prefix group share their first tokens, so prefix-cache hits happen.
+        prompt = [(prefix * 31 + 5 * j) % 97 + 1 if j < 6 else (i * 13 + j) % 97 + 1 for j in range(num_prompt_tokens)]
+        request = make_request(f"r{i}", max_tokens=max_tokens, priority=priority, arrival_time_s=float(arrival_step),
+                               prompt_token_ids=prompt, n=n, seed=i * 100 if n > 1 else None)
         arrivals.setdefault(arrival_step, []).append(request)
     requests = [r for step in sorted(arrivals) for r in arrivals[step]]
     run = step_until_done(

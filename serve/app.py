@@ -1,0 +1,66 @@
+"""The ASGI app of ``tokenmill serve`` and the function that runs it under uvicorn.
+
+Imports fastapi, uvicorn and producer; never torch, the engine or the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import secrets
+from collections.abc import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI
+
+from producer.aio import AsyncProducer
+from producer.client import Producer
+from producer.config import ServeSettings
+from serve import batches, completions, files, models
+from serve.batch_runner import BatchRunner
+from serve.batch_store import BatchStore
+from serve.context import ServeState
+from serve.errors import install_handlers
+from serve.files import FileStore
+
+
+def create_app(settings: ServeSettings) -> FastAPI:
+    """The OpenAI-compatible app over the queue of ``settings``; it connects to Redis at start-up.
+
+    Raises (at start-up):
+        RedisUnavailable: Redis cannot be reached.
+    """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        config = settings.producer_config
+        async with AsyncProducer.from_config(config) as producer:
+            sync_producer = await asyncio.to_thread(Producer.from_config, config)
+            client = await producer.connect()
+            app.state.serve = ServeState(settings.serve, producer)
+            app.state.files = file_store = FileStore(client, config.keys, settings.serve.file_ttl_s)
+            app.state.batches = batch_store = BatchStore(client, config.keys, settings.serve.file_ttl_s)
+            owner = f"serve-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+            app.state.batch_runner = runner = BatchRunner(batch_store, file_store, sync_producer, settings.serve, owner)
+            orphans = asyncio.get_running_loop().create_task(runner.adopt_orphans())
+            try:
+                yield
+            finally:
+                orphans.cancel()
+                await runner.close()
+                sync_producer.close()
+
+    app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_handlers(app)
+    for module in (completions, models, files, batches):
+        app.include_router(module.router)
+    return app
+
+
+def run_server(settings: ServeSettings) -> None:
+    """Serve until interrupted (uvicorn handles SIGINT / SIGTERM)."""
+    config = settings.serve
+    uvicorn.run(create_app(settings), host=config.host, port=config.port, log_level=config.log_level,
+                access_log=config.log_level == "debug")

@@ -1,0 +1,148 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``: a request on the queue, answered from
+its result (non-streaming) or its token stream (server-sent events). A client that disconnects
+cancels its request.
+
+Imports fastapi and producer; never torch, the engine or the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from producer.errors import ResultTimeout
+from producer.openai_compat import BodyError, Endpoint, ParsedBody, completion_object, parse_body, result_error
+from producer.openai_compat.objects import chunk_object, usage_chunk
+from producer.schema import GenerationResult
+from serve.context import CallContext, authorize, call_context, state_of
+from serve.errors import REQUEST_ID_HEADER, APIError
+
+T = TypeVar("T")
+STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the logs do
+router = APIRouter(dependencies=[Depends(authorize)])
+_background: set[asyncio.Task[None]] = set()  # fire-and-forget cancels, kept alive until done
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await _complete(request, "chat")
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await _complete(request, "completions")
+
+
+async def _complete(request: Request, endpoint: Endpoint) -> Response:
+    body = await _json_body(request)
+    call = call_context(request, body)
+    parsed = parse_body(body, endpoint)
+    if parsed.stream and parsed.num_choices > 1:
+        raise BodyError("n", "streaming supports n = 1 only")
+    if parsed.stream and parsed.options.get("logprobs") is not None:
+        raise BodyError("logprobs", "logprobs are not streamed; ask without stream")
+    producer = state_of(request).producer
+    await producer.submit(**{**parsed.options, "request_id": call.request_id, "priority": call.priority,
+                             "deadline": call.deadline, "stream_tokens": parsed.stream})
+    headers = {REQUEST_ID_HEADER: call.request_id}
+    if parsed.stream:
+        return StreamingResponse(_events(request, call, parsed), media_type="text/event-stream", headers=headers)
+    result = await _until_disconnect(request, call, producer.result(call.request_id, timeout=call.timeout_s))
+    if result is None:
+        return Response(status_code=STATUS_CLIENT_CLOSED, headers=headers)
+    if not result.ok:
+        raise APIError.from_body(*result_error(result))
+    return JSONResponse(completion_object(endpoint, result, model=parsed.model or "", created=call.created),
+                        headers=headers)
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    return body
+
+
+async def _until_disconnect(request: Request, call: CallContext, wait: Awaitable[T]) -> T | None:
+    """``await wait``, or None (and the request cancelled) when the client goes first.
+
+    Raises:
+        APIError: 504 when the client's timeout ran out first (the request is cancelled too).
+    """
+    waiter = asyncio.ensure_future(wait)
+    listener = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({waiter, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (waiter, listener):
+            task.cancel()
+    if not waiter.done() or waiter.cancelled():
+        _cancel_later(request, call.request_id)
+        return None
+    try:
+        return waiter.result()
+    except ResultTimeout:
+        _cancel_later(request, call.request_id)
+        raise APIError(504, f"no answer within {call.timeout_s:g} s", type_="timeout_error",
+                       code="request_timeout") from None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body was read: the next message can only be that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _cancel_later(request: Request, request_id: str) -> None:
+    """Cancel ``request_id`` in the background: the caller may itself be in a cancelled scope."""
+    task = asyncio.get_running_loop().create_task(state_of(request).producer.cancel(request_id))
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+async def _events(request: Request, call: CallContext, parsed: ParsedBody) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per text delta as the worker writes it, a last chunk with the
+    finish reason (and one with usage when asked for), then ``data: [DONE]``."""
+    producer, endpoint, model = state_of(request).producer, parsed.endpoint, parsed.model or ""
+    is_finished = False
+    try:
+        is_first = True
+        async for text in producer.stream(call.request_id, timeout=call.timeout_s):
+            yield _sse(chunk_object(endpoint, call.request_id, model=model, created=call.created, text=text,
+                                    is_first=is_first))
+            is_first = False
+        result = await producer.result(call.request_id, timeout=call.timeout_s)
+        is_finished = True
+        for event in _closing_events(result, call, parsed, is_first):
+            yield event
+    except ResultTimeout:
+        yield _sse(APIError(504, f"no answer within {call.timeout_s:g} s", type_="timeout_error",
+                            code="request_timeout").body)
+    finally:
+        if not is_finished:  # NOTE: the client went away (or timed out): stop the work
+            _cancel_later(request, call.request_id)
+    yield "data: [DONE]\n\n"
+
+
+def _closing_events(result: GenerationResult, call: CallContext, parsed: ParsedBody,
+                    is_first: bool) -> list[str]:
+    if not result.ok:
+        return [_sse(result_error(result)[1])]
+    model = result.model or parsed.model or ""
+    events = [_sse(chunk_object(parsed.endpoint, call.request_id, model=model, created=call.created,
+                                finish_reason=result.finish_reason or "stop", is_first=is_first))]
+    if parsed.include_usage:
+        events.append(_sse(usage_chunk(parsed.endpoint, result, model=model, created=call.created)))
+    return events
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"

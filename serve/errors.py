@@ -1,0 +1,80 @@
+"""Errors of the HTTP front in OpenAI's error shape, and the handlers that render them.
+
+Imports fastapi and producer.openai_compat; never torch, the engine or the worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from producer.errors import ProducerError, SchemaError, SubmitUncertain
+from producer.openai_compat import BodyError, error_object
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+class APIError(Exception):
+    """An answer other than success: an HTTP status and OpenAI's error body."""
+
+    def __init__(self, status_code: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.body = error_object(message, type_=type_, param=param, code=code)
+
+    @classmethod
+    def from_body(cls, status_code: int, body: dict[str, Any]) -> APIError:
+        """An error from a ready OpenAI error body (e.g. a failed result's)."""
+        error = body["error"]
+        return cls(status_code, error["message"], type_=error["type"], param=error.get("param"), code=error["code"])
+
+    def response(self, request_id: str | None = None) -> JSONResponse:
+        headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+        return JSONResponse(self.body, status_code=self.status_code, headers=headers)
+
+
+def not_found(what: str, object_id: str) -> APIError:
+    return APIError(404, f"No {what} found with id {object_id!r}.", code=f"{what}_not_found")
+
+
+def _request_id(request: Request) -> str | None:
+    return getattr(request.state, "request_id", None)
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Render every error the routes raise as OpenAI's error body."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(_request_id(request))
+
+    @app.exception_handler(BodyError)
+    async def body_error(request: Request, exc: BodyError) -> JSONResponse:
+        return APIError(400, exc.message, param=exc.param).response(_request_id(request))
+
+    @app.exception_handler(SubmitUncertain)
+    async def uncertain(request: Request, exc: SubmitUncertain) -> JSONResponse:
+        return APIError(503, str(exc), type_="server_error", code="queue_unavailable").response(_request_id(request))
+
+    @app.exception_handler(SchemaError)
+    async def schema_error(request: Request, exc: SchemaError) -> JSONResponse:
+        return APIError(400, exc.message, code=exc.code).response(_request_id(request))
+
+    @app.exception_handler(ProducerError)
+    async def producer_error(request: Request, exc: ProducerError) -> JSONResponse:
+        return APIError(503, str(exc), type_="server_error").response(_request_id(request))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first["loc"][1:]) or None
+        return APIError(400, str(first["msg"]), param=param).response(_request_id(request))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail), code=None).response(_request_id(request))

@@ -1,0 +1,44 @@
+"""``GET /v1/models``: the model names live workers serve, from their heartbeats.
+
+Imports fastapi and producer; never torch, the engine or the worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from serve.context import authorize, state_of
+from serve.errors import not_found
+
+router = APIRouter(dependencies=[Depends(authorize)])
+STALE_AFTER_S = 30.0  # a worker silent for longer is not listed (as `tokenmill status` counts it stale)
+
+
+async def served_models(request: Request) -> dict[str, dict[str, Any]]:
+    """Model id -> OpenAI model object, for every name a live worker announces."""
+    stats = await state_of(request).producer.stats(stale_after_s=STALE_AFTER_S)
+    models: dict[str, dict[str, Any]] = {}
+    for info in stats["workers"].values():
+        if info.get("state") == "stopped":
+            continue
+        name = info.get("served_model_name") or info.get("model")
+        if isinstance(name, str) and name:
+            created = int(min(float(info.get("started_at", 0)), models.get(name, {}).get("created", float("inf"))))
+            models[name] = {"id": name, "object": "model", "created": created, "owned_by": "tokenmill"}
+    return models
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    models = await served_models(request)
+    return {"object": "list", "data": [models[name] for name in sorted(models)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+    models = await served_models(request)
+    if model_id not in models:
+        raise not_found("model", model_id)
+    return models[model_id]

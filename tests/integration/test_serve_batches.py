@@ -1,0 +1,113 @@
+"""The OpenAI Files + Batch workflow against ``tokenmill serve`` with the real openai client and a
+real echo worker: upload, create, poll to ``completed``, download in OpenAI's output shape; cancel
+a running batch; a batch whose server died is finished by another."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+import redis.asyncio
+
+from producer.keys import Keys
+from serve import batch_runner
+from serve.batch_store import BatchStore
+from tests.serve_helpers import running_server
+from tests.worker_helpers import make_settings, running_worker
+
+NUM_LINES = 20
+
+
+def _batch_input(num_lines: int = NUM_LINES, max_tokens: int = 16) -> bytes:
+    lines = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "echo", "messages": [{"role": "user", "content": f"question {i}"}],
+                       "max_tokens": max_tokens, "presence_penalty": 0, "logprobs": False}}
+             for i in range(num_lines)]
+    return "\n".join(json.dumps(line) for line in lines).encode() + b"\n"
+
+
+def _wait_for(client: openai.OpenAI, batch_id: str, statuses: set[str], timeout_s: float = 30.0) -> openai.types.Batch:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        assert time.monotonic() < deadline, f"batch stuck in {batch.status}"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def base_url(redis_url: str, key_prefix: str) -> Iterator[str]:
+    with running_server(redis_url, key_prefix) as url:
+        yield url
+
+
+def test_a_batch_runs_to_completed_in_openai_shape(base_url: str, redis_url: str, key_prefix: str) -> None:
+    with running_worker(make_settings(redis_url, key_prefix)), openai.OpenAI(base_url=base_url, api_key="x") as client:
+        uploaded = client.files.create(file=("questions.jsonl", _batch_input()), purpose="batch")
+        assert client.files.retrieve(uploaded.id).bytes == len(_batch_input())
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h", metadata={"run": "test"})
+        assert batch.status == "validating" and batch.metadata == {"run": "test"}
+        done = _wait_for(client, batch.id, {"completed", "failed", "cancelled", "expired"})
+        assert done.status == "completed" and done.error_file_id is None and done.output_file_id is not None
+        assert done.request_counts is not None
+        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (20, 20, 0)
+        lines = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
+        assert [b.id for b in client.batches.list().data] == [batch.id]
+        assert client.files.delete(uploaded.id).deleted
+    assert sorted(line["custom_id"] for line in lines) == sorted(f"req-{i}" for i in range(NUM_LINES))
+    for line in lines:
+        assert line["id"].startswith("batch_req_") and line["error"] is None
+        response = line["response"]
+        assert response["status_code"] == 200 and response["request_id"]
+        body = response["body"]
+        assert body["object"] == "chat.completion" and body["model"] == "echo"
+        number = line["custom_id"].removeprefix("req-")
+        assert body["choices"][0]["message"]["content"] == f"question {number}"
+        assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+
+
+def test_cancel_a_running_batch(base_url: str, redis_url: str, key_prefix: str) -> None:
+    settings = make_settings(redis_url, key_prefix, model="echo:tokens_per_step=1,step_delay_s=0.02",
+                             engine={"scheduler": {"max_num_seqs": 2}})
+    with running_worker(settings), openai.OpenAI(base_url=base_url, api_key="x") as client:
+        uploaded = client.files.create(file=("in.jsonl", _batch_input(max_tokens=10)), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        running = _wait_for(client, batch.id, {"in_progress"})
+        while (client.batches.retrieve(batch.id).request_counts or running.request_counts).completed < 2:
+            time.sleep(0.05)
+        assert client.batches.cancel(batch.id).status == "cancelling"
+        cancelled = _wait_for(client, batch.id, {"cancelled", "completed"})
+        assert cancelled.status == "cancelled" and cancelled.cancelled_at is not None
+        assert cancelled.request_counts is not None and 2 <= cancelled.request_counts.completed < NUM_LINES
+        assert cancelled.output_file_id is not None  # what finished before the cancel
+        partial = client.files.content(cancelled.output_file_id).text.splitlines()
+    assert len(partial) == cancelled.request_counts.completed
+
+
+def test_a_batch_whose_server_died_is_finished_by_another(base_url: str, redis_url: str, key_prefix: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batch_runner, "ORPHAN_AFTER_S", 1.0)
+    monkeypatch.setattr(batch_runner, "ORPHAN_SCAN_S", 0.2)
+    with openai.OpenAI(base_url=base_url, api_key="x") as client:
+        uploaded = client.files.create(file=("in.jsonl", _batch_input(num_lines=5)), purpose="batch")
+
+    async def orphan() -> str:  # what a server that died right after accepting the batch leaves
+        client = redis.asyncio.Redis.from_url(redis_url)
+        batch = await BatchStore(client, Keys(prefix=key_prefix), 3600).create(
+            uploaded.id, "/v1/chat/completions", "24h", None, owner="dead-server")
+        await BatchStore(client, Keys(prefix=key_prefix), 3600).update(batch["id"], {"owner_ts": 0.0})
+        await client.aclose()
+        return str(batch["id"])
+
+    batch_id = asyncio.run(orphan())
+    with running_server(redis_url, key_prefix) as other_url, running_worker(make_settings(redis_url, key_prefix)), \
+            openai.OpenAI(base_url=other_url, api_key="x") as client:
+        done = _wait_for(client, batch_id, {"completed", "failed"})
+    assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 5
