@@ -165,7 +165,7 @@ def _workers_table(stats: dict[str, Any]) -> Table:
         table.add_column(column, justify="left" if column in ("name", "state", "model") else "right")
     now = time.time()
     rows = [(name, info, "live") for name, info in stats["workers"].items()]
-    rows += [(name, info, "stale") for name, info in stats["stale_workers"].items()]
+    rows += [(name, info, "gone") for name, info in stats["stale_workers"].items()]
     for name, info, liveness in rows:
         age = f"{now - float(info.get('ts', 0)):.1f}" if info.get("ts") else "-"
         state = f"{info.get('state', '?')} ({liveness})"

@@ -262,7 +262,8 @@ class Producer:
         """Queue depth, pending, lag (Redis >= 7, else None) per lane; dead letters; workers.
 
         Args:
-            stale_after_s: a worker whose heartbeat ``ts`` is older than this counts as stale.
+            stale_after_s: a worker whose heartbeat ``ts`` is older than this counts as stale; one whose
+                last heartbeat says ``stopped`` is stale at once (``stale_workers`` holds both).
 
         Returns:
             ``{"queue", "lanes": [{"lane", "stream", "depth", "pending", "lag", "has_group"}],

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from producer.config import MAX_BLOCK_S
 from producer.errors import JobFailed, ResultTimeout, SchemaError, SubmitUncertain
-from producer.keys import CONSUMER_GROUP, Keys
+from producer.keys import CONSUMER_GROUP, WORKER_STOPPED, Keys
 from producer.schema import (
     ErrorCode,
     GenerationRequest,
@@ -328,7 +328,9 @@ def shape_stats(keys: Keys, replies: Sequence[Any], *, stale_after_s: float) -> 
             ts = float(info["ts"])
         except Exception:  # noqa: BLE001 - a garbled heartbeat counts as stale, it must not break stats
             info, ts = {"undecodable": True}, 0.0
-        (live if now - ts <= stale_after_s else stale)[name.decode(errors="replace")] = info
+        # NOTE: a worker that exited cleanly beats "stopped" once; it is gone even while that beat is fresh.
+        is_live = now - ts <= stale_after_s and info.get("state") != WORKER_STOPPED
+        (live if is_live else stale)[name.decode(errors="replace")] = info
     return {
         "queue": keys.base,
         "lanes": lanes,

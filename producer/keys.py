@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 CONSUMER_GROUP = "workers"
+# Heartbeat states in the workers hash (the worker writes them; status readers and reclaim read them).
+WORKER_RUNNING = "running"
+WORKER_STOPPED = "stopped"  # written on a clean exit: its pending entries may be reclaimed at once
 DEFAULT_PREFIX = "tokenmill"
 DEFAULT_QUEUE = "default"
 DEFAULT_NUM_LANES = 3

@@ -15,10 +15,11 @@ from typing import Any
 import msgpack
 import redis
 
+from producer.keys import WORKER_RUNNING as RUNNING
+from producer.keys import WORKER_STOPPED as STOPPED
 from producer.keys import Keys
 
-RUNNING = "running"
-STOPPED = "stopped"  # written on a clean exit: its pending entries may be reclaimed at once
+__all__ = ["RUNNING", "STOPPED", "Heartbeat", "as_text", "forget_old", "is_dead", "read_heartbeats", "write_heartbeat"]
 FORGET_AFTER_S = 86_400.0  # a silent worker's heartbeat stays visible (as stale) this long, then is deleted
 
 

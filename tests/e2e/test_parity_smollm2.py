@@ -37,6 +37,7 @@ QUESTIONS = [
 SCENARIOS: dict[str, dict[str, Any]] = {
     "block16": dict(block_size=16),
     "block4-chunked": dict(block_size=4, max_prefill_chunk=16, max_num_batched_tokens=128),
+    "block16-no-prefix-cache": dict(block_size=16, enable_prefix_caching=False),
     "recompute-preemption": dict(block_size=4, preemption_mode="recompute", kv_cache_memory=80 * 4 * 46080),
     "swap-preemption": dict(block_size=4, preemption_mode="swap", kv_cache_memory=80 * 4 * 46080),
     # The base engine runs the device's kernel; the reference backend once, on the base scenario.
@@ -87,6 +88,10 @@ def test_smollm2_greedy_matches_hf_generate(scenario: str, engine_and_reference:
         assert stats.counters.num_preemptions > 0, stats
     if scenario == "swap-preemption":
         assert stats.counters.num_swapped_out_blocks > 0, stats
+    if scenario == "block4-chunked":  # later prompts find the chat template's system prompt cached
+        assert stats.prefix.num_hit_tokens > 0, stats.prefix
+    if scenario == "block16-no-prefix-cache":
+        assert stats.prefix.num_hit_tokens == 0, stats.prefix
 
 
 def test_smollm2_outputs_read_well(engine_and_reference: Any) -> None:

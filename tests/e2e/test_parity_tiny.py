@@ -21,6 +21,8 @@ MAX_TOKENS = 24
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "block16": dict(block_size=16),
+    "block16-no-prefix-cache": dict(block_size=16, enable_prefix_caching=False),
+    "block1": dict(block_size=1, max_prefill_chunk=256, max_num_batched_tokens=256),
     "block4-chunked": dict(block_size=4, max_prefill_chunk=7, max_num_batched_tokens=64),
     "recompute-preemption": dict(block_size=4, preemption_mode="recompute", max_prefill_chunk=32,
                                  max_num_batched_tokens=64),
@@ -29,6 +31,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 
 _REFERENCES: dict[tuple[str, str], tuple[list[list[int]], list[list[int]]]] = {}
+# NOTE: "block16" admits every prompt in its first step, before any block is cached: no hits to expect.
+NO_PREFIX_HITS = {"block16", "block16-no-prefix-cache"}
 
 
 def _reference(family: str, path: Path, device: str) -> tuple[list[list[int]], list[list[int]]]:
@@ -36,7 +40,10 @@ def _reference(family: str, path: Path, device: str) -> tuple[list[list[int]], l
     import torch
 
     if (family, device) not in _REFERENCES:
+        # NOTE: half the prompts share a 40-token prefix, so prefix-cache hits happen.
         prompts = random_prompts(VOCAB_SIZE, NUM_PROMPTS, seed=len(family))
+        shared = random_prompts(VOCAB_SIZE, 1, seed=99, min_len=40, max_len=40)[0]
+        prompts = [shared + p if i % 2 else p for i, p in enumerate(prompts)]
         model = load_reference(path, torch.float64, device)
         _REFERENCES[family, device] = (prompts, [hf_greedy(model, p, MAX_TOKENS) for p in prompts])
     return _REFERENCES[family, device]
@@ -52,7 +59,7 @@ def _kv_budget(path: Path, scenario: str) -> dict[str, Any]:
     num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = config.hidden_size // config.num_attention_heads
     bytes_per_token = config.num_hidden_layers * 2 * num_kv_heads * head_dim * 8  # float64
-    tokens = 120 + MAX_TOKENS + 16 * 4  # the largest request plus a little room
+    tokens = 160 + MAX_TOKENS + 16 * 4  # the largest request (a 40-token prefix + 120) plus a little room
     return dict(kv_cache_memory=tokens * bytes_per_token, swap_space="8MiB")
 
 
@@ -77,6 +84,10 @@ def test_greedy_matches_hf_generate(family: str, scenario: str, device: str, bac
         assert stats.counters.num_swapped_out_blocks > 0 and stats.counters.num_swapped_in_blocks > 0, stats
     if scenario == "recompute-preemption":
         assert stats.counters.num_recomputed_tokens > 0, stats
+    if scenario not in NO_PREFIX_HITS:
+        assert stats.prefix.num_hit_tokens > 0, stats.prefix
+    if scenario == "block16-no-prefix-cache":
+        assert stats.prefix.num_hit_tokens == 0 and stats.num_cached_blocks == 0, stats
     assert not engine.has_unfinished()
     assert stats.num_used_gpu_blocks == 0
 

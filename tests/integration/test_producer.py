@@ -183,6 +183,7 @@ def test_stats_on_a_populated_queue(producer: Producer, redis_client: redis.Redi
         "w1": msgpack.packb({"ts": now, "running": 1}),
         "w2": msgpack.packb({"ts": now - 300}),
         "w3": b"\xc1garbage",
+        "w4": msgpack.packb({"ts": now, "state": "stopped"}),
     })
     producer.cancel("c1")
     stats = producer.stats(stale_after_s=30)
@@ -193,7 +194,7 @@ def test_stats_on_a_populated_queue(producer: Producer, redis_client: redis.Redi
     assert (lane2["depth"], lane2["pending"]) == (1, 0)
     assert (stats["depth"], stats["pending"], stats["dead"], stats["cancelled"]) == (3, 1, 1, 1)
     assert stats["num_live_workers"] == 1 and stats["workers"]["w1"]["running"] == 1
-    assert set(stats["stale_workers"]) == {"w2", "w3"}
+    assert set(stats["stale_workers"]) == {"w2", "w3", "w4"}
 
 
 def test_reply_to_stream_receives_the_result(producer: Producer, fake_worker: FakeWorker,
