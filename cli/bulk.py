@@ -13,7 +13,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from cli.common import app, fail, open_producer, validation_exit
+from cli.common import QueueOption, app, fail, open_producer, validation_exit, warn_without_workers, with_queue
 from producer import bulk
 from producer.bulk.report import render_summary
 from producer.errors import ProducerError
@@ -35,8 +35,10 @@ def bulk_command(
     max_in_flight: Annotated[int, typer.Option(help="most requests outstanding at once")] = 256,
     max_tokens: Annotated[int | None, typer.Option(help="default max_tokens (items may override)")] = None,
     temperature: Annotated[float | None, typer.Option(help="default temperature (items may override)")] = None,
-    top_p: Annotated[float | None, typer.Option(help="default top_p")] = None,
-    seed: Annotated[int | None, typer.Option(help="default seed")] = None,
+    top_p: Annotated[float | None, typer.Option(help="default top_p (items may override)")] = None,
+    top_k: Annotated[int | None, typer.Option(help="default top_k, 0 = off (items may override)")] = None,
+    seed: Annotated[int | None, typer.Option(help="default seed (items may override)")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="default stop string, repeatable (items may override)")] = None,
     retries: Annotated[int, typer.Option(help="extra attempts for retryable failures")] = 2,
     raw: Annotated[bool, typer.Option("--raw", help="send plain prompts as raw text, not as a user message")] = False,
     system: Annotated[str | None, typer.Option(help="a system message before each plain prompt")] = None,
@@ -48,10 +50,13 @@ def bulk_command(
     id_column: Annotated[str, typer.Option(help="CSV/Parquet id column (optional)")] = "id",
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="progress bar on stderr")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
+    queue: QueueOption = None,
 ) -> None:
     """Generate completions for every record of INPUT into OUTPUT (resumable; Ctrl-C is safe).
 
     Plain prompts (JSONL "prompt", CSV/Parquet) go to the model as user messages; --raw sends them as is.
+    Records may carry any request param (JSONL fields or "params", OpenAI Batch bodies): response_format,
+    logprobs, penalties. Warns (stderr) when no live worker serves the queue.
 
     Exit status:
     0 every record succeeded;
@@ -59,9 +64,11 @@ def bulk_command(
     3 the errors file holds failed or invalid records (from this run or an earlier one);
     130 interrupted (re-run the same command to finish).
     """
+    with_queue(ctx, queue)
     options: dict[str, Any] = {"priority": int(priority) if priority.isdigit() else priority,
                                "max_in_flight": max_in_flight, "max_tokens": max_tokens, "temperature": temperature,
-                               "top_p": top_p, "seed": seed, "retries": retries, "errors_path": errors,
+                               "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop or None,
+                               "retries": retries, "errors_path": errors,
                                "raw": raw, "system": system, "cancel_on_interrupt": cancel_on_interrupt,
                                "format": input_format, "prompt_column": prompt_column, "id_column": id_column}
     # NOTE: SIGTERM stops like Ctrl-C (valid files, exit 130); handlers need the main thread.
@@ -69,6 +76,7 @@ def bulk_command(
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt) if is_main else None
     try:
         with open_producer(ctx) as producer:
+            warn_without_workers(ctx, producer)
             summary = bulk.run(input_path, output_path, producer=producer, show_progress=progress, **options)
     except ValidationError as exc:
         raise validation_exit(exc, "bulk options") from None

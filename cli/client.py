@@ -8,16 +8,18 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from cli.common import app, fail, open_producer
+from cli.common import QueueOption, app, client_settings, fail, open_producer, warn_without_workers, with_queue
 from producer import dead_letters
 from producer.common import as_chat
 from producer.errors import ResultTimeout, SchemaError
+from producer.keys import STALE_AFTER_S
 from producer.schema import GenerationResult
 
 EXIT_NOT_READY = 2  # result: not landed (yet), or the wait ran out
@@ -48,6 +50,33 @@ def _read_prompt(prompt: str | None, messages: str | None) -> dict[str, Any]:
     return {"prompt": prompt}
 
 
+def _read_json(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise fail(f"error: {what} is not JSON: {exc}") from None
+
+
+def _response_format(response_format: str | None, json_schema: Path | None, regex: str | None) -> Any:
+    """The request's response_format from the one structured-output option given (None: free text)."""
+    given = [name for name, value in (("--response-format", response_format), ("--json-schema", json_schema),
+                                      ("--regex", regex)) if value is not None]
+    if len(given) > 1:
+        raise fail(f"error: give one of {', '.join(given)}")
+    if response_format is not None:
+        return _read_json(response_format, "--response-format")
+    if regex is not None:
+        return {"type": "regex", "regex": regex}
+    if json_schema is None:
+        return None
+    try:
+        text = json_schema.read_text()
+    except OSError as exc:
+        raise fail(f"error: cannot read --json-schema {json_schema}: {exc.strerror or exc}") from None
+    schema = _read_json(text, f"--json-schema {json_schema}")
+    return {"type": "json_schema", "json_schema": {"name": json_schema.stem or "schema", "schema": schema}}
+
+
 @app.command()
 def submit(
     ctx: typer.Context,
@@ -55,33 +84,58 @@ def submit(
     messages: Annotated[str | None, typer.Option(help='chat messages as JSON: [{"role": "user", "content": ...}]')] = None,
     system: Annotated[str | None, typer.Option(help="a system message before the prompt")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="send the prompt as raw text, without the chat template")] = False,
-    max_tokens: Annotated[int | None, typer.Option(help="most tokens to generate")] = None,
-    temperature: Annotated[float | None, typer.Option(help="0 = greedy")] = None,
-    top_p: Annotated[float | None, typer.Option()] = None,
-    top_k: Annotated[int | None, typer.Option()] = None,
-    seed: Annotated[int | None, typer.Option()] = None,
+    model: Annotated[str | None, typer.Option(help="the model the request is for (a worker serving another answers "
+                                                    "model_not_served)")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="most tokens to generate (default 256)")] = None,
+    min_tokens: Annotated[int | None, typer.Option(help="fewest tokens to generate before EOS or a stop")] = None,
+    temperature: Annotated[float | None, typer.Option(help="0 = greedy (the default)")] = None,
+    top_p: Annotated[float | None, typer.Option(help="nucleus sampling: keep the most likely tokens up to this "
+                                                     "probability mass (0-1]")] = None,
+    top_k: Annotated[int | None, typer.Option(help="keep only the k most likely tokens (0 = off)")] = None,
+    seed: Annotated[int | None, typer.Option(help="random seed of the sampler (reproducible sampling)")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
+    repetition_penalty: Annotated[float | None, typer.Option(
+        help="Hugging Face's repetition penalty over prompt and output (> 1 repeats less)")] = None,
+    presence_penalty: Annotated[float | None, typer.Option(help="OpenAI's presence penalty [-2, 2]")] = None,
+    frequency_penalty: Annotated[float | None, typer.Option(help="OpenAI's frequency penalty [-2, 2]")] = None,
+    json_schema: Annotated[Path | None, typer.Option(
+        help="a JSON Schema file: the output is JSON that follows it")] = None,
+    regex: Annotated[str | None, typer.Option(help="the output matches this regular expression")] = None,
+    response_format: Annotated[str | None, typer.Option(
+        help='the request\'s response_format as JSON, e.g. \'{"type": "json_object"}\'')] = None,
+    logprobs: Annotated[int | None, typer.Option(
+        help="log-probabilities of each token and of its N most likely alternatives (0-20); prints the result "
+             "as JSON (token_logprobs)")] = None,
     priority: Annotated[str, typer.Option(help="high, normal, low or a lane number")] = "normal",
     request_id: Annotated[str | None, typer.Option("--id", help="request id (idempotency key)")] = None,
     stream: Annotated[bool, typer.Option(help="print tokens as they are generated")] = False,
     no_wait: Annotated[bool, typer.Option("--no-wait", help="print the request id and return")] = False,
-    timeout: Annotated[float | None, typer.Option(help="seconds to wait for the result")] = None,
+    timeout: Annotated[float | None, typer.Option(help="seconds to wait for the result (default: no limit)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the whole result as JSON")] = False,
+    queue: QueueOption = None,
 ) -> None:
     """Submit one prompt and print its completion (or its id with --no-wait).
 
     The prompt goes to the model as a user message (its chat template applies); --raw sends it as is.
+    Warns (stderr) when no live worker serves the queue: the request then waits for one.
     """
+    with_queue(ctx, queue)
     if system is not None and (raw or messages is not None):
         raise fail("error: --system goes with a plain prompt (not --raw, and inside --messages otherwise)")
     given = _read_prompt(prompt, messages)
-    options: dict[str, Any] = {**(given if raw else as_chat(given, system)), "max_tokens": max_tokens,
-                               "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
-                               "stop": stop or None, "request_id": request_id, "stream_tokens": stream or None,
+    options: dict[str, Any] = {**(given if raw else as_chat(given, system)), "model": model,
+                               "max_tokens": max_tokens, "min_tokens": min_tokens, "temperature": temperature,
+                               "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop or None,
+                               "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
+                               "frequency_penalty": frequency_penalty, "logprobs": logprobs,
+                               "response_format": _response_format(response_format, json_schema, regex),
+                               "request_id": request_id, "stream_tokens": stream or None,
                                "priority": int(priority) if priority.isdigit() else priority}
+    as_json = as_json or logprobs is not None
     with open_producer(ctx) as producer:
+        warn_without_workers(ctx, producer)
         try:
-            rid = producer.submit(**options)
+            rid = producer.submit(**{name: value for name, value in options.items() if value is not None})
         except SchemaError as exc:
             raise fail(f"invalid request: {exc.message}") from None
         if no_wait:
@@ -106,13 +160,15 @@ def submit(
 def result(
     ctx: typer.Context,
     request_id: Annotated[str, typer.Argument(help="request id")],
-    wait: Annotated[float | None, typer.Option(help="seconds to wait for it to land; default: do not wait")] = None,
+    timeout: Annotated[float | None, typer.Option(help="seconds to wait for it to land (default: do not wait)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the whole result as JSON")] = False,
+    queue: QueueOption = None,
 ) -> None:
     """Print the result of a request (exit 2 if it has not landed)."""
+    with_queue(ctx, queue)
     with open_producer(ctx) as producer:
         try:
-            found = producer.result(request_id, timeout=wait) if wait else producer.get(request_id)
+            found = producer.result(request_id, timeout=timeout) if timeout else producer.get(request_id)
         except ResultTimeout as exc:
             typer.echo(str(exc), err=True)
             raise typer.Exit(code=EXIT_NOT_READY) from None
@@ -126,23 +182,44 @@ def result(
 def cancel(
     ctx: typer.Context,
     request_ids: Annotated[list[str], typer.Argument(help="request id(s)")],
+    queue: QueueOption = None,
 ) -> None:
-    """Cancel requests: queued ones are answered 'cancelled', running ones are aborted."""
+    """Cancel requests: queued ones are answered 'cancelled', running ones are aborted.
+
+    An id the queue does not hold (never submitted, or finished and expired) is an error (exit 1);
+    a finished one keeps its result.
+    """
+    with_queue(ctx, queue)
     with open_producer(ctx) as producer:
-        for request_id in request_ids:
-            producer.cancel(request_id)
+        states = producer.locate(request_ids)
+        queued = [request_id for request_id, state in states.items() if state == "queued"]
+        producer.cancel_many(queued)
+        base = producer.keys.base
+    for request_id, state in states.items():
+        if state == "queued":
             typer.echo(f"cancel requested: {request_id}")
+        elif state == "finished":
+            typer.echo(f"already finished: {request_id} (its result stays; nothing to cancel)")
+    unknown = [request_id for request_id, state in states.items() if state == "unknown"]
+    if unknown:
+        raise fail(f"error: no request {', '.join(unknown)} in queue {base} (never submitted, or finished and "
+                   "its result expired)")
 
 
 @app.command()
 def status(
     ctx: typer.Context,
     as_json: Annotated[bool, typer.Option("--json", help="print the stats as JSON")] = False,
-    stale_after: Annotated[float, typer.Option(help="heartbeat age (s) after which a worker is stale")] = 30.0,
+    stale_after: Annotated[float | None, typer.Option(
+        help=f"heartbeat age (s) after which a worker is stale (default: [worker] stale_after_s, "
+             f"as the workers judge it: {STALE_AFTER_S:g})")] = None,
+    queue: QueueOption = None,
 ) -> None:
     """Lane depths, pending, dead letters and workers (heartbeat age, tokens/s)."""
+    with_queue(ctx, queue)
+    stale_after_s = stale_after if stale_after is not None else client_settings(ctx).worker.stale_after_s
     with open_producer(ctx) as producer:
-        stats = producer.stats(stale_after_s=stale_after)
+        stats = producer.stats(stale_after_s=stale_after_s)
     if as_json:
         typer.echo(json.dumps(stats, default=str, indent=2))
         return
@@ -183,8 +260,10 @@ def dead(
     requeue_all: Annotated[bool, typer.Option("--all", help="with --requeue: every dead letter")] = False,
     limit: Annotated[int, typer.Option(help="most dead letters to list")] = 100,
     as_json: Annotated[bool, typer.Option("--json", help="print as JSON")] = False,
+    queue: QueueOption = None,
 ) -> None:
     """List dead letters with their reason; --requeue [ID...] | --all moves them back to their lane."""
+    with_queue(ctx, queue)
     if (ids or requeue_all) and not do_requeue:
         raise fail("error: IDs and --all need --requeue")
     if do_requeue and not ids and not requeue_all:

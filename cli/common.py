@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -44,12 +44,26 @@ def main(
     redis_url: Annotated[str | None, typer.Option(
         "--redis-url", help="redis://, rediss:// or unix:// URL (else REDIS_URL, else the embedded Redis)")] = None,
     prefix: Annotated[str | None, typer.Option(help="key prefix (default tokenmill)")] = None,
-    queue: Annotated[str | None, typer.Option(help="queue name (default: default)")] = None,
+    queue: Annotated[str | None, typer.Option(help="queue name (default: default); also taken after the command")] = None,
     lanes: Annotated[int | None, typer.Option(help="priority lanes (default 3)")] = None,
 ) -> None:
     """The global options, kept for the command that runs."""
     ctx.obj = CliState(config, {"redis": {"url": redis_url},
                                 "queue": {"prefix": prefix, "name": queue, "num_lanes": lanes}})
+
+
+# ``--queue`` after the command (``tokenmill status --queue q``) as well as before it.
+QueueOption = Annotated[str | None, typer.Option(
+    "--queue", help="queue name (the global --queue, given after the command; this one wins)")]
+
+
+def with_queue(ctx: typer.Context, queue: str | None) -> None:
+    """Put a command's own ``--queue`` into the global options (it wins over one given before the command)."""
+    if queue is None:
+        return
+    state: CliState = ctx.obj
+    overrides = {**state.overrides, "queue": {**state.overrides.get("queue", {}), "name": queue}}
+    ctx.obj = replace(state, overrides=overrides)
 
 
 def fail(message: str) -> typer.Exit:
@@ -114,3 +128,12 @@ def open_producer(ctx: typer.Context) -> Iterator[Producer]:
         yield producer
     finally:
         producer.close()
+
+
+def warn_without_workers(ctx: typer.Context, producer: Producer) -> None:
+    """One line on stderr when no live worker serves the producer's queue (the requests wait for one)."""
+    stale_after_s = client_settings(ctx).worker.stale_after_s
+    stats = or_exit(lambda: producer.stats(stale_after_s=stale_after_s))
+    if stats["num_live_workers"] == 0:
+        typer.echo(f"warning: no live worker serves queue {producer.keys.base}; requests wait until one starts "
+                   "(tokenmill worker)", err=True)

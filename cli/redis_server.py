@@ -31,7 +31,7 @@ def _show(current: embedded.EmbeddedStatus, as_json: bool) -> None:
 
 @redis_app.command("start")
 def start(directory: DirOption = None,
-          as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+          as_json: Annotated[bool, typer.Option("--json", help="print the server's state as JSON")] = False) -> None:
     """Start the embedded Redis (or reuse the running one) and print its URL."""
     try:
         _show(embedded.start(directory), as_json)
@@ -41,7 +41,7 @@ def start(directory: DirOption = None,
 
 @redis_app.command("status")
 def status(directory: DirOption = None,
-           as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+           as_json: Annotated[bool, typer.Option("--json", help="print the server's state as JSON")] = False) -> None:
     """Whether the embedded Redis runs (exit 1 if not)."""
     current = embedded.status(directory)
     _show(current, as_json)

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from cli.common import CliState, app, fail, or_exit
+from cli.common import CliState, QueueOption, app, fail, or_exit, with_queue
 from producer.config import ServeSettings
 
 
@@ -22,14 +22,16 @@ def serve(
     api_key: Annotated[list[str] | None, typer.Option(
         "--api-key", help="accepted Bearer key (repeatable; default: the serve section's api_keys, else none)")] = None,
     log_level: Annotated[str | None, typer.Option(help="uvicorn log level")] = None,
+    queue: QueueOption = None,
 ) -> None:
     """Serve the OpenAI API (chat, completions, streaming, models, files, batches) over the queue."""
     try:
         from serve.app import run_server  # noqa: PLC0415 - keeps --help and the other commands light
     except ImportError as exc:
         raise fail(f"error: tokenmill serve needs the serve extra: pip install 'tokenmill[serve]' ({exc})") from None
+    with_queue(ctx, queue)
     state: CliState = ctx.obj
     overrides: dict[str, Any] = {**state.overrides,
                                  "serve": {"host": host, "port": port, "api_keys": api_key, "log_level": log_level}}
-    settings = or_exit(lambda: ServeSettings.load(state.config_file, overrides))
+    settings = or_exit(lambda: ServeSettings.load(state.config_file, overrides), ServeSettings)
     or_exit(lambda: run_server(settings))

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from cli.common import CliState, app, client_settings, fail, or_exit
+from cli.common import CliState, QueueOption, app, client_settings, fail, or_exit, with_queue
 
 
 @app.command()
@@ -27,12 +27,14 @@ def worker(
     log_json: Annotated[bool | None, typer.Option("--log-json/--log-text", help="JSON log lines")] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = None,
     burst: Annotated[bool, typer.Option(help="exit when every lane is empty and nothing is in flight")] = False,
+    queue: QueueOption = None,
 ) -> None:
     """Serve one queue: read requests, run them on the engine, write results."""
     from worker.config import Settings  # noqa: PLC0415 - keeps --help and the client commands light
     from worker.errors import StartupError  # noqa: PLC0415
     from worker.runtime import run_worker  # noqa: PLC0415
 
+    with_queue(ctx, queue)
     state: CliState = ctx.obj
     overrides: dict[str, Any] = {
         **state.overrides,

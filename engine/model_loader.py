@@ -181,16 +181,19 @@ def load_model(
     path = resolve_model_path(model)
     if isinstance(path, Path) and path.suffix == ".gguf":
         path = _materialize_gguf(path, Path(cache_dir) if cache_dir else default_cache_dir())
+    # NOTE: a hub id is read from the local cache only: an uncached one fails at once with one line,
+    # instead of minutes of download retries (and a worker never downloads weights on its own).
+    local_only = isinstance(path, str)
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, local_files_only=local_only)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(_load_failure(model, path, exc)) from None
     _check_architecture(config, str(model))
     try:
         hf_model: Any = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, attn_implementation=attn_implementation
+            path, dtype=torch_dtype, attn_implementation=attn_implementation, local_files_only=local_only
         )
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
     except Exception as exc:  # noqa: BLE001 - whatever the files fail with (OSError, SafetensorError, ...)
         raise ModelLoadError(_load_failure(model, path, exc)) from None
     if not getattr(hf_model, "_supports_attention_backend", False):

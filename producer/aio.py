@@ -17,7 +17,7 @@ from producer import common
 from producer.common import Deadline, SubmitOptions
 from producer.config import ProducerConfig, QueueConfig, RedisConfig
 from producer.connection import aconnect
-from producer.keys import DONE_TTL_S
+from producer.keys import DONE_TTL_S, STALE_AFTER_S
 from producer.schema import GenerationRequest, GenerationResult
 
 
@@ -187,7 +187,7 @@ class AsyncProducer:
             if not reply and deadline.is_expired:
                 raise common.timeout_error([request_id], timeout)
 
-    async def stats(self, *, stale_after_s: float = 30.0) -> dict[str, Any]:
+    async def stats(self, *, stale_after_s: float = STALE_AFTER_S) -> dict[str, Any]:
         """Queue, lane and worker stats; see :meth:`producer.Producer.stats`."""
         client = await self.connect()
         pipe = client.pipeline(transaction=False)

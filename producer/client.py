@@ -17,7 +17,7 @@ from producer import common
 from producer.common import Deadline, SubmitOptions
 from producer.config import ProducerConfig, QueueConfig, RedisConfig
 from producer.connection import connect
-from producer.keys import DONE_TTL_S
+from producer.keys import DONE_TTL_S, STALE_AFTER_S
 from producer.schema import GenerationRequest, GenerationResult
 
 
@@ -236,6 +236,34 @@ class Producer:
             common.queue_cancel_commands(pipe, self.keys, request_ids, self.config.queue.result_ttl_s)
             pipe.execute()
 
+    def locate(self, request_ids: Sequence[str]) -> dict[str, common.RequestState]:
+        """Where each request is: ``"queued"`` (in a lane: waiting or running), ``"finished"`` (its
+        result has landed) or ``"unknown"`` (never submitted to this queue, or its result expired).
+
+        Reads every lane entry (XRANGE pages, stopping once all ids are found), so it costs
+        O(queue length): for occasional look-ups such as ``tokenmill cancel``, not a hot path.
+        Lanes are read before results: a request that finishes meanwhile is still found.
+        """
+        wanted = set(request_ids)
+        found: dict[str, common.RequestState] = {}
+        for lane in self.keys.lanes:
+            start = "-"
+            while len(found) < len(wanted):
+                entries = cast("list[tuple[bytes, dict[bytes, bytes]]]",
+                               self.client.xrange(lane, min=start, count=common.LOCATE_PAGE))
+                found |= dict.fromkeys(common.ids_in_entries(entries, wanted), "queued")
+                if len(entries) < common.LOCATE_PAGE:
+                    break
+                start = "(" + entries[-1][0].decode()
+        rest = [request_id for request_id in request_ids if request_id not in found]
+        if rest:
+            pipe = self.client.pipeline(transaction=False)
+            for request_id in rest:
+                pipe.exists(self.keys.result(request_id))
+            for request_id, exists in zip(rest, pipe.execute()):
+                found[request_id] = "finished" if exists else "unknown"
+        return {request_id: found[request_id] for request_id in request_ids}
+
     def stream(self, request_id: str, timeout: float | None = None) -> Iterator[str]:
         """Yield the text deltas of a ``stream_tokens`` request as the worker writes them.
 
@@ -258,12 +286,13 @@ class Producer:
             if not reply and deadline.is_expired:
                 raise common.timeout_error([request_id], timeout)
 
-    def stats(self, *, stale_after_s: float = 30.0) -> dict[str, Any]:
+    def stats(self, *, stale_after_s: float = STALE_AFTER_S) -> dict[str, Any]:
         """Queue depth, pending, lag (Redis >= 7, else None) per lane; dead letters; workers.
 
         Args:
-            stale_after_s: a worker whose heartbeat ``ts`` is older than this counts as stale; one whose
-                last heartbeat says ``stopped`` is stale at once (``stale_workers`` holds both).
+            stale_after_s: a worker whose heartbeat ``ts`` is older than this counts as stale (default:
+                the workers' own default, :data:`producer.keys.STALE_AFTER_S`); one whose last heartbeat
+                says ``stopped`` is stale at once (``stale_workers`` holds both).
 
         Returns:
             ``{"queue", "lanes": [{"lane", "stream", "depth", "pending", "lag", "has_group"}],

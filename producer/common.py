@@ -29,6 +29,7 @@ from producer.schema import (
     decode_result,
     describe_validation_error,
     encode_request,
+    peek_request_id,
 )
 
 # Longest single blocking command; a wait longer than this is a loop of such slices, each
@@ -39,6 +40,10 @@ WAIT_SLICE_S = MAX_BLOCK_S
 STREAM_SLICE_S = 0.5
 DONE_KEYS_PER_BLPOP = 256
 MGET_CHUNK = 1000
+LOCATE_PAGE = 1000  # lane entries per XRANGE while looking requests up (Producer.locate)
+
+# Where a request is (Producer.locate): in a lane (waiting or running), answered, or neither.
+RequestState = Literal["queued", "finished", "unknown"]
 
 # NOTE: the multiple-waiter scheme. The worker pushes one token onto the done list; a
 # waiter's BLPOP consumes it, so the waiter puts it back for the others, but only while the
@@ -194,6 +199,11 @@ def queue_submit_once_commands(pipe: Any, script: Any, keys: Keys, requests: Seq
         fields = encode_request(request)
         script(keys=[keys.submitted(request.id), keys.lane(request.priority), keys.cancel],
                args=[repr(now_s), int(ttl_s * 1000), fields["d"], fields["v"], request.id], client=pipe)
+
+
+def ids_in_entries(entries: Sequence[tuple[bytes, Mapping[bytes, bytes]]], wanted: set[str]) -> list[str]:
+    """The request ids of ``wanted`` that lane ``entries`` (XRANGE replies) carry."""
+    return [rid for _, fields in entries if (rid := peek_request_id(dict(fields))) is not None and rid in wanted]
 
 
 def queue_cancel_commands(pipe: Any, keys: Keys, request_ids: Sequence[str], mark_ttl_s: float) -> None:

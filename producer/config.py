@@ -31,7 +31,7 @@ from pydantic_settings import (
 from typing_extensions import Self
 
 from producer.errors import ConfigError
-from producer.keys import DEFAULT_NUM_LANES, DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
+from producer.keys import DEFAULT_NUM_LANES, DEFAULT_PREFIX, DEFAULT_QUEUE, STALE_AFTER_S, Keys
 
 URL_SCHEMES = ("redis", "rediss", "unix")
 # NOTE: the producer never blocks in one command for longer than this, so a socket timeout
@@ -196,14 +196,28 @@ def _given(values: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in pruned.items() if value is not None and value != {}}
 
 
-class ClientSettings(FileSettings):
-    """The ``[redis]`` and ``[queue]`` sections of a deployment's settings, for producer-side commands.
-    NOTE: other sections (the worker's) are ignored, so one file serves a whole deployment."""
+class WorkerView(BaseModel):
+    """What producer-side commands read of the ``[worker]`` section: when a heartbeat is stale
+    (``tokenmill status`` judges liveness as the workers' reclaim does). Other keys pass unread."""
 
-    model_config = SettingsConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    stale_after_s: float = Field(STALE_AFTER_S, gt=0, description="heartbeat age after which a worker counts as dead")
+
+
+class ClientSettings(FileSettings):
+    """The ``[redis]`` and ``[queue]`` sections of a deployment's settings (and the worker's
+    ``stale_after_s``), for producer-side commands.
+
+    NOTE: the other sections of a deployment (``[worker]``, ``[engine.*]``, ``[serve]``) are
+    accepted unread, so one file serves a whole deployment; an unknown section is an error.
+    """
 
     redis: RedisConfig = Field(default_factory=RedisConfig)
     queue: QueueConfig = Field(default_factory=QueueConfig)
+    worker: WorkerView = Field(default_factory=WorkerView)
+    engine: dict[str, Any] = Field(default_factory=dict, description="the workers' section: not read here")
+    serve: dict[str, Any] = Field(default_factory=dict, description="tokenmill serve's section: not read here")
 
     @property
     def producer_config(self) -> ProducerConfig:
@@ -213,4 +227,4 @@ class ClientSettings(FileSettings):
 class ServeSettings(ClientSettings):
     """The sections ``tokenmill serve`` reads: ``[redis]``, ``[queue]`` and ``[serve]``."""
 
-    serve: ServeConfig = Field(default_factory=ServeConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)  # type: ignore[assignment]

@@ -15,6 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 from engine.config import EngineConfig
 from producer.config import FileSettings, Name, QueueConfig, RedisConfig, ServeConfig
+from producer.keys import STALE_AFTER_S
 from worker.echo_engine import ECHO_MODEL, EchoOptions, is_echo_model
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]  # any case on input
@@ -50,7 +51,7 @@ class WorkerConfig(BaseModel):
     block_ms: int = Field(1000, ge=1, le=4000, description="XREADGROUP BLOCK of an idle worker")
     heartbeat_interval_s: float = Field(2.0, gt=0, description="how often the heartbeat is written and dead "
                                         "workers' entries are looked for")
-    stale_after_s: float = Field(15.0, gt=0, description="heartbeat age after which a worker counts as dead")
+    stale_after_s: float = Field(STALE_AFTER_S, gt=0, description="heartbeat age after which a worker counts as dead")
     max_deliveries: int = Field(5, ge=1, description="deliveries before an entry is dead-lettered")
     max_request_bytes: int = Field(4 << 20, ge=1024, description="larger requests are answered prompt_too_long "
                                    "before they are decoded or tokenized")

@@ -4,6 +4,7 @@ the session's Redis; broker and result backend keys live under the test's own ke
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -102,6 +103,21 @@ def test_chain_through_a_real_model(redis_url: str, redis_client: redis.Redis, k
     assert out == {"text": direct.text, "topic": "sea", "num_tokens": len(direct.token_ids)}
     assert 1 <= out["num_tokens"] <= 8
     assert lane_entries(redis_client, key_prefix) == 2  # re-checks never resubmitted
+
+
+def test_structured_output_through_a_task(redis_url: str, key_prefix: str, tiny_llama: Path) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "additionalProperties": False, "required": ["mood", "n"],
+              "properties": {"mood": {"enum": ["happy", "sad"]}, "n": {"type": "integer", "minimum": 0}}}
+    app, generate = make_celery(redis_url, key_prefix)
+    settings = make_settings(redis_url, key_prefix, model=str(tiny_llama), engine={
+        "model": {"device": "cpu"}, "cache": {"kv_cache_memory": "8MiB", "swap_space": 0}})
+    response_format = {"type": "json_schema", "json_schema": {"name": "m", "schema": schema}}
+    with running_worker(settings), celery_worker(app):
+        out = generate.delay("How are you?", max_tokens=40, response_format=response_format,
+                             logprobs=1).get(timeout=60)
+    jsonschema.validate(json.loads(out["text"]), schema)
+    assert len(out["token_logprobs"]) == len(out["token_ids"])
 
 
 def test_chord_of_twenty_and_result_as_next_prompt(redis_url: str, redis_client: redis.Redis,

@@ -57,14 +57,14 @@ def test_no_wait_then_result(cli: list[str], echo_worker: None) -> None:
     outcome = runner.invoke(app, [*cli, "submit", "later", "--no-wait"])
     request_id = outcome.stdout.strip()
     assert outcome.exit_code == 0 and request_id
-    outcome = runner.invoke(app, [*cli, "result", request_id, "--wait", "10", "--json"])
+    outcome = runner.invoke(app, [*cli, "result", request_id, "--timeout", "10", "--json"])
     assert outcome.exit_code == 0, outcome.output
     assert json.loads(outcome.stdout)["text"] == "later"
 
 
 def test_result_not_landed_exits_2(cli: list[str]) -> None:
     assert runner.invoke(app, [*cli, "result", "nope"]).exit_code == 2
-    assert runner.invoke(app, [*cli, "result", "nope", "--wait", "0.2"]).exit_code == 2
+    assert runner.invoke(app, [*cli, "result", "nope", "--timeout", "0.2"]).exit_code == 2
 
 
 def test_cancel_before_a_worker_runs_it(cli: list[str], redis_url: str, key_prefix: str,

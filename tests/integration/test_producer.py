@@ -11,6 +11,7 @@ import redis
 
 from producer import (JobFailed, Producer, ProducerConfig, QueueConfig, RedisConfig, RedisUnavailable, ResultTimeout,
                       SchemaError)
+from producer import common
 from producer.common import WAIT_SLICE_S
 from producer.keys import CONSUMER_GROUP, Keys
 from producer.schema import GenerationRequest, decode_request
@@ -213,3 +214,13 @@ def test_connect_failure_is_clear_and_redacts_the_password() -> None:
         Producer.from_config(ProducerConfig(redis=config))
     assert "s3cret" not in str(info.value) and "user:***@" in str(info.value)
     assert time.monotonic() - start < 3
+
+
+def test_locate_pages_through_every_lane(producer: Producer, fake_worker: FakeWorker,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(common, "LOCATE_PAGE", 2)  # several XRANGE pages per lane
+    ids = [producer.submit(prompt=f"p{i}", priority=i % 3) for i in range(9)]
+    fake_worker.finish("answered")
+    states = producer.locate([ids[8], "answered", "never-seen", ids[0]])
+    assert states == {ids[8]: "queued", "answered": "finished", "never-seen": "unknown", ids[0]: "queued"}
+    assert producer.locate([]) == {}

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+from typing import Any
+
 import pytest
+import typer
+import typer.main
 from typer.testing import CliRunner
 
 from cli.app import app
@@ -57,3 +62,69 @@ def test_client_commands_read_the_config_file(tmp_path: Path) -> None:
 def test_dead_requeue_needs_ids_or_all() -> None:
     outcome = runner.invoke(app, ["--redis-url", "redis://localhost:1/0", "dead", "--requeue"])
     assert outcome.exit_code == 1 and "--all" in outcome.output
+
+
+def _commands(group: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, Any]]:
+    """(name, command) of every leaf command under ``group`` (typer's own click types: duck-typed)."""
+    for name, command in group.commands.items():
+        if hasattr(command, "commands"):
+            yield from _commands(command, (*path, name))
+        else:
+            yield " ".join((*path, name)), command
+
+
+def _options(command: Any) -> list[Any]:
+    return [param for param in command.params if type(param).__name__ == "TyperOption"]
+
+
+def test_every_option_of_every_command_has_help() -> None:
+    root = typer.main.get_command(app)
+    missing = [f"{name} {option.opts[0]}" for name, command in [("tokenmill", root), *_commands(root)]
+               for option in _options(command) if not option.help]
+    assert missing == []
+
+
+def test_waiting_is_timeout_everywhere() -> None:
+    root = typer.main.get_command(app)
+    names = {opt for _, command in _commands(root) for option in _options(command) for opt in option.opts}
+    assert "--timeout" in names and "--wait" not in names
+
+
+@pytest.mark.parametrize("command", [["submit", "x", "--no-wait"], ["result", "x"], ["cancel", "x"], ["status"],
+                                     ["dead"], ["bulk", "in.jsonl", "out.jsonl"], ["worker", "--model", "echo"],
+                                     ["serve"]], ids=lambda c: c[0])
+def test_queue_is_accepted_after_the_command(command: list[str]) -> None:
+    outcome = runner.invoke(app, ["--redis-url", "redis://localhost:1/0", *command, "--queue", "has space"])
+    assert outcome.exit_code == 1, outcome.output
+    assert "queue.name" in outcome.output and "must not contain whitespace" in outcome.output
+
+
+def test_queue_after_the_command_wins_over_the_global_one() -> None:
+    outcome = runner.invoke(app, ["--redis-url", "redis://localhost:1/0", "--queue", "good", "status",
+                                  "--queue", "bad one"])
+    assert outcome.exit_code == 1 and "got 'bad one'" in outcome.output
+
+
+@pytest.mark.parametrize(("command", "options"), [
+    (["submit"], ["--min-tokens", "--logprobs", "--model", "--system", "--json-schema", "--regex",
+                  "--response-format", "--repetition-penalty", "--presence-penalty", "--frequency-penalty",
+                  "--timeout", "--queue"]),
+    (["bulk"], ["--top-k", "--stop", "--queue"]),
+    (["result"], ["--timeout", "--queue"]),
+    (["worker"], ["--log-level", "--queue"]),
+])
+def test_commands_offer_their_options(command: list[str], options: list[str]) -> None:
+    outcome = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "300"})
+    for option in options:
+        assert option in outcome.output, option
+
+
+def test_structured_output_options_are_one_at_a_time(tmp_path: Path) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    outcome = runner.invoke(app, ["--redis-url", "redis://localhost:1/0", "submit", "x", "--json-schema", str(schema),
+                                  "--regex", "a+"])
+    assert outcome.exit_code == 1 and "give one of --json-schema, --regex" in outcome.output
+    schema.write_text("{not json")
+    outcome = runner.invoke(app, ["--redis-url", "redis://localhost:1/0", "submit", "x", "--json-schema", str(schema)])
+    assert outcome.exit_code == 1 and "is not JSON" in outcome.output
