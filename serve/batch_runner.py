@@ -104,7 +104,8 @@ class BatchRunner:
         source.write_bytes(data)
         await self._store.update(batch_id, {"status": "in_progress", "in_progress_at": int(time.time())},
                                  if_status={"validating", "in_progress"})
-        job = BulkJob(self._producer, source, scratch / "output.jsonl", self._options(scratch), job_id=batch_id)
+        job = BulkJob(self._producer, source, scratch / "output.jsonl", self._options(scratch, batch["endpoint"]),
+                      job_id=batch_id)
         run = asyncio.ensure_future(asyncio.to_thread(job.run))
         expired = False
         while not run.done():
@@ -112,9 +113,9 @@ class BatchRunner:
             expired |= await self._monitor(batch_id, batch, job)
         await self._complete(batch_id, job, expired)
 
-    def _options(self, scratch: Path) -> BulkOptions:
+    def _options(self, scratch: Path, endpoint: str) -> BulkOptions:
         return BulkOptions(format="openai", priority=self._config.batch_priority, errors_path=scratch / "errors.jsonl",
-                           max_in_flight=self._config.batch_max_in_flight, cancel_on_interrupt=True)
+                           max_in_flight=self._config.batch_max_in_flight, cancel_on_interrupt=True, endpoint=endpoint)
 
     async def _monitor(self, batch_id: str, batch: dict[str, Any], job: BulkJob) -> bool:
         """Report counts and life; stop the job on a cancel or at expiry. Returns whether it expired."""

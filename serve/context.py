@@ -39,12 +39,17 @@ class CallContext:
     request_id: str  # the tokenmill request id; OpenAI ids and X-Request-Id are built from it
     priority: str | int  # lane name or number
     timeout_s: float  # the client's timeout (capped by serve.request_timeout_s)
-    created: int  # unix seconds, the response objects' "created"
+    received_at: float  # unix time the call arrived
+
+    @property
+    def created(self) -> int:
+        """Unix seconds, the response objects' ``created``."""
+        return int(self.received_at)
 
     @property
     def deadline(self) -> float:
         """Unix time after which the queue answers ``expired`` instead of starting the work."""
-        return self.created + self.timeout_s
+        return self.received_at + self.timeout_s
 
 
 def state_of(request: Request) -> ServeState:
@@ -52,8 +57,11 @@ def state_of(request: Request) -> ServeState:
     return state
 
 
-def authorize(request: Request) -> None:
+async def authorize(request: Request) -> None:
     """Check ``Authorization: Bearer KEY`` against ``serve.api_keys`` (none configured: open).
+
+    NOTE: ``async`` although it awaits nothing: FastAPI runs a plain ``def`` dependency in its
+    thread pool, a thread hand-off on every call (about 1 ms of each request's latency).
 
     Raises:
         APIError: 401 with OpenAI's ``invalid_api_key``.
@@ -83,8 +91,7 @@ def call_context(request: Request, body: dict[str, Any]) -> CallContext:
     if priority is None:
         header = request.headers.get(PRIORITY_HEADER)
         priority = (int(header) if header.isdigit() else header) if header else config.priority
-    return CallContext(request_id, priority, min(config.request_timeout_s, _client_timeout_s(request)),
-                       int(time.time()))
+    return CallContext(request_id, priority, min(config.request_timeout_s, _client_timeout_s(request)), time.time())
 
 
 def _client_timeout_s(request: Request) -> float:

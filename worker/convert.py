@@ -68,7 +68,9 @@ def build_result(output: RequestOutput, admit: Admit, worker: str, abort_status:
         ``ok`` for stop/length, ``error`` with the wire code for errors, the abort status for aborts.
     """
     request = admit.request
-    completion_tokens = len(output.token_ids)
+    # NOTE: as OpenAI counts it: the completion tokens of every sample (n > 1), not only sample 0's
+    completion_tokens = (sum(len(s.token_ids) for s in output.samples) if output.samples is not None
+                         else len(output.token_ids))
     usage = Usage(prompt_tokens=output.prompt_token_count, completion_tokens=completion_tokens,
                   total_tokens=output.prompt_token_count + completion_tokens)
     reason = output.finish_reason

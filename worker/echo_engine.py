@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.logprobs import TokenLogprob, TopLogprob
 from engine.outputs import RequestMetrics, RequestOutput, SampleOutput
 from engine.prompts import ChatPrompt, Prompt, TextPrompt
 from engine.request import FinishReason, RequestErrorCode
@@ -193,14 +194,29 @@ def _token_ids(prompt: Prompt) -> list[int]:
 def _output(request: _EchoRequest, new: list[int], delta: str, *, finished: bool, reason: FinishReason | None,
             error: str | None = None) -> RequestOutput:
     logprobs = [{t: 0.0} for t in request.token_ids] if request.params.logprobs is not None else None
+    token_logprobs = _token_logprobs(request) if finished else None
     # NOTE: n > 1 echoes the same text n times (its samples are identical, as greedy ones would be)
     samples = None
     if finished and request.params.n > 1:
-        samples = [SampleOutput(i, list(request.token_ids), request.text, reason, logprobs)
+        samples = [SampleOutput(i, list(request.token_ids), request.text, reason, logprobs, token_logprobs)
                    for i in range(request.params.n)]
     return RequestOutput(
         request_id=request.request_id, new_token_ids=new, text_delta=delta, token_ids=list(request.token_ids),
         text=request.text, finished=finished, finish_reason=reason, prompt_token_count=len(request.prompt_token_ids),
         metrics=request.metrics, error=error, error_code=RequestErrorCode.PROMPT_TOO_LONG if error else None,
-        logprobs=logprobs, samples=samples,
+        logprobs=logprobs, token_logprobs=token_logprobs, samples=samples,
     )
+
+
+def _token_logprobs(request: _EchoRequest) -> list[TokenLogprob] | None:
+    """OpenAI-shaped logprobs when asked for: each echoed byte is a certain token (logprob 0), its
+    own only alternative."""
+    if request.params.logprobs is None:
+        return None
+    items = []
+    for token_id in request.token_ids:
+        data = bytes([token_id % 256])
+        top = TopLogprob(token_id, data.decode("utf-8", errors="replace"), list(data), 0.0)
+        items.append(TokenLogprob(top.token_id, top.token, top.bytes, 0.0,
+                                  [top] if request.params.logprobs > 0 else []))
+    return items

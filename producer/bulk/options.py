@@ -26,6 +26,7 @@ class BulkOptions(BaseModel):
     raw: bool = Field(False, description="send plain prompts as raw text, not as a user message (chat)")
     system: str | None = Field(None, description="a system message before each plain prompt")
     cancel_on_interrupt: bool = Field(False, description="on Ctrl-C, cancel the requests this run queued")
+    endpoint: str | None = Field(None, description="OpenAI input: the url every line must name (a batch's endpoint)")
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = None

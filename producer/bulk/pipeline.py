@@ -23,6 +23,7 @@ from producer.bulk.output import DoneSet, LineWriter, OutputFormat, invalid_line
 from producer.bulk.report import BulkProgress, BulkSummary
 from producer.client import Producer
 from producer.errors import SchemaError
+from producer.openai_compat import ENDPOINTS
 from producer.schema import ErrorCode, GenerationRequest, GenerationResult, decode_result
 
 # Remote failures worth another attempt; every other non-ok result is final.
@@ -170,6 +171,9 @@ class BulkJob:
 
     def _check(self, item: BulkItem) -> str | None:
         """Validate an item's request locally; the reason when it is bad (never retried)."""
+        endpoint = self.options.endpoint
+        if endpoint is not None and self.input_format == "openai" and ENDPOINTS.get(endpoint) != item.endpoint:
+            return f"url must be the batch's endpoint {endpoint}"
         try:
             self._build(Flight(item, 0))
         except SchemaError as exc:

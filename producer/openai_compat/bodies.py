@@ -1,10 +1,9 @@
 """OpenAI request bodies (``/v1/chat/completions``, ``/v1/completions``) as tokenmill submit options.
 
-Every field a client may send is either passed through, accepted as a no-op at its default, or
-refused with a :class:`BodyError` naming it: never silently dropped. Fields whose tokenmill
-counterpart this version's :class:`~producer.schema.SamplingParams` lacks (``n``, penalties,
-``response_format``) are refused unless they hold their no-op value, and pass through once the
-schema has them. Pure: no I/O; never imports torch, the engine, the worker or a web framework.
+Every field a client may send is either passed through (its value then validated by the wire
+schema, :class:`~producer.schema.SamplingParams`), accepted as a no-op, or refused with a
+:class:`BodyError` naming it: never silently dropped. Pure: no I/O; never imports torch, the
+engine, the worker or a web framework.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from producer.schema import GenerationResult, SamplingParams
 
 Endpoint = Literal["chat", "completions"]
 ENDPOINTS: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -22,10 +20,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completio
 # Accepted and ignored: they change nothing about the generation.
 _IGNORED = frozenset({"user", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                       "safety_identifier", "stream_options"})
-# Passed through under the same name (tokenmill extensions, as vLLM has them).
-_SAME_NAME = ("temperature", "top_p", "seed", "stop", "top_k", "min_tokens", "stop_token_ids", "ignore_eos")
-# field -> value meaning "off": accepted whatever this version supports.
-_NO_OP: dict[str, Any] = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "n": 1}
+# Passed through under the same name (OpenAI's sampling fields, and tokenmill extensions as vLLM has them).
+_SAME_NAME = ("temperature", "top_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty", "top_k",
+              "min_tokens", "stop_token_ids", "ignore_eos", "repetition_penalty")
 _CHAT_ONLY = frozenset({"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                         "tool_choice", "functions", "function_call", "modalities", "audio", "prediction",
                         "reasoning_effort", "web_search_options"})
@@ -55,17 +52,7 @@ class ParsedBody:
     model: str | None = None  # the model the client named
     stream: bool = False  # answer with server-sent events
     include_usage: bool = False  # stream_options.include_usage: a last chunk carrying usage
-    num_choices: int = 1  # n
-
-
-def supports(name: str) -> bool:
-    """Whether this version's wire schema has sampling field ``name``."""
-    return name in SamplingParams.model_fields
-
-
-def has_token_logprobs() -> bool:
-    """Whether results carry per-token logprobs with token strings (OpenAI's shape needs them)."""
-    return "token_logprobs" in GenerationResult.model_fields
+    num_choices: int = 1  # n: the result's samples become the choices
 
 
 def parse_body(body: Mapping[str, Any], endpoint: Endpoint) -> ParsedBody:
@@ -75,7 +62,7 @@ def parse_body(body: Mapping[str, Any], endpoint: Endpoint) -> ParsedBody:
         BodyError: a field is unknown, malformed, or asks for something this version cannot do.
     """
     parsed = ParsedBody(endpoint)
-    handled = {"model", "stream", "max_tokens", "metadata", "priority", "logprobs", *_IGNORED, *_SAME_NAME, *_NO_OP}
+    handled = {"model", "stream", "max_tokens", "metadata", "priority", "logprobs", *_IGNORED, *_SAME_NAME}
     wrong_endpoint = _COMPLETIONS_ONLY if endpoint == "chat" else _CHAT_ONLY
     for name in body:
         if name in wrong_endpoint or (name not in handled and name not in _CHAT_ONLY | _COMPLETIONS_ONLY):
@@ -94,7 +81,8 @@ def parse_body(body: Mapping[str, Any], endpoint: Endpoint) -> ParsedBody:
         if body.get(name) is not None:
             options[name] = body[name]
     options["max_tokens"] = _max_tokens(body, endpoint)
-    parsed.num_choices = _sampling_extras(body, options)
+    parsed.num_choices = _num_choices(body)
+    _response_format(body, options)
     _logprobs(body, endpoint, options)
     (_chat if endpoint == "chat" else _completions)(body, options)
     return parsed
@@ -130,24 +118,16 @@ def _max_tokens(body: Mapping[str, Any], endpoint: Endpoint) -> Any:
     return value
 
 
-def _sampling_extras(body: Mapping[str, Any], options: dict[str, Any]) -> int:
-    """``n``, the penalties and ``response_format``: passed through when supported, else refused
-    unless at their no-op value. Returns the number of choices asked for."""
-    for name, no_op in _NO_OP.items():
-        value = body.get(name)
-        if value is None or (value == no_op and not supports(name)):
-            continue
-        if not supports(name):
-            raise BodyError(name, f"{name}={value!r} is not supported by this tokenmill version "
-                                  f"(only {no_op!r}){'; send n separate requests' if name == 'n' else ''}")
-        options[name] = value
-    _response_format(body, options)
-    best_of = body.get("best_of")
-    num_choices = body.get("n") or 1
-    if best_of is not None and best_of != num_choices:
-        raise BodyError("best_of", "must equal n (no server-side best-of selection)")
+def _num_choices(body: Mapping[str, Any]) -> int:
+    """``n`` (parallel samples of one request: ``SamplingParams.n``), checked against ``best_of``."""
+    num_choices = body.get("n")
+    if num_choices is None:
+        num_choices = 1
     if not isinstance(num_choices, int) or isinstance(num_choices, bool) or num_choices < 1:
         raise BodyError("n", "must be a positive integer")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != num_choices:
+        raise BodyError("best_of", "must equal n (no server-side best-of selection)")
     return num_choices
 
 
@@ -159,8 +139,6 @@ def _response_format(body: Mapping[str, Any], options: dict[str, Any]) -> None:
         raise BodyError("response_format", 'must be an object with a "type"')
     if value["type"] == "text":
         return  # plain text is what every generation is
-    if not supports("response_format"):
-        raise BodyError("response_format", f"type {value['type']!r} is not supported by this tokenmill version")
     options["response_format"] = dict(value)
 
 
@@ -177,11 +155,8 @@ def _logprobs(body: Mapping[str, Any], endpoint: Endpoint, options: dict[str, An
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise BodyError("logprobs", "must be an integer (the number of alternatives per token)")
         count = value
-    if count is None:
-        return
-    if not has_token_logprobs():
-        raise BodyError("logprobs", "logprobs with token strings are not supported by this tokenmill version")
-    options["logprobs"] = count
+    if count is not None:
+        options["logprobs"] = count
 
 
 def _chat(body: Mapping[str, Any], options: dict[str, Any]) -> None:

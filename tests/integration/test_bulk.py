@@ -14,7 +14,7 @@ import redis
 from producer import Producer, bulk
 from producer.bulk.options import job_id_of, request_id_of
 from producer.keys import Keys
-from producer.schema import GenerationResult, decode_request
+from producer.schema import GenerationResult, Usage, decode_request, encode_result
 from tests.integration.bulk_helpers import NUM_ITEMS, item_ids, read_jsonl, write_input
 from tests.integration.conftest import FakeWorker
 from tests.worker_helpers import make_settings, running_worker
@@ -56,6 +56,39 @@ def test_every_format_completes_in_its_output_shape(fmt: str, tmp_path: Path, pr
         assert line["status"] == "ok" and line["text"] == "item" and line["index"] == 7
         assert line["usage"]["completion_tokens"] == 4 and line["finish_reason"] == "length"
         assert (line.get("metadata") == {"topic": "t"}) == (fmt == "csv")
+
+
+def test_plain_lines_ask_for_samples_and_logprobs(tmp_path: Path, redis_url: str, key_prefix: str,
+                                                  producer: Producer) -> None:
+    """``n`` and ``logprobs`` in plain JSONL reach the worker and come back in the line (never dropped);
+    an ``n`` the wire refuses is a per-line error. The line names the served model."""
+    source = tmp_path / "in.jsonl"
+    records = [{"id": "two", "prompt": "hey", "n": 2, "logprobs": 0, "max_tokens": 8},
+               {"id": "nested", "prompt": "hey", "params": {"n": 2}, "model": "echo"},
+               {"id": "many", "prompt": "hey", "n": 99}]
+    source.write_text("".join(json.dumps(record) + "\n" for record in records))
+    with running_worker(make_settings(redis_url, key_prefix, served_model_name="house-echo")):
+        summary = bulk.run(source, tmp_path / "out.jsonl", producer=producer, raw=True)
+    assert summary.num_ok == 2 and summary.num_invalid == 1
+    lines = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    for line in lines.values():
+        assert line["model"] == "house-echo" and line["text"] == "hey"
+        assert [(s["index"], s["text"]) for s in line["samples"]] == [(0, "hey"), (1, "hey")]
+        assert line["usage"]["completion_tokens"] == 6
+    assert [t["token"] for t in lines["two"]["token_logprobs"]] == ["h", "e", "y"]
+    assert [t["token"] for t in lines["two"]["samples"][1]["token_logprobs"]] == ["h", "e", "y"]
+    [many] = read_jsonl(summary.errors_path)
+    assert many["id"] == "many" and "params.n" in many["error"]["message"]
+
+
+def test_plain_prompts_are_user_messages_unless_raw(tmp_path: Path, producer: Producer, echo_worker: None) -> None:
+    """The echo engine answers chat with the messages' contents, one per line: the system message shows."""
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"id": "a", "prompt": "hey", "max_tokens": 32}) + "\n")
+    bulk.run(source, tmp_path / "chat.jsonl", producer=producer, system="Be brief.")
+    bulk.run(source, tmp_path / "raw.jsonl", producer=producer, raw=True)
+    assert [r["text"] for r in read_jsonl(tmp_path / "chat.jsonl")] == ["Be brief.\nhey"]
+    assert [r["text"] for r in read_jsonl(tmp_path / "raw.jsonl")] == ["hey"]
 
 
 def test_bad_records_go_to_the_errors_file_with_line_numbers(tmp_path: Path, producer: Producer,
@@ -135,9 +168,12 @@ def test_results_left_in_redis_are_picked_up_not_regenerated(tmp_path: Path, pro
     out = tmp_path / "out.jsonl"
     job = job_id_of(out)
     for i in range(5):  # NOTE: as if a killed run's requests finished while it was dead
-        fake_worker.finish(request_id_of(job, f"q{i}", 0), text="from before")
+        result = GenerationResult(id=request_id_of(job, f"q{i}", 0), status="ok", text="from before",
+                                  usage=Usage(completion_tokens=100))
+        fake_worker.client.set(fake_worker.keys.result(result.id), encode_result(result))
     summary = bulk.run(source, out, producer=producer)
     assert summary.num_recovered == 5 and summary.num_submitted == 15 and summary.num_ok == 20
+    assert (summary.recovered_tokens, summary.completion_tokens) == (500, 15 * 4), "rates count new tokens only"
     texts = {r["id"]: r["text"] for r in read_jsonl(out)}
     assert [texts[f"q{i}"] for i in range(5)] == ["from before"] * 5
     assert texts["q5"] == "item"

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from cli.app import app
 from producer import Producer
 from producer.keys import Keys
-from producer.schema import GenerationResult
+from producer.schema import GenerationResult, decode_request
 from tests.integration.bulk_helpers import read_jsonl, write_input
 from tests.worker_helpers import add_dead_letter, make_settings, running_worker, wait_result
 
@@ -46,6 +46,22 @@ def test_submit_messages_stream_and_json(cli: list[str], echo_worker: None) -> N
     outcome = runner.invoke(app, [*cli, "submit", "-", "--json", "--id", "my-id"], input="from stdin")
     result = GenerationResult.model_validate_json(outcome.stdout)
     assert result.id == "my-id" and result.text == "from stdin"
+
+
+def test_a_plain_prompt_is_a_user_message_unless_raw(cli: list[str], redis_client: redis.Redis,
+                                                     key_prefix: str) -> None:
+    sent = {}
+    for flags in ([], ["--system", "Be brief."], ["--raw"]):
+        outcome = runner.invoke(app, [*cli, "submit", "Hi", "--no-wait", *flags])
+        assert outcome.exit_code == 0, outcome.output
+        sent[" ".join(flags)] = outcome.stdout.strip()
+    keys = Keys(prefix=key_prefix)
+    requests = {r.id: r for r in (decode_request(f) for _, f in redis_client.xrange(keys.lane(1)))}
+    assert [m.model_dump() for m in requests[sent[""]].messages or []] == [{"role": "user", "content": "Hi"}]
+    assert [m.role for m in requests[sent["--system Be brief."]].messages or []] == ["system", "user"]
+    assert requests[sent["--raw"]].prompt == "Hi" and requests[sent["--raw"]].messages is None
+    refused = runner.invoke(app, [*cli, "submit", "Hi", "--no-wait", "--raw", "--system", "x"])
+    assert refused.exit_code != 0 and "--system" in refused.output
 
 
 def test_submit_invalid_params_exit_1(cli: list[str]) -> None:

@@ -17,7 +17,7 @@ import redis
 
 from producer import Producer
 from producer.keys import Keys
-from producer.schema import SamplingParams, decode_request
+from producer.schema import decode_request
 from tests.serve_helpers import running_server
 from tests.worker_helpers import make_settings, running_worker
 
@@ -91,15 +91,33 @@ def test_errors_come_in_openai_shape(client: openai.OpenAI, base_url: str) -> No
     assert too_long.value.code == "context_length_exceeded"
 
 
-def test_fields_the_schema_lacks_are_refused_per_field(client: openai.OpenAI) -> None:
-    """n, penalties: passed through once the wire schema has them, a 400 naming the field until then."""
-    for name, value in (("n", 2), ("frequency_penalty", 0.5), ("presence_penalty", 0.5)):
-        if name in SamplingParams.model_fields:
-            continue
-        with pytest.raises(openai.BadRequestError) as refused:
-            client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "hi"}],
-                                           **{name: value})  # type: ignore[arg-type]
-        assert refused.value.param == name
+def test_n_choices_logprobs_and_the_served_model_name(redis_url: str, key_prefix: str, base_url: str) -> None:
+    """n > 1 comes back as n choices (parallel samples of one request); logprobs carry token strings;
+    penalties pass through; the reply names the model that answered, not the name the client used."""
+    with running_worker(make_settings(redis_url, key_prefix, served_model_name="house-echo")), \
+            openai.OpenAI(base_url=base_url, api_key="none") as client:
+        question: list[Any] = [{"role": "user", "content": "Hi you"}]
+        chat = client.chat.completions.create(model="echo", messages=question, n=3, max_tokens=16, temperature=0.7,
+                                              seed=1, presence_penalty=0.5, frequency_penalty=0.1, logprobs=True,
+                                              top_logprobs=1)
+        completion = client.completions.create(model="house-echo", prompt="abc", n=2, max_tokens=8, logprobs=1)
+        with pytest.raises(openai.BadRequestError) as streamed_n:
+            client.chat.completions.create(model="echo", messages=question, n=2, stream=True)
+        with pytest.raises(openai.BadRequestError) as too_many:
+            client.chat.completions.create(model="echo", messages=question, n=17)
+    assert chat.model == "house-echo" and completion.model == "house-echo"
+    assert [(c.index, c.message.content) for c in chat.choices] == [(0, "Hi you"), (1, "Hi you"), (2, "Hi you")]
+    assert chat.usage is not None and chat.usage.completion_tokens == 3 * len("Hi you"), "every choice's tokens"
+    for choice in chat.choices:
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        assert "".join(t.token for t in choice.logprobs.content) == "Hi you"
+        assert all(t.logprob == 0.0 and [a.token for a in t.top_logprobs] == [t.token] for t in choice.logprobs.content)
+    assert [c.text for c in completion.choices] == ["abc", "abc"]
+    logprobs = completion.choices[1].logprobs
+    assert logprobs is not None and logprobs.tokens == ["a", "b", "c"] and logprobs.text_offset == [0, 1, 2]
+    assert logprobs.top_logprobs == [{"a": 0.0}, {"b": 0.0}, {"c": 0.0}]
+    assert streamed_n.value.param == "n"
+    assert too_many.value.code == "validation" and "params.n" in too_many.value.message
 
 
 def test_api_keys(redis_url: str, key_prefix: str) -> None:
@@ -135,6 +153,11 @@ def test_a_disconnect_cancels_the_request_and_the_timeout_is_its_deadline(
             break
         time.sleep(0.01)
     assert redis_client.zscore(keys.cancel, long_id) is not None, "the disconnect cancelled the request"
+    with openai.OpenAI(base_url=base_url, api_key="none", timeout=0.5, max_retries=0) as client, \
+            pytest.raises(openai.APITimeoutError):  # the body's priority (an extension field) wins over the header
+        client.completions.create(model="echo", prompt="hi", extra_headers={"X-Tokenmill-Priority": "high"},
+                                  extra_body={"priority": "low"})
+    assert len(_queued(redis_client, keys, lane=2)) == 1, "low: lane 2"
     with running_worker(make_settings(redis_url, key_prefix)), Producer(redis_url, prefix=key_prefix) as producer:
         assert producer.result(long_id, timeout=10).status == "cancelled"
         assert producer.result(short_id, timeout=10).status in ("expired", "cancelled")

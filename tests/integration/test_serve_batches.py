@@ -72,6 +72,42 @@ def test_a_batch_runs_to_completed_in_openai_shape(base_url: str, redis_url: str
         assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
 
 
+def test_a_completions_batch_names_the_serving_model_and_reports_bad_lines(base_url: str, redis_url: str,
+                                                                          key_prefix: str) -> None:
+    """``n`` gives n choices, logprobs come with token strings, the output names the served model (not
+    the name the line used), and lines that cannot run land in the error file, each with its reason."""
+    def line(custom_id: str, url: str = "/v1/completions", **body: object) -> dict[str, object]:
+        return {"custom_id": custom_id, "method": "POST", "url": url,
+                "body": {"model": "echo", "prompt": custom_id, "max_tokens": 8, **body}}
+
+    chat = {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}}
+    lines = [line("two", n=2, logprobs=1), line("unnamed", model=None), line("zero", n=0),
+             line("elsewhere", model="gpt-4o"), chat]
+    data = "\n".join(json.dumps(item) for item in lines).encode()
+    with running_worker(make_settings(redis_url, key_prefix, served_model_name="house-echo")), \
+            openai.OpenAI(base_url=base_url, api_key="x") as client:
+        uploaded = client.files.create(file=("in.jsonl", data), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+        done = _wait_for(client, batch.id, {"completed", "failed", "cancelled", "expired"})
+        assert done.status == "completed" and done.output_file_id is not None and done.error_file_id is not None
+        assert done.request_counts is not None
+        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (5, 2, 3)
+        output, errors = ({r["custom_id"]: r for r in map(json.loads, client.files.content(file_id).text.splitlines())}
+                          for file_id in (done.output_file_id, done.error_file_id))
+    assert sorted(output) == ["two", "unnamed"] and sorted(errors) == ["chat", "elsewhere", "zero"]
+    two = output["two"]["response"]["body"]
+    assert two["object"] == "text_completion" and two["model"] == "house-echo"
+    assert [(c["index"], c["text"]) for c in two["choices"]] == [(0, "two"), (1, "two")]
+    assert all(c["logprobs"]["tokens"] == ["t", "w", "o"] for c in two["choices"])
+    assert two["usage"]["completion_tokens"] == 6
+    assert output["unnamed"]["response"]["body"]["model"] == "house-echo"
+    assert errors["zero"]["error"]["code"] == "validation" and "n" in errors["zero"]["error"]["message"]
+    assert "endpoint" in errors["chat"]["error"]["message"]
+    refused = errors["elsewhere"]["response"]
+    assert refused["status_code"] == 404 and refused["body"]["error"]["code"] == "model_not_found"
+
+
 def test_cancel_a_running_batch(base_url: str, redis_url: str, key_prefix: str) -> None:
     settings = make_settings(redis_url, key_prefix, model="echo:tokens_per_step=1,step_delay_s=0.02",
                              engine={"scheduler": {"max_num_seqs": 2}})

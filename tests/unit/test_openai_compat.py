@@ -10,9 +10,9 @@ import pytest
 from producer.common import build_request
 from producer.keys import Keys
 from producer.openai_compat import BodyError, completion_object, parse_body, result_error
-from producer.openai_compat.bodies import supports
 from producer.openai_compat.objects import chunk_object
-from producer.schema import GenerationResult, TokenLogprob, TopLogprob, Usage
+from producer.errors import SchemaError
+from producer.schema import GenerationResult, Sample, TokenLogprob, TopLogprob, Usage
 
 CHAT: dict[str, Any] = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]}
 
@@ -66,23 +66,25 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field(body: dict[str, Any
 
 @pytest.mark.parametrize(("name", "value"), [("n", 2), ("presence_penalty", 0.5), ("frequency_penalty", -0.5),
                                              ("repetition_penalty", 1.2)])
-def test_sampling_extras_pass_through_once_the_schema_has_them(name: str, value: float) -> None:
-    if supports(name):
-        assert getattr(_request({**CHAT, name: value}).params, name) == value
-    else:
+def test_sampling_fields_pass_through(name: str, value: float) -> None:
+    assert getattr(_request({**CHAT, name: value}).params, name) == value
+
+
+def test_n_is_the_number_of_choices_and_the_wire_bounds_it() -> None:
+    assert parse_body({**CHAT, "n": 3}, "chat").num_choices == 3
+    assert parse_body({"prompt": "x", "n": 2, "best_of": 2}, "completions").num_choices == 2
+    for bad in (0, -1, 1.5, True):
         with pytest.raises(BodyError) as refused:
-            parse_body({**CHAT, name: value}, "chat")
-        assert refused.value.param == name
+            parse_body({**CHAT, "n": bad}, "chat")
+        assert refused.value.param == "n"
+    with pytest.raises(SchemaError, match="params.n"):  # more samples than a request may ask for
+        _request({**CHAT, "n": 17})
 
 
-def test_json_response_formats_pass_through_once_supported() -> None:
-    body = {**CHAT, "response_format": {"type": "json_object"}}
-    if supports("response_format"):
-        response_format = _request(body).params.response_format
-        assert response_format is not None and response_format.type == "json_object"
-    else:
-        with pytest.raises(BodyError):
-            parse_body(body, "chat")
+def test_json_response_formats_pass_through() -> None:
+    response_format = _request({**CHAT, "response_format": {"type": "json_object"}}).params.response_format
+    assert response_format is not None and response_format.type == "json_object"
+    assert _request({**CHAT, "response_format": {"type": "text"}}).params.response_format is None
 
 
 def test_logprobs_ask_for_alternatives() -> None:
@@ -125,3 +127,11 @@ def test_chunks_and_errors() -> None:
                                                 "param": None, "code": "model_not_found"}}
     assert result_error(GenerationResult.failure("r1", "internal", "boom"))[0] == 500
     assert result_error(GenerationResult.failure("r1", "expired", "late", status="expired"))[0] == 408
+
+
+def test_samples_become_choices() -> None:
+    samples = [Sample(index=i, text=f"s{i}", finish_reason="stop") for i in range(2)]
+    chat = completion_object("chat", _result(samples=samples), model="asked", created=1)
+    assert [(c["index"], c["message"]["content"]) for c in chat["choices"]] == [(0, "s0"), (1, "s1")]
+    text = completion_object("completions", _result(samples=samples), model="asked", created=1)
+    assert [(c["index"], c["text"]) for c in text["choices"]] == [(0, "s0"), (1, "s1")]

@@ -1,0 +1,29 @@
+"""The bulk progress bar counts only this run's work: items an earlier run finished (skipped from
+the files, recovered from Redis) leave its total and are shown as such; requests an earlier run
+queued stay in the total; the token rate counts only tokens generated for this run."""
+
+from __future__ import annotations
+
+import io
+import re
+
+from rich.console import Console
+
+from producer.bulk.report import BulkProgress
+
+
+def test_earlier_work_is_counted_as_such_not_as_progress() -> None:
+    out = io.StringIO()
+    with BulkProgress(10, enabled=True, console=Console(file=out, width=200, force_terminal=False)) as progress:
+        progress.skip()
+        progress.skip()
+        progress.recover()  # NOTE: its tokens are not passed on: they were generated before this run
+        progress.adopt()
+        progress.advance(1, 50)
+    line = out.getvalue().strip().splitlines()[-1]
+    assert " 1/7 " in line, line  # 10 records - 2 skipped - 1 recovered; the adopted one is still to finish
+    assert "skipped 2 recovered 1 adopted 1" in line
+    rates = re.search(r"([\d.]+) items/s +([\d.]+) tok/s", line)
+    assert rates is not None, line
+    items_s, tokens_s = float(rates[1]), float(rates[2])
+    assert abs(tokens_s - 50 * items_s) <= 50 * 0.1, "one item, 50 new tokens: the rate counts nothing recovered"
