@@ -140,6 +140,20 @@ def _check_architecture(config: Any, source: str) -> None:
         )
 
 
+def _release_checkpoint_mapping(model: Any) -> None:
+    """Give the CPU model's remaining tensors memory of their own.
+
+    NOTE: weights loaded in the checkpoint's dtype are views of its memory-mapped safetensors file;
+    one live view (the embedding, a norm) keeps every page of the file resident, on top of the packed
+    copies: +513 MB RSS for SmolLM2 in float32. Cloning what is left (the embedding and small
+    tensors; packed layers own their memory) lets the mapping go.
+    """
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.device.type == "cpu" and not tensor.is_meta:
+                tensor.data = tensor.data.clone()
+
+
 def _max_model_len(config: Any, requested: int | None) -> int:
     limits = [getattr(config, name) for name in ("max_position_embeddings", "n_positions") if getattr(config, name, None)]
     # NOTE: the paged attention attends over the whole context; a sliding-window model is exact
@@ -202,6 +216,7 @@ def load_model(
     hf_model.requires_grad_(False)
     if torch_device.type == "cpu":
         pack_linears(hf_model)
+        _release_checkpoint_mapping(hf_model)
     return LoadedModel(
         model=hf_model,
         tokenizer=tokenizer,

@@ -106,3 +106,25 @@ def run_child(argv: list[str], result_path: Path, timeout_s: float | None = None
         tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
         return {"error": f"exit code {proc.returncode}", "output_tail": tail}
     return dict(json.loads(result_path.read_text()))
+
+
+def child_env(threads: int) -> dict[str, str]:
+    """Environment of a benchmarked system's process: ``threads`` compute threads, offline hub."""
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+
+
+def vllm_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
+    """vLLM-CPU computing on cores ``0..threads-1`` with ``kv_cache_gib`` of KV cache.
+
+    NOTE: in-process engine core (no multiprocessing), so the child's peak RSS and CPU time are vLLM's own.
+    """
+    return {**child_env(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(max(1, kv_cache_gib))}
+
+
+def gib(size: str) -> int:
+    """A size such as ``"4GiB"`` in whole GiB (the parent process only: it imports the engine's config)."""
+    from engine.config import parse_bytes
+
+    return round(parse_bytes(size) / 2**30)

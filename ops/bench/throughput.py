@@ -29,9 +29,15 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
 from ops.bench.common import (  # noqa: E402
-    current_rss_bytes, fmt, machine_info, mib, peak_rss_bytes, percentile, print_table, run_child, write_json,
+    child_env, current_rss_bytes, fmt, gib, machine_info, mib, peak_rss_bytes, percentile, print_table, run_child,
+    vllm_env, write_json,
 )
 from ops.bench.workload import WorkItem, build_workload, describe, from_json, to_json  # noqa: E402
+
+# The decode-step table: batch sizes, and the prompt and output lengths of its runs.
+STEP_BATCHES = (1, 4, 16, 64)
+STEP_PROMPT_TOKENS = 128
+STEP_SHORT, STEP_LONG = 8, 40
 
 SYSTEMS = ("tokenmill", "hf_static16", "hf_static1", "hf_cb", "vllm")
 LABELS = {
@@ -122,6 +128,28 @@ def _finish(result: dict[str, Any], items: list[WorkItem], produced: list[int], 
     return result
 
 
+def decode_step_ms(generate: Any, vocab_size: int) -> dict[str, float]:
+    """Milliseconds per decode step at each of :data:`STEP_BATCHES`.
+
+    ``generate(prompts, max_tokens)`` runs a batch to exactly ``max_tokens`` tokens; the step time is the
+    time of ``STEP_LONG`` tokens minus that of ``STEP_SHORT`` for the same batch shape (prefill and set-up
+    cancel), divided by the steps between. Every run has prompts of its own: no prefix cache helps.
+    """
+    import random
+
+    rng = random.Random(1)
+    table = {}
+    for batch in STEP_BATCHES:
+        seconds = {}
+        for max_tokens in (STEP_SHORT, STEP_LONG):
+            prompts = [[rng.randrange(100, vocab_size) for _ in range(STEP_PROMPT_TOKENS)] for _ in range(batch)]
+            start = time.perf_counter()
+            generate(prompts, max_tokens)
+            seconds[max_tokens] = time.perf_counter() - start
+        table[str(batch)] = 1000 * (seconds[STEP_LONG] - seconds[STEP_SHORT]) / (STEP_LONG - STEP_SHORT)
+    return table
+
+
 # ----------------------------------------------------------------------------- the systems
 
 
@@ -166,11 +194,17 @@ def run_tokenmill(items: list[WorkItem], args: argparse.Namespace) -> dict[str, 
     else:
         produced, metrics, elapsed = run()
     ttfts = [m.ttft_s for m in metrics if m is not None and m.ttft_s is not None]
+    run_stats = engine.stats()
+    if args.step_table:
+        result_steps = decode_step_ms(lambda prompts, n: engine.generate(
+            prompts, SamplingParams(max_tokens=n, ignore_eos=True), progress=False), min(30_000, engine.limits.vocab_size))
     result = {"system": "tokenmill", "load_s": load_s, "weights_bytes": weights, "kv_cache_bytes": kv_bytes,
               "swap_space_bytes": swap_bytes, "rss_after_load_bytes": rss_after_load,
               "num_gpu_blocks": stats.num_gpu_blocks, "ttft_p50_s": percentile(ttfts, 50),
-              "ttft_p99_s": percentile(ttfts, 99), "engine_stats": dataclasses.asdict(engine.stats()),
-              "config": config.model_dump()}
+              "ttft_p99_s": percentile(ttfts, 99), "engine_stats": dataclasses.asdict(run_stats),
+              "prefix_hit_ratio": run_stats.prefix.hit_ratio, "config": config.model_dump()}
+    if args.step_table:
+        result["decode_step_ms"] = result_steps
     if profile is not None:
         result["profile"] = profile
     return _finish(result, items, produced, elapsed)
@@ -209,9 +243,10 @@ def _profiled(run: Any, torch: Any, engine: Any) -> tuple[list[int], list[Any], 
         for label, (suffix, name) in parts.items():
             if file_name.endswith(suffix) and func == name:
                 breakdown[label] = breakdown.get(label, 0.0) + cumtime
-        if func in ("<built-in method torch._C._nn.linear>", "<built-in method linear>"):
+        if func in ("<built-in method torch._C._nn.linear>", "<built-in method linear>",
+                    "<built-in method torch._ops.mkldnn._linear_pointwise>"):
             linear_s += tottime
-    breakdown["linear layers (torch._C._nn.linear)"] = linear_s
+    breakdown["linear layers (nn.linear or oneDNN packed)"] = linear_s
     num_steps = engine.stats().counters.num_steps
     table = torch_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
     _CPU_AT_START[0] += cpu_seconds() - cpu_after_run  # the profiler's own post-processing is not the run's
@@ -325,7 +360,13 @@ def run_vllm(items: list[WorkItem], args: argparse.Namespace) -> dict[str, Any]:
     produced = [len(o.outputs[0].token_ids) for o in outs]
     import vllm
 
-    return _finish({"system": "vllm", "vllm_version": vllm.__version__}, items, produced, elapsed)
+    result = _finish({"system": "vllm", "vllm_version": vllm.__version__}, items, produced, elapsed)
+    if args.step_table:
+        result["decode_step_ms"] = decode_step_ms(lambda prompts, n: llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0), use_tqdm=False),
+            min(30_000, len(llm.get_tokenizer())))
+    return result
 
 
 # ----------------------------------------------------------------------------- driver
@@ -363,12 +404,9 @@ def _child_argv(system: str, args: argparse.Namespace, workload_file: Path, resu
         argv += ["--hf-cb-max-batch-tokens", str(args.hf_cb_max_batch_tokens)]
     if system == "tokenmill" and args.profile:
         argv.append("--profile-child")
+    if not args.step_table:
+        argv.append("--no-step-table")
     return argv
-
-
-def _thread_env(threads: int) -> dict[str, str]:
-    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,16 +440,13 @@ def main(argv: list[str] | None = None) -> int:
         workload_file.write_text(json.dumps(to_json(items)))
         for system in systems:
             result_file = Path(tmp) / f"{system}.json"
-            env = _thread_env(args.threads)
+            env = child_env(args.threads)
             python = None
             if system == "vllm":
                 if not args.vllm_venv:
                     continue
                 python = str(Path(args.vllm_venv) / "bin" / "python")
-                # NOTE: in-process engine core, so this child's peak RSS and CPU time are vLLM's own.
-                env |= {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                        "VLLM_CPU_KVCACHE_SPACE": str(max(1, _gib(args.kv_cache_memory)))}
+                env = vllm_env(args.threads, gib(args.kv_cache_memory))
             print(f"running {LABELS[system]} ... (load average {os.getloadavg()[0]:.1f})", flush=True)
             started = time.perf_counter()
             results[system] = run_child(_child_argv(system, args, workload_file, result_file), result_file,
@@ -423,12 +458,6 @@ def main(argv: list[str] | None = None) -> int:
     report["summary"] = _summarize(results, args)
     write_json(args.json, report)
     return 0
-
-
-def _gib(size: str) -> int:
-    from engine.config import parse_bytes
-
-    return round(parse_bytes(size) / 2**30)
 
 
 def _print_progress(system: str, result: dict[str, Any]) -> None:
@@ -475,7 +504,9 @@ def _summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> 
             ["peak / (weights + KV)", f"{ratio:.2f}x  (target <= 1.5x)"],
             ["TTFT p50 / p99 (all submitted at t=0)", f"{fmt(tm['ttft_p50_s'], 2)} s / {fmt(tm['ttft_p99_s'], 2)} s"],
             ["preemptions", str(sum(tm["engine_stats"]["counters"]["cause_to_num_preemptions"].values()))],
+            ["prefix cache hit ratio (prompt tokens not computed)", f"{tm['prefix_hit_ratio']:.0%}"],
         ])
+    _print_step_table(results, summary)
     checks = []
     for system, factor in (("hf_static16", 3.0), ("hf_cb", 2.0)):
         if base and results.get(system, {}).get("tokens_per_s"):
@@ -491,6 +522,22 @@ def _summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> 
         _print_profile(tm["profile"])
         summary["profile"] = tm["profile"]["seconds"]
     return summary
+
+
+def _print_step_table(results: dict[str, dict[str, Any]], summary: dict[str, Any]) -> None:
+    ours = results.get("tokenmill", {}).get("decode_step_ms")
+    if not ours:
+        return
+    theirs = results.get("vllm", {}).get("decode_step_ms") or {}
+    rows = []
+    for batch in map(str, STEP_BATCHES):
+        peer = theirs.get(batch)
+        rows.append([batch, f"{ours[batch]:.1f}", fmt(peer, 1),
+                     f"{ours[batch] / peer:.2f}x" if peer else "-"])
+    summary["decode_step_ms"] = {"tokenmill": ours, "vllm": theirs}
+    print_table(f"Decode step (ms; {STEP_PROMPT_TOKENS}-token prompts; time of {STEP_LONG} minus {STEP_SHORT} "
+                f"tokens per step between; lower is better)",
+                ["batch", "tokenmill ms", "vLLM ms", "tokenmill / vLLM (aim <= 1.0x)"], rows)
 
 
 def _print_profile(profile: dict[str, Any]) -> None:
@@ -529,6 +576,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hf-cb-num-blocks", type=int, default=0, help="transformers CB KV blocks (0 = its own sizing)")
     parser.add_argument("--hf-cb-max-batch-tokens", type=int, default=0)
     parser.add_argument("--vllm-venv", default="", help="virtualenv with vllm-cpu installed; adds vLLM as a peer")
+    parser.add_argument("--no-step-table", dest="step_table", action="store_false",
+                        help="skip the decode-step table (tokenmill and vLLM at batch 1, 4, 16, 64)")
     parser.add_argument("--profile", action="store_true", help="profile tokenmill's run (cProfile + torch.profiler)")
     parser.add_argument("--quick", action="store_true", help="16 short requests, batch 1 on 4: for development")
     parser.add_argument("--child-timeout", type=float, default=1800.0, help="seconds before a system is given up")

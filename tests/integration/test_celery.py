@@ -129,9 +129,11 @@ def test_chord_of_twenty_and_result_as_next_prompt(redis_url: str, redis_client:
         texts = chord(generate.s(f"prompt {i}", max_tokens=64) for i in range(20))(collect.s()).get(timeout=60)
         relayed = chain(generate.s({"messages": [{"role": "user", "content": "hi"}]}, max_tokens=64),
                         generate.s(max_tokens=64)).apply_async().get(timeout=30)
+        parallel = generate.delay("twice", n=2, max_tokens=8).get(timeout=30)
     assert texts == [f"prompt {i}" for i in range(20)]
+    assert [(s["index"], s["text"]) for s in parallel["samples"]] == [(0, "twice"), (1, "twice")]
     assert relayed["status"] == "ok" and relayed["text"]  # the echo of the first result's text
-    assert lane_entries(redis_client, key_prefix) == 22
+    assert lane_entries(redis_client, key_prefix) == 23
 
 
 @pytest.mark.parametrize("mode", ["recheck", "blocking"])
