@@ -9,20 +9,18 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
+from producer.keys import STALE_AFTER_S
 from serve.context import authorize, state_of
 from serve.errors import not_found
 
 router = APIRouter(dependencies=[Depends(authorize)])
-STALE_AFTER_S = 30.0  # a worker silent for longer is not listed (as `tokenmill status` counts it stale)
 
 
 async def served_models(request: Request) -> dict[str, dict[str, Any]]:
     """Model id -> OpenAI model object, for every name a live worker announces."""
     stats = await state_of(request).producer.stats(stale_after_s=STALE_AFTER_S)
     models: dict[str, dict[str, Any]] = {}
-    for info in stats["workers"].values():
-        if info.get("state") == "stopped":
-            continue
+    for info in stats["workers"].values():  # live only: stale and stopped workers are not listed
         name = info.get("served_model_name") or info.get("model")
         if isinstance(name, str) and name:
             created = int(min(float(info.get("started_at", 0)), models.get(name, {}).get("created", float("inf"))))
