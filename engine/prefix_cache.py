@@ -88,6 +88,18 @@ class PrefixCache:
             block_ids.append(block_id)
         return block_ids, entry_ids
 
+    def next_key(self, token_ids: list[int], entry_ids: list[int], num_tokens: int) -> _Key | None:
+        """The key of the block after the ``entry_ids`` chain, if it lies within ``num_tokens`` tokens.
+
+        For a request computing its prefill (``num_tokens``: its prompt) this is the block it
+        registers next; for a waiting one (``num_tokens``: what :meth:`match` may hit) the block
+        it would take from the cache once someone registers it.
+        """
+        start = len(entry_ids) * self.block_size
+        if start + self.block_size > num_tokens:
+            return None
+        return (entry_ids[-1] if entry_ids else ROOT, tuple(token_ids[start:start + self.block_size]))
+
     def count_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.stats.num_query_tokens += num_query_tokens
         self.stats.num_hit_tokens += num_hit_tokens

@@ -131,6 +131,8 @@ class Scheduler:
                 break  # memory is short: admit nothing behind a request just preempted
             if request.status is RequestStatus.SWAPPED:
                 is_placed = self._schedule_swapped(request, plan)
+            elif self._waits_for_inflight_prefix(request, plan):
+                continue  # it takes those blocks from the cache next step instead of computing them too
             else:
                 is_placed = self._schedule_waiting(request, plan)
             if not is_placed:
@@ -267,6 +269,7 @@ class Scheduler:
         for source, destination in self.block_manager.copy_on_write(request.request_id, request.num_computed_tokens) or []:
             plan.copies[request.request_id] = (request.num_computed_tokens, source, destination)
         # NOTE: a prefill chunk shrinks to the free slots instead of preempting anyone.
+        self._note_inflight_prefix(request, plan)
         self._append_slots(request, request.num_computed_tokens + num_fit)
         plan.add(request, num_fit)
 
@@ -313,6 +316,29 @@ class Scheduler:
             self.prefix_cache.count_query(request.num_schedulable_tokens, num_hit_tokens)
         self._admit(request, num_tokens, plan)
         return True
+
+    def _note_inflight_prefix(self, request: Request, plan: StepPlan) -> None:
+        """Remember the block a prefill scheduled this step registers next (its first uncached one)."""
+        if self.prefix_cache is None or is_decode(request):
+            return
+        key = self.prefix_cache.next_key(request.all_token_ids, request.prefix_entry_ids,
+                                         request.num_schedulable_tokens)
+        if key is not None:
+            plan.inflight_block_keys.add(key)
+
+    def _waits_for_inflight_prefix(self, request: Request, plan: StepPlan) -> bool:
+        """True when the first block a waiting request misses is being computed by another prefill
+        this step: admitted now it would compute the same tokens a second time; a step later it
+        finds them cached (requests that arrive together with one long shared prompt).
+
+        NOTE: it waits only while such a prefill is scheduled, so it never waits on a request that
+        was preempted or finished.
+        """
+        if self.prefix_cache is None or not plan.inflight_block_keys:
+            return False
+        _, hit_entry_ids = self._prefix_hit(request)
+        key = self.prefix_cache.next_key(request.all_token_ids, hit_entry_ids, request.num_schedulable_tokens - 1)
+        return key is not None and key in plan.inflight_block_keys
 
     def _prefix_hit(self, request: Request) -> tuple[list[int], list[int]]:
         """The cached blocks (and their entries) the request's leading tokens already have."""
@@ -412,6 +438,7 @@ class Scheduler:
         if request.first_scheduled_time_s is None:
             request.first_scheduled_time_s = plan.now_s
         plan.admitted_request_ids.add(request.request_id)
+        self._note_inflight_prefix(request, plan)
         plan.add(request, num_tokens)
 
     def _append_slots(self, request: Request, num_tokens: int) -> None:

@@ -36,6 +36,8 @@ class StepPlan:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) copies
     # request -> (position, source, destination): copy-on-write of a shared block it writes this step
     copies: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    # prefix-cache keys of the next block each prefill scheduled this step computes (see Scheduler)
+    inflight_block_keys: set[tuple[int, tuple[int, ...]]] = field(default_factory=set)
 
     @classmethod
     def start(cls, config: SchedulerConfig, index: int, now_s: float) -> StepPlan:

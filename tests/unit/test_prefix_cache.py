@@ -115,3 +115,31 @@ def test_an_n_request_with_a_one_token_prompt_forks_at_once() -> None:
     run = step_until_done(scheduler, arrivals={0: [request]})
     assert run.outputs == reference_outputs([request])
     assert_no_leaks(scheduler)
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once() -> None:
+    """The first request admitted computes the shared blocks; the others wait one step (while
+    that prefill is scheduled) and then take them from the cache instead of computing them too."""
+    scheduler = make_scheduler(num_gpu_blocks=32, block_size=4, prefix_caching=True)
+    runner = ScriptedModelRunner(scheduler.block_manager)
+    requests = [make_request(f"r{i}", prompt_token_ids=PREFIX + [i, i + 1], max_tokens=2) for i in range(3)]
+    unrelated = make_request("other", prompt_token_ids=[41, 42, 43, 44, 45], max_tokens=2)
+    run = step_until_done(scheduler, runner, arrivals={0: [*requests, unrelated]})
+    assert run.outputs == reference_outputs([*requests, unrelated])
+    first_step = {chunk.request_id for chunk in run.steps[0].chunks}
+    assert first_step == {"r0", "other"}  # a request that shares nothing is not held back
+    assert scheduler.stats().prefix.num_hit_tokens == 2 * 8  # r1 and r2 hit both full blocks
+    assert_no_leaks(scheduler)
+
+
+def test_a_request_waits_for_a_shared_prefill_only_while_it_is_scheduled() -> None:
+    """A prefill longer than the step budget keeps its followers waiting chunk by chunk; each
+    later admission starts after the blocks registered so far."""
+    scheduler = make_scheduler(num_gpu_blocks=32, block_size=4, prefix_caching=True, max_num_batched_tokens=4,
+                               max_prefill_chunk=4)
+    runner = ScriptedModelRunner(scheduler.block_manager)
+    first = make_request("a", prompt_token_ids=PREFIX + [1], max_tokens=2)
+    second = make_request("b", prompt_token_ids=PREFIX + [2], max_tokens=2)
+    run = step_until_done(scheduler, runner, arrivals={0: [first, second]})
+    assert run.outputs == reference_outputs([first, second])
+    assert scheduler.stats().prefix.num_hit_tokens == 8
