@@ -1,0 +1,68 @@
+"""The packed CPU linear layers (engine/cpu_linear.py) against the plain ``nn.Linear`` path they
+replace: single layers, fused sibling groups in any call order, and a whole model's logits."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from engine.cpu_linear import FusedSiblings, PackedLinear, SiblingSlice, _packing_works, pack_linears
+from tests.tiny_models import tiny_config
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _needs_packing(dtype: torch.dtype) -> None:
+    if not _packing_works(dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} on this CPU / torch build")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    return bool(torch.allclose(a.float(), b.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 5, 64])
+def test_a_packed_layer_computes_what_the_plain_one_does(dtype: torch.dtype, num_tokens: int) -> None:
+    _needs_packing(dtype)
+    torch.manual_seed(0)
+    plain = nn.Linear(48, 40).to(dtype)
+    x = torch.randn(num_tokens, 48).to(dtype)
+    packed = PackedLinear(plain)
+    assert _close(packed(x), plain(x), dtype)
+    assert packed.weight.is_meta and packed.weight.shape == plain.weight.shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_siblings_give_their_own_columns_whatever_the_call_order(dtype: torch.dtype) -> None:
+    _needs_packing(dtype)
+    torch.manual_seed(0)
+    plain = [nn.Linear(32, n, bias=n != 8).to(dtype) for n in (16, 8, 8)]  # a bias on some only
+    group = FusedSiblings(plain)
+    q, k, v = (SiblingSlice(group, i, linear) for i, linear in enumerate(plain))
+    x, y = torch.randn(3, 32).to(dtype), torch.randn(3, 32).to(dtype)
+    # the usual round, a reversed one, a sibling called twice, and a different input in mid-round
+    calls = [(q, x), (k, x), (v, x), (v, y), (k, y), (q, y), (q, x), (q, x), (k, y), (k, x), (v, x), (q, x)]
+    for layer, inputs in calls:
+        assert _close(layer(inputs), plain[layer.index](inputs), dtype), (layer.index, inputs is x)
+    assert group._input is None  # a finished round holds no activations
+
+
+def test_a_model_keeps_its_logits_with_packed_and_fused_layers() -> None:
+    _needs_packing(torch.float32)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=300, eos_token_id=2)).eval()
+    packed = copy.deepcopy(model)
+    num_replaced = pack_linears(packed)
+    attention, mlp = packed.model.layers[0].self_attn, packed.model.layers[0].mlp
+    assert isinstance(attention.q_proj, SiblingSlice) and isinstance(mlp.up_proj, SiblingSlice)
+    assert isinstance(attention.o_proj, PackedLinear) and isinstance(packed.lm_head, PackedLinear)
+    assert num_replaced == 2 * 7 + 1  # 2 layers x (q, k, v, o, gate, up, down) + the LM head
+    ids = torch.randint(0, 300, (2, 9))
+    with torch.inference_mode():
+        assert _close(packed(ids).logits, model(ids).logits, torch.float32)
