@@ -65,7 +65,7 @@ class FusedSiblings:
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         weight = torch.cat([linear.weight.detach() for linear in linears])
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.packed_weight: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         biases = [linear.bias for linear in linears]
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else weight.new_zeros(linear.out_features)
