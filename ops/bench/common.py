@@ -9,6 +9,7 @@ import math
 import os
 import platform
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -128,3 +129,33 @@ def gib(size: str) -> int:
     from engine.config import parse_bytes
 
     return round(parse_bytes(size) / 2**30)
+
+
+def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start a long-running helper (a worker, a server) from the repository root, output to ``log_path``."""
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
+    log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(cmd, env=full_env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL after ``timeout_s``."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def add_child_arguments(parser: Any) -> None:
+    """The hidden options a benchmark passes to its own child processes."""
+    import argparse
+
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--workload-file", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--result-file", default="", help=argparse.SUPPRESS)

@@ -31,6 +31,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
 from ops.bench.common import (  # noqa: E402
+    add_child_arguments,
     child_env, fmt, gib, machine_info, percentile, print_table, run_child, vllm_env, write_json,
 )
 from ops.bench.workload import DOCUMENT_SENTENCES, INSTRUCTIONS, QUESTIONS  # noqa: E402
@@ -278,9 +279,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a small workload, for development")
     parser.add_argument("--child-timeout", type=float, default=1200.0)
     parser.add_argument("--json", default="", help="write the JSON report here")
-    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--workload-file", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--result-file", default="", help=argparse.SUPPRESS)
+    add_child_arguments(parser)
     return parser.parse_args(argv)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from ops.bench.common import REPO_ROOT, fmt, machine_info, percentile, print_table, write_json  # noqa: E402
+from ops.bench.common import fmt, machine_info, percentile, print_table, spawn, stop, write_json  # noqa: E402
 
 PROMPT = "Echo this short benchmark prompt back, please."
 MAX_TOKENS = 16
@@ -65,23 +64,8 @@ except ImportError:  # pragma: no cover - celery is an optional extra
 # ----------------------------------------------------------------------------- helpers
 
 
-def _spawn(cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
-    full_env = {**os.environ, **env}
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
-    log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(cmd, env=full_env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
 
 
-def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _delete_prefix(client: Any, pattern: str) -> int:
@@ -107,7 +91,7 @@ def bench_tokenmill(url: str, args: argparse.Namespace, log_dir: Path) -> dict[s
     # high-water mark) is sized like a GPU worker's (configs/gpu.toml), not the CPU default of 32.
     cmd = [sys.executable, "-m", "cli", "--prefix", prefix, "--queue", queue_name, "--redis-url", url,
            "worker", "--model", "echo", "--log-text", "--log-level", "WARNING", "--max-waiting", str(args.max_waiting)]
-    proc = _spawn(cmd, {}, log_dir / "tokenmill-worker.log")
+    proc = spawn(cmd, log_dir / "tokenmill-worker.log")
     producer = Producer(url, prefix=prefix, queue=queue_name)
     try:
         _wait_tokenmill_ready(producer, proc)
@@ -124,7 +108,7 @@ def bench_tokenmill(url: str, args: argparse.Namespace, log_dir: Path) -> dict[s
         return {"system": "tokenmill", "worker": "1 process: python -m cli worker --model echo",
                 **throughput, **drain, "latency": _latency_stats(latencies)}
     finally:
-        _stop(proc)
+        stop(proc)
         _delete_prefix(producer.client, f"{prefix}:*")
         producer.close()
 
@@ -185,7 +169,7 @@ def bench_celery(url: str, pool: str, concurrency: int, args: argparse.Namespace
            "-Q", tag, "--without-gossip", "--without-mingle", "--without-heartbeat", "-n", f"{tag}@%h"]
     if pool != "solo":
         cmd.append(f"--concurrency={concurrency}")
-    proc = _spawn(cmd, env, log_dir / f"celery-{pool}.log")
+    proc = spawn(cmd, log_dir / f"celery-{pool}.log", env)
     try:
         echo.apply_async((PROMPT, MAX_TOKENS)).get(timeout=60)  # ready
         [r.get(timeout=60) for r in [echo.apply_async((PROMPT, MAX_TOKENS)) for _ in range(args.warmup)]]
@@ -205,7 +189,7 @@ def bench_celery(url: str, pool: str, concurrency: int, args: argparse.Namespace
                 "submit_s": submitted - start, "requests_per_s": args.num_requests / elapsed,
                 "latency": _latency_stats(latencies)}
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 _CELERY_TAG: list[tuple[str, dict[str, str]]] = []

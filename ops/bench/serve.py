@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -41,7 +39,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from ops.bench.common import REPO_ROOT, fmt, machine_info, percentile, print_table, write_json  # noqa: E402
+from ops.bench.common import fmt, machine_info, percentile, print_table, spawn, stop, write_json  # noqa: E402
 
 PROMPT = "Echo this short benchmark prompt back, please."
 MAX_TOKENS = 16
@@ -52,22 +50,8 @@ OVERHEAD_TARGET_MS = 5.0
 FIRST_TOKEN_TARGET_MS = 10.0
 
 
-def _spawn(cmd: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
 
 
-def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _wait(ready: Callable[[], bool], what: str, procs: list[subprocess.Popen[bytes]], timeout_s: float = 60.0) -> None:
@@ -196,18 +180,18 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     procs: list[subprocess.Popen[bytes]] = [redis_proc]
     producer = Producer(url, prefix=prefix)
     try:
-        worker = _spawn([*worker_cmd, "echo"], tmp / "worker.log")
-        server = _spawn([*cli, "serve", "--port", str(port), "--log-level", "warning"], tmp / "serve.log")
+        worker = spawn([*worker_cmd, "echo"], tmp / "worker.log")
+        server = spawn([*cli, "serve", "--port", str(port), "--log-level", "warning"], tmp / "serve.log")
         procs += [worker, server]
         _wait(lambda: producer.stats()["num_live_workers"] >= 1, "the echo worker", procs)
         _wait(lambda: _serving(base_url), "tokenmill serve", procs)
         with openai.OpenAI(base_url=base_url, api_key="none", max_retries=0) as client:
             print(f"(a) {args.num_requests} round trips per path ...", flush=True)
             round_trips = bench_round_trips(producer, client, args.num_requests, args.warmup)
-            _stop(worker)
+            stop(worker)
             procs.remove(worker)
             _wait(lambda: producer.stats()["num_live_workers"] == 0, "the echo worker's exit", procs)
-            paced = _spawn([*worker_cmd, PACED_ECHO], tmp / "paced-worker.log")
+            paced = spawn([*worker_cmd, PACED_ECHO], tmp / "paced-worker.log")
             procs.append(paced)
             _wait(lambda: producer.stats()["num_live_workers"] >= 1, "the paced echo worker", procs)
             print(f"(b) {args.num_streams} streamed requests ...", flush=True)
@@ -215,7 +199,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         return {"round_trips": round_trips, "first_token": first_token}
     finally:
         for proc in reversed(procs):
-            _stop(proc)
+            stop(proc)
         producer.close()
 
 

@@ -29,6 +29,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
 from ops.bench.common import (  # noqa: E402
+    add_child_arguments,
     child_env, current_rss_bytes, fmt, gib, machine_info, mib, peak_rss_bytes, percentile, print_table, run_child,
     vllm_env, write_json,
 )
@@ -581,9 +582,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="16 short requests, batch 1 on 4: for development")
     parser.add_argument("--child-timeout", type=float, default=1800.0, help="seconds before a system is given up")
     parser.add_argument("--json", default="", help="write the JSON report here")
-    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--workload-file", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--result-file", default="", help=argparse.SUPPRESS)
+    add_child_arguments(parser)
     parser.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
