@@ -131,10 +131,11 @@ class Scheduler:
                 break  # memory is short: admit nothing behind a request just preempted
             if request.status is RequestStatus.SWAPPED:
                 is_placed = self._schedule_swapped(request, plan)
-            elif self._waits_for_inflight_prefix(request, plan):
-                continue  # it takes those blocks from the cache next step instead of computing them too
             else:
-                is_placed = self._schedule_waiting(request, plan)
+                hit = self._prefix_hit(request)
+                if self._waits_for_inflight_prefix(request, hit[1], plan):
+                    continue  # it takes those blocks from the cache next step instead of computing them too
+                is_placed = self._schedule_waiting(request, hit, plan)
             if not is_placed:
                 break  # head-of-line: nothing less urgent may take the room it waits for
         self.counters.num_steps += 1
@@ -293,10 +294,10 @@ class Scheduler:
         self._admit(request, num_tokens, plan)
         return True
 
-    def _schedule_waiting(self, request: Request, plan: StepPlan) -> bool:
-        """Admit a waiting request with its first chunk, after the blocks the prefix cache already
-        holds for it; False if it cannot be placed."""
-        hit_block_ids, hit_entry_ids = self._prefix_hit(request)
+    def _schedule_waiting(self, request: Request, hit: tuple[list[int], list[int]], plan: StepPlan) -> bool:
+        """Admit a waiting request with its first chunk, after ``hit``, the blocks (and entries) the
+        prefix cache already holds for it; False if it cannot be placed."""
+        hit_block_ids, hit_entry_ids = hit
         num_hit_tokens = len(hit_block_ids) * self.block_manager.block_size
         num_tokens = plan.num_tokens_for(request, start=num_hit_tokens)
         if num_tokens == 0:
@@ -326,7 +327,7 @@ class Scheduler:
         if key is not None:
             plan.inflight_block_keys.add(key)
 
-    def _waits_for_inflight_prefix(self, request: Request, plan: StepPlan) -> bool:
+    def _waits_for_inflight_prefix(self, request: Request, hit_entry_ids: list[int], plan: StepPlan) -> bool:
         """True when the first block a waiting request misses is being computed by another prefill
         this step: admitted now it would compute the same tokens a second time; a step later it
         finds them cached (requests that arrive together with one long shared prompt).
@@ -336,7 +337,6 @@ class Scheduler:
         """
         if self.prefix_cache is None or not plan.inflight_block_keys:
             return False
-        _, hit_entry_ids = self._prefix_hit(request)
         key = self.prefix_cache.next_key(request.all_token_ids, hit_entry_ids, request.num_schedulable_tokens - 1)
         return key is not None and key in plan.inflight_block_keys
 
