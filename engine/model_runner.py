@@ -5,6 +5,7 @@ then sampling from the logits of each sequence's last token. Knows nothing of qu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from engine.outputs import ModelOutput, ScheduledChunk, SchedulerOutput
 from engine.paged_attention import StepAttention
 from engine.sampler import Sampler, SamplingContext
 from engine.static_decode import StaticDecode
+
+if TYPE_CHECKING:
+    from engine.native_decoder import NativeDecoder
 
 
 @dataclass
@@ -48,6 +52,8 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         # Decode steps at static shapes (CUDA graphs); None: every step runs eagerly.
         self.static_decode: StaticDecode | None = None
+        # On the CPU: the decoder layers in one C++ call (bitwise the eager forward); None: eager.
+        self.native_decoder: NativeDecoder | None = None
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Swap out, swap in, run the forward, sample.
@@ -85,12 +91,13 @@ class ModelRunner:
         return output
 
     def _forward(self, batch: PreparedBatch) -> torch.Tensor:
-        return self.forward(batch.input_ids, batch.position_ids, batch.sample_indices, batch.attention)
+        forward = self.native_decoder.forward if self.native_decoder is not None else self.forward
+        return forward(batch.input_ids, batch.position_ids, batch.sample_indices, batch.attention)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
                 step: StepAttention) -> torch.Tensor:
-        """The model over one flattened batch: logits ``[len(logits_to_keep), vocab]``."""
+        """The model over one flattened batch, eagerly: logits ``[len(logits_to_keep), vocab]``."""
         out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                          logits_to_keep=logits_to_keep, tokenmill_step=step)
         logits: torch.Tensor = out.logits[0]

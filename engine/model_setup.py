@@ -19,6 +19,7 @@ from engine.grammar import GrammarCompiler
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
+from engine.native_decoder import native_decoder_for
 from engine.paged_attention import register
 from engine.sampler import Sampler
 from engine.prefix_cache import PrefixCache
@@ -76,16 +77,19 @@ def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
     grammars = GrammarCompiler(loaded.tokenizer, limits.vocab_size, loaded.eos_token_ids)
     runner = ModelRunner(loaded, kv_cache, Sampler(grammars), backend)
     if config.execution.compile == "auto":
-        capture_decode_steps(runner, config.scheduler.max_num_seqs, max_request_tokens)
+        if runner.device.type == "cpu":
+            runner.native_decoder = native_decoder_for(runner)
+        else:
+            capture_decode_steps(runner, config.scheduler.max_num_seqs, max_request_tokens)
     return EngineParts(scheduler, runner, loaded.tokenizer, limits, grammars)
 
 
 def capture_decode_steps(runner: ModelRunner, max_num_seqs: int, max_request_tokens: int) -> None:
     """On CUDA with a graph-safe backend, capture decode steps in CUDA graphs, one per batch bucket.
 
-    NOTE: on the CPU decode steps stay eager: inductor (per bucket, static shapes) took 70-140 s
-    per bucket to compile SmolLM2 on 2 cores for 10-25% faster steps, and with dynamic shapes
-    its outputs drifted from eager (see ops/bench/README.md).
+    NOTE: the CPU's counterpart is engine/native_decoder (every step, no buckets). Inductor was
+    measured there first: 70-140 s per bucket to compile SmolLM2 on 2 cores for 10-25% faster
+    steps, and with dynamic shapes its outputs drifted from eager (see ops/bench/README.md).
     """
     if runner.device.type != "cuda":
         logger.info("decode steps run eagerly on %s", runner.device.type)

@@ -1,0 +1,133 @@
+"""Builds the engine's C++ CPU extensions on first use and loads them once per process.
+
+Each extension is one source file, compiled by ``torch.utils.cpp_extension`` into a cache folder
+keyed by everything its binary depends on (source, torch build, compiler, CPU flags, compiler
+flags), so a binary is only ever loaded where it was built, and a rebuild happens exactly when
+one of those changes. Failure is not fatal: :meth:`CppExtension.is_available` logs why once and
+callers use their plain-torch path. Imports torch.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (x86 ``flags`` / Arm ``Features``), else the processor name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features"):
+                return " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension invokes on Linux
+
+
+class CppExtension:
+    """One C++ source built into a torch extension library (ops and classes register on load).
+
+    Args:
+        name: the library's name (also the cache folder's prefix).
+        source: the ``.cpp`` file.
+        cflags: compiler flags; part of the cache key.
+        what: how the log names it ("CPU paged-attention kernel").
+        fallback: what callers do without it, for the log ("reference path used").
+        after_load: run once after loading (e.g. registering fake implementations).
+    """
+
+    def __init__(self, name: str, source: Path, cflags: tuple[str, ...], what: str, fallback: str,
+                 after_load: Callable[[], None] | None = None) -> None:
+        self.name, self.source, self.cflags = name, source, cflags
+        self.what, self.fallback = what, fallback
+        self._after_load = after_load
+        self._lock = threading.Lock()
+        self._loaded: bool | None = None  # None: not tried yet
+
+    def build_directory(self) -> Path:
+        """Where this source, torch build, compiler and CPU's binary lives (created on demand).
+
+        ``$TOKENMILL_HOME/torch_extensions/<name>-<hash>``; ``TOKENMILL_HOME`` defaults to
+        ``~/.cache/tokenmill``.
+        """
+        compiler_version = subprocess.run(
+            [_compiler(), "--version"], capture_output=True, text=True, check=True, timeout=30
+        ).stdout
+        key = hashlib.sha256()
+        for part in (self.source.read_bytes(), torch.__version__.encode(), str(torch.version.git_version).encode(),
+                     platform.machine().encode(), _cpu_flags().encode(), compiler_version.encode(),
+                     " ".join(self.cflags).encode()):
+            key.update(part)
+            key.update(b"\0")
+        home = os.environ.get("TOKENMILL_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
+        return Path(home) / "torch_extensions" / f"{self.name}-{key.hexdigest()[:16]}"
+
+    def _build_and_load(self) -> None:
+        """Compile (or reuse) the extension and load it into this process.
+
+        NOTE: cpp_extension serialises builds in one folder with a lock *file* that stays behind if
+        its builder is killed, blocking every later load forever. An flock (released by the kernel
+        when its holder dies) is held around the whole build; whoever holds it may remove that file.
+        """
+        from torch.utils import cpp_extension
+
+        if shutil.which(_compiler()) is None:
+            raise RuntimeError(f"no C++ compiler ({_compiler()!r} not on PATH)")
+        if not cpp_extension.is_ninja_available():
+            raise RuntimeError("ninja is not available")
+        folder = self.build_directory()
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "tokenmill.flock", "w") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+            (folder / "lock").unlink(missing_ok=True)
+            start = time.perf_counter()
+            cpp_extension.load(
+                name=self.name,
+                sources=[str(self.source)],
+                extra_cflags=list(self.cflags),  # a copy: load() appends to its lists
+                build_directory=str(folder),
+                is_python_module=False,
+            )
+        logger.debug("%s ready in %.1f s (%s)", self.what, time.perf_counter() - start, folder)
+        if self._after_load is not None:
+            self._after_load()
+
+    def is_available(self) -> bool:
+        """Whether the extension is loaded: builds and loads it on the first call (thread-safe).
+
+        Returns:
+            False, after logging the reason once, when there is no C++ compiler or the build or
+            load fails.
+        """
+        if self._loaded is not None:
+            return self._loaded
+        with self._lock:
+            if self._loaded is None:
+                try:
+                    self._build_and_load()
+                    self._loaded = True
+                except (RuntimeError, OSError, subprocess.SubprocessError, ImportError) as exc:
+                    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+                    # A failed build's message ends with the compiler's errors: keep its head and tail.
+                    reason = "\n".join(lines if len(lines) <= 21 else [*lines[:1], "...", *lines[-20:]])
+                    logger.warning("%s unavailable (%s): %s", self.what, self.fallback, reason)
+                    self._loaded = False
+            return self._loaded

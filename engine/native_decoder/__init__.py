@@ -1,0 +1,170 @@
+"""The CPU's captured step: a Llama-family model's decoder layers run in one C++ call.
+
+On a GPU a captured step is a CUDA graph; on the CPU the cost it removes is the interpreter. Eager,
+each decoder layer of a Hugging Face model is ~60 small operators and ~10 module calls dispatched
+from Python: with 30 layers that is several milliseconds of every step, whatever the batch size,
+and at small batches as much as the matrix multiplies themselves. ``csrc/decoder_stack.cpp`` runs
+the same operators on the same shapes from C++ (the engine's packed linear layers, its
+paged-attention kernel, a fused rotary embedding that rounds as the eager operators do), so its
+output is bitwise the eager path's; the embedding, the rotary tables, the final norm and the LM
+head stay the Hugging Face modules.
+
+It applies to models whose decoder layer is exactly Llama's (``llama``, ``mistral``, ``qwen2``
+configs, their q/k/v and gate/up layers packed by engine/cpu_linear.py) with the C++ attention
+backend; every other model runs eagerly. Before it is used, one probe step runs both ways and
+must agree bit for bit; otherwise the engine logs why and stays eager. ``compile = "off"`` keeps
+the eager path. Imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.cpp_build import CppExtension
+from engine.cpu_linear import PackedLinear, SiblingSlice
+from engine.kv_cache import KVCache
+from engine.outputs import ScheduledChunk
+from engine.paged_attention import StepAttention
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Model types whose Hugging Face decoder layer is Llama's: RMSNorm, q/k/v (+ bias) with rotary
+# embedding over the whole head, attention, o-projection, residual, RMSNorm, SiLU-gated MLP, residual.
+LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})
+
+# -ffp-contract=off: the rotary kernel must round a * b and a * b + c as the eager operators do.
+_EXTENSION = CppExtension("tokenmill_decoder_stack_cpu", Path(__file__).resolve().parent / "csrc" /
+                          "decoder_stack.cpp", ("-O3", "-march=native", "-ffp-contract=off", "-DNDEBUG"),
+                          what="native CPU decoder stack", fallback="decoder layers run eagerly")
+
+
+class NativeDecoder:
+    """The model's forward with its decoder layers in C++; same signature as ``ModelRunner.forward``.
+
+    Args:
+        model: a Llama-family Hugging Face causal LM whose linear layers are packed (see
+            :func:`ineligible_reason`).
+        kv_cache: the pools the layers write to and attend over.
+    """
+
+    def __init__(self, model: Any, kv_cache: KVCache) -> None:
+        self.model = model
+        base = model.model
+        config = model.config
+        attention = base.layers[0].self_attn
+        head_dim = attention.head_dim
+        self._stack: Any = torch.classes.tokenmill_native.DecoderStack(
+            config.num_attention_heads, config.num_key_value_heads, head_dim,
+            base.layers[0].mlp.down_proj.in_features, float(attention.scaling))
+        for index, layer in enumerate(base.layers[: config.num_hidden_layers]):
+            attn, mlp = layer.self_attn, layer.mlp
+            key_cache, value_cache = kv_cache.layer(index)
+            self._stack.add_layer(
+                layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon),
+                attn.q_proj.group.packed_weight, attn.q_proj.group.bias,
+                attn.o_proj.packed_weight, attn.o_proj.bias,
+                layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon),
+                mlp.gate_proj.group.packed_weight, mlp.gate_proj.group.bias,
+                mlp.down_proj.packed_weight, mlp.down_proj.bias,
+                key_cache, value_cache)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
+                step: StepAttention) -> torch.Tensor:
+        """The model over one flattened batch: logits ``[len(logits_to_keep), vocab]``."""
+        base = self.model.model
+        embeddings = base.embed_tokens(input_ids)  # [1, T, hidden]
+        cos, sin = base.rotary_emb(embeddings, position_ids=position_ids)  # [1, T, head_dim] each
+        meta = step.meta
+        hidden = self._stack.forward(embeddings[0], cos[0], sin[0], meta.slot_mapping, meta.block_tables,
+                                     meta.seq_lens, meta.query_start_loc)
+        hidden = base.norm(hidden.unsqueeze(0))
+        logits: torch.Tensor = self.model.lm_head(hidden[:, logits_to_keep, :])[0]
+        return logits
+
+
+def ineligible_reason(model: Any, backend_name: str) -> str | None:
+    """Why this model cannot run as a :class:`NativeDecoder` (None: it can)."""
+    config = model.config
+    if config.model_type not in LLAMA_FAMILY:
+        return f"model type {config.model_type!r} is not one of {sorted(LLAMA_FAMILY)}"
+    if backend_name != "cpu":
+        return f"it needs the C++ attention backend, not {backend_name!r}"
+    base = getattr(model, "model", None)
+    if not all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return f"{type(model).__name__} does not have Llama's module layout"
+    for layer in base.layers[: config.num_hidden_layers]:
+        reason = _layer_ineligible_reason(layer)
+        if reason is not None:
+            return f"{type(layer).__name__}: {reason}"
+    return None
+
+
+def _layer_ineligible_reason(layer: Any) -> str | None:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None:
+        return "no self_attn / mlp"
+    for norm in (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)):
+        if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
+            return f"{type(norm).__name__} is not an RMSNorm"
+    siblings = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+    if not all(isinstance(s, SiblingSlice) and s.group is siblings[0].group for s in siblings):
+        return "q/k/v are not one packed group (packing is off for this dtype?)"
+    siblings = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj")]
+    if not all(isinstance(s, SiblingSlice) and s.group is siblings[0].group for s in siblings):
+        return "gate/up are not one packed group"
+    if not isinstance(attn.o_proj, PackedLinear) or not isinstance(mlp.down_proj, PackedLinear):
+        return "o_proj / down_proj are not packed"
+    if type(mlp.act_fn).__name__ not in ("SiLUActivation", "SiLU"):
+        return f"activation {type(mlp.act_fn).__name__} is not SiLU"
+    return None
+
+
+def native_decoder_for(runner: ModelRunner) -> NativeDecoder | None:
+    """A verified :class:`NativeDecoder` for the runner's model, or None (logged) to stay eager."""
+    reason = ineligible_reason(runner.model, runner.backend.name)
+    if reason is None and not _EXTENSION.is_available():
+        reason = "the C++ extension could not be built (see the log above)"
+    if reason is not None:
+        logger.info("decoder layers run eagerly: %s", reason)
+        return None
+    start = time.perf_counter()
+    decoder = NativeDecoder(runner.model, runner.kv_cache)
+    mismatch = probe_mismatch(runner, decoder)
+    if mismatch is not None:
+        logger.warning("decoder layers run eagerly: the native stack %s", mismatch)
+        return None
+    logger.info("decoder layers run natively (C++ stack, checked against eager in %.2f s)",
+                time.perf_counter() - start)
+    return decoder
+
+
+def probe_mismatch(runner: ModelRunner, decoder: NativeDecoder) -> str | None:
+    """Run one mixed step (a prefill chunk over a cached prefix, two decodes) eagerly and natively.
+
+    Every slot is in the KV cache's scratch block, which no request owns: both runs write the
+    same values there and read them back, so their logits must be bitwise equal.
+
+    Returns:
+        None when they are; else what differed.
+    """
+    scratch = runner.kv_cache.scratch_block_id
+    width = 12 // runner.block_size + 1
+    chunks = [ScheduledChunk(f"probe-{i}", token_ids, start, [scratch] * width, True, SamplingParams(), 0)
+              for i, (token_ids, start) in enumerate([([11], 6), ([12], 3), ([13, 14, 15, 16], 8)])]
+    batch = runner.prepare(chunks)
+    args = (batch.input_ids, batch.position_ids, batch.sample_indices, batch.attention)
+    eager = runner.forward(*args)
+    native = decoder.forward(*args)
+    if torch.equal(eager, native):
+        return None
+    return f"differs from eager by up to {(eager.float() - native.float()).abs().max().item():.3g} on a probe step"

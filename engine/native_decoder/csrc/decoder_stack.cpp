@@ -1,0 +1,179 @@
+// The decoder layers of a Llama-family model in one C++ call: the CPU counterpart of a captured
+// step. Each layer runs the same ATen operators, on the same shapes, as the Hugging Face modules
+// the engine runs eagerly (with the engine's packed linear layers and paged-attention kernel), so
+// the result is bitwise the eager path's; what goes is the Python interpreter between them
+// (module calls, ~60 small operators per layer, each dispatched from Python).
+//
+// The one fused kernel, rotary embedding, computes each element as the eager operators do
+// (q * cos, rotate_half(q) * sin, their sum, each rounded to the tensor's dtype), so it too is
+// bitwise the eager result. That needs no contraction of a * b + c into a fused multiply-add:
+// this file is compiled with -ffp-contract=off.
+
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+// mkldnn::_linear_pointwise: oneDNN matmul with a weight packed by mkldnn::_reorder_linear_weight.
+Tensor packed_linear(const Tensor& x, const Tensor& packed_weight, const OptTensor& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<Tensor(const Tensor&, const Tensor&, const OptTensor&, std::string_view,
+                                     c10::List<std::optional<at::Scalar>>, std::optional<std::string_view>)>();
+  return op.call(x, packed_weight, bias, "none", c10::List<std::optional<at::Scalar>>(),
+                 std::optional<std::string_view>(""));
+}
+
+void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
+                       const Tensor& slot_mapping) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("tokenmill::reshape_and_cache", "")
+                       .typed<void(const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&)>();
+  op.call(key, value, key_cache, value_cache, slot_mapping);
+}
+
+Tensor paged_attention(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                       const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
+                       double scale) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("tokenmill::paged_attention", "")
+                       .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                     const Tensor&, double)>();
+  return op.call(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale);
+}
+
+// Hugging Face's LlamaRMSNorm, operator for operator.
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  Tensor xf = x.to(at::kFloat);
+  Tensor variance = xf.pow(2).mean(-1, /*keepdim=*/true);
+  Tensor normed = xf * at::rsqrt(variance + eps);
+  return weight * normed.to(x.scalar_type());
+}
+
+// out[t, h, :] = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1).
+template <typename T>
+void rotate_rows(const Tensor& x, const Tensor& cos, const Tensor& sin, Tensor& out) {
+  using acc = at::opmath_type<T>;
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t xs0 = x.stride(0), xs1 = x.stride(1);
+  const T* xp = x.const_data_ptr<T>();
+  const T* cp = cos.const_data_ptr<T>();
+  const T* sp = sin.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  // Each operator of the eager expression rounds to T; so does each step here.
+  auto mul = [](T a, T b) { return static_cast<T>(static_cast<acc>(a) * static_cast<acc>(b)); };
+  auto add = [](T a, T b) { return static_cast<T>(static_cast<acc>(a) + static_cast<acc>(b)); };
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cp + t * dim;
+      const T* s = sp + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* row = xp + t * xs0 + h * xs1;
+        T* o = op + (t * heads + h) * dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const T neg_x2 = static_cast<T>(-static_cast<acc>(row[i + half]));
+          o[i] = add(mul(row[i], c[i]), mul(neg_x2, s[i]));
+          o[i + half] = add(mul(row[i + half], c[i + half]), mul(row[i], s[i + half]));
+        }
+      }
+    }
+  });
+}
+
+// x: [T, heads, dim] (dim contiguous); cos, sin: [T, dim] contiguous. Returns [T, heads, dim].
+Tensor rotary(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  TORCH_CHECK(x.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous(), "rotary: unexpected layout");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rotary: cos/sin dtype differs from the input's");
+  Tensor out = at::empty(x.sizes(), x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary",
+                                  [&] { rotate_rows<scalar_t>(x, cos, sin, out); });
+  return out;
+}
+
+struct Layer {
+  Tensor input_norm;
+  double input_eps;
+  Tensor qkv_weight;  // packed; rows: q, then k, then v
+  OptTensor qkv_bias;
+  Tensor o_weight;  // packed
+  OptTensor o_bias;
+  Tensor post_norm;
+  double post_eps;
+  Tensor gate_up_weight;  // packed; rows: gate, then up
+  OptTensor gate_up_bias;
+  Tensor down_weight;  // packed
+  OptTensor down_bias;
+  Tensor key_cache;  // [num_blocks, block_size, kv_heads, head_dim]
+  Tensor value_cache;
+};
+
+// A stack of Llama-family decoder layers: RMSNorm, q/k/v + rotary, paged attention, o-projection,
+// residual, RMSNorm, SiLU-gated MLP, residual.
+struct DecoderStack : torch::CustomClassHolder {
+  int64_t num_heads, num_kv_heads, head_dim, intermediate_size;
+  double scale;
+  std::vector<Layer> layers;
+
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double scale)
+      : num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim),
+        intermediate_size(intermediate_size), scale(scale) {}
+
+  void add_layer(Tensor input_norm, double input_eps, Tensor qkv_weight, OptTensor qkv_bias, Tensor o_weight,
+                 OptTensor o_bias, Tensor post_norm, double post_eps, Tensor gate_up_weight, OptTensor gate_up_bias,
+                 Tensor down_weight, OptTensor down_bias, Tensor key_cache, Tensor value_cache) {
+    layers.push_back(Layer{std::move(input_norm), input_eps, std::move(qkv_weight), std::move(qkv_bias),
+                           std::move(o_weight), std::move(o_bias), std::move(post_norm), post_eps,
+                           std::move(gate_up_weight), std::move(gate_up_bias), std::move(down_weight),
+                           std::move(down_bias), std::move(key_cache), std::move(value_cache)});
+  }
+
+  // hidden: [T, hidden] (the embeddings); cos, sin: [T, head_dim]; the rest is the step's paged
+  // attention metadata. Returns the last layer's output, [T, hidden] (before the final norm).
+  Tensor forward(Tensor hidden, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens,
+                 Tensor query_start_loc) {
+    c10::InferenceMode guard;
+    const int64_t tokens = hidden.size(0);
+    const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+    for (Layer& layer : layers) {
+      Tensor residual = hidden;
+      Tensor x = rms_norm(hidden, layer.input_norm, layer.input_eps);
+      Tensor qkv = packed_linear(x, layer.qkv_weight, layer.qkv_bias);
+      Tensor q = qkv.narrow(1, 0, q_width).view({tokens, num_heads, head_dim});
+      Tensor k = qkv.narrow(1, q_width, kv_width).view({tokens, num_kv_heads, head_dim});
+      Tensor v = qkv.narrow(1, q_width + kv_width, kv_width).view({tokens, num_kv_heads, head_dim});
+      q = rotary(q, cos, sin);
+      k = rotary(k, cos, sin);
+      reshape_and_cache(k, v, layer.key_cache, layer.value_cache, slot_mapping);
+      Tensor attn = paged_attention(q, layer.key_cache, layer.value_cache, block_tables, seq_lens, query_start_loc,
+                                    scale);
+      Tensor o = packed_linear(attn.view({tokens, q_width}), layer.o_weight, layer.o_bias);
+      hidden = residual + o;
+      residual = hidden;
+      x = rms_norm(hidden, layer.post_norm, layer.post_eps);
+      Tensor gate_up = packed_linear(x, layer.gate_up_weight, layer.gate_up_bias);
+      Tensor gated = at::silu(gate_up.narrow(1, 0, intermediate_size)) *
+                     gate_up.narrow(1, intermediate_size, intermediate_size);
+      hidden = residual + packed_linear(gated, layer.down_weight, layer.down_bias);
+    }
+    return hidden;
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY(tokenmill_native, m) {
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double>())
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("forward", &DecoderStack::forward);
+}
