@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
+from engine.model_runner import ModelRunner
 from tests.engine_helpers import build_engine
 from tests.e2e.parity_helpers import DEVICES, NEAR_TIE, attention_backend, first_divergence, hf_greedy, load_reference, top2_gap
 
@@ -42,6 +43,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "swap-preemption": dict(block_size=4, preemption_mode="swap", kv_cache_memory=80 * 4 * 46080),
     # The base engine runs the device's kernel; the reference backend once, on the base scenario.
     "block16-reference": dict(block_size=16, attention_backend="reference"),
+    # Every other scenario runs the captured step (CPU: the native decoder stack); eager once.
+    "block16-eager": dict(block_size=16, compile="off"),
 }
 
 
@@ -80,6 +83,11 @@ def test_smollm2_greedy_matches_hf_generate(scenario: str, engine_and_reference:
         settings = {"kv_cache_memory": "256MiB", "attention_backend": attention_backend("kernel", device),
                     **SCENARIOS[scenario]}
         engine = build_engine("smollm2-135m", device=device, dtype="float32", **settings)
+    if device == "cpu":
+        runner = engine.runner
+        assert isinstance(runner, ModelRunner)
+        eager = scenario in ("block16-eager", "block16-reference")
+        assert (runner.native_decoder is None) == eager, scenario
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
     for out, prompt, want in zip(outputs, prompts, expected):
         _assert_parity(out.token_ids, want, prompt, reference)

@@ -1,0 +1,146 @@
+"""The CPU's native decoder stack (engine/native_decoder) against the eager forward it replaces:
+bitwise-equal logits on random mixed batches (decodes and prefill chunks over a cached prefix,
+random block tables, block sizes 1 / 4 / 16, GQA, biases), the same generated tokens through
+preemption, and the models and settings that must stay eager."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from engine import Engine, SamplingParams
+from engine.model_runner import ModelRunner
+from engine.native_decoder import NativeDecoder
+from engine.outputs import ScheduledChunk
+from tests.e2e.parity_helpers import random_prompts
+from tests.engine_helpers import build_engine
+from tests.tiny_models import VOCAB_SIZE, build_tokenizer
+
+pytestmark = pytest.mark.e2e
+
+NATIVE_FAMILIES = ("llama", "qwen2", "mistral")
+
+
+@pytest.fixture(scope="module")
+def biased_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with every bias on (q/k/v, o-projection, MLP): the stack's optional inputs."""
+    path = tmp_path_factory.mktemp("biased-llama")
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
+                         max_position_embeddings=1024)
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _runner(engine: Engine) -> ModelRunner:
+    assert isinstance(engine.runner, ModelRunner)
+    return engine.runner
+
+
+def _model_path(name: str, tiny_model_dirs: dict[str, Path], biased_llama: Path) -> Path:
+    return biased_llama if name == "biased-llama" else tiny_model_dirs[name]
+
+
+def _random_batch(rng: random.Random, block_size: int, num_blocks: int) -> list[ScheduledChunk]:
+    """Decodes over contexts of 1-40 tokens, then prefill chunks of 2-20 tokens over 0-30 cached
+    ones; each sequence gets distinct random blocks."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    shapes = [(rng.randint(0, 39), 1) for _ in range(rng.randint(1, 5))]
+    shapes += [(rng.randint(0, 30), rng.randint(2, 20)) for _ in range(rng.randint(0, 3))]
+    chunks = []
+    for i, (start, length) in enumerate(shapes):
+        blocks = [free.pop() for _ in range((start + length + block_size - 1) // block_size)]
+        tokens = [rng.randrange(VOCAB_SIZE) for _ in range(length)]
+        chunks.append(ScheduledChunk(f"r{i}", tokens, start, blocks, rng.random() < 0.8 or length == 1,
+                                     SamplingParams(), 0))
+    return chunks
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model", [*NATIVE_FAMILIES, "biased-llama"])
+def test_native_logits_are_bitwise_the_eager_ones(model: str, dtype: str, block_size: int,
+                                                  tiny_model_dirs: dict[str, Path], biased_llama: Path) -> None:
+    engine = build_engine(str(_model_path(model, tiny_model_dirs, biased_llama)), device="cpu", dtype=dtype,
+                          block_size=block_size, kv_cache_memory="4MiB")
+    runner = _runner(engine)
+    native = runner.native_decoder
+    assert isinstance(native, NativeDecoder), "a Llama-family CPU model should run natively"
+    rng = random.Random(f"{model}-{dtype}-{block_size}")
+    num_blocks = runner.kv_cache.scratch_block_id
+    for _ in range(6):
+        runner.kv_cache.device_pool.normal_()  # the cached prefixes both paths read
+        batch = runner.prepare(_random_batch(rng, block_size, num_blocks))
+        args = (batch.input_ids, batch.position_ids, batch.sample_indices, batch.attention)
+        eager = runner.forward(*args)
+        pool_after_eager = runner.kv_cache.device_pool.clone()
+        got = native.forward(*args)
+        assert torch.equal(got, eager)
+        assert torch.equal(runner.kv_cache.device_pool, pool_after_eager), "the stack wrote other keys/values"
+
+
+def _generate(path: Path, **settings: Any) -> tuple[list[list[int]], Engine]:
+    # 40 blocks of 4 tokens (tiny Llama: 2 layers x K/V x 2 heads x 16 dims x 4 bytes = 512 bytes a
+    # token): room for the longest request (120 + 20 tokens), not for all twelve.
+    engine = build_engine(str(path), device="cpu", dtype="float32", block_size=4, max_prefill_chunk=7,
+                          max_num_batched_tokens=48, preemption_mode="swap", kv_cache_memory=40 * 4 * 512,
+                          swap_space="4MiB", **settings)
+    prompts = random_prompts(VOCAB_SIZE, 12, seed=5)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True), progress=False)
+    return [out.token_ids for out in outputs], engine
+
+
+def test_generation_through_preemption_is_the_same_native_and_eager(tiny_model_dirs: dict[str, Path]) -> None:
+    native_tokens, native_engine = _generate(tiny_model_dirs["llama"])
+    eager_tokens, eager_engine = _generate(tiny_model_dirs["llama"], compile="off")
+    assert _runner(native_engine).native_decoder is not None
+    assert _runner(eager_engine).native_decoder is None
+    assert native_engine.stats().counters.num_preemptions > 0
+    assert native_tokens == eager_tokens
+
+
+@pytest.mark.parametrize(("model", "settings", "reason"), [
+    ("gpt2", dict(dtype="float32"), "model type 'gpt2'"),
+    ("llama", dict(dtype="float32", attention_backend="reference"), "C++ attention backend"),
+    ("llama", dict(dtype="float64"), "packed"),
+    ("llama", dict(dtype="float32", compile="off"), None),
+])
+def test_other_models_and_settings_run_eagerly(model: str, settings: dict[str, Any], reason: str | None,
+                                               tiny_model_dirs: dict[str, Path],
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="engine.native_decoder"):
+        engine = build_engine(str(tiny_model_dirs[model]), device="cpu", kv_cache_memory="4MiB", **settings)
+    assert _runner(engine).native_decoder is None
+    if reason is not None:
+        assert any("decoder layers run eagerly" in r.message and reason in r.message for r in caplog.records)
+    outputs = engine.generate(random_prompts(VOCAB_SIZE, 2, seed=1), SamplingParams(max_tokens=4), progress=False)
+    assert all(len(out.token_ids) == 4 for out in outputs)
+
+
+def test_a_stack_that_disagrees_on_the_probe_is_not_used(tiny_model_dirs: dict[str, Path],
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    forward = NativeDecoder.forward
+
+    def off_by_a_little(self: NativeDecoder, *args: Any) -> torch.Tensor:
+        return forward(self, *args) * (1 + 1e-6)
+
+    monkeypatch.setattr(NativeDecoder, "forward", off_by_a_little)
+    with caplog.at_level(logging.WARNING, logger="engine.native_decoder"):
+        engine = build_engine(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", kv_cache_memory="4MiB")
+    assert _runner(engine).native_decoder is None
+    assert any("differs from eager" in r.message for r in caplog.records)
