@@ -121,7 +121,8 @@ class ExecutionConfig(_Frozen):
         "auto", description="auto: the device's kernel (cpu: C++, cuda: Triton), else reference (gather + SDPA)"
     )
     compile: Literal["auto", "off"] = Field(
-        "auto", description="auto: capture decode steps (CUDA graphs on CUDA, inductor on CPU); off: eager"
+        "auto", description="auto: captured steps (CUDA: decode steps in CUDA graphs; CPU: Llama-family decoder layers "
+        "in one C++ call); off: eager Hugging Face modules"
     )
 
 
