@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingContext, mix_seed
+from engine.sampler import Sampler, SamplingContext, greedy_token_ids, mix_seed
 from engine.sampling_params import SamplingParams
 
 VOCAB_SIZE = 32
@@ -36,6 +36,18 @@ def test_greedy_is_argmax(sampler: Sampler) -> None:
     out = sampler(logits, [ctx() for _ in range(8)])
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.logprobs == [None] * 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_greedy_token_ids_are_argmax_with_ties_nans_and_infinities(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randint(-3, 4, (64, 1000), generator=generator).to(dtype)  # many tied maxima per row
+    logits[5, 17] = logits[5, 900] = float("nan")  # NaN wins, the first one
+    logits[6, :] = float("-inf")  # all -inf: index 0
+    logits[7, 400] = logits[7, 300] = float("inf")
+    got = greedy_token_ids(logits)
+    assert torch.equal(got, logits.argmax(dim=-1))
+    assert got[:8].tolist()[5:] == [17, 0, 300]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
