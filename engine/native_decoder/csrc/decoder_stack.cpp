@@ -4,18 +4,22 @@
 // the result is bitwise the eager path's; what goes is the Python interpreter between them
 // (module calls, ~60 small operators per layer, each dispatched from Python).
 //
-// The one fused kernel, rotary embedding, computes each element as the eager operators do
-// (q * cos, rotate_half(q) * sin, their sum, each rounded to the tensor's dtype), so it too is
-// bitwise the eager result. That needs no contraction of a * b + c into a fused multiply-add:
-// this file is compiled with -ffp-contract=off.
+// Two fused kernels replace chains of element-wise operators: rotary embedding (q * cos,
+// rotate_half(q) * sin, their sum) and the residual add + RMSNorm around ATen's own mean. Each
+// computes every element as the eager operators do, each operation rounded to the tensor's dtype,
+// so they too are bitwise the eager result. That needs no contraction of a * b + c into a fused
+// multiply-add: this file is compiled with -ffp-contract=off.
 
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <optional>
 #include <string_view>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -51,12 +55,63 @@ Tensor paged_attention(const Tensor& query, const Tensor& key_cache, const Tenso
   return op.call(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale);
 }
 
-// Hugging Face's LlamaRMSNorm, operator for operator.
-Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
-  Tensor xf = x.to(at::kFloat);
-  Tensor variance = xf.pow(2).mean(-1, /*keepdim=*/true);
-  Tensor normed = xf * at::rsqrt(variance + eps);
-  return weight * normed.to(x.scalar_type());
+// Hugging Face's LlamaRMSNorm, optionally of (residual + delta), the residual add before it:
+//   h = residual + delta                    (rounded to T)
+//   variance = float(h).pow(2).mean(-1)     (the mean is ATen's own reduction)
+//   out = weight * T(float(h) * rsqrt(variance + eps))
+// Element-wise steps are fused and round as the eager operators do; the sum inside the mean stays
+// ATen's, whose order a hand-written loop would not reproduce. Returns {h, out}.
+template <typename T>
+void add_and_square(const Tensor& residual, const std::optional<Tensor>& delta, Tensor& h, Tensor& squares) {
+  using acc = at::opmath_type<T>;
+  const int64_t rows = residual.size(0), dim = residual.size(1);
+  const T* rp = residual.const_data_ptr<T>();
+  const T* dp = delta ? delta->const_data_ptr<T>() : nullptr;
+  T* hp = h.mutable_data_ptr<T>();
+  float* sp = squares.mutable_data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * dim; i < end * dim; ++i) {
+      const T value = dp ? static_cast<T>(static_cast<acc>(rp[i]) + static_cast<acc>(dp[i])) : rp[i];
+      if (dp) hp[i] = value;
+      const float x = static_cast<float>(value);
+      sp[i] = x * x;
+    }
+  });
+}
+
+template <typename T>
+void scale_rows(const Tensor& h, const Tensor& variance, const Tensor& weight, float eps, Tensor& out) {
+  const int64_t rows = h.size(0), dim = h.size(1);
+  const T* hp = h.const_data_ptr<T>();
+  const float* vp = variance.const_data_ptr<float>();
+  const T* wp = weight.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float inv = 1.0f / std::sqrt(vp[r] + eps);  // ATen's rsqrt: a rounded sqrt, then a rounded division
+      for (int64_t i = r * dim; i < (r + 1) * dim; ++i) {
+        const T normed = static_cast<T>(static_cast<float>(hp[i]) * inv);
+        op[i] = static_cast<T>(static_cast<float>(wp[i - r * dim]) * static_cast<float>(normed));
+      }
+    }
+  });
+}
+
+std::pair<Tensor, Tensor> add_rms_norm(const Tensor& residual, const std::optional<Tensor>& delta,
+                                       const Tensor& weight, double eps) {
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && (!delta || delta->is_contiguous()) &&
+                  weight.is_contiguous() && weight.scalar_type() == residual.scalar_type(),
+              "add_rms_norm: unexpected layout or dtype");
+  Tensor h = delta ? at::empty_like(residual) : residual;
+  Tensor squares = at::empty(residual.sizes(), residual.options().dtype(at::kFloat));
+  Tensor out = at::empty_like(residual);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, residual.scalar_type(), "add_and_square",
+                                  [&] { add_and_square<scalar_t>(residual, delta, h, squares); });
+  Tensor variance = squares.mean(-1);
+  // eps is a Python float: ATen adds it to a float32 tensor as float32.
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, residual.scalar_type(), "scale_rows",
+                                  [&] { scale_rows<scalar_t>(h, variance, weight, static_cast<float>(eps), out); });
+  return {h, out};
 }
 
 // out[t, h, :] = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1).
@@ -144,9 +199,10 @@ struct DecoderStack : torch::CustomClassHolder {
     c10::InferenceMode guard;
     const int64_t tokens = hidden.size(0);
     const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+    std::optional<Tensor> delta;  // the last sublayer's output, not yet added to `hidden`
     for (Layer& layer : layers) {
-      Tensor residual = hidden;
-      Tensor x = rms_norm(hidden, layer.input_norm, layer.input_eps);
+      auto [added, x] = add_rms_norm(hidden, delta, layer.input_norm, layer.input_eps);
+      hidden = added;
       Tensor qkv = packed_linear(x, layer.qkv_weight, layer.qkv_bias);
       Tensor q = qkv.narrow(1, 0, q_width).view({tokens, num_heads, head_dim});
       Tensor k = qkv.narrow(1, q_width, kv_width).view({tokens, num_kv_heads, head_dim});
@@ -157,14 +213,13 @@ struct DecoderStack : torch::CustomClassHolder {
       Tensor attn = paged_attention(q, layer.key_cache, layer.value_cache, block_tables, seq_lens, query_start_loc,
                                     scale);
       Tensor o = packed_linear(attn.view({tokens, q_width}), layer.o_weight, layer.o_bias);
-      hidden = residual + o;
-      residual = hidden;
-      x = rms_norm(hidden, layer.post_norm, layer.post_eps);
+      std::tie(hidden, x) = add_rms_norm(hidden, o, layer.post_norm, layer.post_eps);
       Tensor gate_up = packed_linear(x, layer.gate_up_weight, layer.gate_up_bias);
       Tensor gated = at::silu(gate_up.narrow(1, 0, intermediate_size)) *
                      gate_up.narrow(1, intermediate_size, intermediate_size);
-      hidden = residual + packed_linear(gated, layer.down_weight, layer.down_bias);
+      delta = packed_linear(gated, layer.down_weight, layer.down_bias);
     }
+    if (delta) hidden = hidden + *delta;
     return hidden;
   }
 };
