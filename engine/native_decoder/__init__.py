@@ -100,7 +100,7 @@ def ineligible_reason(model: Any, backend_name: str) -> str | None:
     if backend_name != "cpu":
         return f"it needs the C++ attention backend, not {backend_name!r}"
     base = getattr(model, "model", None)
-    if not all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+    if base is None or not all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return f"{type(model).__name__} does not have Llama's module layout"
     for layer in base.layers[: config.num_hidden_layers]:
         reason = _layer_ineligible_reason(layer)
@@ -116,17 +116,20 @@ def _layer_ineligible_reason(layer: Any) -> str | None:
     for norm in (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)):
         if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
             return f"{type(norm).__name__} is not an RMSNorm"
-    siblings = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj")]
-    if not all(isinstance(s, SiblingSlice) and s.group is siblings[0].group for s in siblings):
+    if not _one_packed_group([getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj")]):
         return "q/k/v are not one packed group (packing is off for this dtype?)"
-    siblings = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj")]
-    if not all(isinstance(s, SiblingSlice) and s.group is siblings[0].group for s in siblings):
+    if not _one_packed_group([getattr(mlp, name, None) for name in ("gate_proj", "up_proj")]):
         return "gate/up are not one packed group"
     if not isinstance(attn.o_proj, PackedLinear) or not isinstance(mlp.down_proj, PackedLinear):
         return "o_proj / down_proj are not packed"
     if type(mlp.act_fn).__name__ not in ("SiLUActivation", "SiLU"):
         return f"activation {type(mlp.act_fn).__name__} is not SiLU"
     return None
+
+
+def _one_packed_group(layers: list[Any]) -> bool:
+    groups = {id(layer.group) for layer in layers if isinstance(layer, SiblingSlice)}
+    return len(groups) == 1 and all(isinstance(layer, SiblingSlice) for layer in layers)
 
 
 def native_decoder_for(runner: ModelRunner) -> NativeDecoder | None:
