@@ -110,6 +110,15 @@ class CppExtension:
         if self._after_load is not None:
             self._after_load()
 
+    def build_in_background(self) -> None:
+        """Start building and loading now, on a daemon thread; :meth:`is_available` waits for it.
+
+        On a machine's first start each build takes 10-30 s of one core; started early, builds run
+        side by side and overlap the model's loading.
+        """
+        if self._loaded is None:
+            threading.Thread(target=self.is_available, name=f"build-{self.name}", daemon=True).start()
+
     def is_available(self) -> bool:
         """Whether the extension is loaded: builds and loads it on the first call (thread-safe).
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from engine.attention import select_backend
+from engine import native_decoder
+from engine.attention import cpu_kernel, select_backend
 from engine.block_manager import BlockManager
 from engine.clock import Clock
 from engine.config import CacheConfig, EngineConfig
@@ -19,7 +20,6 @@ from engine.grammar import GrammarCompiler
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
-from engine.native_decoder import native_decoder_for
 from engine.paged_attention import register
 from engine.sampler import Sampler
 from engine.prefix_cache import PrefixCache
@@ -52,6 +52,7 @@ def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
     model_config = config.model
     if model_config.num_threads:
         torch.set_num_threads(model_config.num_threads)
+    _prebuild_cpu_extensions(config)
     loaded = load_model(model_config.name, device=model_config.device, dtype=model_config.dtype,
                         attn_implementation=register(), max_model_len=model_config.max_model_len,
                         cache_dir=model_config.cache_dir)
@@ -78,10 +79,22 @@ def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
     runner = ModelRunner(loaded, kv_cache, Sampler(grammars), backend)
     if config.execution.compile == "auto":
         if runner.device.type == "cpu":
-            runner.native_decoder = native_decoder_for(runner)
+            runner.native_decoder = native_decoder.native_decoder_for(runner)
         else:
             capture_decode_steps(runner, config.scheduler.max_num_seqs, max_request_tokens)
     return EngineParts(scheduler, runner, loaded.tokenizer, limits, grammars)
+
+
+def _prebuild_cpu_extensions(config: EngineConfig) -> None:
+    """Start compiling the C++ extensions a CPU engine will use (first start on a machine only:
+    later ones load the cached binaries), side by side and while the model loads."""
+    device = config.model.device
+    if device != "cpu" and not (device == "auto" and not torch.cuda.is_available()):
+        return
+    if config.execution.attention_backend in ("auto", "cpu"):
+        cpu_kernel.build_in_background()
+    if config.execution.compile == "auto":
+        native_decoder.build_in_background()
 
 
 def capture_decode_steps(runner: ModelRunner, max_num_seqs: int, max_request_tokens: int) -> None:

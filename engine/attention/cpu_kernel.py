@@ -28,6 +28,7 @@ _EXTENSION = CppExtension("tokenmill_paged_attention_cpu", Path(__file__).resolv
                           "paged_attention_cpu.cpp", _CFLAGS, what="CPU paged-attention kernel",
                           fallback="reference path used", after_load=_register_fakes)
 build_directory = _EXTENSION.build_directory
+build_in_background = _EXTENSION.build_in_background
 
 
 def _fake_paged_attention(

@@ -45,6 +45,7 @@ LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})
 _EXTENSION = CppExtension("tokenmill_decoder_stack_cpu", Path(__file__).resolve().parent / "csrc" /
                           "decoder_stack.cpp", ("-O3", "-march=native", "-ffp-contract=off", "-DNDEBUG"),
                           what="native CPU decoder stack", fallback="decoder layers run eagerly")
+build_in_background = _EXTENSION.build_in_background
 
 
 class NativeDecoder:

@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <string_view>
@@ -25,6 +26,10 @@
 namespace {
 
 using at::Tensor;
+
+// Rows per task of a parallel loop over rows of `row_elements`: as ATen's element-wise operators
+// split work (at::internal::GRAIN_SIZE elements), so a small batch stays on the calling thread.
+int64_t row_grain(int64_t row_elements) { return std::max<int64_t>(1, at::internal::GRAIN_SIZE / row_elements); }
 using OptTensor = std::optional<Tensor>;
 
 // mkldnn::_linear_pointwise: oneDNN matmul with a weight packed by mkldnn::_reorder_linear_weight.
@@ -69,7 +74,7 @@ void add_and_square(const Tensor& residual, const std::optional<Tensor>& delta, 
   const T* dp = delta ? delta->const_data_ptr<T>() : nullptr;
   T* hp = h.mutable_data_ptr<T>();
   float* sp = squares.mutable_data_ptr<float>();
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin * dim; i < end * dim; ++i) {
       const T value = dp ? static_cast<T>(static_cast<acc>(rp[i]) + static_cast<acc>(dp[i])) : rp[i];
       if (dp) hp[i] = value;
@@ -86,7 +91,7 @@ void scale_rows(const Tensor& h, const Tensor& variance, const Tensor& weight, f
   const float* vp = variance.const_data_ptr<float>();
   const T* wp = weight.const_data_ptr<T>();
   T* op = out.mutable_data_ptr<T>();
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float inv = 1.0f / std::sqrt(vp[r] + eps);  // ATen's rsqrt: a rounded sqrt, then a rounded division
       for (int64_t i = r * dim; i < (r + 1) * dim; ++i) {
@@ -127,7 +132,7 @@ void rotate_rows(const Tensor& x, const Tensor& cos, const Tensor& sin, Tensor& 
   // Each operator of the eager expression rounds to T; so does each step here.
   auto mul = [](T a, T b) { return static_cast<T>(static_cast<acc>(a) * static_cast<acc>(b)); };
   auto add = [](T a, T b) { return static_cast<T>(static_cast<acc>(a) + static_cast<acc>(b)); };
-  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, row_grain(heads * dim), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cp + t * dim;
       const T* s = sp + t * dim;
