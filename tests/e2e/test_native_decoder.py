@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from engine import Engine, SamplingParams
+from engine import Engine, SamplingParams, native_decoder
 from engine.model_runner import ModelRunner
 from engine.native_decoder import NativeDecoder
 from engine.outputs import ScheduledChunk
@@ -128,6 +128,18 @@ def test_other_models_and_settings_run_eagerly(model: str, settings: dict[str, A
     if reason is not None:
         assert any("decoder layers run eagerly" in r.message and reason in r.message for r in caplog.records)
     outputs = engine.generate(random_prompts(VOCAB_SIZE, 2, seed=1), SamplingParams(max_tokens=4), progress=False)
+    assert all(len(out.token_ids) == 4 for out in outputs)
+
+
+def test_without_the_built_extension_the_layers_run_eagerly(tiny_model_dirs: dict[str, Path],
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(native_decoder._EXTENSION, "is_available", lambda: False)  # no compiler, failed build
+    with caplog.at_level(logging.INFO, logger="engine.native_decoder"):
+        engine = build_engine(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", kv_cache_memory="4MiB")
+    assert _runner(engine).native_decoder is None
+    assert any("could not be built" in r.message for r in caplog.records)
+    outputs = engine.generate(random_prompts(VOCAB_SIZE, 2, seed=2), SamplingParams(max_tokens=4), progress=False)
     assert all(len(out.token_ids) == 4 for out in outputs)
 
 
