@@ -5,8 +5,8 @@ each decoder layer of a Hugging Face model is ~60 small operators and ~10 module
 from Python: with 30 layers that is several milliseconds of every step, whatever the batch size,
 and at small batches as much as the matrix multiplies themselves. ``csrc/decoder_stack.cpp`` runs
 the same operators on the same shapes from C++ (the engine's packed linear layers, its
-paged-attention kernel, a fused rotary embedding that rounds as the eager operators do), so its
-output is bitwise the eager path's; the embedding, the rotary tables, the final norm and the LM
+paged-attention kernel, and two fused loops, rotary embedding and the residual add + RMSNorm,
+that round as the eager operators do), so its output is bitwise the eager path's; the embedding, the rotary tables, the final norm and the LM
 head stay the Hugging Face modules.
 
 It applies to models whose decoder layer is exactly Llama's (``llama``, ``mistral``, ``qwen2``
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 # embedding over the whole head, attention, o-projection, residual, RMSNorm, SiLU-gated MLP, residual.
 LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})
 
-# -ffp-contract=off: the rotary kernel must round a * b and a * b + c as the eager operators do.
+# -ffp-contract=off: the fused loops must round a * b and a * b + c as the eager operators do.
 _EXTENSION = CppExtension("tokenmill_decoder_stack_cpu", Path(__file__).resolve().parent / "csrc" /
                           "decoder_stack.cpp", ("-O3", "-march=native", "-ffp-contract=off", "-DNDEBUG"),
                           what="native CPU decoder stack", fallback="decoder layers run eagerly")
