@@ -6,8 +6,8 @@ from Python: with 30 layers that is several milliseconds of every step, whatever
 and at small batches as much as the matrix multiplies themselves. ``csrc/decoder_stack.cpp`` runs
 the same operators on the same shapes from C++ (the engine's packed linear layers, its
 paged-attention kernel, and two fused loops, rotary embedding and the residual add + RMSNorm,
-that round as the eager operators do), so its output is bitwise the eager path's; the embedding, the rotary tables, the final norm and the LM
-head stay the Hugging Face modules.
+that round as the eager operators do), so its output is bitwise the eager path's; the embedding,
+the rotary tables, the final norm and the LM head stay the Hugging Face modules.
 
 It applies to models whose decoder layer is exactly Llama's (``llama``, ``mistral``, ``qwen2``
 configs, their q/k/v and gate/up layers packed by engine/cpu_linear.py) with the C++ attention
