@@ -98,7 +98,7 @@ def test_mixed_batch_matches_reference(heads: tuple[int, int, int], dtype: torch
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 def test_long_contexts_split_across_threads(threads: int, dtype: torch.dtype) -> None:
     """A lone long decode and a chunk over a long prefix: with 2 threads the key ranges are cut
     into partitions (flash-decoding) whose partial softmaxes are merged."""
