@@ -15,10 +15,10 @@ from engine.block_manager import BlockManager
 from engine.clock import Clock
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import ModelLimits
-from engine.errors import EngineError
+from engine.errors import EngineError, ModelLoadError
 from engine.grammar import GrammarCompiler
 from engine.kv_cache import KVCache, KVCacheSpec
-from engine.model_loader import LoadedModel, load_model
+from engine.model_loader import LoadedModel, load_model, resolve_device
 from engine.model_runner import ModelRunner
 from engine.paged_attention import register
 from engine.sampler import Sampler
@@ -88,8 +88,11 @@ def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
 def _prebuild_cpu_extensions(config: EngineConfig) -> None:
     """Start compiling the C++ extensions a CPU engine will use (first start on a machine only:
     later ones load the cached binaries), side by side and while the model loads."""
-    device = config.model.device
-    if device != "cpu" and not (device == "auto" and not torch.cuda.is_available()):
+    try:
+        device = resolve_device(config.model.device)
+    except ModelLoadError:
+        return  # load_model reports it
+    if device.type != "cpu":
         return
     if config.execution.attention_backend in ("auto", "cpu"):
         cpu_kernel.build_in_background()

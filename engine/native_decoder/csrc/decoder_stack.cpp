@@ -26,11 +26,11 @@
 namespace {
 
 using at::Tensor;
+using OptTensor = std::optional<Tensor>;
 
 // Rows per task of a parallel loop over rows of `row_elements`: as ATen's element-wise operators
 // split work (at::internal::GRAIN_SIZE elements), so a small batch stays on the calling thread.
 int64_t row_grain(int64_t row_elements) { return std::max<int64_t>(1, at::internal::GRAIN_SIZE / row_elements); }
-using OptTensor = std::optional<Tensor>;
 
 // mkldnn::_linear_pointwise: oneDNN matmul with a weight packed by mkldnn::_reorder_linear_weight.
 Tensor packed_linear(const Tensor& x, const Tensor& packed_weight, const OptTensor& bias) {
@@ -67,7 +67,7 @@ Tensor paged_attention(const Tensor& query, const Tensor& key_cache, const Tenso
 // Element-wise steps are fused and round as the eager operators do; the sum inside the mean stays
 // ATen's, whose order a hand-written loop would not reproduce. Returns {h, out}.
 template <typename T>
-void add_and_square(const Tensor& residual, const std::optional<Tensor>& delta, Tensor& h, Tensor& squares) {
+void add_and_square(const Tensor& residual, const OptTensor& delta, Tensor& h, Tensor& squares) {
   using acc = at::opmath_type<T>;
   const int64_t rows = residual.size(0), dim = residual.size(1);
   const T* rp = residual.const_data_ptr<T>();
@@ -102,7 +102,7 @@ void scale_rows(const Tensor& h, const Tensor& variance, const Tensor& weight, f
   });
 }
 
-std::pair<Tensor, Tensor> add_rms_norm(const Tensor& residual, const std::optional<Tensor>& delta,
+std::pair<Tensor, Tensor> add_rms_norm(const Tensor& residual, const OptTensor& delta,
                                        const Tensor& weight, double eps) {
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && (!delta || delta->is_contiguous()) &&
                   weight.is_contiguous() && weight.scalar_type() == residual.scalar_type(),
@@ -151,7 +151,9 @@ void rotate_rows(const Tensor& x, const Tensor& cos, const Tensor& sin, Tensor& 
 
 // x: [T, heads, dim] (dim contiguous); cos, sin: [T, dim] contiguous. Returns [T, heads, dim].
 Tensor rotary(const Tensor& x, const Tensor& cos, const Tensor& sin) {
-  TORCH_CHECK(x.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous(), "rotary: unexpected layout");
+  TORCH_CHECK(x.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == x.size(2) &&
+                  sin.size(1) == x.size(2),
+              "rotary: unexpected layout (the rotary tables must span the whole head)");
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "rotary: cos/sin dtype differs from the input's");
   Tensor out = at::empty(x.sizes(), x.options());
@@ -204,7 +206,7 @@ struct DecoderStack : torch::CustomClassHolder {
     c10::InferenceMode guard;
     const int64_t tokens = hidden.size(0);
     const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
-    std::optional<Tensor> delta;  // the last sublayer's output, not yet added to `hidden`
+    OptTensor delta;  // the last sublayer's output, not yet added to `hidden`
     for (Layer& layer : layers) {
       auto [added, x] = add_rms_norm(hidden, delta, layer.input_norm, layer.input_eps);
       hidden = added;
