@@ -20,7 +20,8 @@
 // Keys are consumed in chunks of kKeyChunk positions, one pointer per K/V row (blocks of any size
 // and placement cost the same); each chunk is scored, masked, put through an online (streaming)
 // softmax and multiplied into the output, while the next chunk's rows are prefetched (when they
-// are few). Two ways to score a chunk:
+// are few; after an item's last chunk, the first chunk of the item the thread runs next). Two
+// ways to score a chunk:
 //   - few rows (decodes): dot products vectorised along head_dim, for W keys at a time, whose W
 //     partial-sum vectors are reduced together by a shuffle tree (about 3 shuffles/adds per
 //     score instead of ~10 for one horizontal sum each); the softmax runs along keys.
@@ -39,11 +40,14 @@
 // Registration and threads go through torch's stable C ABI (torch/csrc/stable): its headers parse
 // in a fraction of the time of torch/library.h, and its parallel_for runs on torch's own pool.
 //
-// Accumulation is float32 (float64 for float64 inputs); bfloat16/float16 K/V rows are widened
-// into a per-thread chunk buffer first, except that with AVX512-BF16 few-row (decode) tiles of
-// bfloat16 score straight from the pool with VDPBF16PS (exact pair products, float32 sums; the
-// query stays unscaled bfloat16 and the scale multiplies the scores): measured 10-20% faster
-// bfloat16 decode calls (ops/bench/attention.py, alternating old and new builds). Softmax exponentials use at::vec's exp_u20 (as torch's
+// Accumulation is float32 (float64 for float64 inputs); bfloat16/float16 K/V rows of many-row
+// (prefill) tiles are widened into a per-thread chunk buffer first, where each row serves many
+// queries. Few-row (decode) tiles read them straight from the pool: V rows are widened in
+// registers as P.V loads them (a widened copy was written and read back for one use: 10-15%
+// faster bfloat16 decode calls), and with AVX512-BF16 K rows of bfloat16 are scored with
+// VDPBF16PS (exact pair products, float32 sums; the query stays unscaled bfloat16 and the scale
+// multiplies the scores): measured 10-20% faster bfloat16 decode calls (ops/bench/attention.py,
+// alternating old and new builds). Softmax exponentials use at::vec's exp_u20 (as torch's
 // own CPU flash attention does): float32 relative error <= 3.8e-7 measured over [-104, 0], vs
 // 8.3e-8 for exp(), 3-9% faster overall; for float64 it is the exact exp().
 // Needs GCC >= 12 or Clang (__builtin_shufflevector).
@@ -141,6 +145,29 @@ inline vec_t<T> vload_part(const T* p, int64_t count) {
   if (count >= kLanes<T>) return vload(p);
   vec_t<T> v = {};
   for (int64_t i = 0; i < count; ++i) v[i] = p[i];
+  return v;
+}
+
+// A vector of acc_t from src_t elements: a plain load, or bfloat16/float16 widened to float32.
+template <typename acc_t, typename src_t>
+inline vec_t<acc_t> vload_as(const src_t* p) {
+  if constexpr (std::is_same_v<src_t, acc_t>) {
+    return vload(p);
+  } else {
+    static_assert(std::is_same_v<acc_t, float>, "reduced types widen to float32");
+    Vectorized<float> x;
+    at::vec::load_to_float(p, x);
+    vec_t<float> v;
+    __builtin_memcpy(&v, &x, sizeof v);
+    return v;
+  }
+}
+
+template <typename acc_t, typename src_t>
+inline vec_t<acc_t> vload_part_as(const src_t* p, int64_t count) {
+  if (count >= kLanes<acc_t>) return vload_as<acc_t>(p);
+  vec_t<acc_t> v = {};
+  for (int64_t i = 0; i < count; ++i) v[i] = static_cast<acc_t>(p[i]);
   return v;
 }
 
@@ -279,10 +306,11 @@ void score_lanes_all(const acc_t* qt, int64_t ldq, const acc_t* const* keys, int
 }
 
 // o[i][d0 : d0 + NV*W] = alpha[i] * o[i][...] + sum_j p(i, j) * V[j][...] for MR rows; the last
-// vector of V holds only `tail` valid elements (o is padded, so it is stored whole).
-template <typename acc_t, int MR, int NV>
+// vector of V holds only `tail` valid elements (o is padded, so it is stored whole). V rows are
+// acc_t, or bfloat16/float16 rows straight from the pool, widened as they are loaded.
+template <typename acc_t, int MR, int NV, typename v_t>
 inline void pv_tile(acc_t* o, int64_t ldo, const acc_t* p, int64_t p_row, int64_t p_key,
-                    const acc_t* const* values, int64_t n, int64_t d0, int64_t tail, const acc_t* alpha) {
+                    const v_t* const* values, int64_t n, int64_t d0, int64_t tail, const acc_t* alpha) {
   constexpr int64_t W = kLanes<acc_t>;
   using V = vec_t<acc_t>;
   V acc[MR][NV];
@@ -293,11 +321,11 @@ inline void pv_tile(acc_t* o, int64_t ldo, const acc_t* p, int64_t p_row, int64_
     for (int v = 0; v < NV; ++v) acc[i][v] = vload(o + i * ldo + d0 + v * W) * a;
   }
   for (int64_t j = 0; j < n; ++j) {
-    const acc_t* vrow = values[j] + d0;
+    const v_t* vrow = values[j] + d0;
     V vv[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV - 1; ++v) vv[v] = vload(vrow + v * W);
-    vv[NV - 1] = vload_part(vrow + (NV - 1) * W, tail);
+    for (int v = 0; v < NV - 1; ++v) vv[v] = vload_as<acc_t>(vrow + v * W);
+    vv[NV - 1] = vload_part_as<acc_t>(vrow + (NV - 1) * W, tail);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const V pb = vbroadcast(p[i * p_row + j * p_key]);
@@ -312,8 +340,8 @@ inline void pv_tile(acc_t* o, int64_t ldo, const acc_t* p, int64_t p_row, int64_
   }
 }
 
-template <typename acc_t, int NV, int MR>
-void pv_rows(acc_t* o, int64_t ldo, const acc_t* p, int64_t p_row, int64_t p_key, const acc_t* const* values,
+template <typename acc_t, int NV, int MR, typename v_t>
+void pv_rows(acc_t* o, int64_t ldo, const acc_t* p, int64_t p_row, int64_t p_key, const v_t* const* values,
              int64_t n, int64_t rows, int64_t d0, int64_t tail, const acc_t* alpha) {
   int64_t i = 0;
   for (; i + MR <= rows; i += MR)
@@ -326,9 +354,9 @@ void pv_rows(acc_t* o, int64_t ldo, const acc_t* p, int64_t p_row, int64_t p_key
 }
 
 // O = alpha * O + P . V over all rows and the whole head_dim (in pieces of up to 4 vectors).
-template <typename acc_t>
+template <typename acc_t, typename v_t>
 void accumulate_pv(acc_t* o, int64_t ldo, const acc_t* p, int64_t p_row, int64_t p_key,
-                   const acc_t* const* values, int64_t n, int64_t rows, int64_t head_dim, const acc_t* alpha) {
+                   const v_t* const* values, int64_t n, int64_t rows, int64_t head_dim, const acc_t* alpha) {
   constexpr int64_t W = kLanes<acc_t>;
   constexpr int MR = (kRegs - 5) / 4;  // rows per register tile (4 output vectors each)
   for (int64_t d0 = 0; d0 < head_dim; d0 += 4 * W) {
@@ -346,7 +374,7 @@ void accumulate_pv(acc_t* o, int64_t ldo, const acc_t* p, int64_t p_row, int64_t
 // ---------------------------------------------------------------------------------------------
 // One tile's state and the per-chunk steps (independent of the input dtype).
 
-template <typename acc_t>
+template <typename scalar_t, typename acc_t>
 struct Workspace {
   static constexpr int64_t W = kLanes<acc_t>;
 
@@ -358,6 +386,10 @@ struct Workspace {
   acc_t *q, *o, *s, *m, *l, *alpha, *pos, *kwide, *vwide;
   const acc_t* keys[kKeyChunk];
   const acc_t* values[kKeyChunk];
+  // Few-row tiles of bfloat16/float16 take their V rows straight from the pool, widened as the
+  // P.V micro-kernel loads them: a widened copy would be written and read back for one use.
+  bool values_in_pool = false;
+  const scalar_t* pool_values[kKeyChunk];
   // bfloat16 dot scoring (TOKENMILL_BF16_DOTS, few-row tiles of bfloat16 inputs): the tile's
   // queries unscaled in bfloat16, [rows][head_dim], the K rows straight from the pool, and the
   // softmax scale applied to the scores.
@@ -449,6 +481,12 @@ struct Workspace {
       alpha[r] = std::exp(m[r] - m_new);
       l[r] = l[r] * alpha[r] + at::vec::vec_reduce_all<acc_t>([](Vec x, Vec y) { return x + y; }, sum);
       m[r] = m_new;
+    }
+    if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+      if (values_in_pool) {
+        accumulate_pv(o, head_dim_pad, s, kKeyChunk, 1, pool_values, n, rows, head_dim, alpha);
+        return;
+      }
     }
     accumulate_pv(o, head_dim_pad, s, kKeyChunk, 1, values, n, rows, head_dim, alpha);
   }
@@ -560,10 +598,16 @@ class PagedAttention {
     partials_.reset(new acc_t[std::max<int64_t>(1, num_partials_ * partial_stride())]);
     std::atomic<int64_t> next_item{0};
     run_threads(threads_, [&](int64_t, int64_t) {
-      std::vector<Workspace<acc_t>> ws;
+      std::vector<Workspace<scalar_t, acc_t>> ws;
       for (int64_t h = 0; h < max_heads_per_item_; ++h) ws.emplace_back(max_rows_, head_dim_, kWiden, kBf16Dots);
-      for (int64_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < int64_t(items_.size());)
-        run_item(items_[i], ws.data());
+      // Each thread claims its next item before running the current one, so that it can prefetch
+      // that item's first chunk.
+      const int64_t count = int64_t(items_.size());
+      for (int64_t i = next_item.fetch_add(1, std::memory_order_relaxed); i < count;) {
+        const int64_t following = next_item.fetch_add(1, std::memory_order_relaxed);
+        run_item(items_[i], following < count ? &items_[following] : nullptr, ws.data());
+        i = following;
+      }
     });
     if (merges_.empty()) return;
     std::atomic<int64_t> next_merge{0};
@@ -681,13 +725,15 @@ class PagedAttention {
     for (; d < head_dim_; ++d) dst[d] = static_cast<acc_t>(src[d]);
   }
 
-  void run_item(const Item& item, Workspace<acc_t>* ws) const {
+  void run_item(const Item& item, const Item* follow, Workspace<scalar_t, acc_t>* ws) const {
     const Tile& tile = tiles_[item.tile];
     const int64_t rows = tile.num_tok * group_, heads = item.kv_end - item.kv_begin;
     const bool bf16_dots = kBf16Dots && rows <= kMaxDotRows;
+    const bool values_in_pool = kWiden && rows <= kMaxDotRows;
     for (int64_t h = 0; h < heads; ++h) {
       ws[h].begin(rows, tile.first_pos, group_);
       ws[h].bf16_dots = bf16_dots;
+      ws[h].values_in_pool = values_in_pool;
       ws[h].score_scale = scale_;
       for (int64_t r = 0; r < rows; ++r) {
         const scalar_t* src = q_ + (tile.tok_begin + r / group_) * q_tok_stride_ +
@@ -699,28 +745,34 @@ class PagedAttention {
         }
       }
     }
-    // Row pointers of the current and the next chunk (prefetched while the current one runs).
+    // Row pointers of the current chunk and of the one prefetched while it runs: the item's next
+    // chunk, or after its last the first chunk of `follow`, the item this thread runs next.
     const scalar_t* raw_keys[2][kKeyChunk];
     const scalar_t* raw_values[2][kKeyChunk];
     int cur = 0;
     locate(tile, item.key_begin, std::min(kKeyChunk, item.key_end - item.key_begin), raw_keys[0], raw_values[0]);
     const int64_t first_masked = tile.first_pos + 1;  // keys from here on are masked for some row
-    // NOTE: prefetching a bigger chunk (many kv heads x long rows) measured slower than none: the
-    // burst of prefetches stalls the core on fill buffers while the hardware prefetcher already
-    // streams the contiguous per-slot spans.
-    const bool prefetch_next = 2 * kKeyChunk * heads * head_dim_ * int64_t(sizeof(scalar_t)) <= kPrefetchBytes;
     for (int64_t c = item.key_begin; c < item.key_end; c += kKeyChunk) {
       const int64_t n = std::min(kKeyChunk, item.key_end - c);
-      if (c + n < item.key_end) {
-        const int64_t next_n = std::min(kKeyChunk, item.key_end - c - n);
-        locate(tile, c + n, next_n, raw_keys[1 - cur], raw_values[1 - cur]);
-        if (prefetch_next) {
-          prefetch(raw_keys[1 - cur], next_n, k_strides_[2], item.kv_begin, item.kv_end);
-          prefetch(raw_values[1 - cur], next_n, v_strides_[2], item.kv_begin, item.kv_end);
-        }
-      }
+      const Item* ahead = c + n < item.key_end ? &item : follow;
+      const int64_t ahead_begin = ahead == &item ? c + n : ahead != nullptr ? ahead->key_begin : 0;
+      const int64_t ahead_n = ahead != nullptr ? std::min(kKeyChunk, ahead->key_end - ahead_begin) : 0;
+      const int64_t ahead_heads = ahead != nullptr ? ahead->kv_end - ahead->kv_begin : 0;
+      if (ahead_n > 0) locate(tiles_[ahead->tile], ahead_begin, ahead_n, raw_keys[1 - cur], raw_values[1 - cur]);
+      // NOTE: prefetching a bigger chunk (many kv heads x long rows) measured slower than none: the
+      // burst of prefetches stalls the core on fill buffers while the hardware prefetcher already
+      // streams the contiguous per-slot spans. For the same reason the prefetches are spread over
+      // the chunk's heads (measured 8% faster bfloat16 decodes than one burst).
+      const bool prefetch_ahead =
+          ahead_n > 0 && 2 * kKeyChunk * ahead_heads * head_dim_ * int64_t(sizeof(scalar_t)) <= kPrefetchBytes;
       for (int64_t h = 0; h < heads; ++h) {
-        Workspace<acc_t>& w = ws[h];
+        if (prefetch_ahead) {
+          const int64_t from = ahead->kv_begin + h * ahead_heads / heads;
+          const int64_t to = ahead->kv_begin + (h + 1) * ahead_heads / heads;
+          prefetch(raw_keys[1 - cur], ahead_n, k_strides_[2], from, to);
+          prefetch(raw_values[1 - cur], ahead_n, v_strides_[2], from, to);
+        }
+        Workspace<scalar_t, acc_t>& w = ws[h];
         const int64_t k_off = (item.kv_begin + h) * k_strides_[2], v_off = (item.kv_begin + h) * v_strides_[2];
         for (int64_t j = 0; j < n; ++j) {
           if constexpr (kWiden) {
@@ -729,9 +781,13 @@ class PagedAttention {
             } else {
               widen(raw_keys[cur][j] + k_off, w.kwide + j * head_dim_pad_);
             }
-            widen(raw_values[cur][j] + v_off, w.vwide + j * head_dim_pad_);
+            if (values_in_pool) {
+              w.pool_values[j] = raw_values[cur][j] + v_off;
+            } else {
+              widen(raw_values[cur][j] + v_off, w.vwide + j * head_dim_pad_);
+              w.values[j] = w.vwide + j * head_dim_pad_;
+            }
             w.keys[j] = w.kwide + j * head_dim_pad_;
-            w.values[j] = w.vwide + j * head_dim_pad_;
           } else {
             w.keys[j] = raw_keys[cur][j] + k_off;
             w.values[j] = raw_values[cur][j] + v_off;
