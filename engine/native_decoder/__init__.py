@@ -5,8 +5,8 @@ each decoder layer of a Hugging Face model is ~60 small operators and ~10 module
 from Python: with 30 layers that is several milliseconds of every step, whatever the batch size,
 and at small batches as much as the matrix multiplies themselves. ``csrc/decoder_stack.cpp`` runs
 the same operators on the same shapes from C++ (the engine's packed linear layers, its
-paged-attention kernel, and two fused loops, rotary embedding and the residual add + RMSNorm,
-that round as the eager operators do), so its output is bitwise the eager path's; the embedding,
+paged-attention kernel, and fused loops for rotary embedding, the residual add + RMSNorm and
+the MLP's silu(gate) * up, that round as the eager operators do), so its output is bitwise the eager path's; the embedding,
 the rotary tables, the final norm and the LM head stay the Hugging Face modules.
 
 It applies to models whose decoder layer is exactly Llama's (``llama``, ``mistral``, ``qwen2``
@@ -63,9 +63,11 @@ class NativeDecoder:
         config = model.config
         attention = base.layers[0].self_attn
         head_dim = attention.head_dim
+        # The fused silu(gate) * up rounds as ATen's kernels only at ATen's own vector width.
+        self.fused_mlp = torch.backends.cpu.get_cpu_capability() == torch.ops.tokenmill_native.vec_capability()
         self._stack: Any = torch.classes.tokenmill_native.DecoderStack(
             config.num_attention_heads, config.num_key_value_heads, head_dim,
-            base.layers[0].mlp.down_proj.in_features, float(attention.scaling))
+            base.layers[0].mlp.down_proj.in_features, float(attention.scaling), self.fused_mlp)
         for index, layer in enumerate(base.layers[: config.num_hidden_layers]):
             attn, mlp = layer.self_attn, layer.mlp
             key_cache, value_cache = kv_cache.layer(index)

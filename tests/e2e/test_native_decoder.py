@@ -80,6 +80,10 @@ def test_native_logits_are_bitwise_the_eager_ones(model: str, dtype: str, block_
     runner = _runner(engine)
     native = runner.native_decoder
     assert isinstance(native, NativeDecoder), "a Llama-family CPU model should run natively"
+    # The fused SiLU-gated MLP is compared too wherever ATen runs at the stack's vector width
+    # (biased-llama's 96-wide MLP also takes its scalar tail in bfloat16).
+    assert native.fused_mlp == (torch.backends.cpu.get_cpu_capability() ==
+                                torch.ops.tokenmill_native.vec_capability())
     rng = random.Random(f"{model}-{dtype}-{block_size}")
     num_blocks = runner.kv_cache.scratch_block_id
     for _ in range(6):

@@ -4,21 +4,40 @@
 // the result is bitwise the eager path's; what goes is the Python interpreter between them
 // (module calls, ~60 small operators per layer, each dispatched from Python).
 //
-// Two fused kernels replace chains of element-wise operators: rotary embedding (q * cos,
-// rotate_half(q) * sin, their sum) and the residual add + RMSNorm around ATen's own mean. Each
-// computes every element as the eager operators do, each operation rounded to the tensor's dtype,
-// so they too are bitwise the eager result. That needs no contraction of a * b + c into a fused
-// multiply-add: this file is compiled with -ffp-contract=off.
+// Fused kernels replace chains of element-wise operators: rotary embedding (q * cos,
+// rotate_half(q) * sin, their sum), the residual add + RMSNorm around ATen's own mean, and the
+// MLP's silu(gate) * up. Each computes every element as the eager operators do, each operation
+// rounded to the tensor's dtype, so they too are bitwise the eager result. That needs no
+// contraction of a * b + c into a fused multiply-add: this file is compiled with -ffp-contract=off.
+
+// at::vec at the width this file is compiled for (-march=native), in a private namespace so its
+// inline functions are never confused with libtorch's own copies.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define CPU_CAPABILITY_AVX512
+#define CPU_CAPABILITY tokenmill_native_avx512
+#define TOKENMILL_VEC_CAPABILITY "AVX512"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define CPU_CAPABILITY_AVX2
+#define CPU_CAPABILITY tokenmill_native_avx2
+#define TOKENMILL_VEC_CAPABILITY "AVX2"
+#else
+#define CPU_CAPABILITY tokenmill_native_default
+#define TOKENMILL_VEC_CAPABILITY "DEFAULT"
+#endif
 
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <string>
 #include <string_view>
+#include <type_traits>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -162,6 +181,63 @@ Tensor rotary(const Tensor& x, const Tensor& cos, const Tensor& sin) {
   return out;
 }
 
+// Hugging Face's SiLU-gated MLP middle, act_fn(gate) * up, in one pass over gate_up = [gate | up]:
+// each element as ATen's silu and mul kernels compute it when ATen runs at this file's vector
+// width (the caller checks): the same at::vec exp (Sleef's), the same conversions, the silu
+// rounded to T before the product, and the scalar formula for the tail past the last pair of
+// vectors, as ATen's vectorised loop leaves it.
+template <typename T>
+void silu_mul_rows(const Tensor& gate_up, int64_t width, Tensor& out) {
+  using Vec = at::vec::Vectorized<T>;
+  using FVec = at::vec::Vectorized<float>;
+  constexpr int64_t kStep = 2 * Vec::size();
+  const int64_t rows = gate_up.size(0), ld = gate_up.stride(0);
+  const T* in = gate_up.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  at::parallel_for(0, rows, row_grain(2 * width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = in + r * ld;
+      const T* up = gate + width;
+      T* o = op + r * width;
+      int64_t i = 0;
+      for (; i + kStep <= width; i += kStep) {
+        for (int64_t v = 0; v < kStep; v += Vec::size()) {
+          const Vec g = Vec::loadu(gate + i + v), u = Vec::loadu(up + i + v);
+          if constexpr (std::is_same_v<T, float>) {
+            ((g / (Vec(1.0f) + g.neg().exp())) * u).store(o + i + v);
+          } else {
+            auto [g0, g1] = at::vec::convert_to_float<T>(g);
+            const Vec silu = at::vec::convert_from_float<T>(g0 / (FVec(1.0f) + g0.neg().exp()),
+                                                            g1 / (FVec(1.0f) + g1.neg().exp()));
+            auto [s0, s1] = at::vec::convert_to_float<T>(silu);
+            auto [u0, u1] = at::vec::convert_to_float<T>(u);
+            at::vec::convert_from_float<T>(s0 * u0, s1 * u1).store(o + i + v);
+          }
+        }
+      }
+      for (; i < width; ++i) {
+        const float x = static_cast<float>(gate[i]);
+        const T silu = static_cast<T>(x / (1.0f + std::exp(-x)));
+        o[i] = static_cast<T>(static_cast<float>(silu) * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+// gate_up: [T, 2 * width] with contiguous rows. Returns silu(gate) * up, [T, width].
+Tensor silu_and_mul(const Tensor& gate_up, int64_t width) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) == 2 * width,
+              "silu_and_mul: gate_up must be [tokens, 2 * intermediate] with contiguous rows");
+  Tensor out = at::empty({gate_up.size(0), width}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) {
+    silu_mul_rows<float>(gate_up, width, out);
+  } else {
+    TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "silu_and_mul: float32 or bfloat16 only");
+    silu_mul_rows<c10::BFloat16>(gate_up, width, out);
+  }
+  return out;
+}
+
 struct Layer {
   Tensor input_norm;
   double input_eps;
@@ -184,11 +260,13 @@ struct Layer {
 struct DecoderStack : torch::CustomClassHolder {
   int64_t num_heads, num_kv_heads, head_dim, intermediate_size;
   double scale;
+  bool fused_mlp;  // silu(gate) * up by silu_and_mul (bitwise ATen's only at ATen's vector width)
   std::vector<Layer> layers;
 
-  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double scale)
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double scale,
+               bool fused_mlp)
       : num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim),
-        intermediate_size(intermediate_size), scale(scale) {}
+        intermediate_size(intermediate_size), scale(scale), fused_mlp(fused_mlp) {}
 
   void add_layer(Tensor input_norm, double input_eps, Tensor qkv_weight, OptTensor qkv_bias, Tensor o_weight,
                  OptTensor o_bias, Tensor post_norm, double post_eps, Tensor gate_up_weight, OptTensor gate_up_bias,
@@ -222,8 +300,9 @@ struct DecoderStack : torch::CustomClassHolder {
       Tensor o = packed_linear(attn.view({tokens, q_width}), layer.o_weight, layer.o_bias);
       std::tie(hidden, x) = add_rms_norm(hidden, o, layer.post_norm, layer.post_eps);
       Tensor gate_up = packed_linear(x, layer.gate_up_weight, layer.gate_up_bias);
-      Tensor gated = at::silu(gate_up.narrow(1, 0, intermediate_size)) *
-                     gate_up.narrow(1, intermediate_size, intermediate_size);
+      Tensor gated = fused_mlp ? silu_and_mul(gate_up, intermediate_size)
+                               : at::silu(gate_up.narrow(1, 0, intermediate_size)) *
+                                     gate_up.narrow(1, intermediate_size, intermediate_size);
       delta = packed_linear(gated, layer.down_weight, layer.down_bias);
     }
     if (delta) hidden = hidden + *delta;
@@ -234,8 +313,10 @@ struct DecoderStack : torch::CustomClassHolder {
 }  // namespace
 
 TORCH_LIBRARY(tokenmill_native, m) {
+  // The at::vec width this file was compiled for, named as torch.backends.cpu.get_cpu_capability() names ATen's.
+  m.def("vec_capability() -> str", [] { return std::string(TOKENMILL_VEC_CAPABILITY); });
   m.class_<DecoderStack>("DecoderStack")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double>())
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, bool>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("forward", &DecoderStack::forward);
 }
