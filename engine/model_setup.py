@@ -80,6 +80,8 @@ def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
     if config.execution.compile == "auto":
         if runner.device.type == "cpu":
             runner.native_decoder = native_decoder.native_decoder_for(runner)
+            if runner.native_decoder is not None:
+                runner.sampler.argmax = native_decoder.greedy_token_ids
         else:
             capture_decode_steps(runner, config.scheduler.max_num_seqs, max_request_tokens)
     return EngineParts(scheduler, runner, loaded.tokenizer, limits, grammars)

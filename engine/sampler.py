@@ -4,6 +4,7 @@ logprobs. Imports torch; nothing from the scheduler side."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +79,8 @@ class Sampler:
 
     def __init__(self, grammars: GrammarCompiler | None = None) -> None:
         self.processors = LogitsProcessors(grammars)
+        # The greedy choice; the CPU's captured step swaps in its one-pass C++ version (same results).
+        self.argmax: Callable[[torch.Tensor], torch.Tensor] = greedy_token_ids
 
     def __call__(self, logits: torch.Tensor, contexts: list[SamplingContext]) -> SamplerOutput:
         """Samples one token per row.
@@ -100,12 +103,12 @@ class Sampler:
             for c in contexts
         )
         if is_plain_greedy:  # the common case: one argmax, no copies, no per-row work
-            return SamplerOutput(greedy_token_ids(logits).tolist(), [None] * len(contexts))
+            return SamplerOutput(self.argmax(logits).tolist(), [None] * len(contexts))
 
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         raw = logits.to(dtype)
         processed = self.processors.apply(raw, contexts)
-        token_ids = greedy_token_ids(processed)
+        token_ids = self.argmax(processed)
         random_rows = [i for i, c in enumerate(contexts) if not c.params.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)

@@ -30,6 +30,7 @@ from engine.cpu_linear import PackedLinear, SiblingSlice
 from engine.kv_cache import KVCache
 from engine.outputs import ScheduledChunk
 from engine.paged_attention import StepAttention
+from engine.sampler import greedy_token_ids as torch_greedy_token_ids
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -93,6 +94,17 @@ class NativeDecoder:
         hidden = base.norm(hidden.unsqueeze(0))
         logits: torch.Tensor = self.model.lm_head(hidden[:, logits_to_keep, :])[0]
         return logits
+
+
+def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
+    """:func:`engine.sampler.greedy_token_ids` (first index of each row's maximum, NaN counting as
+    the maximum), one C++ pass per row for CPU float32/bfloat16 rows (torch's ``max`` over
+    bfloat16 rows measured ~2 ms for 64 x 49,152 on 2 cores); any other tensor goes to torch."""
+    if (logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and logits.dim() == 2
+            and logits.stride(1) == 1 and logits.shape[1] > 0):
+        token_ids: torch.Tensor = torch.ops.tokenmill_native.greedy_token_ids(logits)
+        return token_ids
+    return torch_greedy_token_ids(logits)
 
 
 def ineligible_reason(model: Any, backend_name: str) -> str | None:

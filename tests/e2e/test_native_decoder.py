@@ -160,3 +160,23 @@ def test_a_stack_that_disagrees_on_the_probe_is_not_used(tiny_model_dirs: dict[s
         engine = build_engine(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", kv_cache_memory="4MiB")
     assert _runner(engine).native_decoder is None
     assert any("differs from eager" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 7), (3, 32), (64, 1000), (5, 49_157)])
+def test_native_greedy_token_ids_match_torch(dtype: torch.dtype, rows: int, vocab: int,
+                                             tiny_model_dirs: dict[str, Path]) -> None:
+    """The C++ greedy choice is torch's ``max(dim=-1).indices``: first index of ties, first NaN,
+    infinities, rows of a wider tensor; the engine's sampler uses it when the stack is on."""
+    engine = build_engine(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32")
+    assert _runner(engine).sampler.argmax is native_decoder.greedy_token_ids
+    generator = torch.Generator().manual_seed(rows * vocab)
+    wide = torch.randint(-3, 4, (rows, vocab + 5), generator=generator).to(dtype)  # many tied maxima
+    logits = wide[:, 2:vocab + 2]  # contiguous columns, rows further apart
+    if rows > 2:
+        logits[0, vocab // 2] = logits[0, vocab - 1] = float("nan")
+        logits[1, :] = float("-inf")
+        logits[2, vocab - 1] = float("inf")
+    got = native_decoder.greedy_token_ids(logits)
+    assert torch.equal(got, logits.max(dim=-1).indices)
+    assert torch.equal(got, logits.argmax(dim=-1))

@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -238,6 +239,73 @@ Tensor silu_and_mul(const Tensor& gate_up, int64_t width) {
   return out;
 }
 
+// logits.max(dim=-1).indices of one row: the first index of its maximum, a NaN counting as the
+// maximum (the first NaN). Two passes: the maximum (vectorised, NaN-propagating), then the first
+// position equal to it (vectorised 2 x Vec::size() at a time; the row is in cache by then).
+template <typename T>
+int64_t row_argmax(const T* x, int64_t n) {
+  using Vec = at::vec::Vectorized<T>;
+  using FVec = at::vec::Vectorized<float>;
+  const auto load = [](const T* p) -> std::pair<FVec, FVec> {
+    if constexpr (std::is_same_v<T, float>) {
+      return {FVec::loadu(p), FVec::loadu(p + FVec::size())};
+    } else {
+      auto [lo, hi] = at::vec::convert_to_float<T>(Vec::loadu(p));
+      return {lo, hi};
+    }
+  };
+  constexpr int64_t kStep = 2 * FVec::size();
+  const auto bigger = [](float a, float b) { return std::isnan(a) || std::isnan(b) ? a + b : std::max(a, b); };
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  if (n >= kStep) {
+    FVec acc(best);
+    for (; i + kStep <= n; i += kStep) {
+      auto [lo, hi] = load(x + i);
+      acc = at::vec::maximum(acc, at::vec::maximum(lo, hi));
+    }
+    best = at::vec::vec_reduce_all<float>([](FVec a, FVec b) { return at::vec::maximum(a, b); }, acc);
+  }
+  for (; i < n; ++i) best = bigger(best, static_cast<float>(x[i]));
+  const bool nan = std::isnan(best);
+  const auto matches = [&](float v) { return nan ? std::isnan(v) : v == best; };
+  i = 0;
+  if (!nan) {
+    const FVec target(best);
+    for (; i + kStep <= n; i += kStep) {
+      auto [lo, hi] = load(x + i);
+      // zero_mask: a bit per lane whose comparison came out zero (not equal)
+      if ((lo == target).zero_mask() != (1 << FVec::size()) - 1 || (hi == target).zero_mask() != (1 << FVec::size()) - 1)
+        break;
+    }
+  }
+  for (; i < n; ++i)
+    if (matches(static_cast<float>(x[i]))) return i;
+  return 0;  // unreachable: some element equals the maximum
+}
+
+// logits: [rows, vocab] float32 or bfloat16 with contiguous rows. Returns int64 [rows], as
+// logits.max(dim=-1).indices (the engine's greedy choice).
+Tensor greedy_token_ids(const Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0,
+              "greedy_token_ids: logits must be [rows, vocab] with contiguous rows");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), ld = logits.stride(0);
+  Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  int64_t* op = out.mutable_data_ptr<int64_t>();
+  const auto run = [&](auto* data) {
+    at::parallel_for(0, rows, row_grain(vocab), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) op[r] = row_argmax(data + r * ld, vocab);
+    });
+  };
+  if (logits.scalar_type() == at::kFloat) {
+    run(logits.const_data_ptr<float>());
+  } else {
+    TORCH_CHECK(logits.scalar_type() == at::kBFloat16, "greedy_token_ids: float32 or bfloat16 logits only");
+    run(logits.const_data_ptr<c10::BFloat16>());
+  }
+  return out;
+}
+
 struct Layer {
   Tensor input_norm;
   double input_eps;
@@ -315,6 +383,7 @@ struct DecoderStack : torch::CustomClassHolder {
 TORCH_LIBRARY(tokenmill_native, m) {
   // The at::vec width this file was compiled for, named as torch.backends.cpu.get_cpu_capability() names ATen's.
   m.def("vec_capability() -> str", [] { return std::string(TOKENMILL_VEC_CAPABILITY); });
+  m.def("greedy_token_ids(Tensor logits) -> Tensor", &greedy_token_ids);
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, bool>())
       .def("add_layer", &DecoderStack::add_layer)
