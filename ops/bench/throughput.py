@@ -41,6 +41,7 @@ from ops.bench.workload import WorkItem, build_workload, describe, from_json, to
 STEP_BATCHES = (1, 4, 16, 64)
 STEP_PROMPT_TOKENS = 128
 STEP_SHORT, STEP_LONG = 8, 40
+STEP_ROUNDS = 3  # (short, long) pairs per batch size; the table shows their median
 
 SYSTEMS = ("tokenmill", "tokenmill_eager", "hf_static16", "hf_static1", "hf_cb", "vllm")
 LABELS = {
@@ -137,20 +138,26 @@ def decode_step_ms(generate: Any, vocab_size: int) -> dict[str, float]:
 
     ``generate(prompts, max_tokens)`` runs a batch to exactly ``max_tokens`` tokens; the step time is the
     time of ``STEP_LONG`` tokens minus that of ``STEP_SHORT`` for the same batch shape (prefill and set-up
-    cancel), divided by the steps between. Every run has prompts of its own: no prefix cache helps.
+    cancel), divided by the steps between; the median of :data:`STEP_ROUNDS` such pairs, since one slow
+    prefill on a shared machine moves a single difference by 10 ms a step or more. Every run has prompts
+    of its own: no prefix cache helps.
     """
     import random
+    import statistics
 
     rng = random.Random(1)
     table = {}
     for batch in STEP_BATCHES:
-        seconds = {}
-        for max_tokens in (STEP_SHORT, STEP_LONG):
-            prompts = [[rng.randrange(100, vocab_size) for _ in range(STEP_PROMPT_TOKENS)] for _ in range(batch)]
-            start = time.perf_counter()
-            generate(prompts, max_tokens)
-            seconds[max_tokens] = time.perf_counter() - start
-        table[str(batch)] = 1000 * (seconds[STEP_LONG] - seconds[STEP_SHORT]) / (STEP_LONG - STEP_SHORT)
+        per_step = []
+        for _ in range(STEP_ROUNDS):
+            seconds = {}
+            for max_tokens in (STEP_SHORT, STEP_LONG):
+                prompts = [[rng.randrange(100, vocab_size) for _ in range(STEP_PROMPT_TOKENS)] for _ in range(batch)]
+                start = time.perf_counter()
+                generate(prompts, max_tokens)
+                seconds[max_tokens] = time.perf_counter() - start
+            per_step.append((seconds[STEP_LONG] - seconds[STEP_SHORT]) / (STEP_LONG - STEP_SHORT))
+        table[str(batch)] = 1000 * statistics.median(per_step)
     return table
 
 
@@ -549,7 +556,7 @@ def _print_step_table(results: dict[str, dict[str, Any]], summary: dict[str, Any
         rows.append(row)
     summary["decode_step_ms"] = {"tokenmill": ours, **{system: table for system, table in peers}}
     print_table(f"Decode step (ms; {STEP_PROMPT_TOKENS}-token prompts; time of {STEP_LONG} minus {STEP_SHORT} "
-                f"tokens per step between; lower is better)", header, rows)
+                f"tokens per step between, median of {STEP_ROUNDS}; lower is better)", header, rows)
 
 
 def _print_profile(profile: dict[str, Any]) -> None:
