@@ -58,14 +58,16 @@ class NativeDecoder:
         kv_cache: the pools the layers write to and attend over.
     """
 
-    def __init__(self, model: Any, kv_cache: KVCache) -> None:
+    def __init__(self, model: Any, kv_cache: KVCache, fused_mlp: bool | None = None) -> None:
         self.model = model
         base = model.model
         config = model.config
         attention = base.layers[0].self_attn
         head_dim = attention.head_dim
         # The fused silu(gate) * up rounds as ATen's kernels only at ATen's own vector width.
-        self.fused_mlp = torch.backends.cpu.get_cpu_capability() == torch.ops.tokenmill_native.vec_capability()
+        if fused_mlp is None:
+            fused_mlp = torch.backends.cpu.get_cpu_capability() == torch.ops.tokenmill_native.vec_capability()
+        self.fused_mlp = fused_mlp
         self._stack: Any = torch.classes.tokenmill_native.DecoderStack(
             config.num_attention_heads, config.num_key_value_heads, head_dim,
             base.layers[0].mlp.down_proj.in_features, float(attention.scaling), self.fused_mlp)
@@ -158,6 +160,10 @@ def native_decoder_for(runner: ModelRunner) -> NativeDecoder | None:
     start = time.perf_counter()
     decoder = NativeDecoder(runner.model, runner.kv_cache)
     mismatch = probe_mismatch(runner, decoder)
+    if mismatch is not None and decoder.fused_mlp:  # ATen's SiLU may round otherwise here: keep its own
+        logger.info("the fused SiLU-gated MLP %s; using ATen's silu and mul", mismatch)
+        decoder = NativeDecoder(runner.model, runner.kv_cache, fused_mlp=False)
+        mismatch = probe_mismatch(runner, decoder)
     if mismatch is not None:
         logger.warning("decoder layers run eagerly: the native stack %s", mismatch)
         return None

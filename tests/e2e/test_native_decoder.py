@@ -162,6 +162,25 @@ def test_a_stack_that_disagrees_on_the_probe_is_not_used(tiny_model_dirs: dict[s
     assert any("differs from eager" in r.message for r in caplog.records)
 
 
+def test_a_fused_mlp_that_disagrees_leaves_the_stack_on_without_it(tiny_model_dirs: dict[str, Path],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the fused silu(gate) * up would not round as ATen's kernels (another vector width),
+    the probe rejects it and the stack runs with ATen's silu and mul instead of going eager."""
+    forward = NativeDecoder.forward
+
+    def fused_is_off(self: NativeDecoder, *args: Any) -> torch.Tensor:
+        logits = forward(self, *args)
+        return logits * (1 + 1e-6) if self.fused_mlp else logits
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", torch.ops.tokenmill_native.vec_capability)
+    monkeypatch.setattr(NativeDecoder, "forward", fused_is_off)
+    engine = build_engine(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", kv_cache_memory="4MiB")
+    native = _runner(engine).native_decoder
+    assert isinstance(native, NativeDecoder) and not native.fused_mlp
+    outputs = engine.generate(random_prompts(VOCAB_SIZE, 2, seed=3), SamplingParams(max_tokens=4), progress=False)
+    assert all(len(out.token_ids) == 4 for out in outputs)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(("rows", "vocab"), [(1, 7), (3, 32), (64, 1000), (5, 49_157)])
 def test_native_greedy_token_ids_match_torch(dtype: torch.dtype, rows: int, vocab: int,
