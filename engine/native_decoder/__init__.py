@@ -5,9 +5,10 @@ each decoder layer of a Hugging Face model is ~60 small operators and ~10 module
 from Python: with 30 layers that is several milliseconds of every step, whatever the batch size,
 and at small batches as much as the matrix multiplies themselves. ``csrc/decoder_stack.cpp`` runs
 the same operators on the same shapes from C++ (the engine's packed linear layers, its
-paged-attention kernel, and fused loops for rotary embedding, the residual add + RMSNorm and
-the MLP's silu(gate) * up, that round as the eager operators do), so its output is bitwise the eager path's; the embedding,
-the rotary tables, the final norm and the LM head stay the Hugging Face modules.
+paged-attention kernel, and fused loops for rotary embedding, the residual add + RMSNorm and the
+MLP's silu(gate) * up, that round as the eager operators do), so its output is bitwise the eager
+path's; the embedding, the rotary tables, the final norm and the LM head stay the Hugging Face
+modules. With it on, greedy sampling uses :func:`greedy_token_ids`, a one-pass C++ row scan.
 
 It applies to models whose decoder layer is exactly Llama's (``llama``, ``mistral``, ``qwen2``
 configs, their q/k/v and gate/up layers packed by engine/cpu_linear.py) with the C++ attention

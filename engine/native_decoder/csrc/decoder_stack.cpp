@@ -272,11 +272,10 @@ int64_t row_argmax(const T* x, int64_t n) {
   i = 0;
   if (!nan) {
     const FVec target(best);
+    const int none_equal = (1 << FVec::size()) - 1;  // zero_mask: a bit per lane that compared unequal
     for (; i + kStep <= n; i += kStep) {
       auto [lo, hi] = load(x + i);
-      // zero_mask: a bit per lane whose comparison came out zero (not equal)
-      if ((lo == target).zero_mask() != (1 << FVec::size()) - 1 || (hi == target).zero_mask() != (1 << FVec::size()) - 1)
-        break;
+      if ((lo == target).zero_mask() != none_equal || (hi == target).zero_mask() != none_equal) break;
     }
   }
   for (; i < n; ++i)
