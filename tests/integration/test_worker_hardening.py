@@ -178,7 +178,9 @@ def test_a_killed_workers_thousand_entries_are_all_answered_promptly(
         rescuer.send_signal(signal.SIGTERM)
         rescuer.wait(timeout=20)
     generation_s = _time_to_answer(redis_url, key_prefix, 1000)
-    assert elapsed_s <= 2 * stale_after_s + generation_s + 5.0, (elapsed_s, generation_s)
+    # The slack covers the rescuer process's start-up (imports), which took over 5 s on a loaded
+    # 2-core machine; the old reclaim pace (~6 entries/s) would need ~170 s.
+    assert elapsed_s <= 2 * stale_after_s + generation_s + 20.0, (elapsed_s, generation_s)
 
 
 def _time_to_answer(redis_url: str, key_prefix: str, num_requests: int) -> float:
