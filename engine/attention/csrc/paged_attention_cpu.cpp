@@ -139,15 +139,6 @@ inline vec_t<T> vload(const T* p) {
   return v;
 }
 
-// The first `count` elements at p, zero-filled to a whole vector.
-template <typename T>
-inline vec_t<T> vload_part(const T* p, int64_t count) {
-  if (count >= kLanes<T>) return vload(p);
-  vec_t<T> v = {};
-  for (int64_t i = 0; i < count; ++i) v[i] = p[i];
-  return v;
-}
-
 // A vector of acc_t from src_t elements: a plain load, or bfloat16/float16 widened to float32.
 template <typename acc_t, typename src_t>
 inline vec_t<acc_t> vload_as(const src_t* p) {
@@ -163,6 +154,7 @@ inline vec_t<acc_t> vload_as(const src_t* p) {
   }
 }
 
+// The first `count` elements at p (as vload_as), zero-filled to a whole vector.
 template <typename acc_t, typename src_t>
 inline vec_t<acc_t> vload_part_as(const src_t* p, int64_t count) {
   if (count >= kLanes<acc_t>) return vload_as<acc_t>(p);
@@ -233,7 +225,7 @@ inline void score_dots(const acc_t* q, const acc_t* const* keys, int64_t count, 
   if (d < head_dim) {  // q is zero-padded; key rows are not
     const V qv = vload(q + d);
 #pragma GCC unroll 16
-    for (int64_t j = 0; j < W; ++j) acc[j] += qv * vload_part(k[j] + d, head_dim - d);
+    for (int64_t j = 0; j < W; ++j) acc[j] += qv * vload_part_as<acc_t>(k[j] + d, head_dim - d);
   }
   vstore(s, transpose_sum<acc_t, W>(acc));
 }
@@ -377,6 +369,12 @@ void accumulate_pv(acc_t* o, int64_t ldo, const acc_t* p, int64_t p_row, int64_t
 template <typename scalar_t, typename acc_t>
 struct Workspace {
   static constexpr int64_t W = kLanes<acc_t>;
+  static constexpr bool kWiden = !std::is_same_v<scalar_t, acc_t>;  // bfloat16/float16 rows
+#ifdef TOKENMILL_BF16_DOTS
+  static constexpr bool kBf16Dots = std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>;
+#else
+  static constexpr bool kBf16Dots = false;
+#endif
 
   int64_t rows = 0;       // rows of the current tile
   int64_t ldq = 0;        // rows rounded up to W (lane layout: qt[d][row], scores[key][row])
@@ -386,23 +384,20 @@ struct Workspace {
   acc_t *q, *o, *s, *m, *l, *alpha, *pos, *kwide, *vwide;
   const acc_t* keys[kKeyChunk];
   const acc_t* values[kKeyChunk];
-  // Few-row tiles of bfloat16/float16 take their V rows straight from the pool, widened as the
-  // P.V micro-kernel loads them: a widened copy would be written and read back for one use.
-  bool values_in_pool = false;
+  // Few-row tiles of bfloat16/float16 (kWiden) take their V rows straight from the pool, widened
+  // as the P.V micro-kernel loads them: a widened copy would be written and read back for one use.
   const scalar_t* pool_values[kKeyChunk];
-  // bfloat16 dot scoring (TOKENMILL_BF16_DOTS, few-row tiles of bfloat16 inputs): the tile's
-  // queries unscaled in bfloat16, [rows][head_dim], the K rows straight from the pool, and the
-  // softmax scale applied to the scores.
-  bool bf16_dots = false;
+  // bfloat16 dot scoring (kBf16Dots, few-row tiles): the tile's queries unscaled in bfloat16,
+  // [rows][head_dim], the K rows straight from the pool, and the softmax scale applied to the scores.
   std::unique_ptr<uint16_t[]> qb;
   const uint16_t* bf16_keys[kKeyChunk];
   acc_t score_scale = 1;
 
-  Workspace(int64_t max_rows, int64_t head_dim_, bool widen, bool bf16) : head_dim(head_dim_) {
+  Workspace(int64_t max_rows, int64_t head_dim_) : head_dim(head_dim_) {
     head_dim_pad = (head_dim + W - 1) / W * W;
     const int64_t r = (max_rows + W - 1) / W * W, dp = head_dim_pad;
-    const int64_t sizes[] = {r * dp, r * dp, kKeyChunk * r, r, r, r, r, widen ? kKeyChunk * dp : 0,
-                             widen ? kKeyChunk * dp : 0};
+    const int64_t sizes[] = {r * dp, r * dp, kKeyChunk * r, r, r, r, r, kWiden ? kKeyChunk * dp : 0,
+                             kWiden ? kKeyChunk * dp : 0};
     int64_t total = 0;
     for (int64_t size : sizes) total += size;
     buffer.reset(new acc_t[total]);
@@ -412,7 +407,7 @@ struct Workspace {
       *slots[i] = at;
       at += sizes[i];
     }
-    if (bf16) qb.reset(new uint16_t[std::min<int64_t>(max_rows, kMaxDotRows) * head_dim]);
+    if constexpr (kBf16Dots) qb.reset(new uint16_t[std::min<int64_t>(max_rows, kMaxDotRows) * head_dim]);
   }
 
   bool lanes() const { return rows > kMaxDotRows; }
@@ -455,17 +450,15 @@ struct Workspace {
     for (int64_t r = 0; r < rows; ++r) {
       acc_t* sr = s + r * kKeyChunk;
       const int64_t visible = masked ? std::clamp<int64_t>(int64_t(pos[r]) + 1 - c, 0, n) : n;
+      if constexpr (kBf16Dots) {
 #ifdef TOKENMILL_BF16_DOTS
-      if constexpr (std::is_same_v<acc_t, float>) {
-        if (bf16_dots) {
-          for (int64_t j = 0; j < visible; j += W)
-            score_dots_bf16(qb.get() + r * head_dim, bf16_keys + j, visible - j, head_dim, score_scale, sr + j);
-        }
-      }
-      if (!bf16_dots)
+        for (int64_t j = 0; j < visible; j += W)
+          score_dots_bf16(qb.get() + r * head_dim, bf16_keys + j, visible - j, head_dim, score_scale, sr + j);
 #endif
+      } else {
         for (int64_t j = 0; j < visible; j += W)
           score_dots(q + r * head_dim_pad, keys + j, visible - j, head_dim, sr + j);
+      }
       std::fill(sr + visible, sr + kKeyChunk, neg_inf);
       Vec mx(m[r]);
       for (int64_t j = 0; j < kKeyChunk; j += W) mx = at::vec::maximum(mx, Vec::loadu(sr + j));
@@ -482,13 +475,11 @@ struct Workspace {
       l[r] = l[r] * alpha[r] + at::vec::vec_reduce_all<acc_t>([](Vec x, Vec y) { return x + y; }, sum);
       m[r] = m_new;
     }
-    if constexpr (!std::is_same_v<scalar_t, acc_t>) {
-      if (values_in_pool) {
-        accumulate_pv(o, head_dim_pad, s, kKeyChunk, 1, pool_values, n, rows, head_dim, alpha);
-        return;
-      }
+    if constexpr (kWiden) {
+      accumulate_pv(o, head_dim_pad, s, kKeyChunk, 1, pool_values, n, rows, head_dim, alpha);
+    } else {
+      accumulate_pv(o, head_dim_pad, s, kKeyChunk, 1, values, n, rows, head_dim, alpha);
     }
-    accumulate_pv(o, head_dim_pad, s, kKeyChunk, 1, values, n, rows, head_dim, alpha);
   }
 
   // Many rows: scores[key][row] from the lane micro-kernel; softmax vectorised over rows.
@@ -562,12 +553,8 @@ struct Merge {
 template <typename scalar_t, typename acc_t>
 class PagedAttention {
   static constexpr int64_t W = kLanes<acc_t>;
-  static constexpr bool kWiden = !std::is_same_v<scalar_t, acc_t>;
-#ifdef TOKENMILL_BF16_DOTS
-  static constexpr bool kBf16Dots = std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>;
-#else
-  static constexpr bool kBf16Dots = false;
-#endif
+  static constexpr bool kWiden = Workspace<scalar_t, acc_t>::kWiden;
+  static constexpr bool kBf16Dots = Workspace<scalar_t, acc_t>::kBf16Dots;
 
  public:
   PagedAttention(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_tables,
@@ -599,7 +586,7 @@ class PagedAttention {
     std::atomic<int64_t> next_item{0};
     run_threads(threads_, [&](int64_t, int64_t) {
       std::vector<Workspace<scalar_t, acc_t>> ws;
-      for (int64_t h = 0; h < max_heads_per_item_; ++h) ws.emplace_back(max_rows_, head_dim_, kWiden, kBf16Dots);
+      for (int64_t h = 0; h < max_heads_per_item_; ++h) ws.emplace_back(max_rows_, head_dim_);
       // Each thread claims its next item before running the current one, so that it can prefetch
       // that item's first chunk.
       const int64_t count = int64_t(items_.size());
@@ -732,8 +719,6 @@ class PagedAttention {
     const bool values_in_pool = kWiden && rows <= kMaxDotRows;
     for (int64_t h = 0; h < heads; ++h) {
       ws[h].begin(rows, tile.first_pos, group_);
-      ws[h].bf16_dots = bf16_dots;
-      ws[h].values_in_pool = values_in_pool;
       ws[h].score_scale = scale_;
       for (int64_t r = 0; r < rows; ++r) {
         const scalar_t* src = q_ + (tile.tok_begin + r / group_) * q_tok_stride_ +
