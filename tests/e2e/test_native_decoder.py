@@ -181,14 +181,18 @@ def test_a_fused_mlp_that_disagrees_leaves_the_stack_on_without_it(tiny_model_di
     assert all(len(out.token_ids) == 4 for out in outputs)
 
 
+def test_the_sampler_picks_greedy_tokens_natively_when_the_stack_is_on(tiny_model_dirs: dict[str, Path]) -> None:
+    engine = build_engine(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32")
+    assert _runner(engine).native_decoder is not None
+    assert _runner(engine).sampler.argmax is native_decoder.greedy_token_ids
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(("rows", "vocab"), [(1, 7), (3, 32), (64, 1000), (5, 49_157)])
-def test_native_greedy_token_ids_match_torch(dtype: torch.dtype, rows: int, vocab: int,
-                                             tiny_model_dirs: dict[str, Path]) -> None:
+def test_native_greedy_token_ids_match_torch(dtype: torch.dtype, rows: int, vocab: int) -> None:
     """The C++ greedy choice is torch's ``max(dim=-1).indices``: first index of ties, first NaN,
-    infinities, rows of a wider tensor; the engine's sampler uses it when the stack is on."""
-    engine = build_engine(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32")
-    assert _runner(engine).sampler.argmax is native_decoder.greedy_token_ids
+    infinities, rows of a wider tensor."""
+    assert native_decoder._EXTENSION.is_available()
     generator = torch.Generator().manual_seed(rows * vocab)
     wide = torch.randint(-3, 4, (rows, vocab + 5), generator=generator).to(dtype)  # many tied maxima
     logits = wide[:, 2:vocab + 2]  # contiguous columns, rows further apart

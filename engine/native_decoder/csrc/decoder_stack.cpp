@@ -11,7 +11,9 @@
 // contraction of a * b + c into a fused multiply-add: this file is compiled with -ffp-contract=off.
 
 // at::vec at the width this file is compiled for (-march=native), in a private namespace so its
-// inline functions are never confused with libtorch's own copies.
+// inline functions are never confused with libtorch's own copies. (The attention kernel's source
+// has the same block: each extension is one self-contained file, the unit engine/cpp_build.py
+// hashes to decide a rebuild, so they share no header.)
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define CPU_CAPABILITY_AVX512
 #define CPU_CAPABILITY tokenmill_native_avx512
