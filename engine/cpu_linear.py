@@ -1,10 +1,12 @@
-"""Faster linear layers on CPU: weights packed once into oneDNN's blocked layout.
+"""Faster linear layers on CPU: weights packed once into the layout their kernel multiplies in.
 
 A loading helper (may import torch). oneDNN multiplies in a blocked weight layout (AMX tiles for
 bfloat16, AVX-512 panels for float32); handed a plain weight it re-lays it out on every call,
 which triples the memory traffic of a decode step, where every weight is read once. Packing at
 load time measured 1.4-1.9x faster bfloat16 layers at 1-16 tokens and up to 2.7x faster float32
-LM heads on a 2-core Sapphire Rapids. NOTE: for float32 at one or two tokens MKL's plain GEMV is
+LM heads on a 2-core Sapphire Rapids. Where oneDNN cannot pack bfloat16 (no AVX-512), bfloat16
+layers use the engine's own kernel (engine/bf16_linear) instead of torch's scalar fallback.
+NOTE: for float32 at one or two tokens MKL's plain GEMV is
 ~1.3x faster (28 vs 37 ms for SmolLM2's 30 layers), but keeping both weights would double the
 model's memory; the packed weight alone is kept. Results differ from the plain path only in
 float rounding.
@@ -17,28 +19,51 @@ cost (measured: q/k/v of SmolLM2's 30 layers at one token 5.1 -> 3.4 ms in float
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from engine import bf16_linear
+
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class LinearKernel:
+    """How packed layers multiply: ``pack(weight)`` once, then ``run(x, packed, bias, out_features)``."""
+
+    name: str  # "onednn" | "bf16_panels"
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out
+
+
+ONEDNN = LinearKernel("onednn", lambda weight: torch.ops.mkldnn._reorder_linear_weight(weight, None), _onednn_linear)
+BF16_PANELS = LinearKernel("bf16_panels", bf16_linear.pack_weight, bf16_linear.linear)
+
+
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` with ``W`` packed for oneDNN; shares the bias with the wrapped layer.
+    """``y = x W^T + b`` with ``W`` packed for its kernel; shares the bias with the wrapped layer.
 
     The plain weight is dropped: :attr:`weight` only describes it (a meta tensor of its shape
     and dtype), so code that reads its dtype or shape still works and code that reads its
     values fails loudly. A weight other modules share (a tied LM head) stays with them.
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, kernel: LinearKernel = ONEDNN) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.bias = linear.bias
+        self.kernel = kernel
         weight = linear.weight.detach()
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.packed_weight = kernel.pack(weight)
         self._meta = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
 
     @property
@@ -46,8 +71,7 @@ class PackedLinear(nn.Module):
         return self._meta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return out
+        return self.kernel.run(x, self.packed_weight, self.bias, self.out_features)
 
 
 # Names of nn.Linear children of one module that Hugging Face decoders call on the same input.
@@ -63,9 +87,10 @@ class FusedSiblings:
     the order the model calls them in.
     """
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], kernel: LinearKernel = ONEDNN) -> None:
         weight = torch.cat([linear.weight.detach() for linear in linears])
-        self.packed_weight: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.kernel = kernel
+        self.packed_weight: torch.Tensor = kernel.pack(weight)
         biases = [linear.bias for linear in linears]
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else weight.new_zeros(linear.out_features)
@@ -77,7 +102,7 @@ class FusedSiblings:
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if x is not self._input or index in self._served:
-            out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            out = self.kernel.run(x, self.packed_weight, self.bias, sum(self.sizes))
             self._input, self._outputs, self._served = x, out.split(self.sizes, dim=-1), set()
         result = self._outputs[index]
         self._served.add(index)
@@ -108,17 +133,36 @@ class SiblingSlice(nn.Module):
         return self.group.output(self.index, x)
 
 
-def _packing_works(dtype: torch.dtype) -> bool:
-    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+def packing_works(dtype: torch.dtype, kernel: LinearKernel = ONEDNN) -> bool:
+    if kernel is ONEDNN and not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
+    if kernel is BF16_PANELS and (dtype != torch.bfloat16 or not bf16_linear.is_available()):
         return False
     try:
         linear = nn.Linear(64, 32).to(dtype)
         x = torch.randn(3, 64).to(dtype)
         tolerance = 1e-4 if dtype == torch.float32 else 5e-2
-        packed = PackedLinear(linear)
+        packed = PackedLinear(linear, kernel)
         return bool(torch.allclose(packed(x).float(), linear(x).float(), atol=tolerance, rtol=tolerance))
     except (RuntimeError, AttributeError):  # op missing or unsupported on this build / CPU
         return False
+
+
+def kernel_for(dtype: torch.dtype) -> LinearKernel | None:
+    """The kernel that packs ``dtype`` layers here: oneDNN where it can, else the engine's own
+    bfloat16 kernel for bfloat16; None: layers stay plain ``nn.Linear``."""
+    if packing_works(dtype, ONEDNN):
+        return ONEDNN
+    if dtype == torch.bfloat16 and packing_works(dtype, BF16_PANELS):
+        return BF16_PANELS
+    return None
+
+
+def prebuild_kernel_for(dtype: torch.dtype) -> None:
+    """Start building the engine's own kernel now if ``dtype`` layers will need it (see
+    ``engine.cpp_build``: builds overlap the model's loading)."""
+    if dtype == torch.bfloat16 and not packing_works(dtype, ONEDNN):
+        bf16_linear.build_in_background()
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -131,21 +175,22 @@ def pack_linears(model: nn.Module) -> int:
     if not weights or weights[0].device.type != "cpu" or weights[0].dtype not in (torch.float32, torch.bfloat16):
         return 0
     dtype = weights[0].dtype
-    if not _packing_works(dtype):
-        logger.info("oneDNN weight packing unavailable for %s; keeping plain linear layers", dtype)
+    kernel = kernel_for(dtype)
+    if kernel is None:
+        logger.info("no packed linear kernel for %s here; keeping plain linear layers", dtype)
         return 0
     replaced = 0
     for parent in list(model.modules()):
-        replaced += _fuse_siblings(parent, dtype)
+        replaced += _fuse_siblings(parent, dtype, kernel)
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == dtype:
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, kernel))
                 replaced += 1
-    logger.info("packed %d linear layers for oneDNN (%s)", replaced, dtype)
+    logger.info("packed %d linear layers for %s (%s)", replaced, kernel.name, dtype)
     return replaced
 
 
-def _fuse_siblings(parent: nn.Module, dtype: torch.dtype) -> int:
+def _fuse_siblings(parent: nn.Module, dtype: torch.dtype, kernel: LinearKernel) -> int:
     """Replace each complete sibling group among ``parent``'s children; returns layers replaced."""
     replaced = 0
     for names in SIBLING_GROUPS:
@@ -155,7 +200,7 @@ def _fuse_siblings(parent: nn.Module, dtype: torch.dtype) -> int:
         group_linears: list[nn.Linear] = linears  # type: ignore[assignment]
         if len({m.in_features for m in group_linears}) != 1:
             continue
-        group = FusedSiblings(group_linears)
+        group = FusedSiblings(group_linears, kernel)
         for index, (name, linear) in enumerate(zip(names, group_linears)):
             setattr(parent, name, SiblingSlice(group, index, linear))
         replaced += len(names)

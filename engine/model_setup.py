@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from engine import native_decoder
+from engine import cpu_linear, native_decoder
 from engine.attention import cpu_kernel, select_backend
 from engine.block_manager import BlockManager
 from engine.clock import Clock
@@ -18,7 +18,7 @@ from engine.engine import ModelLimits
 from engine.errors import EngineError, ModelLoadError
 from engine.grammar import GrammarCompiler
 from engine.kv_cache import KVCache, KVCacheSpec
-from engine.model_loader import LoadedModel, load_model, resolve_device
+from engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.model_runner import ModelRunner
 from engine.paged_attention import register
 from engine.sampler import Sampler
@@ -100,6 +100,7 @@ def _prebuild_cpu_extensions(config: EngineConfig) -> None:
         cpu_kernel.build_in_background()
     if config.execution.compile == "auto":
         native_decoder.build_in_background()
+    cpu_linear.prebuild_kernel_for(resolve_dtype(config.model.dtype, device))
 
 
 def capture_decode_steps(runner: ModelRunner, max_num_seqs: int, max_request_tokens: int) -> None:

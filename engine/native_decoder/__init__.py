@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.cpp_build import CppExtension
-from engine.cpu_linear import PackedLinear, SiblingSlice
+from engine.cpu_linear import BF16_PANELS, PackedLinear, SiblingSlice
 from engine.kv_cache import KVCache
 from engine.outputs import ScheduledChunk
 from engine.paged_attention import StepAttention
@@ -69,9 +69,10 @@ class NativeDecoder:
         if fused_mlp is None:
             fused_mlp = torch.backends.cpu.get_cpu_capability() == torch.ops.tokenmill_native.vec_capability()
         self.fused_mlp = fused_mlp
+        panel_linears = attention.o_proj.kernel is BF16_PANELS  # one kernel for all (ineligible_reason)
         self._stack: Any = torch.classes.tokenmill_native.DecoderStack(
             config.num_attention_heads, config.num_key_value_heads, head_dim,
-            base.layers[0].mlp.down_proj.in_features, float(attention.scaling), self.fused_mlp)
+            base.layers[0].mlp.down_proj.in_features, float(attention.scaling), self.fused_mlp, panel_linears)
         for index, layer in enumerate(base.layers[: config.num_hidden_layers]):
             attn, mlp = layer.self_attn, layer.mlp
             key_cache, value_cache = kv_cache.layer(index)
@@ -124,6 +125,9 @@ def ineligible_reason(model: Any, backend_name: str) -> str | None:
         reason = _layer_ineligible_reason(layer)
         if reason is not None:
             return f"{type(layer).__name__}: {reason}"
+    kernels = {layer.self_attn.o_proj.kernel.name for layer in base.layers[: config.num_hidden_layers]}
+    if len(kernels) > 1:
+        return f"its layers are packed for different kernels ({sorted(kernels)})"
     return None
 
 
@@ -140,6 +144,9 @@ def _layer_ineligible_reason(layer: Any) -> str | None:
         return "gate/up are not one packed group"
     if not isinstance(attn.o_proj, PackedLinear) or not isinstance(mlp.down_proj, PackedLinear):
         return "o_proj / down_proj are not packed"
+    kernels = {attn.o_proj.kernel, mlp.down_proj.kernel, attn.q_proj.group.kernel, mlp.gate_proj.group.kernel}
+    if len(kernels) > 1:
+        return "its linear layers are packed for different kernels"
     if type(mlp.act_fn).__name__ not in ("SiLUActivation", "SiLU"):
         return f"activation {type(mlp.act_fn).__name__} is not SiLU"
     return None

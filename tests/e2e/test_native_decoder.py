@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from engine import Engine, SamplingParams, native_decoder
+from engine import Engine, SamplingParams, cpu_linear, native_decoder
 from engine.model_runner import ModelRunner
 from engine.native_decoder import NativeDecoder
 from engine.outputs import ScheduledChunk
@@ -95,6 +95,26 @@ def test_native_logits_are_bitwise_the_eager_ones(model: str, dtype: str, block_
         got = native.forward(*args)
         assert torch.equal(got, eager)
         assert torch.equal(runner.kv_cache.device_pool, pool_after_eager), "the stack wrote other keys/values"
+
+
+@pytest.mark.parametrize("model", [*NATIVE_FAMILIES, "biased-llama"])
+def test_native_logits_are_bitwise_the_eager_ones_with_the_engines_bf16_kernel(
+        model: str, tiny_model_dirs: dict[str, Path], biased_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN has no bfloat16 path (no AVX-512) the layers use engine/bf16_linear; forced here."""
+    if not cpu_linear.packing_works(torch.bfloat16, cpu_linear.BF16_PANELS):
+        pytest.skip("the bfloat16 linear kernel could not be built here")
+    monkeypatch.setattr(cpu_linear, "kernel_for", lambda dtype: cpu_linear.BF16_PANELS)
+    engine = build_engine(str(_model_path(model, tiny_model_dirs, biased_llama)), device="cpu", dtype="bfloat16",
+                          block_size=4, kv_cache_memory="4MiB")
+    runner = _runner(engine)
+    native = runner.native_decoder
+    assert isinstance(native, NativeDecoder) and runner.model.lm_head.kernel is cpu_linear.BF16_PANELS
+    rng = random.Random(model)
+    for _ in range(4):
+        runner.kv_cache.device_pool.normal_()
+        batch = runner.prepare(_random_batch(rng, 4, runner.kv_cache.scratch_block_id))
+        args = (batch.input_ids, batch.position_ids, batch.sample_indices, batch.attention)
+        assert torch.equal(native.forward(*args), runner.forward(*args))
 
 
 def _generate(path: Path, **settings: Any) -> tuple[list[list[int]], Engine]:

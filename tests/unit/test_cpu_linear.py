@@ -10,40 +10,45 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from engine.cpu_linear import FusedSiblings, PackedLinear, SiblingSlice, _packing_works, pack_linears
+from engine import cpu_linear
+from engine.cpu_linear import (
+    BF16_PANELS, ONEDNN, FusedSiblings, LinearKernel, PackedLinear, SiblingSlice, pack_linears, packing_works,
+)
 from tests.tiny_models import tiny_config
 
-DTYPES = [torch.float32, torch.bfloat16]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# Each kernel with each dtype it packs: oneDNN both (where this CPU allows), the engine's own bfloat16.
+KERNEL_DTYPES = [(ONEDNN, torch.float32), (ONEDNN, torch.bfloat16), (BF16_PANELS, torch.bfloat16)]
 
 
-def _needs_packing(dtype: torch.dtype) -> None:
-    if not _packing_works(dtype):
-        pytest.skip(f"oneDNN cannot pack {dtype} on this CPU / torch build")
+def _needs_packing(dtype: torch.dtype, kernel: LinearKernel = ONEDNN) -> None:
+    if not packing_works(dtype, kernel):
+        pytest.skip(f"{kernel.name} cannot pack {dtype} on this CPU / torch build")
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
     return bool(torch.allclose(a.float(), b.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("kernel", "dtype"), KERNEL_DTYPES, ids=lambda v: getattr(v, "name", str(v)))
 @pytest.mark.parametrize("num_tokens", [1, 5, 64])
-def test_a_packed_layer_computes_what_the_plain_one_does(dtype: torch.dtype, num_tokens: int) -> None:
-    _needs_packing(dtype)
+def test_a_packed_layer_computes_what_the_plain_one_does(kernel: LinearKernel, dtype: torch.dtype,
+                                                         num_tokens: int) -> None:
+    _needs_packing(dtype, kernel)
     torch.manual_seed(0)
     plain = nn.Linear(48, 40).to(dtype)
     x = torch.randn(num_tokens, 48).to(dtype)
-    packed = PackedLinear(plain)
+    packed = PackedLinear(plain, kernel)
     assert _close(packed(x), plain(x), dtype)
     assert packed.weight.is_meta and packed.weight.shape == plain.weight.shape
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_siblings_give_their_own_columns_whatever_the_call_order(dtype: torch.dtype) -> None:
-    _needs_packing(dtype)
+@pytest.mark.parametrize(("kernel", "dtype"), KERNEL_DTYPES, ids=lambda v: getattr(v, "name", str(v)))
+def test_siblings_give_their_own_columns_whatever_the_call_order(kernel: LinearKernel, dtype: torch.dtype) -> None:
+    _needs_packing(dtype, kernel)
     torch.manual_seed(0)
     plain = [nn.Linear(32, n, bias=n != 8).to(dtype) for n in (16, 8, 8)]  # a bias on some only
-    group = FusedSiblings(plain)
+    group = FusedSiblings(plain, kernel)
     q, k, v = (SiblingSlice(group, i, linear) for i, linear in enumerate(plain))
     x, y = torch.randn(3, 32).to(dtype), torch.randn(3, 32).to(dtype)
     # the usual round, a reversed one, a sibling called twice, and a different input in mid-round
@@ -66,3 +71,18 @@ def test_a_model_keeps_its_logits_with_packed_and_fused_layers() -> None:
     ids = torch.randint(0, 300, (2, 9))
     with torch.inference_mode():
         assert _close(packed(ids).logits, model(ids).logits, torch.float32)
+
+
+def test_bfloat16_layers_get_the_engines_kernel_where_onednn_cannot_pack_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs_packing(torch.bfloat16, BF16_PANELS)
+    monkeypatch.setattr(cpu_linear, "packing_works", lambda dtype, kernel=ONEDNN: kernel is BF16_PANELS)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=300, eos_token_id=2)).to(torch.bfloat16)
+    packed = copy.deepcopy(model)
+    assert pack_linears(packed) == 2 * 7 + 1
+    assert packed.lm_head.kernel is BF16_PANELS and packed.model.layers[0].mlp.gate_proj.group.kernel is BF16_PANELS
+    ids = torch.randint(0, 300, (2, 9))
+    with torch.inference_mode():
+        assert _close(packed(ids).logits, model(ids).logits, torch.bfloat16)
+    assert cpu_linear.kernel_for(torch.float32) is None  # nothing packs float32 in this scenario

@@ -64,6 +64,14 @@ Tensor packed_linear(const Tensor& x, const Tensor& packed_weight, const OptTens
                  std::optional<std::string_view>(""));
 }
 
+// tokenmill_bf16::linear: engine/bf16_linear's kernel, for bfloat16 where oneDNN has no path.
+Tensor panel_linear(const Tensor& x, const Tensor& packed_weight, const OptTensor& bias, int64_t out_features) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("tokenmill_bf16::linear", "")
+                       .typed<Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t)>();
+  return op.call(x, packed_weight, bias, out_features);
+}
+
 void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
                        const Tensor& slot_mapping) {
   static auto op = c10::Dispatcher::singleton()
@@ -330,12 +338,17 @@ struct DecoderStack : torch::CustomClassHolder {
   int64_t num_heads, num_kv_heads, head_dim, intermediate_size;
   double scale;
   bool fused_mlp;  // silu(gate) * up by silu_and_mul (bitwise ATen's only at ATen's vector width)
+  bool panel_linears;  // weights packed for tokenmill_bf16::linear, else for oneDNN
   std::vector<Layer> layers;
 
   DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double scale,
-               bool fused_mlp)
+               bool fused_mlp, bool panel_linears)
       : num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim),
-        intermediate_size(intermediate_size), scale(scale), fused_mlp(fused_mlp) {}
+        intermediate_size(intermediate_size), scale(scale), fused_mlp(fused_mlp), panel_linears(panel_linears) {}
+
+  Tensor linear(const Tensor& x, const Tensor& packed_weight, const OptTensor& bias, int64_t out_features) const {
+    return panel_linears ? panel_linear(x, packed_weight, bias, out_features) : packed_linear(x, packed_weight, bias);
+  }
 
   void add_layer(Tensor input_norm, double input_eps, Tensor qkv_weight, OptTensor qkv_bias, Tensor o_weight,
                  OptTensor o_bias, Tensor post_norm, double post_eps, Tensor gate_up_weight, OptTensor gate_up_bias,
@@ -351,13 +364,13 @@ struct DecoderStack : torch::CustomClassHolder {
   Tensor forward(Tensor hidden, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens,
                  Tensor query_start_loc) {
     c10::InferenceMode guard;
-    const int64_t tokens = hidden.size(0);
+    const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1);
     const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
     OptTensor delta;  // the last sublayer's output, not yet added to `hidden`
     for (Layer& layer : layers) {
       auto [added, x] = add_rms_norm(hidden, delta, layer.input_norm, layer.input_eps);
       hidden = added;
-      Tensor qkv = packed_linear(x, layer.qkv_weight, layer.qkv_bias);
+      Tensor qkv = linear(x, layer.qkv_weight, layer.qkv_bias, q_width + 2 * kv_width);
       Tensor q = qkv.narrow(1, 0, q_width).view({tokens, num_heads, head_dim});
       Tensor k = qkv.narrow(1, q_width, kv_width).view({tokens, num_kv_heads, head_dim});
       Tensor v = qkv.narrow(1, q_width + kv_width, kv_width).view({tokens, num_kv_heads, head_dim});
@@ -366,13 +379,13 @@ struct DecoderStack : torch::CustomClassHolder {
       reshape_and_cache(k, v, layer.key_cache, layer.value_cache, slot_mapping);
       Tensor attn = paged_attention(q, layer.key_cache, layer.value_cache, block_tables, seq_lens, query_start_loc,
                                     scale);
-      Tensor o = packed_linear(attn.view({tokens, q_width}), layer.o_weight, layer.o_bias);
+      Tensor o = linear(attn.view({tokens, q_width}), layer.o_weight, layer.o_bias, hidden_size);
       std::tie(hidden, x) = add_rms_norm(hidden, o, layer.post_norm, layer.post_eps);
-      Tensor gate_up = packed_linear(x, layer.gate_up_weight, layer.gate_up_bias);
+      Tensor gate_up = linear(x, layer.gate_up_weight, layer.gate_up_bias, 2 * intermediate_size);
       Tensor gated = fused_mlp ? silu_and_mul(gate_up, intermediate_size)
                                : at::silu(gate_up.narrow(1, 0, intermediate_size)) *
                                      gate_up.narrow(1, intermediate_size, intermediate_size);
-      delta = packed_linear(gated, layer.down_weight, layer.down_bias);
+      delta = linear(gated, layer.down_weight, layer.down_bias, hidden_size);
     }
     if (delta) hidden = hidden + *delta;
     return hidden;
@@ -386,7 +399,7 @@ TORCH_LIBRARY(tokenmill_native, m) {
   m.def("vec_capability() -> str", [] { return std::string(TOKENMILL_VEC_CAPABILITY); });
   m.def("greedy_token_ids(Tensor logits) -> Tensor", &greedy_token_ids);
   m.class_<DecoderStack>("DecoderStack")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, bool>())
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, bool, bool>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("forward", &DecoderStack::forward);
 }
