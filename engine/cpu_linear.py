@@ -4,10 +4,11 @@ A loading helper (may import torch). oneDNN multiplies in a blocked weight layou
 bfloat16, AVX-512 panels for float32); handed a plain weight it re-lays it out on every call,
 which triples the memory traffic of a decode step, where every weight is read once. Packing at
 load time measured 1.4-1.9x faster bfloat16 layers at 1-16 tokens and up to 2.7x faster float32
-LM heads on a 2-core Sapphire Rapids. Where oneDNN cannot pack bfloat16 (no AVX-512), bfloat16
-layers use the engine's own kernel (engine/bf16_linear) instead of torch's scalar fallback.
-NOTE: for float32 at one or two tokens MKL's plain GEMV is
-~1.3x faster (28 vs 37 ms for SmolLM2's 30 layers), but keeping both weights would double the
+LM heads on a 2-core Sapphire Rapids. On CPUs without AVX-512 layers use the engine's own panel
+kernel (engine/panel_linear) instead: oneDNN has no bfloat16 path there (torch falls back to a
+scalar loop, 4-7x slower) and its float32 measured 1.05-1.7x slower at 1-64 rows (Zen 3).
+NOTE: where oneDNN packs float32, MKL's plain GEMV is ~1.3x faster at one or two tokens (28 vs
+37 ms for SmolLM2's 30 layers), but keeping both weights would double the
 model's memory; the packed weight alone is kept. Results differ from the plain path only in
 float rounding.
 
@@ -19,13 +20,13 @@ cost (measured: q/k/v of SmolLM2's 30 layers at one token 5.1 -> 3.4 ms in float
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from engine import bf16_linear
+from engine import panel_linear
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 class LinearKernel:
     """How packed layers multiply: ``pack(weight)`` once, then ``run(x, packed, bias, out_features)``."""
 
-    name: str  # "onednn" | "bf16_panels"
+    name: str  # "onednn" | "panels"
     pack: Callable[[torch.Tensor], torch.Tensor]
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
 
@@ -45,7 +46,7 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 ONEDNN = LinearKernel("onednn", lambda weight: torch.ops.mkldnn._reorder_linear_weight(weight, None), _onednn_linear)
-BF16_PANELS = LinearKernel("bf16_panels", bf16_linear.pack_weight, bf16_linear.linear)
+PANELS = LinearKernel("panels", panel_linear.pack_weight, panel_linear.linear)
 
 
 class PackedLinear(nn.Module):
@@ -134,9 +135,11 @@ class SiblingSlice(nn.Module):
 
 
 def packing_works(dtype: torch.dtype, kernel: LinearKernel = ONEDNN) -> bool:
+    """Whether ``kernel`` packs ``dtype`` layers on this CPU and build (a small layer, checked
+    against the plain one)."""
     if kernel is ONEDNN and not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
-    if kernel is BF16_PANELS and (dtype != torch.bfloat16 or not bf16_linear.is_available()):
+    if kernel is PANELS and not panel_linear.is_available():
         return False
     try:
         linear = nn.Linear(64, 32).to(dtype)
@@ -148,21 +151,25 @@ def packing_works(dtype: torch.dtype, kernel: LinearKernel = ONEDNN) -> bool:
         return False
 
 
+def _prefers_panels() -> bool:
+    """Whether the panel kernel goes first: wherever ATen does not run AVX-512 (there oneDNN has
+    no bfloat16 path and its float32 measured slower at decode sizes; with AVX-512 it multiplies
+    with AVX-512 or AMX)."""
+    return torch.backends.cpu.get_cpu_capability() != "AVX512"
+
+
 def kernel_for(dtype: torch.dtype) -> LinearKernel | None:
-    """The kernel that packs ``dtype`` layers here: oneDNN where it can, else the engine's own
-    bfloat16 kernel for bfloat16; None: layers stay plain ``nn.Linear``."""
-    if packing_works(dtype, ONEDNN):
-        return ONEDNN
-    if dtype == torch.bfloat16 and packing_works(dtype, BF16_PANELS):
-        return BF16_PANELS
-    return None
+    """The kernel that packs ``dtype`` layers here (see :func:`_prefers_panels`), the other one
+    if the first cannot; None: layers stay plain ``nn.Linear``."""
+    order = (PANELS, ONEDNN) if _prefers_panels() else (ONEDNN, PANELS)
+    return next((kernel for kernel in order if packing_works(dtype, kernel)), None)
 
 
 def prebuild_kernel_for(dtype: torch.dtype) -> None:
-    """Start building the engine's own kernel now if ``dtype`` layers will need it (see
-    ``engine.cpp_build``: builds overlap the model's loading)."""
-    if dtype == torch.bfloat16 and not packing_works(dtype, ONEDNN):
-        bf16_linear.build_in_background()
+    """Start building the panel kernel now if ``dtype`` layers may use it (``engine.cpp_build``:
+    builds overlap the model's loading)."""
+    if dtype in (torch.float32, torch.bfloat16) and (_prefers_panels() or not packing_works(dtype, ONEDNN)):
+        panel_linear.build_in_background()
 
 
 def pack_linears(model: nn.Module) -> int:

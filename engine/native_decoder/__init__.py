@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.cpp_build import CppExtension
-from engine.cpu_linear import BF16_PANELS, PackedLinear, SiblingSlice
+from engine.cpu_linear import PANELS, PackedLinear, SiblingSlice
 from engine.kv_cache import KVCache
 from engine.outputs import ScheduledChunk
 from engine.paged_attention import StepAttention
@@ -69,7 +69,7 @@ class NativeDecoder:
         if fused_mlp is None:
             fused_mlp = torch.backends.cpu.get_cpu_capability() == torch.ops.tokenmill_native.vec_capability()
         self.fused_mlp = fused_mlp
-        panel_linears = attention.o_proj.kernel is BF16_PANELS  # one kernel for all (ineligible_reason)
+        panel_linears = attention.o_proj.kernel is PANELS  # one kernel for all (ineligible_reason)
         self._stack: Any = torch.classes.tokenmill_native.DecoderStack(
             config.num_attention_heads, config.num_key_value_heads, head_dim,
             base.layers[0].mlp.down_proj.in_features, float(attention.scaling), self.fused_mlp, panel_linears)

@@ -97,19 +97,23 @@ def test_native_logits_are_bitwise_the_eager_ones(model: str, dtype: str, block_
         assert torch.equal(runner.kv_cache.device_pool, pool_after_eager), "the stack wrote other keys/values"
 
 
-@pytest.mark.parametrize("model", [*NATIVE_FAMILIES, "biased-llama"])
-def test_native_logits_are_bitwise_the_eager_ones_with_the_engines_bf16_kernel(
-        model: str, tiny_model_dirs: dict[str, Path], biased_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where oneDNN has no bfloat16 path (no AVX-512) the layers use engine/bf16_linear; forced here."""
-    if not cpu_linear.packing_works(torch.bfloat16, cpu_linear.BF16_PANELS):
-        pytest.skip("the bfloat16 linear kernel could not be built here")
-    monkeypatch.setattr(cpu_linear, "kernel_for", lambda dtype: cpu_linear.BF16_PANELS)
-    engine = build_engine(str(_model_path(model, tiny_model_dirs, biased_llama)), device="cpu", dtype="bfloat16",
+@pytest.mark.parametrize("kernel", ["onednn", "panels"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model", ["llama", "biased-llama"])
+def test_native_logits_are_bitwise_the_eager_ones_with_each_linear_kernel(
+        model: str, dtype: str, kernel: str, tiny_model_dirs: dict[str, Path], biased_llama: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whichever kernel this CPU picks above, both are checked here (the stack calls the same one)."""
+    chosen = {"onednn": cpu_linear.ONEDNN, "panels": cpu_linear.PANELS}[kernel]
+    if not cpu_linear.packing_works(getattr(torch, dtype), chosen):
+        pytest.skip(f"{kernel} cannot pack {dtype} here")
+    monkeypatch.setattr(cpu_linear, "kernel_for", lambda _: chosen)
+    engine = build_engine(str(_model_path(model, tiny_model_dirs, biased_llama)), device="cpu", dtype=dtype,
                           block_size=4, kv_cache_memory="4MiB")
     runner = _runner(engine)
     native = runner.native_decoder
-    assert isinstance(native, NativeDecoder) and runner.model.lm_head.kernel is cpu_linear.BF16_PANELS
-    rng = random.Random(model)
+    assert isinstance(native, NativeDecoder) and runner.model.lm_head.kernel is chosen
+    rng = random.Random(f"{model}-{dtype}-{kernel}")
     for _ in range(4):
         runner.kv_cache.device_pool.normal_()
         batch = runner.prepare(_random_batch(rng, 4, runner.kv_cache.scratch_block_id))

@@ -12,13 +12,13 @@ from transformers import AutoModelForCausalLM
 
 from engine import cpu_linear
 from engine.cpu_linear import (
-    BF16_PANELS, ONEDNN, FusedSiblings, LinearKernel, PackedLinear, SiblingSlice, pack_linears, packing_works,
+    PANELS, ONEDNN, FusedSiblings, LinearKernel, PackedLinear, SiblingSlice, pack_linears, packing_works,
 )
 from tests.tiny_models import tiny_config
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-# Each kernel with each dtype it packs: oneDNN both (where this CPU allows), the engine's own bfloat16.
-KERNEL_DTYPES = [(ONEDNN, torch.float32), (ONEDNN, torch.bfloat16), (BF16_PANELS, torch.bfloat16)]
+# Each kernel with each dtype it packs (oneDNN's bfloat16 only where this CPU allows).
+KERNEL_DTYPES = [(ONEDNN, torch.float32), (ONEDNN, torch.bfloat16), (PANELS, torch.float32), (PANELS, torch.bfloat16)]
 
 
 def _needs_packing(dtype: torch.dtype, kernel: LinearKernel = ONEDNN) -> None:
@@ -73,16 +73,30 @@ def test_a_model_keeps_its_logits_with_packed_and_fused_layers() -> None:
         assert _close(packed(ids).logits, model(ids).logits, torch.float32)
 
 
-def test_bfloat16_layers_get_the_engines_kernel_where_onednn_cannot_pack_them(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    _needs_packing(torch.bfloat16, BF16_PANELS)
-    monkeypatch.setattr(cpu_linear, "packing_works", lambda dtype, kernel=ONEDNN: kernel is BF16_PANELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_packed_for_the_panel_kernel_keeps_its_logits(dtype: torch.dtype,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs_packing(dtype, PANELS)
+    monkeypatch.setattr(cpu_linear, "_prefers_panels", lambda: True)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=300, eos_token_id=2)).to(torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=300, eos_token_id=2)).to(dtype).eval()
     packed = copy.deepcopy(model)
     assert pack_linears(packed) == 2 * 7 + 1
-    assert packed.lm_head.kernel is BF16_PANELS and packed.model.layers[0].mlp.gate_proj.group.kernel is BF16_PANELS
+    assert packed.lm_head.kernel is PANELS and packed.model.layers[0].mlp.gate_proj.group.kernel is PANELS
     ids = torch.randint(0, 300, (2, 9))
     with torch.inference_mode():
-        assert _close(packed(ids).logits, model(ids).logits, torch.bfloat16)
-    assert cpu_linear.kernel_for(torch.float32) is None  # nothing packs float32 in this scenario
+        assert _close(packed(ids).logits, model(ids).logits, dtype)
+
+
+def test_the_kernel_choice_follows_the_cpu_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    works = {(ONEDNN, torch.float32): True, (ONEDNN, torch.bfloat16): False, (PANELS, torch.float32): True,
+             (PANELS, torch.bfloat16): True}
+    monkeypatch.setattr(cpu_linear, "packing_works", lambda dtype, kernel=ONEDNN: works[kernel, dtype])
+    monkeypatch.setattr(cpu_linear, "_prefers_panels", lambda: False)  # AVX-512: oneDNN first
+    assert cpu_linear.kernel_for(torch.float32) is ONEDNN
+    assert cpu_linear.kernel_for(torch.bfloat16) is PANELS  # oneDNN cannot: the other kernel
+    monkeypatch.setattr(cpu_linear, "_prefers_panels", lambda: True)  # AVX2 and below
+    assert cpu_linear.kernel_for(torch.float32) is PANELS
+    works[PANELS, torch.float32] = works[PANELS, torch.bfloat16] = False  # not built here
+    assert cpu_linear.kernel_for(torch.float32) is ONEDNN
+    assert cpu_linear.kernel_for(torch.bfloat16) is None

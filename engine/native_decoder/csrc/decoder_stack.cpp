@@ -64,10 +64,10 @@ Tensor packed_linear(const Tensor& x, const Tensor& packed_weight, const OptTens
                  std::optional<std::string_view>(""));
 }
 
-// tokenmill_bf16::linear: engine/bf16_linear's kernel, for bfloat16 where oneDNN has no path.
+// tokenmill_panel::linear: engine/panel_linear's kernel (float32 and bfloat16 on CPUs without AVX-512).
 Tensor panel_linear(const Tensor& x, const Tensor& packed_weight, const OptTensor& bias, int64_t out_features) {
   static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("tokenmill_bf16::linear", "")
+                       .findSchemaOrThrow("tokenmill_panel::linear", "")
                        .typed<Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t)>();
   return op.call(x, packed_weight, bias, out_features);
 }
@@ -338,7 +338,7 @@ struct DecoderStack : torch::CustomClassHolder {
   int64_t num_heads, num_kv_heads, head_dim, intermediate_size;
   double scale;
   bool fused_mlp;  // silu(gate) * up by silu_and_mul (bitwise ATen's only at ATen's vector width)
-  bool panel_linears;  // weights packed for tokenmill_bf16::linear, else for oneDNN
+  bool panel_linears;  // weights packed for tokenmill_panel::linear, else for oneDNN
   std::vector<Layer> layers;
 
   DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double scale,

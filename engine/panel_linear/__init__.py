@@ -1,0 +1,43 @@
+"""Linear layers packed in panels (``csrc/panel_linear_cpu.cpp``): float32 and bfloat16 for CPUs
+without AVX-512.
+
+There oneDNN has no bfloat16 path (torch's bfloat16 matmul is a scalar loop: ~14 GFLOPS on 2 Zen 3
+cores, a seventh of oneDNN's float32, so a bfloat16 model ran several times slower than float32),
+and torch's oneDNN float32 inner product measured 1.05-1.7x slower than this kernel at 1-64 rows
+on SmolLM2's shapes. The kernel streams each panel of 2 x vector-width output features front to
+back, widens bfloat16 weights to float32 in registers, and adds one fused multiply-add per k in
+order. engine/cpu_linear.py decides where it is used. Builds on first use like the other C++
+parts; imports torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.cpp_build import CppExtension
+
+# -march=native: the cache key includes the CPU's flags. -ffp-contract=fast: a * b + c in the
+# micro-kernel becomes one fused multiply-add.
+_EXTENSION = CppExtension("tokenmill_panel_linear_cpu", Path(__file__).resolve().parent / "csrc" /
+                          "panel_linear_cpu.cpp", ("-O3", "-march=native", "-ffp-contract=fast", "-DNDEBUG"),
+                          what="panel linear kernel", fallback="linear layers use oneDNN or torch's matmul")
+is_available = _EXTENSION.is_available
+build_in_background = _EXTENSION.build_in_background
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out_features, in_features]`` (float32 or bfloat16) in the kernel's panel
+    layout (a new tensor)."""
+    packed: torch.Tensor = torch.ops.tokenmill_panel.pack_weight(weight.detach())
+    return packed
+
+
+def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x W^T + b`` over the last axis of ``x`` (any leading shape), in the weight's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out: torch.Tensor = torch.ops.tokenmill_panel.linear(rows, packed_weight, bias, out_features)
+    return out.view(*x.shape[:-1], out_features)

@@ -1,0 +1,293 @@
+// Linear layers (y = x W^T + b) for float32 and bfloat16 on CPUs without AVX-512. There oneDNN
+// has no bfloat16 path at all (torch's bfloat16 GEMM falls back to a scalar loop: ~14 GFLOPS on
+// 2 Zen 3 cores, a 7th of oneDNN's float32), and torch's oneDNN float32 inner product measured
+// 1.05-1.7x slower than this kernel at 1-64 rows on SmolLM2's shapes (Zen 3, ops/bench/README.md).
+// Python side: engine/panel_linear/__init__.py; engine/cpu_linear.py decides where it is used.
+//
+// The weight is packed once into panels of kPanel output features: [panels][K][kPanel] (the last
+// panel zero-padded), so a micro-kernel streams one panel front to back. A bfloat16 panel row is
+// interleaved so that one load and two bit operations widen it into two float32 vectors (exact).
+// Products and sums are float32: each output is one float32 sum over k = 0 .. K-1 in order (one
+// fused multiply-add per k), plus the bias, then (bfloat16) rounded once to nearest even. A row's
+// result therefore depends only on that row: the same whatever the batch it is in.
+//
+// Work: rows are cut into chunks whose float32 rows fit in L2 (the panel loop re-reads them;
+// bfloat16 rows are widened once per chunk), then each chunk's panels are split over torch's
+// thread pool; within a panel, micro-tiles of kRows rows keep 2 x kRows accumulator vectors in
+// registers while the panel's rows stream past.
+// Needs GCC >= 12 or Clang (native vector types, __builtin_convertvector).
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <type_traits>
+#include <utility>
+
+namespace {
+
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64;
+constexpr int kRows = 12;  // 24 accumulators + 2 weight vectors + a broadcast of 32 registers
+#elif defined(__AVX__) || defined(__aarch64__)
+constexpr int kVecBytes = 32;
+constexpr int kRows = 6;  // 12 accumulators + 2 weight vectors + a broadcast of 16 registers
+#else
+constexpr int kVecBytes = 16;
+constexpr int kRows = 6;
+#endif
+constexpr int kLanes = kVecBytes / 4;
+constexpr int kPanel = 2 * kLanes;  // output features per panel: two accumulator vectors per row
+constexpr int64_t kChunkBytes = 192 << 10;  // float32 input rows per chunk (L2 holds them)
+// Calls with less work than this (rows x K x N) run on the calling thread.
+constexpr int64_t kSerialWork = int64_t(1) << 17;
+
+typedef float fvec __attribute__((vector_size(kVecBytes)));
+typedef uint32_t uvec __attribute__((vector_size(kVecBytes)));
+typedef int32_t ivec __attribute__((vector_size(kVecBytes)));
+typedef uint16_t hvec __attribute__((vector_size(kVecBytes / 2)));
+
+// The two float32 vectors of one bfloat16 panel row (exact widening): the row is stored interleaved,
+// element 2i = column i and element 2i + 1 = column kLanes + i (pack_weight), so one load gives
+// both: the low half of each 32-bit lane shifted up, and the high half with the low one cleared.
+inline void load_row(const uint16_t* p, fvec& lo, fvec& hi) {
+  uvec bits;
+  std::memcpy(&bits, p, sizeof bits);
+  const uvec low = bits << 16, high = bits & 0xFFFF0000u;
+  std::memcpy(&lo, &low, sizeof lo);
+  std::memcpy(&hi, &high, sizeof hi);
+}
+
+// The two float32 vectors of one float32 panel row (columns in order).
+inline void load_row(const float* p, fvec& lo, fvec& hi) {
+  std::memcpy(&lo, p, sizeof lo);
+  std::memcpy(&hi, p + kLanes, sizeof hi);
+}
+
+// kLanes consecutive bfloat16 values as float32.
+inline fvec widen(const uint16_t* p) {
+  hvec h;
+  std::memcpy(&h, p, sizeof h);
+  const uvec bits = __builtin_convertvector(h, uvec) << 16;
+  fvec f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// float32 -> bfloat16, round to nearest even; NaN -> 0x7FC0 (as c10::BFloat16 converts).
+inline hvec narrow(fvec v) {
+  uvec bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const uvec rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const ivec is_nan = v != v;
+  const uvec out = is_nan ? uvec{} + 0x7FC0u : rounded;
+  return __builtin_convertvector(out, hvec);
+}
+
+template <std::size_t... I>
+inline fvec splat_lanes(float s, std::index_sequence<I...>) {
+  return fvec{((void)I, s)...};  // a broadcast (fvec{} + s would add a zero first)
+}
+inline fvec splat(float s) { return splat_lanes(s, std::make_index_sequence<kLanes>{}); }
+
+// The element types: float, or BF16 (bfloat16), stored as its bits.
+struct BF16 {};
+template <typename T>
+using bits_t = std::conditional_t<std::is_same_v<T, float>, float, uint16_t>;
+
+// out[0 .. count) = v, rounded to T.
+template <typename T>
+inline void store_part(bits_t<T>* out, fvec v, int64_t count) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(out, &v, count * sizeof(float));
+  } else {
+    const hvec h = narrow(v);
+    std::memcpy(out, &h, count * sizeof(uint16_t));
+  }
+}
+
+// A bias slice as float32 vectors (zeros past `count`).
+template <typename T>
+inline void load_bias(const bits_t<T>* bias, int64_t count, fvec out[2]) {
+  bits_t<T> padded[kPanel] = {};
+  if (bias != nullptr) std::memcpy(padded, bias, count * sizeof(bits_t<T>));
+  if constexpr (std::is_same_v<T, float>) {
+    load_row(padded, out[0], out[1]);
+  } else {
+    out[0] = widen(padded);
+    out[1] = widen(padded + kLanes);
+  }
+}
+
+// out[r][0 .. cols) = round(x[r] . W[panel column] + bias) for r < R; x rows are float32 (row
+// stride ldx), the panel is [K][kPanel] of T, out has row stride ldo.
+template <typename T, int R>
+void micro_tile(const float* x, int64_t ldx, const bits_t<T>* panel, int64_t K, const fvec bias[2], bits_t<T>* out,
+                int64_t ldo, int64_t cols) {
+  fvec acc[R][2];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = fvec{};
+  for (int64_t k = 0; k < K; ++k) {
+    fvec w0, w1;
+    load_row(panel + k * kPanel, w0, w1);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const fvec b = splat(x[r * ldx + k]);
+      acc[r][0] += b * w0;  // -ffp-contract=fast: one fused multiply-add
+      acc[r][1] += b * w1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    bits_t<T>* row = out + r * ldo;
+    store_part<T>(row, acc[r][0] + bias[0], std::min<int64_t>(kLanes, cols));
+    if (cols > kLanes) store_part<T>(row + kLanes, acc[r][1] + bias[1], cols - kLanes);
+  }
+}
+
+template <typename T, int R>
+void rows_tile(int rows, const float* x, int64_t ldx, const bits_t<T>* panel, int64_t K, const fvec bias[2],
+               bits_t<T>* out, int64_t ldo, int64_t cols) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_tile<T, R - 1>(rows, x, ldx, panel, K, bias, out, ldo, cols);
+  }
+  micro_tile<T, R>(x, ldx, panel, K, bias, out, ldo, cols);
+}
+
+// weight: [N, K] -> [ceil(N / kPanel), K, kPanel]: panel p holds output features p * kPanel ..
+// p * kPanel + kPanel - 1 (zeros past N) for each k; bfloat16 rows interleaved (see load_row).
+template <typename T>
+void pack_panels(const bits_t<T>* src, int64_t N, int64_t K, bits_t<T>* dst) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t k = 0; k < K; ++k) {
+      bits_t<T>* row = dst + (p * K + k) * kPanel;
+      for (int64_t j = 0; j < kPanel; ++j) {
+        const int64_t column = std::is_same_v<T, float> ? j : (j % 2 == 0 ? j / 2 : kLanes + j / 2);
+        const int64_t n = p * kPanel + column;
+        row[j] = n < N ? src[n * K + k] : bits_t<T>(0);
+      }
+    }
+  }
+}
+
+bool supported(ScalarType type) { return type == ScalarType::Float || type == ScalarType::BFloat16; }
+
+Tensor pack_weight(Tensor weight) {
+  STD_TORCH_CHECK(weight.is_cpu() && supported(weight.scalar_type()) && weight.dim() == 2,
+                  "panel_linear.pack_weight: weight must be a float32 or bfloat16 [out_features, in_features] "
+                  "CPU tensor");
+  weight = torch::stable::contiguous(weight);
+  const int64_t N = weight.size(0), K = weight.size(1);
+  Tensor packed = torch::stable::new_empty(weight, {(N + kPanel - 1) / kPanel, K, kPanel});
+  if (weight.scalar_type() == ScalarType::Float) {
+    pack_panels<float>(static_cast<const float*>(weight.const_data_ptr()), N, K,
+                       static_cast<float*>(packed.mutable_data_ptr()));
+  } else {
+    pack_panels<BF16>(static_cast<const uint16_t*>(weight.const_data_ptr()), N, K,
+                          static_cast<uint16_t*>(packed.mutable_data_ptr()));
+  }
+  return packed;
+}
+
+// x: [M, K] rows (stride ldx); packed: [panels, K, kPanel]; bias: [N] or null; out: [M, N].
+template <typename T>
+void multiply(const bits_t<T>* xp, int64_t ldx, int64_t M, int64_t K, const bits_t<T>* wp, int64_t panels,
+              const bits_t<T>* bp, int64_t N, bits_t<T>* op) {
+  constexpr bool kWiden = !std::is_same_v<T, float>;
+  const int64_t chunk_rows = std::min(M, std::max<int64_t>(kRows, kChunkBytes / (K * 4) / kRows * kRows));
+  std::unique_ptr<float[]> widened(kWiden ? new float[chunk_rows * K] : nullptr);  // a chunk's rows
+  for (int64_t m0 = 0; m0 < M; m0 += chunk_rows) {
+    const int64_t rows = std::min(chunk_rows, M - m0);
+    const float* x;
+    int64_t ld;
+    if constexpr (kWiden) {
+      for (int64_t m = 0; m < rows; ++m) {
+        const uint16_t* src = xp + (m0 + m) * ldx;
+        float* dst = widened.get() + m * K;
+        for (int64_t k = 0; k < K; ++k) {
+          const uint32_t bits = uint32_t(src[k]) << 16;
+          std::memcpy(dst + k, &bits, sizeof bits);
+        }
+      }
+      x = widened.get(), ld = K;
+    } else {
+      x = xp + m0 * ldx, ld = ldx;
+    }
+    const auto run_panels = [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = p * kPanel, cols = std::min<int64_t>(kPanel, N - n0);
+        fvec bias[2];
+        load_bias<T>(bp != nullptr ? bp + n0 : nullptr, cols, bias);
+        const bits_t<T>* panel = wp + p * K * kPanel;
+        for (int64_t m = 0; m < rows; m += kRows) {
+          rows_tile<T, kRows>(int(std::min<int64_t>(kRows, rows - m)), x + m * ld, ld, panel, K, bias,
+                              op + (m0 + m) * N + n0, N, cols);
+        }
+      }
+    };
+    if (rows * K * N < kSerialWork) {
+      run_panels(0, panels);
+    } else {
+      torch::stable::parallel_for(0, panels, 1, run_panels);
+    }
+  }
+}
+
+// x: [M, K] (rows contiguous); packed_weight: pack_weight's; bias: [N] or none; all float32 or
+// all bfloat16. Returns [M, N].
+Tensor linear(Tensor x, Tensor packed_weight, std::optional<Tensor> bias, int64_t out_features) {
+  STD_TORCH_CHECK(x.is_cpu() && packed_weight.is_cpu(), "panel_linear needs CPU tensors");
+  const ScalarType type = x.scalar_type();
+  STD_TORCH_CHECK(supported(type) && packed_weight.scalar_type() == type,
+                  "panel_linear: input and weight must both be float32 or both bfloat16");
+  STD_TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "panel_linear: input must be [rows, in_features], rows contiguous");
+  STD_TORCH_CHECK(packed_weight.dim() == 3 && packed_weight.size(2) == kPanel && packed_weight.is_contiguous(),
+                  "panel_linear: the weight is not packed for this build (panel width ", kPanel, ")");
+  const int64_t M = x.size(0), K = x.size(1), panels = packed_weight.size(0), N = out_features;
+  STD_TORCH_CHECK(K > 0, "panel_linear: in_features must be positive");
+  STD_TORCH_CHECK(packed_weight.size(1) == K, "panel_linear: in_features ", K, " does not match the weight's ",
+                  packed_weight.size(1));
+  STD_TORCH_CHECK(N > (panels - 1) * kPanel && N <= panels * kPanel, "panel_linear: out_features ", N,
+                  " does not match the packed weight");
+  if (bias.has_value()) {
+    STD_TORCH_CHECK(bias->scalar_type() == type && bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
+                        bias->is_cpu(),
+                    "panel_linear: bias must be a contiguous [out_features] of the input's dtype");
+  }
+  Tensor out = torch::stable::new_empty(x, {M, N});
+  if (M == 0) return out;
+  const auto run = [&](auto element) {
+    using T = decltype(element);
+    using B = bits_t<T>;
+    multiply<T>(static_cast<const B*>(x.const_data_ptr()), x.stride(0), M, K,
+                static_cast<const B*>(packed_weight.const_data_ptr()), panels,
+                bias.has_value() ? static_cast<const B*>(bias->const_data_ptr()) : nullptr, N,
+                static_cast<B*>(out.mutable_data_ptr()));
+  };
+  if (type == ScalarType::Float) {
+    run(float{});
+  } else {
+    run(BF16{});
+  }
+  return out;
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY(tokenmill_panel, m) {
+  m.def("pack_weight(Tensor weight) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(tokenmill_panel, CPU, m) {
+  m.impl("pack_weight", TORCH_BOX(&pack_weight));
+  m.impl("linear", TORCH_BOX(&linear));
+}

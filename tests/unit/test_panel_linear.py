@@ -1,0 +1,98 @@
+"""The panel linear kernel (engine/panel_linear) against references. bfloat16: a float32 reference
+that adds the products in the kernel's order; bfloat16 x bfloat16 products are exact in float32,
+so a fused multiply-add per k equals a float32 add of the product, and the two must agree bit for
+bit. float32: a float64 product, within float32 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import panel_linear
+
+pytestmark = pytest.mark.skipif(not panel_linear.is_available(), reason="the C++ kernel could not be built here")
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One float32 sum per output over k = 0 .. K-1 in order, plus the bias, rounded once."""
+    xf, wf = x.float(), weight.float()
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for k in range(x.shape[1]):
+        acc = acc + xf[:, k : k + 1] * wf[:, k]
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(torch.bfloat16)
+
+
+def _random(*shape: int, generator: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator).to(dtype)
+
+
+def _float32_agrees(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    return got.dtype == torch.float32 and bool(torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-4))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), [
+    (1, 1, 1), (1, 64, 40), (5, 33, 17), (7, 64, 96), (13, 200, 33), (64, 48, 130),
+    (100, 1536, 24),  # several row chunks, split over threads
+])
+def test_the_kernel_adds_in_order_and_rounds_once(rows: int, in_features: int, out_features: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features + out_features)
+    weight = _random(out_features, in_features, generator=gen)
+    x = _random(rows, in_features, generator=gen)
+    b = _random(out_features, generator=gen) if bias else None
+    packed = panel_linear.pack_weight(weight)
+    assert torch.equal(panel_linear.linear(x, packed, b, out_features), _reference(x, weight, b))
+    # float32 on the same shapes: the same panels, without widening or rounding
+    x32, w32, b32 = x.float() + 1e-3, weight.float() - 1e-3, None if b is None else b.float()
+    got = panel_linear.linear(x32, panel_linear.pack_weight(w32), b32, out_features)
+    assert _float32_agrees(got, x32, w32, b32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_result_alone_as_in_any_batch(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    weight, x = _random(70, 96, generator=gen, dtype=dtype), _random(23, 96, generator=gen, dtype=dtype)
+    packed = panel_linear.pack_weight(weight)
+    together = panel_linear.linear(x, packed, None, 70)
+    for i in range(23):
+        assert torch.equal(panel_linear.linear(x[i : i + 1], packed, None, 70), together[i : i + 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_leading_axes_strided_rows_and_empty_inputs(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(4)
+    weight, bias = _random(24, 32, generator=gen, dtype=dtype), _random(24, generator=gen, dtype=dtype)
+    packed = panel_linear.pack_weight(weight)
+    wide = _random(2, 5, 48, generator=gen, dtype=dtype)
+    x = wide[..., 8:40]  # rows 48 apart, 32 wide
+    out = panel_linear.linear(x, packed, bias, 24)
+    assert out.shape == (2, 5, 24) and out.dtype == dtype
+    if dtype == torch.bfloat16:
+        assert torch.equal(out.reshape(10, 24), _reference(x.reshape(10, 32), weight, bias))
+    else:
+        assert _float32_agrees(out.reshape(10, 24), x.reshape(10, 32), weight, bias)
+    assert panel_linear.linear(x[:, :0], packed, bias, 24).shape == (2, 0, 24)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_and_infinity_pass_through(dtype: torch.dtype) -> None:
+    weight = torch.ones(3, 4, dtype=dtype)
+    x = torch.tensor([[1.0, float("nan"), 0.0, 0.0], [float("inf"), 1.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]],
+                     dtype=dtype)
+    out = panel_linear.linear(x, panel_linear.pack_weight(weight), None, 3)
+    assert out[0].isnan().all() and (out[1] == float("inf")).all() and (out[2] == 10.0).all()
+
+
+def test_mismatched_shapes_are_refused() -> None:
+    packed = panel_linear.pack_weight(torch.ones(8, 16, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="in_features"):
+        panel_linear.linear(torch.ones(2, 15, dtype=torch.bfloat16), packed, None, 8)
+    with pytest.raises(RuntimeError, match="out_features"):
+        panel_linear.linear(torch.ones(2, 16, dtype=torch.bfloat16), packed, None, 1000)
+    with pytest.raises(RuntimeError, match="both bfloat16"):
+        panel_linear.linear(torch.ones(2, 16), packed, None, 8)  # float32 input, bfloat16 weight
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        panel_linear.pack_weight(torch.ones(8, 16, dtype=torch.float16))
