@@ -92,7 +92,7 @@ def _weights_bytes(model: Any) -> int:
     for module in model.modules():
         tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
         packed = getattr(module, "packed_weight", None)
-        if packed is not None:  # an opaque oneDNN tensor: size it by the weight it stands for
+        if packed is not None:  # oneDNN's is opaque, panels are padded: size it by the weight it stands for
             total += module.weight.numel() * module.weight.element_size()
         for t in tensors:
             if t.data_ptr() not in seen:
@@ -255,9 +255,10 @@ def _profiled(run: Any, torch: Any, engine: Any) -> tuple[list[int], list[Any], 
             if file_name.endswith(suffix) and func == name:
                 breakdown[label] = breakdown.get(label, 0.0) + cumtime
         if func in ("<built-in method torch._C._nn.linear>", "<built-in method linear>",
-                    "<built-in method torch._ops.mkldnn._linear_pointwise>"):
+                    "<built-in method torch._ops.mkldnn._linear_pointwise>",
+                    "<built-in method torch._ops.tokenmill_panel.linear>"):
             linear_s += tottime
-    breakdown["linear layers (nn.linear or oneDNN packed)"] = linear_s
+    breakdown["linear layers (nn.linear, oneDNN or panels)"] = linear_s
     num_steps = engine.stats().counters.num_steps
     table = torch_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
     _CPU_AT_START[0] += cpu_seconds() - cpu_after_run  # the profiler's own post-processing is not the run's
