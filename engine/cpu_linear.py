@@ -104,7 +104,7 @@ class FusedSiblings:
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if x is not self._input or index in self._served:
             out = self.kernel.run(x, self.packed_weight, self.bias, sum(self.sizes))
-            self._input, self._outputs, self._served = x, out.split(self.sizes, dim=-1), set()
+            self._input, self._outputs, self._served = x, torch.split(out, self.sizes, dim=-1), set()
         result = self._outputs[index]
         self._served.add(index)
         if len(self._served) == len(self.sizes):  # the round is over: hold no activations
