@@ -125,9 +125,11 @@ def ineligible_reason(model: Any, backend_name: str) -> str | None:
         reason = _layer_ineligible_reason(layer)
         if reason is not None:
             return f"{type(layer).__name__}: {reason}"
-    kernels = {layer.self_attn.o_proj.kernel.name for layer in base.layers[: config.num_hidden_layers]}
-    if len(kernels) > 1:
-        return f"its layers are packed for different kernels ({sorted(kernels)})"
+    kernels = {linear.kernel.name for layer in base.layers[: config.num_hidden_layers]
+               for linear in (layer.self_attn.q_proj.group, layer.self_attn.o_proj, layer.mlp.gate_proj.group,
+                              layer.mlp.down_proj)}
+    if len(kernels) > 1:  # the stack calls one kernel for every layer
+        return f"its linear layers are packed for different kernels ({sorted(kernels)})"
     return None
 
 
@@ -144,9 +146,6 @@ def _layer_ineligible_reason(layer: Any) -> str | None:
         return "gate/up are not one packed group"
     if not isinstance(attn.o_proj, PackedLinear) or not isinstance(mlp.down_proj, PackedLinear):
         return "o_proj / down_proj are not packed"
-    kernels = {attn.o_proj.kernel, mlp.down_proj.kernel, attn.q_proj.group.kernel, mlp.gate_proj.group.kernel}
-    if len(kernels) > 1:
-        return "its linear layers are packed for different kernels"
     if type(mlp.act_fn).__name__ not in ("SiLUActivation", "SiLU"):
         return f"activation {type(mlp.act_fn).__name__} is not SiLU"
     return None

@@ -171,6 +171,15 @@ def test_without_the_built_extension_the_layers_run_eagerly(tiny_model_dirs: dic
     assert all(len(out.token_ids) == 4 for out in outputs)
 
 
+def test_a_model_with_layers_packed_for_different_kernels_is_not_eligible(tiny_model_dirs: dict[str, Path]) -> None:
+    engine = build_engine(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", kv_cache_memory="4MiB")
+    model = _runner(engine).model
+    assert native_decoder.ineligible_reason(model, "cpu") is None
+    down = model.model.layers[-1].mlp.down_proj
+    down.kernel = cpu_linear.PANELS if down.kernel is cpu_linear.ONEDNN else cpu_linear.ONEDNN
+    assert "packed for different kernels" in str(native_decoder.ineligible_reason(model, "cpu"))
+
+
 def test_a_stack_that_disagrees_on_the_probe_is_not_used(tiny_model_dirs: dict[str, Path],
                                                          monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:
