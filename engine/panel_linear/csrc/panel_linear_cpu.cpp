@@ -72,12 +72,10 @@ inline void load_row(const float* p, fvec& lo, fvec& hi) {
   std::memcpy(&hi, p + kLanes, sizeof hi);
 }
 
-// kLanes consecutive bfloat16 values as float32.
-inline fvec widen(const uint16_t* p) {
-  hvec h;
-  std::memcpy(&h, p, sizeof h);
-  const uvec bits = __builtin_convertvector(h, uvec) << 16;
-  fvec f;
+// One bfloat16 value (its bits) as float32: exact.
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = uint32_t(h) << 16;
+  float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
@@ -117,14 +115,15 @@ inline void store_part(bits_t<T>* out, fvec v, int64_t count) {
 // A bias slice as float32 vectors (zeros past `count`).
 template <typename T>
 inline void load_bias(const bits_t<T>* bias, int64_t count, fvec out[2]) {
-  bits_t<T> padded[kPanel] = {};
-  if (bias != nullptr) std::memcpy(padded, bias, count * sizeof(bits_t<T>));
-  if constexpr (std::is_same_v<T, float>) {
-    load_row(padded, out[0], out[1]);
-  } else {
-    out[0] = widen(padded);
-    out[1] = widen(padded + kLanes);
+  float padded[kPanel] = {};
+  for (int64_t j = 0; bias != nullptr && j < count; ++j) {
+    if constexpr (std::is_same_v<T, float>) {
+      padded[j] = bias[j];
+    } else {
+      padded[j] = bf16_to_float(bias[j]);
+    }
   }
+  load_row(padded, out[0], out[1]);
 }
 
 // out[r][0 .. cols) = round(x[r] . W[panel column] + bias) for r < R; x rows are float32 (row
@@ -212,10 +211,7 @@ void multiply(const bits_t<T>* xp, int64_t ldx, int64_t M, int64_t K, const bits
       for (int64_t m = 0; m < rows; ++m) {
         const uint16_t* src = xp + (m0 + m) * ldx;
         float* dst = widened.get() + m * K;
-        for (int64_t k = 0; k < K; ++k) {
-          const uint32_t bits = uint32_t(src[k]) << 16;
-          std::memcpy(dst + k, &bits, sizeof bits);
-        }
+        for (int64_t k = 0; k < K; ++k) dst[k] = bf16_to_float(src[k]);
       }
       x = widened.get(), ld = K;
     } else {
