@@ -26,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """The CPU's feature flags (x86 ``flags`` / Arm ``Features``), else the processor name."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -73,7 +73,7 @@ class CppExtension:
         ).stdout
         key = hashlib.sha256()
         for part in (self.source.read_bytes(), torch.__version__.encode(), str(torch.version.git_version).encode(),
-                     platform.machine().encode(), _cpu_flags().encode(), compiler_version.encode(),
+                     platform.machine().encode(), cpu_flags().encode(), compiler_version.encode(),
                      " ".join(self.cflags).encode()):
             key.update(part)
             key.update(b"\0")

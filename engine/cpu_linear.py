@@ -6,7 +6,9 @@ which triples the memory traffic of a decode step, where every weight is read on
 load time measured 1.4-1.9x faster bfloat16 layers at 1-16 tokens and up to 2.7x faster float32
 LM heads on a 2-core Sapphire Rapids. On CPUs without AVX-512 layers use the engine's own panel
 kernel (engine/panel_linear) instead: oneDNN has no bfloat16 path there (torch falls back to a
-scalar loop, 4-7x slower) and its float32 measured 1.05-1.7x slower at 1-64 rows (Zen 3).
+scalar loop, 4-7x slower) and its float32 measured 1.05-1.7x slower at 1-64 rows (Zen 3). So do
+bfloat16 layers on CPUs with AMX, where the panel kernel multiplies on the tile unit and streams
+the weights 1.1-1.6x faster than oneDNN at 1-16 rows (Sapphire Rapids).
 NOTE: where oneDNN packs float32, MKL's plain GEMV is ~1.3x faster at one or two tokens (28 vs
 37 ms for SmolLM2's 30 layers), but keeping both weights would double the
 model's memory; the packed weight alone is kept. Results differ from the plain path only in
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 from engine import panel_linear
+from engine.cpp_build import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -151,24 +154,35 @@ def packing_works(dtype: torch.dtype, kernel: LinearKernel = ONEDNN) -> bool:
         return False
 
 
-def _prefers_panels() -> bool:
-    """Whether the panel kernel goes first: wherever ATen does not run AVX-512 (there oneDNN has
-    no bfloat16 path and its float32 measured slower at decode sizes; with AVX-512 it multiplies
-    with AVX-512 or AMX)."""
-    return torch.backends.cpu.get_cpu_capability() != "AVX512"
+def _amx_cpu() -> bool:
+    """Whether the CPU reports AMX bfloat16 tiles (reads its flags; builds nothing)."""
+    return "amx_bf16" in cpu_flags().split()
+
+
+def _prefers_panels(dtype: torch.dtype) -> bool:
+    """Whether the panel kernel goes first for ``dtype``: wherever ATen does not run AVX-512 (there
+    oneDNN has no bfloat16 path and its float32 measured slower at decode sizes), and for bfloat16
+    where the kernel multiplies on AMX (it streams the weights near the memory's read rate at 1-64
+    rows, where oneDNN's inner product measured 1.1-2x slower on a Sapphire Rapids)."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return True
+    return dtype == torch.bfloat16 and _amx_cpu() and panel_linear.uses_amx()
 
 
 def kernel_for(dtype: torch.dtype) -> LinearKernel | None:
     """The kernel that packs ``dtype`` layers here (see :func:`_prefers_panels`), the other one
     if the first cannot; None: layers stay plain ``nn.Linear``."""
-    order = (PANELS, ONEDNN) if _prefers_panels() else (ONEDNN, PANELS)
+    order = (PANELS, ONEDNN) if _prefers_panels(dtype) else (ONEDNN, PANELS)
     return next((kernel for kernel in order if packing_works(dtype, kernel)), None)
 
 
 def prebuild_kernel_for(dtype: torch.dtype) -> None:
     """Start building the panel kernel now if ``dtype`` layers may use it (``engine.cpp_build``:
     builds overlap the model's loading)."""
-    if dtype in (torch.float32, torch.bfloat16) and (_prefers_panels() or not packing_works(dtype, ONEDNN)):
+    if dtype not in (torch.float32, torch.bfloat16):
+        return
+    if (torch.backends.cpu.get_cpu_capability() != "AVX512" or (dtype == torch.bfloat16 and _amx_cpu())
+            or not packing_works(dtype, ONEDNN)):
         panel_linear.build_in_background()
 
 

@@ -1,12 +1,14 @@
 """Linear layers packed in panels (``csrc/panel_linear_cpu.cpp``): float32 and bfloat16 for CPUs
-without AVX-512.
+without AVX-512, and bfloat16 on the AMX tile unit of CPUs that have one.
 
 There oneDNN has no bfloat16 path (torch's bfloat16 matmul is a scalar loop: ~14 GFLOPS on 2 Zen 3
 cores, a seventh of oneDNN's float32, so a bfloat16 model ran several times slower than float32),
 and torch's oneDNN float32 inner product measured 1.05-1.7x slower than this kernel at 1-64 rows
 on SmolLM2's shapes. The kernel streams each panel of 2 x vector-width output features front to
 back, widens bfloat16 weights to float32 in registers, and adds one fused multiply-add per k in
-order. engine/cpu_linear.py decides where it is used. Builds on first use like the other C++
+order. With AMX, bfloat16 layers multiply on the tile unit instead (float32 sums in k order), which
+streams the weights 1.1-1.6x faster than torch's oneDNN inner product at 1-16 rows on a Sapphire
+Rapids. engine/cpu_linear.py decides where it is used. Builds on first use like the other C++
 parts; imports torch.
 """
 
@@ -41,3 +43,9 @@ def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | No
         rows = rows.contiguous()
     out: torch.Tensor = torch.ops.tokenmill_panel.linear(rows, packed_weight, bias, out_features)
     return out.view(*x.shape[:-1], out_features)
+
+
+def uses_amx() -> bool:
+    """Whether bfloat16 layers whose in_features is a multiple of 32 multiply on the AMX tile unit
+    here (and are packed for it)."""
+    return is_available() and bool(torch.ops.tokenmill_panel.uses_amx())

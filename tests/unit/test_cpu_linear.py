@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from engine import cpu_linear
+from engine import cpu_linear, panel_linear
 from engine.cpu_linear import (
     PANELS, ONEDNN, FusedSiblings, LinearKernel, PackedLinear, SiblingSlice, pack_linears, packing_works,
 )
@@ -77,7 +77,7 @@ def test_a_model_keeps_its_logits_with_packed_and_fused_layers() -> None:
 def test_a_model_packed_for_the_panel_kernel_keeps_its_logits(dtype: torch.dtype,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     _needs_packing(dtype, PANELS)
-    monkeypatch.setattr(cpu_linear, "_prefers_panels", lambda: True)
+    monkeypatch.setattr(cpu_linear, "_prefers_panels", lambda _: True)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=300, eos_token_id=2)).to(dtype).eval()
     packed = copy.deepcopy(model)
@@ -92,11 +92,26 @@ def test_the_kernel_choice_follows_the_cpu_and_falls_back(monkeypatch: pytest.Mo
     works = {(ONEDNN, torch.float32): True, (ONEDNN, torch.bfloat16): False, (PANELS, torch.float32): True,
              (PANELS, torch.bfloat16): True}
     monkeypatch.setattr(cpu_linear, "packing_works", lambda dtype, kernel=ONEDNN: works[kernel, dtype])
-    monkeypatch.setattr(cpu_linear, "_prefers_panels", lambda: False)  # AVX-512: oneDNN first
+    monkeypatch.setattr(cpu_linear, "_prefers_panels", lambda _: False)  # AVX-512: oneDNN first
     assert cpu_linear.kernel_for(torch.float32) is ONEDNN
     assert cpu_linear.kernel_for(torch.bfloat16) is PANELS  # oneDNN cannot: the other kernel
-    monkeypatch.setattr(cpu_linear, "_prefers_panels", lambda: True)  # AVX2 and below
+    monkeypatch.setattr(cpu_linear, "_prefers_panels", lambda _: True)  # AVX2 and below
     assert cpu_linear.kernel_for(torch.float32) is PANELS
     works[PANELS, torch.float32] = works[PANELS, torch.bfloat16] = False  # not built here
     assert cpu_linear.kernel_for(torch.float32) is ONEDNN
     assert cpu_linear.kernel_for(torch.bfloat16) is None
+
+
+@pytest.mark.parametrize(("capability", "amx", "tiles_here", "panels_for"), [
+    ("AVX2", False, False, {torch.float32, torch.bfloat16}),
+    ("AVX512", False, False, set()),
+    ("AVX512", True, True, {torch.bfloat16}),  # AMX: bfloat16 on the tile unit
+    ("AVX512", True, False, set()),  # the OS refused the tiles: oneDNN's AMX path stays first
+])
+def test_the_panel_kernel_leads_without_avx512_and_for_bfloat16_on_amx(
+        capability: str, amx: bool, tiles_here: bool, panels_for: set[torch.dtype],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(cpu_linear, "_amx_cpu", lambda: amx)
+    monkeypatch.setattr(panel_linear, "uses_amx", lambda: tiles_here)
+    assert {dtype for dtype in (torch.float32, torch.bfloat16) if cpu_linear._prefers_panels(dtype)} == panels_for

@@ -2,6 +2,8 @@
 // has no bfloat16 path at all (torch's bfloat16 GEMM falls back to a scalar loop: ~14 GFLOPS on
 // 2 Zen 3 cores, a 7th of oneDNN's float32), and torch's oneDNN float32 inner product measured
 // 1.05-1.7x slower than this kernel at 1-64 rows on SmolLM2's shapes (Zen 3, ops/bench/README.md).
+// And bfloat16 on CPUs with AMX, multiplied on the tile unit (the section further down): torch's
+// oneDNN inner product streams the weights 1.1-1.6x slower at 1-16 rows (Sapphire Rapids).
 // Python side: engine/panel_linear/__init__.py; engine/cpu_linear.py decides where it is used.
 //
 // The weight is packed once into panels of kPanel output features: [panels][K][kPanel] (the last
@@ -28,6 +30,13 @@
 #include <optional>
 #include <type_traits>
 #include <utility>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define TOKENMILL_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -177,6 +186,174 @@ void pack_panels(const bits_t<T>* src, int64_t N, int64_t K, bits_t<T>* dst) {
   }
 }
 
+#if TOKENMILL_AMX
+// ---- bfloat16 on the AMX tile unit -------------------------------------------------------------
+// Where the CPU has AMX, bfloat16 layers multiply on the tile unit instead of widening to float32
+// FMAs (which cannot keep up with memory beyond a few rows), when K is a multiple of 32 (as in every
+// common model; other layers keep the layout above). A panel's two 16-column halves are two B
+// tiles per 32 k, in TDPBF16PS's pair layout (tile row r holds, for each column, the weights of
+// k = 2r and 2r + 1 side by side): [K / 32][2 tiles][16 rows][32], zeros past N; the packed
+// tensor's shape is the same as above. Input rows are A tiles read in place (16 rows x 32 k).
+// TDPBF16PS adds the exact products to each float32 accumulator 32 k at a time, in k order; its
+// float32 sums may differ from the FMA path's in the last bits (rare, tested within float32
+// accumulation error) and it flushes denormals to zero. A row's result again depends on that row
+// only.
+static_assert(kPanel == 32, "AMX panels are two 16-column tiles wide (an AVX-512 build)");
+constexpr int64_t kTileK = 32;  // bfloat16 k per tile row (64 bytes)
+constexpr int kTileRows = 16;
+constexpr int64_t kTileStep = 2 * kTileRows * 32;  // a panel's elements per 32 k (two B tiles)
+constexpr int64_t kPrefetchAhead = 32 * kTileStep;  // elements: weights fetched into L2 64 KB ahead
+// Panels per group: a group's weights stay in L2 while each 32-row block of inputs passes over them.
+constexpr int64_t kGroupBytes = 512 << 10;
+
+// Whether this process may use the tile registers (Linux grants them on request, per process).
+bool amx_usable() {
+  static const bool usable = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h (Linux >= 5.16)
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+
+// LDTILECFG's 64-byte operand (palette 1).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// This thread's tiles for a block of rows0 + rows1 input rows (rows1 = 0: one 16-row block):
+// 0-1 the accumulators of rows 0-15 (left and right panel halves), 2-3 those of rows 16-31,
+// 4-5 the two blocks' input rows, 6-7 the panel's two weight tiles.
+void configure_tiles(int rows0, int rows1) {
+  TileConfig config;
+  const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, kTileRows, kTileRows};
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = uint8_t(rows[t]);
+    config.colsb[t] = rows[t] > 0 ? 64 : 0;
+  }
+  _tile_loadconfig(&config);
+}
+
+// weight [N, K] -> [panels][K / 32][2][16][32] (see above).
+void pack_tiles(const uint16_t* src, int64_t N, int64_t K, uint16_t* dst) {
+  const int64_t panels = (N + kPanel - 1) / kPanel, steps = K / kTileK;
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t s = 0; s < steps; ++s) {
+      for (int half = 0; half < 2; ++half) {
+        for (int r = 0; r < kTileRows; ++r) {
+          uint16_t* row = dst + (p * steps + s) * kTileStep + (half * kTileRows + r) * 32;
+          for (int c = 0; c < 16; ++c) {
+            for (int e = 0; e < 2; ++e) {
+              const int64_t n = p * kPanel + half * 16 + c, k = s * kTileK + 2 * r + e;
+              row[2 * c + e] = n < N ? src[n * K + k] : uint16_t(0);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// acc[32][32] (float32) = the configured rows of `a` (row stride lda elements) x one
+// panel; kTwo: two 16-row blocks.
+template <bool kTwo>
+void tile_panel(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t steps, float* acc) {
+  const int64_t stride = lda * int64_t(sizeof(uint16_t));
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (kTwo) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint16_t* b = panel + s * kTileStep;
+    // NOTE: the L2 streamer stops at 4 KB pages, each 2 steps here: fetch across them by hand.
+    for (int64_t line = 0; line < kTileStep; line += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchAhead + line), _MM_HINT_T1);
+    }
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + kTileRows * 32, 64);
+    _tile_loadd(4, a + s * kTileK, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kTwo) {
+      _tile_loadd(5, a + kTileRows * lda + s * kTileK, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, acc, 32 * sizeof(float));
+  _tile_stored(1, acc + 16, 32 * sizeof(float));
+  if constexpr (kTwo) {
+    _tile_stored(2, acc + kTileRows * 32, 32 * sizeof(float));
+    _tile_stored(3, acc + kTileRows * 32 + 16, 32 * sizeof(float));
+  }
+}
+
+// multiply<BF16>'s result on the tile unit; packed as pack_tiles.
+void multiply_tiles(const uint16_t* xp, int64_t ldx, int64_t M, int64_t K, const uint16_t* wp, int64_t panels,
+                    const uint16_t* bp, int64_t N, uint16_t* op) {
+  const int64_t steps = K / kTileK;
+  const int64_t group = std::max<int64_t>(1, kGroupBytes / (K * kPanel * int64_t(sizeof(uint16_t))));
+  const auto run_panels = [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[2 * kTileRows * 32];
+    int configured = -1;  // rows of the current configuration
+    for (int64_t g = begin; g < end; g += group) {
+      for (int64_t m = 0; m < M; m += 2 * kTileRows) {
+        const int rows = int(std::min<int64_t>(2 * kTileRows, M - m));
+        if (rows != configured) {
+          configure_tiles(std::min(rows, kTileRows), std::max(rows - kTileRows, 0));
+          configured = rows;
+        }
+        for (int64_t p = g; p < std::min(end, g + group); ++p) {
+          const uint16_t* panel = wp + p * K * kPanel;
+          if (rows > kTileRows) {
+            tile_panel<true>(xp + m * ldx, ldx, panel, steps, acc);
+          } else {
+            tile_panel<false>(xp + m * ldx, ldx, panel, steps, acc);
+          }
+          const int64_t n0 = p * kPanel, cols = std::min<int64_t>(kPanel, N - n0);
+          fvec bias[2];
+          load_bias<BF16>(bp != nullptr ? bp + n0 : nullptr, cols, bias);
+          for (int r = 0; r < rows; ++r) {
+            fvec lo, hi;
+            load_row(acc + r * 32, lo, hi);
+            uint16_t* row = op + (m + r) * N + n0;
+            store_part<BF16>(row, lo + bias[0], std::min<int64_t>(kLanes, cols));
+            if (cols > kLanes) store_part<BF16>(row + kLanes, hi + bias[1], cols - kLanes);
+          }
+        }
+      }
+    }
+    _tile_release();
+  };
+  if (M * K * N < kSerialWork) {
+    run_panels(0, panels);
+  } else {
+    torch::stable::parallel_for(0, panels, 1, run_panels);
+  }
+}
+#endif
+
+// Whether bfloat16 layers multiply on the AMX tile unit (and are packed for it) in this process.
+bool uses_amx() {
+#if TOKENMILL_AMX
+  return amx_usable();
+#else
+  return false;
+#endif
+}
+
+// Whether a layer of this type and in_features multiplies on the tile unit (packed as pack_tiles).
+bool on_tiles(ScalarType type, int64_t K) {
+#if TOKENMILL_AMX
+  return type == ScalarType::BFloat16 && K % kTileK == 0 && uses_amx();
+#else
+  return false;
+#endif
+}
+
 bool supported(ScalarType type) { return type == ScalarType::Float || type == ScalarType::BFloat16; }
 
 Tensor pack_weight(Tensor weight) {
@@ -185,6 +362,14 @@ Tensor pack_weight(Tensor weight) {
                   "CPU tensor");
   weight = torch::stable::contiguous(weight);
   const int64_t N = weight.size(0), K = weight.size(1);
+#if TOKENMILL_AMX
+  if (on_tiles(weight.scalar_type(), K)) {
+    Tensor packed = torch::stable::new_empty(weight, {(N + kPanel - 1) / kPanel, K, kPanel});
+    pack_tiles(static_cast<const uint16_t*>(weight.const_data_ptr()), N, K,
+               static_cast<uint16_t*>(packed.mutable_data_ptr()));
+    return packed;
+  }
+#endif
   Tensor packed = torch::stable::new_empty(weight, {(N + kPanel - 1) / kPanel, K, kPanel});
   if (weight.scalar_type() == ScalarType::Float) {
     pack_panels<float>(static_cast<const float*>(weight.const_data_ptr()), N, K,
@@ -270,6 +455,13 @@ Tensor linear(Tensor x, Tensor packed_weight, std::optional<Tensor> bias, int64_
   };
   if (type == ScalarType::Float) {
     run(float{});
+#if TOKENMILL_AMX
+  } else if (on_tiles(type, K)) {
+    multiply_tiles(static_cast<const uint16_t*>(x.const_data_ptr()), x.stride(0), M, K,
+                   static_cast<const uint16_t*>(packed_weight.const_data_ptr()), panels,
+                   bias.has_value() ? static_cast<const uint16_t*>(bias->const_data_ptr()) : nullptr, N,
+                   static_cast<uint16_t*>(out.mutable_data_ptr()));
+#endif
   } else {
     run(BF16{});
   }
@@ -281,9 +473,14 @@ Tensor linear(Tensor x, Tensor packed_weight, std::optional<Tensor> bias, int64_
 STABLE_TORCH_LIBRARY(tokenmill_panel, m) {
   m.def("pack_weight(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
+  m.def("uses_amx() -> bool");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(tokenmill_panel, CPU, m) {
   m.impl("pack_weight", TORCH_BOX(&pack_weight));
   m.impl("linear", TORCH_BOX(&linear));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(tokenmill_panel, CompositeExplicitAutograd, m) {
+  m.impl("uses_amx", TORCH_BOX(&uses_amx));  // no tensor arguments: no device to dispatch on
 }
