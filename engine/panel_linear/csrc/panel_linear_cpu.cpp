@@ -256,8 +256,8 @@ void pack_tiles(const uint16_t* src, int64_t N, int64_t K, uint16_t* dst) {
 }
 
 // acc[32][32] (float32) = the configured rows of `a` (row stride lda elements) x one
-// panel; kTwo: two 16-row blocks.
-template <bool kTwo>
+// panel; kTwo: two 16-row blocks; kFetch: prefetch the weights ahead (they come from memory).
+template <bool kTwo, bool kFetch>
 void tile_panel(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t steps, float* acc) {
   const int64_t stride = lda * int64_t(sizeof(uint16_t));
   _tile_zero(0);
@@ -269,8 +269,10 @@ void tile_panel(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t s
   for (int64_t s = 0; s < steps; ++s) {
     const uint16_t* b = panel + s * kTileStep;
     // NOTE: the L2 streamer stops at 4 KB pages, each 2 steps here: fetch across them by hand.
-    for (int64_t line = 0; line < kTileStep; line += 32) {
-      _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchAhead + line), _MM_HINT_T1);
+    if constexpr (kFetch) {
+      for (int64_t line = 0; line < kTileStep; line += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchAhead + line), _MM_HINT_T1);
+      }
     }
     _tile_loadd(6, b, 64);
     _tile_loadd(7, b + kTileRows * 32, 64);
@@ -308,10 +310,13 @@ void multiply_tiles(const uint16_t* xp, int64_t ldx, int64_t M, int64_t K, const
         }
         for (int64_t p = g; p < std::min(end, g + group); ++p) {
           const uint16_t* panel = wp + p * K * kPanel;
-          if (rows > kTileRows) {
-            tile_panel<true>(xp + m * ldx, ldx, panel, steps, acc);
+          const uint16_t* a = xp + m * ldx;
+          if (rows <= kTileRows) {
+            tile_panel<false, true>(a, ldx, panel, steps, acc);  // M <= 16: one pass over the weights
+          } else if (m == 0) {
+            tile_panel<true, true>(a, ldx, panel, steps, acc);
           } else {
-            tile_panel<false>(xp + m * ldx, ldx, panel, steps, acc);
+            tile_panel<true, false>(a, ldx, panel, steps, acc);  // the group's weights are in L2
           }
           const int64_t n0 = p * kPanel, cols = std::min<int64_t>(kPanel, N - n0);
           fvec bias[2];
