@@ -91,7 +91,8 @@ def mixed_specs(block_size: int) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: "q{}-kv{}-d{}".format(*h))
 @pytest.mark.parametrize(("dtype", "block_size"), [
-    (torch.float64, 1), (torch.float64, 16), (torch.float32, 4), (torch.float32, 16), (torch.bfloat16, 16),
+    (torch.float64, 1), (torch.float64, 16), (torch.float32, 4), (torch.float32, 16), (torch.bfloat16, 4),
+    (torch.bfloat16, 16),
 ], ids=lambda v: str(v).replace("torch.", ""))
 def test_mixed_batch_matches_reference(heads: tuple[int, int, int], dtype: torch.dtype, block_size: int) -> None:
     assert_matches_reference(make_batch(mixed_specs(block_size), heads, block_size, dtype))
@@ -104,6 +105,14 @@ def test_long_contexts_split_across_threads(threads: int, dtype: torch.dtype) ->
     into partitions (flash-decoding) whose partial softmaxes are merged."""
     assert_matches_reference(make_batch([(3001, 1)], (9, 3, 64), 16, dtype, seed=1))
     assert_matches_reference(make_batch([(2500, 40), (1800, 1)], (8, 1, 64), 16, dtype, seed=2))
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128)], ids=lambda h: "q{}-kv{}-d{}".format(*h))
+def test_long_bfloat16_prefill_chunks_match_reference(block_size: int, heads: tuple[int, int, int]) -> None:
+    """Many-row bfloat16 tiles (on the AMX tile unit where the CPU has one): several tiles per
+    sequence with a ragged last row block, long key chunks over a cached prefix, a short first chunk."""
+    assert_matches_reference(make_batch([(700, 300), (260, 130), (5, 5)], heads, block_size, torch.bfloat16, seed=3))
 
 
 def test_float16_matches_reference() -> None:
