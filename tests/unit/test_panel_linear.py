@@ -119,3 +119,23 @@ def test_mismatched_shapes_are_refused() -> None:
         panel_linear.linear(torch.ones(2, 16), packed, None, 8)  # float32 input, bfloat16 weight
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         panel_linear.pack_weight(torch.ones(8, 16, dtype=torch.float16))
+
+
+def test_calls_interleaved_with_torchs_own_tile_unit_users_keep_every_result() -> None:
+    """On CPUs with AMX, oneDNN (a bfloat16 matmul) and torch's brgemm (bfloat16 SDPA) use the tile
+    unit too; the kernel configures and releases the tiles on every call, and calls alternating
+    with theirs on the same thread must leave every result unchanged."""
+    gen = torch.Generator().manual_seed(5)
+    a, b = _random(64, 256, generator=gen), _random(256, 128, generator=gen)
+    q, k, v = (_random(1, 4, 160, 64, generator=gen) for _ in range(3))
+    weight, x = _random(96, 256, generator=gen), _random(40, 256, generator=gen)
+    packed = panel_linear.pack_weight(weight)
+
+    def attention() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    want_matmul, want_attention, want_linear = a @ b, attention(), panel_linear.linear(x, packed, None, 96)
+    for _ in range(3):
+        assert torch.equal(panel_linear.linear(x, packed, None, 96), want_linear)
+        assert torch.equal(a @ b, want_matmul)
+        assert torch.equal(attention(), want_attention)

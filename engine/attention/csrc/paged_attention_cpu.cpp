@@ -281,7 +281,9 @@ bool amx_usable() {
   return usable;
 }
 
-// All eight tiles as 16 rows x 64 bytes (palette 1): this thread's configuration for tile chunks.
+// All eight tiles as 16 rows x 64 bytes (palette 1): this thread's configuration for tile chunks,
+// loaded at the start of each item and released at its end (as the panel linear kernel does, so
+// that oneDNN and torch's brgemm configure again on their next use of the tile unit).
 void configure_tiles() {
   struct alignas(64) {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};

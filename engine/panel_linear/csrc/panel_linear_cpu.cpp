@@ -222,7 +222,10 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// This thread's tiles for a block of rows0 + rows1 input rows (rows1 = 0: one 16-row block):
+// This thread's tiles for a block of rows0 + rows1 input rows (rows1 = 0: one 16-row block).
+// Every call configures its threads' tiles and releases them at the end: oneDNN and torch's
+// brgemm, which use the tile unit too, configure again on their next use (oneDNN compares the
+// loaded configuration; torch forgets its own after each release). Tiles:
 // 0-1 the accumulators of rows 0-15 (left and right panel halves), 2-3 those of rows 16-31,
 // 4-5 the two blocks' input rows, 6-7 the panel's two weight tiles.
 void configure_tiles(int rows0, int rows1) {
