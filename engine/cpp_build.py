@@ -1,9 +1,9 @@
 """Builds the engine's C++ CPU extensions on first use and loads them once per process.
 
 Each extension is one source file, compiled by ``torch.utils.cpp_extension`` into a cache folder
-keyed by everything its binary depends on (source, torch build, compiler, CPU flags, compiler
-flags), so a binary is only ever loaded where it was built, and a rebuild happens exactly when
-one of those changes. Failure is not fatal: :meth:`CppExtension.is_available` logs why once and
+keyed by everything its binary depends on (source, the engine's headers it includes, torch build,
+compiler, CPU flags, compiler flags), so a binary is only ever loaded where it was built, and a
+rebuild happens exactly when one of those changes. Failure is not fatal: :meth:`CppExtension.is_available` logs why once and
 callers use their plain-torch path. Imports torch.
 """
 
@@ -24,6 +24,9 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
+
+# The AMX tile unit's permission and configuration, shared by the kernels that use it.
+AMX_TILES_HEADER = Path(__file__).resolve().parent / "csrc" / "amx_tiles.h"
 
 
 def cpu_flags() -> str:
@@ -49,14 +52,15 @@ class CppExtension:
         name: the library's name (also the cache folder's prefix).
         source: the ``.cpp`` file.
         cflags: compiler flags; part of the cache key.
+        headers: the engine's own headers the source includes (their contents join the cache key).
         what: how the log names it ("CPU paged-attention kernel").
         fallback: what callers do without it, for the log ("reference path used").
         after_load: run once after loading (e.g. registering fake implementations).
     """
 
     def __init__(self, name: str, source: Path, cflags: tuple[str, ...], what: str, fallback: str,
-                 after_load: Callable[[], None] | None = None) -> None:
-        self.name, self.source, self.cflags = name, source, cflags
+                 after_load: Callable[[], None] | None = None, headers: tuple[Path, ...] = ()) -> None:
+        self.name, self.source, self.cflags, self.headers = name, source, cflags, headers
         self.what, self.fallback = what, fallback
         self._after_load = after_load
         self._lock = threading.Lock()
@@ -72,9 +76,10 @@ class CppExtension:
             [_compiler(), "--version"], capture_output=True, text=True, check=True, timeout=30
         ).stdout
         key = hashlib.sha256()
-        for part in (self.source.read_bytes(), torch.__version__.encode(), str(torch.version.git_version).encode(),
-                     platform.machine().encode(), cpu_flags().encode(), compiler_version.encode(),
-                     " ".join(self.cflags).encode()):
+        sources = (self.source, *self.headers)
+        for part in (*(path.read_bytes() for path in sources), torch.__version__.encode(),
+                     str(torch.version.git_version).encode(), platform.machine().encode(), cpu_flags().encode(),
+                     compiler_version.encode(), " ".join(self.cflags).encode()):
             key.update(part)
             key.update(b"\0")
         home = os.environ.get("TOKENMILL_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")

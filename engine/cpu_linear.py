@@ -159,14 +159,24 @@ def _amx_cpu() -> bool:
     return "amx_bf16" in cpu_flags().split()
 
 
+def _tile_unit_wanted(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` layers would multiply on the panel kernel's AMX tile path here: bfloat16 on
+    an AVX-512 CPU with AMX (there it streams the weights near the memory's read rate at 1-64 rows,
+    where oneDNN's inner product measured 1.1-2x slower on a Sapphire Rapids). Builds nothing."""
+    return dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() == "AVX512" and _amx_cpu()
+
+
+def _may_prefer_panels(dtype: torch.dtype) -> bool:
+    """Whether the panel kernel may go first for ``dtype`` (builds nothing): wherever ATen does not
+    run AVX-512 (there oneDNN has no bfloat16 path and its float32 measured slower at decode sizes),
+    and on the AMX tile path (:func:`_tile_unit_wanted`)."""
+    return torch.backends.cpu.get_cpu_capability() != "AVX512" or _tile_unit_wanted(dtype)
+
+
 def _prefers_panels(dtype: torch.dtype) -> bool:
-    """Whether the panel kernel goes first for ``dtype``: wherever ATen does not run AVX-512 (there
-    oneDNN has no bfloat16 path and its float32 measured slower at decode sizes), and for bfloat16
-    where the kernel multiplies on AMX (it streams the weights near the memory's read rate at 1-64
-    rows, where oneDNN's inner product measured 1.1-2x slower on a Sapphire Rapids)."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return True
-    return dtype == torch.bfloat16 and _amx_cpu() and panel_linear.uses_amx()
+    """Whether the panel kernel goes first for ``dtype``: :func:`_may_prefer_panels`, where the
+    tile path also needs the OS to grant the tile unit (else oneDNN's own AMX path leads)."""
+    return _may_prefer_panels(dtype) and (not _tile_unit_wanted(dtype) or panel_linear.uses_amx())
 
 
 def kernel_for(dtype: torch.dtype) -> LinearKernel | None:
@@ -179,10 +189,7 @@ def kernel_for(dtype: torch.dtype) -> LinearKernel | None:
 def prebuild_kernel_for(dtype: torch.dtype) -> None:
     """Start building the panel kernel now if ``dtype`` layers may use it (``engine.cpp_build``:
     builds overlap the model's loading)."""
-    if dtype not in (torch.float32, torch.bfloat16):
-        return
-    if (torch.backends.cpu.get_cpu_capability() != "AVX512" or (dtype == torch.bfloat16 and _amx_cpu())
-            or not packing_works(dtype, ONEDNN)):
+    if dtype in (torch.float32, torch.bfloat16) and (_may_prefer_panels(dtype) or not packing_works(dtype, ONEDNN)):
         panel_linear.build_in_background()
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cpp_build import CppExtension
+from engine.cpp_build import AMX_TILES_HEADER, CppExtension
 
 # -march=native: the cache key includes the CPU's flags, so a binary is only loaded where built.
 # -ffp-contract=fast: the micro-kernels' a * b + c become fused multiply-adds.
@@ -26,7 +26,7 @@ def _register_fakes() -> None:
 
 _EXTENSION = CppExtension("tokenmill_paged_attention_cpu", Path(__file__).resolve().parent / "csrc" /
                           "paged_attention_cpu.cpp", _CFLAGS, what="CPU paged-attention kernel",
-                          fallback="reference path used", after_load=_register_fakes)
+                          fallback="reference path used", after_load=_register_fakes, headers=(AMX_TILES_HEADER,))
 build_directory = _EXTENSION.build_directory
 build_in_background = _EXTENSION.build_in_background
 

@@ -18,13 +18,14 @@ from pathlib import Path
 
 import torch
 
-from engine.cpp_build import CppExtension
+from engine.cpp_build import AMX_TILES_HEADER, CppExtension
 
 # -march=native: the cache key includes the CPU's flags. -ffp-contract=fast: a * b + c in the
 # micro-kernel becomes one fused multiply-add.
 _EXTENSION = CppExtension("tokenmill_panel_linear_cpu", Path(__file__).resolve().parent / "csrc" /
                           "panel_linear_cpu.cpp", ("-O3", "-march=native", "-ffp-contract=fast", "-DNDEBUG"),
-                          what="panel linear kernel", fallback="linear layers use oneDNN or torch's matmul")
+                          what="panel linear kernel", fallback="linear layers use oneDNN or torch's matmul",
+                          headers=(AMX_TILES_HEADER,))
 is_available = _EXTENSION.is_available
 build_in_background = _EXTENSION.build_in_background
 

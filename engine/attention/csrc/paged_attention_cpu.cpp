@@ -77,10 +77,7 @@
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "../../csrc/amx_tiles.h"
 
 #include <algorithm>
 #include <atomic>
@@ -270,28 +267,11 @@ inline void score_dots_bf16(const uint16_t* q, const uint16_t* const* keys, int6
 }
 #endif
 
-#if defined(TOKENMILL_BF16_DOTS) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(TOKENMILL_BF16_DOTS) && defined(TOKENMILL_AMX)
 #define TOKENMILL_AMX_TILES 1
-// Whether this process may use the AMX tile registers (Linux grants them on request, per process).
-bool amx_usable() {
-  static const bool usable = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h (Linux >= 5.16)
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return usable;
-}
-
-// All eight tiles as 16 rows x 64 bytes (palette 1): this thread's configuration for tile chunks,
-// loaded at the start of each item and released at its end (as the panel linear kernel does, so
-// that oneDNN and torch's brgemm configure again on their next use of the tile unit).
-void configure_tiles() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-  } config;
-  _tile_loadconfig(&config);
-}
+// All eight tiles as 16 rows x 64 bytes: this thread's configuration for tile chunks, loaded at
+// the start of each item and released at its end (engine/csrc/amx_tiles.h).
+void configure_tiles() { tokenmill_amx::configure({16, 16, 16, 16, 16, 16, 16, 16}); }
 #endif
 
 // s[k * lds + lane] = sum_d K[k][d] * qt[d * ldq + lane] for NK keys and RV row vectors.
@@ -461,7 +441,7 @@ struct Workspace {
     if constexpr (kBf16Dots) qb.reset(new uint16_t[std::min<int64_t>(max_rows, kMaxDotRows) * head_dim]);
 #ifdef TOKENMILL_AMX_TILES
     if constexpr (kTileCapable) {
-      if (max_rows > kMaxDotRows && head_dim % 32 == 0) {
+      if (max_rows > kMaxDotRows && tile_unit(head_dim)) {
         const int64_t padded_rows = (max_rows + 15) / 16 * 16;
         qtile.reset(new uint16_t[padded_rows * head_dim]);
         kpairs.reset(new uint32_t[head_dim / 2 * kTileKeyChunk]);
@@ -473,10 +453,20 @@ struct Workspace {
 #endif
   }
 
-  // Whether many-row tiles of this workspace can run on the AMX tile unit.
+  // Whether many-row tiles of this input type and head_dim run on the AMX tile unit here.
+  static bool tile_unit(int64_t head_dim) {
+#ifdef TOKENMILL_AMX_TILES
+    return kTileCapable && head_dim % 32 == 0 && tokenmill_amx::usable();
+#else
+    (void)head_dim;
+    return false;
+#endif
+  }
+
+  // Whether this workspace's many-row tiles run on the tile unit (its buffers exist).
   bool tile_capable() const {
 #ifdef TOKENMILL_AMX_TILES
-    return qtile != nullptr && amx_usable();
+    return qtile != nullptr;
 #else
     return false;
 #endif
@@ -800,15 +790,6 @@ class PagedAttention {
   }
 
  private:
-  // Whether many-row tiles will run on the AMX tile unit (Workspace::tile_capable's conditions).
-  bool tile_unit() const {
-#ifdef TOKENMILL_AMX_TILES
-    return Workspace<scalar_t, acc_t>::kTileCapable && head_dim_ % 32 == 0 && amx_usable();
-#else
-    return false;
-#endif
-  }
-
   int64_t partial_stride() const { return max_rows_ * (head_dim_pad_ + 2); }  // m, l, o[head_dim_pad]
 
   void plan(int64_t num_blocks, int64_t table_width, const int32_t* seq_lens, const int32_t* qsl,
@@ -816,7 +797,8 @@ class PagedAttention {
     // Rows per tile: 4 vectors for the lane micro-kernel when a sequence has many query tokens
     // (16 for the AMX tile unit, where each chunk's K/V re-layout serves every row of the tile);
     // decodes are one token, i.e. `group_` rows.
-    const int64_t tile_tokens = std::max<int64_t>(1, (tile_unit() ? 16 : 4) * W / group_);
+    const int64_t tile_vectors = Workspace<scalar_t, acc_t>::tile_unit(head_dim_) ? 16 : 4;
+    const int64_t tile_tokens = std::max<int64_t>(1, tile_vectors * W / group_);
     for (int64_t s = 0; s < num_seqs; ++s) {
       const int64_t q_begin = qsl[s], q_end = qsl[s + 1], context = seq_lens[s];
       const int64_t q_len = q_end - q_begin;

@@ -31,12 +31,7 @@
 #include <type_traits>
 #include <utility>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define TOKENMILL_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "../../csrc/amx_tiles.h"
 
 namespace {
 
@@ -206,36 +201,12 @@ constexpr int64_t kPrefetchAhead = 32 * kTileStep;  // elements: weights fetched
 // Panels per group: a group's weights stay in L2 while each 32-row block of inputs passes over them.
 constexpr int64_t kGroupBytes = 512 << 10;
 
-// Whether this process may use the tile registers (Linux grants them on request, per process).
-bool amx_usable() {
-  static const bool usable = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h (Linux >= 5.16)
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return usable;
-}
-
-// LDTILECFG's 64-byte operand (palette 1).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// This thread's tiles for a block of rows0 + rows1 input rows (rows1 = 0: one 16-row block).
-// Every call configures its threads' tiles and releases them at the end: oneDNN and torch's
-// brgemm, which use the tile unit too, configure again on their next use (oneDNN compares the
-// loaded configuration; torch forgets its own after each release). Tiles:
-// 0-1 the accumulators of rows 0-15 (left and right panel halves), 2-3 those of rows 16-31,
-// 4-5 the two blocks' input rows, 6-7 the panel's two weight tiles.
+// This thread's tiles for a block of rows0 + rows1 input rows (rows1 = 0: one 16-row block),
+// configured per call and released at its end (engine/csrc/amx_tiles.h): 0-1 the accumulators of
+// rows 0-15 (left and right panel halves), 2-3 those of rows 16-31, 4-5 the two blocks' input
+// rows, 6-7 the panel's two weight tiles.
 void configure_tiles(int rows0, int rows1) {
-  TileConfig config;
-  const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, kTileRows, kTileRows};
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = uint8_t(rows[t]);
-    config.colsb[t] = rows[t] > 0 ? 64 : 0;
-  }
-  _tile_loadconfig(&config);
+  tokenmill_amx::configure({rows0, rows0, rows1, rows1, rows0, rows1, kTileRows, kTileRows});
 }
 
 // weight [N, K] -> [panels][K / 32][2][16][32] (see above).
@@ -347,7 +318,7 @@ void multiply_tiles(const uint16_t* xp, int64_t ldx, int64_t M, int64_t K, const
 // Whether bfloat16 layers multiply on the AMX tile unit (and are packed for it) in this process.
 bool uses_amx() {
 #if TOKENMILL_AMX
-  return amx_usable();
+  return tokenmill_amx::usable();
 #else
   return false;
 #endif
