@@ -7,8 +7,9 @@ load time measured 1.4-1.9x faster bfloat16 layers at 1-16 tokens and up to 2.7x
 LM heads on a 2-core Sapphire Rapids. On CPUs without AVX-512 layers use the engine's own panel
 kernel (engine/panel_linear) instead: oneDNN has no bfloat16 path there (torch falls back to a
 scalar loop, 4-7x slower) and its float32 measured 1.05-1.7x slower at 1-64 rows (Zen 3). So do
-bfloat16 layers on CPUs with AMX, where the panel kernel multiplies on the tile unit and streams
-the weights 1.1-1.6x faster than oneDNN at 1-16 rows (Sapphire Rapids).
+bfloat16 layers on CPUs that multiply bfloat16 pairs natively: with AMX the panel kernel
+multiplies on the tile unit and streams the weights 1.1-1.6x faster than oneDNN at 1-16 rows
+(Sapphire Rapids); with AVX512-BF16 alone (Zen 4) it multiplies by VDPBF16PS dot products.
 NOTE: where oneDNN packs float32, MKL's plain GEMV is ~1.3x faster at one or two tokens (28 vs
 37 ms for SmolLM2's 30 layers), but keeping both weights would double the
 model's memory; the packed weight alone is kept. Results differ from the plain path only in
@@ -154,29 +155,29 @@ def packing_works(dtype: torch.dtype, kernel: LinearKernel = ONEDNN) -> bool:
         return False
 
 
-def _amx_cpu() -> bool:
-    """Whether the CPU reports AMX bfloat16 tiles (reads its flags; builds nothing)."""
-    return "amx_bf16" in cpu_flags().split()
-
-
-def _tile_unit_wanted(dtype: torch.dtype) -> bool:
-    """Whether ``dtype`` layers would multiply on the panel kernel's AMX tile path here: bfloat16 on
-    an AVX-512 CPU with AMX (there it streams the weights near the memory's read rate at 1-64 rows,
-    where oneDNN's inner product measured 1.1-2x slower on a Sapphire Rapids). Builds nothing."""
-    return dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() == "AVX512" and _amx_cpu()
+def _pairs_wanted(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` layers would multiply on one of the panel kernel's bfloat16 pair paths here
+    (panel_linear.bfloat16_path): bfloat16 on an AVX-512 CPU with AMX (the tile unit streams the
+    weights near the memory's read rate at 1-64 rows, where oneDNN's inner product measured
+    1.1-2x slower on a Sapphire Rapids) or with AVX512-BF16 (VDPBF16PS dot products; AMD Zen 4).
+    Reads the CPU's flags; builds nothing."""
+    flags = cpu_flags().split()
+    return (dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() == "AVX512"
+            and ("amx_bf16" in flags or "avx512_bf16" in flags))
 
 
 def _may_prefer_panels(dtype: torch.dtype) -> bool:
     """Whether the panel kernel may go first for ``dtype`` (builds nothing): wherever ATen does not
     run AVX-512 (there oneDNN has no bfloat16 path and its float32 measured slower at decode sizes),
-    and on the AMX tile path (:func:`_tile_unit_wanted`)."""
-    return torch.backends.cpu.get_cpu_capability() != "AVX512" or _tile_unit_wanted(dtype)
+    and on the bfloat16 pair paths (:func:`_pairs_wanted`)."""
+    return torch.backends.cpu.get_cpu_capability() != "AVX512" or _pairs_wanted(dtype)
 
 
 def _prefers_panels(dtype: torch.dtype) -> bool:
-    """Whether the panel kernel goes first for ``dtype``: :func:`_may_prefer_panels`, where the
-    tile path also needs the OS to grant the tile unit (else oneDNN's own AMX path leads)."""
-    return _may_prefer_panels(dtype) and (not _tile_unit_wanted(dtype) or panel_linear.uses_amx())
+    """Whether the panel kernel goes first for ``dtype``: :func:`_may_prefer_panels`, where a pair
+    path also needs the kernel built for it and (AMX) the OS to grant the tile unit; else oneDNN's
+    own bfloat16 path leads."""
+    return _may_prefer_panels(dtype) and (not _pairs_wanted(dtype) or panel_linear.bfloat16_path() != "widen")
 
 
 def kernel_for(dtype: torch.dtype) -> LinearKernel | None:

@@ -1,5 +1,5 @@
 """Linear layers packed in panels (``csrc/panel_linear_cpu.cpp``): float32 and bfloat16 for CPUs
-without AVX-512, and bfloat16 on the AMX tile unit of CPUs that have one.
+without AVX-512, and bfloat16 on CPUs that multiply bfloat16 pairs natively (AVX512-BF16, AMX).
 
 There oneDNN has no bfloat16 path (torch's bfloat16 matmul is a scalar loop: ~14 GFLOPS on 2 Zen 3
 cores, a seventh of oneDNN's float32, so a bfloat16 model ran several times slower than float32),
@@ -8,7 +8,8 @@ on SmolLM2's shapes. The kernel streams each panel of 2 x vector-width output fe
 back, widens bfloat16 weights to float32 in registers, and adds one fused multiply-add per k in
 order. With AMX, bfloat16 layers multiply on the tile unit instead (float32 sums in k order), which
 streams the weights 1.1-1.6x faster than torch's oneDNN inner product at 1-16 rows on a Sapphire
-Rapids. engine/cpu_linear.py decides where it is used. Builds on first use like the other C++
+Rapids; with AVX512-BF16 but no AMX (AMD Zen 4), by VDPBF16PS dot products (see
+:func:`bfloat16_path`). engine/cpu_linear.py decides where it is used. Builds on first use like the other C++
 parts; imports torch.
 """
 
@@ -46,7 +47,14 @@ def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out_features)
 
 
-def uses_amx() -> bool:
-    """Whether bfloat16 layers whose in_features is a multiple of 32 multiply on the AMX tile unit
-    here (and are packed for it)."""
-    return is_available() and bool(torch.ops.tokenmill_panel.uses_amx())
+BFLOAT16_PATHS = ("widen", "avx512_bf16", "amx")
+
+
+def bfloat16_path() -> str:
+    """How bfloat16 layers whose in_features is a multiple of 32 multiply here (and are packed for
+    it): ``"amx"`` on the tile unit, ``"avx512_bf16"`` by VDPBF16PS dot products, ``"widen"`` by
+    float32 FMAs on widened weights (also every other bfloat16 layer, and where the kernel is not
+    built)."""
+    if not is_available():
+        return "widen"
+    return BFLOAT16_PATHS[int(torch.ops.tokenmill_panel.bfloat16_path())]

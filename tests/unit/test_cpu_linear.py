@@ -102,16 +102,17 @@ def test_the_kernel_choice_follows_the_cpu_and_falls_back(monkeypatch: pytest.Mo
     assert cpu_linear.kernel_for(torch.bfloat16) is None
 
 
-@pytest.mark.parametrize(("capability", "amx", "tiles_here", "panels_for"), [
-    ("AVX2", False, False, {torch.float32, torch.bfloat16}),
-    ("AVX512", False, False, set()),
-    ("AVX512", True, True, {torch.bfloat16}),  # AMX: bfloat16 on the tile unit
-    ("AVX512", True, False, set()),  # the OS refused the tiles: oneDNN's AMX path stays first
+@pytest.mark.parametrize(("capability", "flags", "path_here", "panels_for"), [
+    ("AVX2", "avx2", "widen", {torch.float32, torch.bfloat16}),
+    ("AVX512", "avx512f", "widen", set()),
+    ("AVX512", "avx512f avx512_bf16 amx_bf16", "amx", {torch.bfloat16}),  # bfloat16 on the tile unit
+    ("AVX512", "avx512f avx512_bf16", "avx512_bf16", {torch.bfloat16}),  # Zen 4: VDPBF16PS dot products
+    ("AVX512", "avx512f avx512_bf16 amx_bf16", "widen", set()),  # not built for them: oneDNN stays first
 ])
-def test_the_panel_kernel_leads_without_avx512_and_for_bfloat16_on_amx(
-        capability: str, amx: bool, tiles_here: bool, panels_for: set[torch.dtype],
+def test_the_panel_kernel_leads_without_avx512_and_for_bfloat16_where_the_cpu_multiplies_pairs(
+        capability: str, flags: str, path_here: str, panels_for: set[torch.dtype],
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    monkeypatch.setattr(cpu_linear, "_amx_cpu", lambda: amx)
-    monkeypatch.setattr(panel_linear, "uses_amx", lambda: tiles_here)
+    monkeypatch.setattr(cpu_linear, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(panel_linear, "bfloat16_path", lambda: path_here)
     assert {dtype for dtype in (torch.float32, torch.bfloat16) if cpu_linear._prefers_panels(dtype)} == panels_for

@@ -48,6 +48,10 @@ constexpr int kRows = 6;  // 12 accumulators + 2 weight vectors + a broadcast of
 constexpr int kVecBytes = 16;
 constexpr int kRows = 6;
 #endif
+// bfloat16 layers multiply pairs of k natively (the pair layout, further down): AVX512-BF16, AMX.
+#if defined(__AVX512F__) && (defined(__AVX512BF16__) || TOKENMILL_AMX)
+#define TOKENMILL_PAIRS 1
+#endif
 constexpr int kLanes = kVecBytes / 4;
 constexpr int kPanel = 2 * kLanes;  // output features per panel: two accumulator vectors per row
 constexpr int64_t kChunkBytes = 192 << 10;  // float32 input rows per chunk (L2 holds them)
@@ -130,6 +134,13 @@ inline void load_bias(const bits_t<T>* bias, int64_t count, fvec out[2]) {
   load_row(padded, out[0], out[1]);
 }
 
+// out[0 .. cols) = round(lo, hi + bias): one row of a panel's results (lo: its first kLanes columns).
+template <typename T>
+inline void store_row(bits_t<T>* out, fvec lo, fvec hi, const fvec bias[2], int64_t cols) {
+  store_part<T>(out, lo + bias[0], std::min<int64_t>(kLanes, cols));
+  if (cols > kLanes) store_part<T>(out + kLanes, hi + bias[1], cols - kLanes);
+}
+
 // out[r][0 .. cols) = round(x[r] . W[panel column] + bias) for r < R; x rows are float32 (row
 // stride ldx), the panel is [K][kPanel] of T, out has row stride ldo.
 template <typename T, int R>
@@ -148,20 +159,30 @@ void micro_tile(const float* x, int64_t ldx, const bits_t<T>* panel, int64_t K, 
       acc[r][1] += b * w1;
     }
   }
-  for (int r = 0; r < R; ++r) {
-    bits_t<T>* row = out + r * ldo;
-    store_part<T>(row, acc[r][0] + bias[0], std::min<int64_t>(kLanes, cols));
-    if (cols > kLanes) store_part<T>(row + kLanes, acc[r][1] + bias[1], cols - kLanes);
-  }
+  for (int r = 0; r < R; ++r) store_row<T>(out + r * ldo, acc[r][0], acc[r][1], bias, cols);
 }
 
-template <typename T, int R>
-void rows_tile(int rows, const float* x, int64_t ldx, const bits_t<T>* panel, int64_t K, const fvec bias[2],
+#if TOKENMILL_PAIRS
+template <int R>
+void pair_tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K, const fvec bias[2], uint16_t* out,
+               int64_t ldo, int64_t cols);
+#endif
+
+// A micro-tile of `rows` (1 .. R) rows: x is float32 rows for micro_tile, bfloat16 rows read in
+// place for pair_tile (kPairs).
+template <typename T, bool kPairs, int R, typename In>
+void rows_tile(int rows, const In* x, int64_t ldx, const bits_t<T>* panel, int64_t K, const fvec bias[2],
                bits_t<T>* out, int64_t ldo, int64_t cols) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_tile<T, R - 1>(rows, x, ldx, panel, K, bias, out, ldo, cols);
+    if (rows < R) return rows_tile<T, kPairs, R - 1>(rows, x, ldx, panel, K, bias, out, ldo, cols);
   }
-  micro_tile<T, R>(x, ldx, panel, K, bias, out, ldo, cols);
+  if constexpr (kPairs) {
+#if TOKENMILL_PAIRS
+    pair_tile<R>(x, ldx, panel, K, bias, out, ldo, cols);
+#endif
+  } else {
+    micro_tile<T, R>(x, ldx, panel, K, bias, out, ldo, cols);
+  }
 }
 
 // weight: [N, K] -> [ceil(N / kPanel), K, kPanel]: panel p holds output features p * kPanel ..
@@ -181,42 +202,44 @@ void pack_panels(const bits_t<T>* src, int64_t N, int64_t K, bits_t<T>* dst) {
   }
 }
 
-#if TOKENMILL_AMX
-// ---- bfloat16 on the AMX tile unit -------------------------------------------------------------
-// Where the CPU has AMX, bfloat16 layers multiply on the tile unit instead of widening to float32
-// FMAs (which cannot keep up with memory beyond a few rows), when K is a multiple of 32 (as in every
-// common model; other layers keep the layout above). A panel's two 16-column halves are two B
-// tiles per 32 k, in TDPBF16PS's pair layout (tile row r holds, for each column, the weights of
-// k = 2r and 2r + 1 side by side): [K / 32][2 tiles][16 rows][32], zeros past N; the packed
-// tensor's shape is the same as above. Input rows are A tiles read in place (16 rows x 32 k).
-// TDPBF16PS adds the exact products to each float32 accumulator 32 k at a time, in k order; its
-// float32 sums may differ from the FMA path's in the last bits (rare, tested within float32
-// accumulation error) and it flushes denormals to zero. A row's result again depends on that row
-// only.
-static_assert(kPanel == 32, "AMX panels are two 16-column tiles wide (an AVX-512 build)");
-constexpr int64_t kTileK = 32;  // bfloat16 k per tile row (64 bytes)
-constexpr int kTileRows = 16;
-constexpr int64_t kTileStep = 2 * kTileRows * 32;  // a panel's elements per 32 k (two B tiles)
-constexpr int64_t kPrefetchAhead = 32 * kTileStep;  // elements: weights fetched into L2 64 KB ahead
-// Panels per group: a group's weights stay in L2 while each 32-row block of inputs passes over them.
-constexpr int64_t kGroupBytes = 512 << 10;
+#if TOKENMILL_PAIRS
+// ---- bfloat16 in pairs: AVX512-BF16 dot products and the AMX tile unit -------------------------
+// Where the CPU multiplies bfloat16 pairs itself, bfloat16 layers whose K is a multiple of 32 (as
+// in every common model; other layers keep the layout above) are packed in the pair layout of its
+// instructions instead of widening to float32 FMAs (which cannot keep up with memory beyond a few
+// rows): per 32 k, a panel's two 16-column halves, each 16 rows of 32 values where row r holds,
+// for each column, the weights of k = 2r and 2r + 1 side by side; zeros past N; the packed
+// tensor's shape is the same as above. One row is one VDPBF16PS operand (AVX512-BF16: AMD Zen 4,
+// Intel Cooper Lake and later), one half is one TDPBF16PS B tile (AMX, further down, used where
+// the OS grants the tile unit). Input rows are read in place: a pair of bfloat16 inputs is one
+// 32-bit broadcast (pair_tile) or 32 k of 16 rows one A tile (AMX).
+// Both instructions add the two exact products of each pair to a float32 accumulator, pairs in k
+// order; the float32 sums may differ from the FMA path's in the last bits (rare, tested within
+// float32 accumulation error) and denormals flush to zero. A row's result again depends on that
+// row only.
+static_assert(kPanel == 32, "pair panels are two 16-column halves wide (an AVX-512 build)");
+constexpr int64_t kTileK = 32;  // bfloat16 k per pair-layout row block (one 64-byte row per k pair)
+constexpr int kTileRows = 16;  // k pairs per 32 k
+constexpr int64_t kTileStep = 2 * kTileRows * 32;  // a panel's elements per 32 k (two halves)
 
-// This thread's tiles for a block of rows0 + rows1 input rows (rows1 = 0: one 16-row block),
-// configured per call and released at its end (engine/csrc/amx_tiles.h): 0-1 the accumulators of
-// rows 0-15 (left and right panel halves), 2-3 those of rows 16-31, 4-5 the two blocks' input
-// rows, 6-7 the panel's two weight tiles.
-void configure_tiles(int rows0, int rows1) {
-  tokenmill_amx::configure({rows0, rows0, rows1, rows1, rows0, rows1, kTileRows, kTileRows});
-}
+// Where row r of half h sits in a panel's 32-k step: at r * row + h * half elements.
+struct PairLayout {
+  int64_t row, half;
+};
+// AMX: each half one contiguous B tile. VDPBF16PS: each pair's two halves side by side, so the
+// micro-tile reads one stream front to back (the two streams 1 KB apart of the tile arrangement
+// measured 1.1-2.3x slower at 1-16 rows on a Zen 4: its prefetchers follow them poorly).
+constexpr PairLayout kTileLayout{32, kTileRows * 32};
+constexpr PairLayout kDotLayout{64, 32};
 
-// weight [N, K] -> [panels][K / 32][2][16][32] (see above).
-void pack_tiles(const uint16_t* src, int64_t N, int64_t K, uint16_t* dst) {
+// weight [N, K] -> [panels][K / 32][kTileStep] (see above).
+void pack_pairs(const uint16_t* src, int64_t N, int64_t K, uint16_t* dst, PairLayout layout) {
   const int64_t panels = (N + kPanel - 1) / kPanel, steps = K / kTileK;
   for (int64_t p = 0; p < panels; ++p) {
     for (int64_t s = 0; s < steps; ++s) {
       for (int half = 0; half < 2; ++half) {
         for (int r = 0; r < kTileRows; ++r) {
-          uint16_t* row = dst + (p * steps + s) * kTileStep + (half * kTileRows + r) * 32;
+          uint16_t* row = dst + (p * steps + s) * kTileStep + r * layout.row + half * layout.half;
           for (int c = 0; c < 16; ++c) {
             for (int e = 0; e < 2; ++e) {
               const int64_t n = p * kPanel + half * 16 + c, k = s * kTileK + 2 * r + e;
@@ -227,6 +250,50 @@ void pack_tiles(const uint16_t* src, int64_t N, int64_t K, uint16_t* dst) {
       }
     }
   }
+}
+
+#if defined(__AVX512BF16__)
+// pair_tile: rows_tile's micro-tile on VDPBF16PS; the panel is packed as pack_pairs (kDotLayout).
+template <int R>
+void pair_tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K, const fvec bias[2], uint16_t* out,
+               int64_t ldo, int64_t cols) {
+  __m512 acc[R][2];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += kTileK) {
+    const uint16_t* step = panel + k / kTileK * kTileStep;
+#pragma GCC unroll 2
+    for (int q = 0; q < kTileRows; ++q) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(step + q * kDotLayout.row);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(step + q * kDotLayout.row + kDotLayout.half);
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * ldx + k + 2 * q, sizeof pair);
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store_row<BF16>(out + r * ldo, fvec(acc[r][0]), fvec(acc[r][1]), bias, cols);
+}
+#endif
+#endif
+
+#if TOKENMILL_AMX
+// ---- bfloat16 on the AMX tile unit -------------------------------------------------------------
+// Pair-layout panels multiplied by TDPBF16PS, 32 rows x 32 columns (2 x 2 tiles) at a time.
+constexpr int64_t kPrefetchAhead = 32 * kTileStep;  // elements: weights fetched into L2 64 KB ahead
+// Panels per group: a group's weights stay in L2 while each 32-row block of inputs passes over them.
+constexpr int64_t kGroupBytes = 512 << 10;
+
+// This thread's tiles for a block of rows0 + rows1 input rows (rows1 = 0: one 16-row block),
+// configured per call and released at its end (engine/csrc/amx_tiles.h): 0-1 the accumulators of
+// rows 0-15 (left and right panel halves), 2-3 those of rows 16-31, 4-5 the two blocks' input
+// rows, 6-7 the panel's two weight tiles.
+void configure_tiles(int rows0, int rows1) {
+  tokenmill_amx::configure({rows0, rows0, rows1, rows1, rows0, rows1, kTileRows, kTileRows});
 }
 
 // acc[32][32] (float32) = the configured rows of `a` (row stride lda elements) x one
@@ -248,8 +315,8 @@ void tile_panel(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t s
         _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchAhead + line), _MM_HINT_T1);
       }
     }
-    _tile_loadd(6, b, 64);
-    _tile_loadd(7, b + kTileRows * 32, 64);
+    _tile_loadd(6, b, kTileLayout.row * 2);
+    _tile_loadd(7, b + kTileLayout.half, kTileLayout.row * 2);
     _tile_loadd(4, a + s * kTileK, stride);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
@@ -267,7 +334,7 @@ void tile_panel(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t s
   }
 }
 
-// multiply<BF16>'s result on the tile unit; packed as pack_tiles.
+// multiply<BF16>'s result on the tile unit; packed as pack_pairs (kTileLayout).
 void multiply_tiles(const uint16_t* xp, int64_t ldx, int64_t M, int64_t K, const uint16_t* wp, int64_t panels,
                     const uint16_t* bp, int64_t N, uint16_t* op) {
   const int64_t steps = K / kTileK;
@@ -298,9 +365,7 @@ void multiply_tiles(const uint16_t* xp, int64_t ldx, int64_t M, int64_t K, const
           for (int r = 0; r < rows; ++r) {
             fvec lo, hi;
             load_row(acc + r * 32, lo, hi);
-            uint16_t* row = op + (m + r) * N + n0;
-            store_part<BF16>(row, lo + bias[0], std::min<int64_t>(kLanes, cols));
-            if (cols > kLanes) store_part<BF16>(row + kLanes, hi + bias[1], cols - kLanes);
+            store_row<BF16>(op + (m + r) * N + n0, lo, hi, bias, cols);
           }
         }
       }
@@ -315,23 +380,30 @@ void multiply_tiles(const uint16_t* xp, int64_t ldx, int64_t M, int64_t K, const
 }
 #endif
 
-// Whether bfloat16 layers multiply on the AMX tile unit (and are packed for it) in this process.
-bool uses_amx() {
+// How bfloat16 layers with in_features K multiply in this process (and how they are packed).
+enum class Bf16Path : int64_t {
+  kWiden = 0,  // float32 FMAs on widened weights (pack_panels)
+  kDotPairs = 1,  // VDPBF16PS (pack_pairs)
+  kTiles = 2,  // the AMX tile unit (pack_pairs)
+};
+
+Bf16Path bf16_path(int64_t K) {
+#if TOKENMILL_PAIRS
+  if (K % kTileK == 0) {
 #if TOKENMILL_AMX
-  return tokenmill_amx::usable();
-#else
-  return false;
+    if (tokenmill_amx::usable()) return Bf16Path::kTiles;
 #endif
+#if defined(__AVX512BF16__)
+    return Bf16Path::kDotPairs;
+#endif
+  }
+#endif
+  (void)K;
+  return Bf16Path::kWiden;
 }
 
-// Whether a layer of this type and in_features multiplies on the tile unit (packed as pack_tiles).
-bool on_tiles(ScalarType type, int64_t K) {
-#if TOKENMILL_AMX
-  return type == ScalarType::BFloat16 && K % kTileK == 0 && uses_amx();
-#else
-  return false;
-#endif
-}
+// bf16_path of layers whose in_features is a multiple of 32 (the op; Python's bfloat16_path).
+int64_t bfloat16_path() { return static_cast<int64_t>(bf16_path(32)); }
 
 bool supported(ScalarType type) { return type == ScalarType::Float || type == ScalarType::BFloat16; }
 
@@ -341,11 +413,12 @@ Tensor pack_weight(Tensor weight) {
                   "CPU tensor");
   weight = torch::stable::contiguous(weight);
   const int64_t N = weight.size(0), K = weight.size(1);
-#if TOKENMILL_AMX
-  if (on_tiles(weight.scalar_type(), K)) {
+#if TOKENMILL_PAIRS
+  if (weight.scalar_type() == ScalarType::BFloat16 && bf16_path(K) != Bf16Path::kWiden) {
     Tensor packed = torch::stable::new_empty(weight, {(N + kPanel - 1) / kPanel, K, kPanel});
-    pack_tiles(static_cast<const uint16_t*>(weight.const_data_ptr()), N, K,
-               static_cast<uint16_t*>(packed.mutable_data_ptr()));
+    pack_pairs(static_cast<const uint16_t*>(weight.const_data_ptr()), N, K,
+               static_cast<uint16_t*>(packed.mutable_data_ptr()),
+               bf16_path(K) == Bf16Path::kTiles ? kTileLayout : kDotLayout);
     return packed;
   }
 #endif
@@ -361,15 +434,19 @@ Tensor pack_weight(Tensor weight) {
 }
 
 // x: [M, K] rows (stride ldx); packed: [panels, K, kPanel]; bias: [N] or null; out: [M, N].
-template <typename T>
+// kPairs: bfloat16 packed as pack_pairs, rows read in place by pair_tile; otherwise micro_tile's
+// float32 rows (bfloat16 rows widened once per chunk).
+template <typename T, bool kPairs = false>
 void multiply(const bits_t<T>* xp, int64_t ldx, int64_t M, int64_t K, const bits_t<T>* wp, int64_t panels,
               const bits_t<T>* bp, int64_t N, bits_t<T>* op) {
-  constexpr bool kWiden = !std::is_same_v<T, float>;
-  const int64_t chunk_rows = std::min(M, std::max<int64_t>(kRows, kChunkBytes / (K * 4) / kRows * kRows));
+  constexpr bool kWiden = !std::is_same_v<T, float> && !kPairs;
+  using In = std::conditional_t<kPairs, uint16_t, float>;
+  const int64_t row_bytes = K * int64_t(sizeof(In));
+  const int64_t chunk_rows = std::min(M, std::max<int64_t>(kRows, kChunkBytes / row_bytes / kRows * kRows));
   std::unique_ptr<float[]> widened(kWiden ? new float[chunk_rows * K] : nullptr);  // a chunk's rows
   for (int64_t m0 = 0; m0 < M; m0 += chunk_rows) {
     const int64_t rows = std::min(chunk_rows, M - m0);
-    const float* x;
+    const In* x;
     int64_t ld;
     if constexpr (kWiden) {
       for (int64_t m = 0; m < rows; ++m) {
@@ -388,8 +465,8 @@ void multiply(const bits_t<T>* xp, int64_t ldx, int64_t M, int64_t K, const bits
         load_bias<T>(bp != nullptr ? bp + n0 : nullptr, cols, bias);
         const bits_t<T>* panel = wp + p * K * kPanel;
         for (int64_t m = 0; m < rows; m += kRows) {
-          rows_tile<T, kRows>(int(std::min<int64_t>(kRows, rows - m)), x + m * ld, ld, panel, K, bias,
-                              op + (m0 + m) * N + n0, N, cols);
+          rows_tile<T, kPairs, kRows>(int(std::min<int64_t>(kRows, rows - m)), x + m * ld, ld, panel, K, bias,
+                                      op + (m0 + m) * N + n0, N, cols);
         }
       }
     };
@@ -424,25 +501,30 @@ Tensor linear(Tensor x, Tensor packed_weight, std::optional<Tensor> bias, int64_
   }
   Tensor out = torch::stable::new_empty(x, {M, N});
   if (M == 0) return out;
-  const auto run = [&](auto element) {
+  const auto run = [&](auto element, auto pairs) {
     using T = decltype(element);
     using B = bits_t<T>;
-    multiply<T>(static_cast<const B*>(x.const_data_ptr()), x.stride(0), M, K,
-                static_cast<const B*>(packed_weight.const_data_ptr()), panels,
-                bias.has_value() ? static_cast<const B*>(bias->const_data_ptr()) : nullptr, N,
-                static_cast<B*>(out.mutable_data_ptr()));
+    const auto* xp = static_cast<const B*>(x.const_data_ptr());
+    const auto* wp = static_cast<const B*>(packed_weight.const_data_ptr());
+    const B* bp = bias.has_value() ? static_cast<const B*>(bias->const_data_ptr()) : nullptr;
+    auto* op = static_cast<B*>(out.mutable_data_ptr());
+    if constexpr (decltype(pairs)::value) {
+      if (bf16_path(K) == Bf16Path::kTiles) {
+#if TOKENMILL_AMX
+        return multiply_tiles(xp, x.stride(0), M, K, wp, panels, bp, N, op);
+#endif
+      }
+    }
+    multiply<T, decltype(pairs)::value>(xp, x.stride(0), M, K, wp, panels, bp, N, op);
   };
   if (type == ScalarType::Float) {
-    run(float{});
-#if TOKENMILL_AMX
-  } else if (on_tiles(type, K)) {
-    multiply_tiles(static_cast<const uint16_t*>(x.const_data_ptr()), x.stride(0), M, K,
-                   static_cast<const uint16_t*>(packed_weight.const_data_ptr()), panels,
-                   bias.has_value() ? static_cast<const uint16_t*>(bias->const_data_ptr()) : nullptr, N,
-                   static_cast<uint16_t*>(out.mutable_data_ptr()));
+    run(float{}, std::false_type{});
+#if TOKENMILL_PAIRS
+  } else if (bf16_path(K) != Bf16Path::kWiden) {
+    run(BF16{}, std::true_type{});
 #endif
   } else {
-    run(BF16{});
+    run(BF16{}, std::false_type{});
   }
   return out;
 }
@@ -452,7 +534,7 @@ Tensor linear(Tensor x, Tensor packed_weight, std::optional<Tensor> bias, int64_
 STABLE_TORCH_LIBRARY(tokenmill_panel, m) {
   m.def("pack_weight(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
-  m.def("uses_amx() -> bool");
+  m.def("bfloat16_path() -> int");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(tokenmill_panel, CPU, m) {
@@ -461,5 +543,5 @@ STABLE_TORCH_LIBRARY_IMPL(tokenmill_panel, CPU, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(tokenmill_panel, CompositeExplicitAutograd, m) {
-  m.impl("uses_amx", TORCH_BOX(&uses_amx));  // no tensor arguments: no device to dispatch on
+  m.impl("bfloat16_path", TORCH_BOX(&bfloat16_path));  // no tensor arguments: no device to dispatch on
 }
