@@ -29,16 +29,27 @@ logger = logging.getLogger(__name__)
 AMX_TILES_HEADER = Path(__file__).resolve().parent / "csrc" / "amx_tiles.h"
 
 
-def cpu_flags() -> str:
-    """The CPU's feature flags (x86 ``flags`` / Arm ``Features``), else the processor name."""
+def _cpuinfo(keys: tuple[str, ...]) -> str | None:
+    """The value of the first of ``keys`` in /proc/cpuinfo (None: none, or no such file)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() in ("flags", "Features"):
-                return " ".join(sorted(value.split()))
+            if key.strip() in keys:
+                return value.strip()
     except OSError:
         pass
-    return platform.processor()
+    return None
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags (x86 ``flags`` / Arm ``Features``), else the processor name."""
+    flags = _cpuinfo(("flags", "Features"))
+    return " ".join(sorted(flags.split())) if flags is not None else platform.processor()
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor (x86 ``vendor_id``: ``AuthenticAMD``, ``GenuineIntel``), else ``""``."""
+    return _cpuinfo(("vendor_id",)) or ""
 
 
 def _compiler() -> str:
