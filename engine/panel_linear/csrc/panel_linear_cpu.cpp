@@ -48,9 +48,13 @@ constexpr int kRows = 6;  // 12 accumulators + 2 weight vectors + a broadcast of
 constexpr int kVecBytes = 16;
 constexpr int kRows = 6;
 #endif
-// bfloat16 layers multiply pairs of k natively (the pair layout, further down): AVX512-BF16, AMX.
-#if defined(__AVX512F__) && (defined(__AVX512BF16__) || TOKENMILL_AMX)
+// bfloat16 layers multiply pairs of k natively (the pair layout, further down): by AVX512-BF16's
+// dot products, and on the AMX tile unit where there is one (every AMX CPU has AVX512-BF16).
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define TOKENMILL_PAIRS 1
+#if TOKENMILL_AMX
+#define TOKENMILL_PAIR_TILES 1
+#endif
 #endif
 constexpr int kLanes = kVecBytes / 4;
 constexpr int kPanel = 2 * kLanes;  // output features per panel: two accumulator vectors per row
@@ -252,7 +256,6 @@ void pack_pairs(const uint16_t* src, int64_t N, int64_t K, uint16_t* dst, PairLa
   }
 }
 
-#if defined(__AVX512BF16__)
 // pair_tile: rows_tile's micro-tile on VDPBF16PS; the panel is packed as pack_pairs (kDotLayout).
 template <int R>
 void pair_tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K, const fvec bias[2], uint16_t* out,
@@ -279,9 +282,8 @@ void pair_tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K,
   for (int r = 0; r < R; ++r) store_row<BF16>(out + r * ldo, fvec(acc[r][0]), fvec(acc[r][1]), bias, cols);
 }
 #endif
-#endif
 
-#if TOKENMILL_AMX
+#if TOKENMILL_PAIR_TILES
 // ---- bfloat16 on the AMX tile unit -------------------------------------------------------------
 // Pair-layout panels multiplied by TDPBF16PS, 32 rows x 32 columns (2 x 2 tiles) at a time.
 constexpr int64_t kPrefetchAhead = 32 * kTileStep;  // elements: weights fetched into L2 64 KB ahead
@@ -390,12 +392,10 @@ enum class Bf16Path : int64_t {
 Bf16Path bf16_path(int64_t K) {
 #if TOKENMILL_PAIRS
   if (K % kTileK == 0) {
-#if TOKENMILL_AMX
+#if TOKENMILL_PAIR_TILES
     if (tokenmill_amx::usable()) return Bf16Path::kTiles;
 #endif
-#if defined(__AVX512BF16__)
     return Bf16Path::kDotPairs;
-#endif
   }
 #endif
   (void)K;
@@ -510,7 +510,7 @@ Tensor linear(Tensor x, Tensor packed_weight, std::optional<Tensor> bias, int64_
     auto* op = static_cast<B*>(out.mutable_data_ptr());
     if constexpr (decltype(pairs)::value) {
       if (bf16_path(K) == Bf16Path::kTiles) {
-#if TOKENMILL_AMX
+#if TOKENMILL_PAIR_TILES
         return multiply_tiles(xp, x.stride(0), M, K, wp, panels, bp, N, op);
 #endif
       }
