@@ -180,8 +180,8 @@ def _may_prefer_panels(dtype: torch.dtype) -> bool:
 
 def _prefers_panels(dtype: torch.dtype) -> bool:
     """Whether the panel kernel goes first for ``dtype``: :func:`_may_prefer_panels`, where a pair
-    path also needs the kernel built for it and (AMX) the OS to grant the tile unit; else oneDNN's
-    own bfloat16 path leads."""
+    path also needs the kernel built with one (on an AMX CPU whose OS refuses the tile unit, the
+    dot-product path serves); else oneDNN's own bfloat16 path leads."""
     return _may_prefer_panels(dtype) and (not _pairs_wanted(dtype) or panel_linear.bfloat16_path() != "widen")
 
 

@@ -108,6 +108,7 @@ def test_the_kernel_choice_follows_the_cpu_and_falls_back(monkeypatch: pytest.Mo
     ("AVX512", "GenuineIntel", "avx512f", "widen", set()),
     ("AVX512", "GenuineIntel", "avx512f avx512_bf16 amx_bf16", "amx", {torch.bfloat16}),  # on the tile unit
     ("AVX512", "GenuineIntel", "avx512f avx512_bf16 amx_bf16", "widen", set()),  # not built for it: oneDNN
+    ("AVX512", "GenuineIntel", "avx512f avx512_bf16 amx_bf16", "avx512_bf16", {torch.bfloat16}),  # tiles refused
     ("AVX512", "AuthenticAMD", "avx512f avx512_bf16", "avx512_bf16",  # Zen 4: VDPBF16PS, float32 panels
      {torch.float32, torch.bfloat16}),
     ("AVX512", "AuthenticAMD", "avx512f avx512_bf16", "widen", {torch.float32}),  # not built for the pairs
