@@ -3,13 +3,15 @@
 Each extension is one source file, compiled by ``torch.utils.cpp_extension`` into a cache folder
 keyed by everything its binary depends on (source, the engine's headers it includes, torch build,
 compiler, CPU flags, compiler flags), so a binary is only ever loaded where it was built, and a
-rebuild happens exactly when one of those changes. Failure is not fatal: :meth:`CppExtension.is_available` logs why once and
-callers use their plain-torch path. Imports torch.
+rebuild happens exactly when one of those changes. Failure is not fatal:
+:meth:`CppExtension.is_available` logs why once and callers use their plain-torch path. Imports
+torch.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -29,8 +31,10 @@ logger = logging.getLogger(__name__)
 AMX_TILES_HEADER = Path(__file__).resolve().parent / "csrc" / "amx_tiles.h"
 
 
+@functools.cache
 def _cpuinfo(keys: tuple[str, ...]) -> str | None:
-    """The value of the first of ``keys`` in /proc/cpuinfo (None: none, or no such file)."""
+    """The value of the first of ``keys`` in /proc/cpuinfo (None: none, or no such file); read once
+    per process per question (the kernel choice asks several times while a model loads)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")

@@ -413,22 +413,22 @@ Tensor pack_weight(Tensor weight) {
                   "CPU tensor");
   weight = torch::stable::contiguous(weight);
   const int64_t N = weight.size(0), K = weight.size(1);
+  [[maybe_unused]] const Bf16Path path = weight.scalar_type() == ScalarType::BFloat16 ? bf16_path(K) : Bf16Path::kWiden;
+  Tensor packed = torch::stable::new_empty(weight, {(N + kPanel - 1) / kPanel, K, kPanel});
 #if TOKENMILL_PAIRS
-  if (weight.scalar_type() == ScalarType::BFloat16 && bf16_path(K) != Bf16Path::kWiden) {
-    Tensor packed = torch::stable::new_empty(weight, {(N + kPanel - 1) / kPanel, K, kPanel});
+  if (path != Bf16Path::kWiden) {
     pack_pairs(static_cast<const uint16_t*>(weight.const_data_ptr()), N, K,
                static_cast<uint16_t*>(packed.mutable_data_ptr()),
-               bf16_path(K) == Bf16Path::kTiles ? kTileLayout : kDotLayout);
+               path == Bf16Path::kTiles ? kTileLayout : kDotLayout);
     return packed;
   }
 #endif
-  Tensor packed = torch::stable::new_empty(weight, {(N + kPanel - 1) / kPanel, K, kPanel});
   if (weight.scalar_type() == ScalarType::Float) {
     pack_panels<float>(static_cast<const float*>(weight.const_data_ptr()), N, K,
                        static_cast<float*>(packed.mutable_data_ptr()));
   } else {
     pack_panels<BF16>(static_cast<const uint16_t*>(weight.const_data_ptr()), N, K,
-                          static_cast<uint16_t*>(packed.mutable_data_ptr()));
+                      static_cast<uint16_t*>(packed.mutable_data_ptr()));
   }
   return packed;
 }
@@ -501,6 +501,7 @@ Tensor linear(Tensor x, Tensor packed_weight, std::optional<Tensor> bias, int64_
   }
   Tensor out = torch::stable::new_empty(x, {M, N});
   if (M == 0) return out;
+  const Bf16Path path = type == ScalarType::BFloat16 ? bf16_path(K) : Bf16Path::kWiden;
   const auto run = [&](auto element, auto pairs) {
     using T = decltype(element);
     using B = bits_t<T>;
@@ -508,23 +509,21 @@ Tensor linear(Tensor x, Tensor packed_weight, std::optional<Tensor> bias, int64_
     const auto* wp = static_cast<const B*>(packed_weight.const_data_ptr());
     const B* bp = bias.has_value() ? static_cast<const B*>(bias->const_data_ptr()) : nullptr;
     auto* op = static_cast<B*>(out.mutable_data_ptr());
-    if constexpr (decltype(pairs)::value) {
-      if (bf16_path(K) == Bf16Path::kTiles) {
 #if TOKENMILL_PAIR_TILES
-        return multiply_tiles(xp, x.stride(0), M, K, wp, panels, bp, N, op);
-#endif
-      }
+    if constexpr (decltype(pairs)::value) {
+      if (path == Bf16Path::kTiles) return multiply_tiles(xp, x.stride(0), M, K, wp, panels, bp, N, op);
     }
+#endif
     multiply<T, decltype(pairs)::value>(xp, x.stride(0), M, K, wp, panels, bp, N, op);
   };
   if (type == ScalarType::Float) {
     run(float{}, std::false_type{});
+  } else if (path == Bf16Path::kWiden) {
+    run(BF16{}, std::false_type{});
+  } else {
 #if TOKENMILL_PAIRS
-  } else if (bf16_path(K) != Bf16Path::kWiden) {
     run(BF16{}, std::true_type{});
 #endif
-  } else {
-    run(BF16{}, std::false_type{});
   }
   return out;
 }
