@@ -9,8 +9,9 @@ kernel (engine/panel_linear) instead: oneDNN has no bfloat16 path there (torch f
 scalar loop, 4-7x slower) and its float32 measured 1.05-1.7x slower at 1-64 rows (Zen 3). So do
 bfloat16 layers on CPUs that multiply bfloat16 pairs natively: with AMX the panel kernel
 multiplies on the tile unit and streams the weights 1.1-1.6x faster than oneDNN at 1-16 rows
-(Sapphire Rapids); with AVX512-BF16 alone (Zen 4) it multiplies by VDPBF16PS dot products. And
-float32 on AMD's AVX-512 CPUs, where oneDNN's inner product is slower at decode sizes (Zen 4).
+(Sapphire Rapids); with AVX512-BF16 alone it multiplies by VDPBF16PS dot products on AMD (Zen 4)
+and by widening FMAs on Intel (Emerald Rapids with its tile unit hidden). And float32 on AMD's
+AVX-512 CPUs, where oneDNN's inner product is slower at decode sizes (Zen 4).
 NOTE: where oneDNN packs float32, MKL's plain GEMV is ~1.3x faster at one or two tokens (28 vs
 37 ms for SmolLM2's 30 layers), but keeping both weights would double the
 model's memory; the packed weight alone is kept. Results differ from the plain path only in
@@ -156,33 +157,29 @@ def packing_works(dtype: torch.dtype, kernel: LinearKernel = ONEDNN) -> bool:
         return False
 
 
-def _pairs_wanted(dtype: torch.dtype) -> bool:
-    """Whether ``dtype`` layers would multiply on one of the panel kernel's bfloat16 pair paths here
-    (panel_linear.bfloat16_path): bfloat16 on an AVX-512 CPU with AMX (the tile unit streams the
-    weights near the memory's read rate at 1-64 rows, where oneDNN's inner product measured
-    1.1-2x slower on a Sapphire Rapids) or with AVX512-BF16 (VDPBF16PS dot products; AMD Zen 4).
-    Reads the CPU's flags; builds nothing."""
+def _bfloat16_native(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is bfloat16 on an AVX-512 CPU that multiplies bfloat16 natively (AVX512-BF16,
+    AMX). There the panel kernel leads (panel_linear.bfloat16_path): on the AMX tile unit it streams
+    the weights near the memory's read rate at 1-64 rows, where oneDNN's inner product measured
+    1.1-2x slower (Sapphire Rapids); by VDPBF16PS dot products on AMD (Zen 4: 1.0-1.8x); on Intel
+    without a usable tile unit it widens into float32 FMAs, where oneDNN's dot products issue at
+    half their rate (Emerald Rapids: as fast at 1-16 rows, 1.1-1.4x faster at 64-256). Reads the
+    CPU's flags; builds nothing."""
     flags = cpu_flags().split()
     return (dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() == "AVX512"
             and ("amx_bf16" in flags or "avx512_bf16" in flags))
 
 
-def _may_prefer_panels(dtype: torch.dtype) -> bool:
-    """Whether the panel kernel may go first for ``dtype`` (builds nothing): wherever ATen does not
+def _prefers_panels(dtype: torch.dtype) -> bool:
+    """Whether the panel kernel goes first for ``dtype`` (builds nothing): wherever ATen does not
     run AVX-512 (there oneDNN has no bfloat16 path and its float32 measured slower at decode sizes),
-    on the bfloat16 pair paths (:func:`_pairs_wanted`), and for float32 on AMD's AVX-512 CPUs
-    (Zen 4 and later): there oneDNN's inner product measured 1.25-1.8x slower per call at 1-4 rows
-    and decode steps at batch 1 and 4 ran 1.4x faster on the panels, level at 16 and 64."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512" or _pairs_wanted(dtype):
+    for bfloat16 where the CPU multiplies it natively (:func:`_bfloat16_native`), and for float32 on
+    AMD's AVX-512 CPUs (Zen 4 and later): there oneDNN's inner product measured 1.25-1.8x slower per
+    call at 1-4 rows and decode steps at batch 1 and 4 ran 1.4x faster on the panels, level at 16
+    and 64."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512" or _bfloat16_native(dtype):
         return True
     return dtype == torch.float32 and cpu_vendor() == "AuthenticAMD"
-
-
-def _prefers_panels(dtype: torch.dtype) -> bool:
-    """Whether the panel kernel goes first for ``dtype``: :func:`_may_prefer_panels`, where a pair
-    path also needs the kernel built with one (on an AMX CPU whose OS refuses the tile unit, the
-    dot-product path serves); else oneDNN's own bfloat16 path leads."""
-    return _may_prefer_panels(dtype) and (not _pairs_wanted(dtype) or panel_linear.bfloat16_path() != "widen")
 
 
 def kernel_for(dtype: torch.dtype) -> LinearKernel | None:
@@ -195,7 +192,7 @@ def kernel_for(dtype: torch.dtype) -> LinearKernel | None:
 def prebuild_kernel_for(dtype: torch.dtype) -> None:
     """Start building the panel kernel now if ``dtype`` layers may use it (``engine.cpp_build``:
     builds overlap the model's loading)."""
-    if dtype in (torch.float32, torch.bfloat16) and (_may_prefer_panels(dtype) or not packing_works(dtype, ONEDNN)):
+    if dtype in (torch.float32, torch.bfloat16) and (_prefers_panels(dtype) or not packing_works(dtype, ONEDNN)):
         panel_linear.build_in_background()
 
 

@@ -8,8 +8,8 @@ on SmolLM2's shapes. The kernel streams each panel of 2 x vector-width output fe
 back, widens bfloat16 weights to float32 in registers, and adds one fused multiply-add per k in
 order. With AMX, bfloat16 layers multiply on the tile unit instead (float32 sums in k order), which
 streams the weights 1.1-1.6x faster than torch's oneDNN inner product at 1-16 rows on a Sapphire
-Rapids; with AVX512-BF16 but no AMX (AMD Zen 4), by VDPBF16PS dot products (see
-:func:`bfloat16_path`). engine/cpu_linear.py decides where it is used. Builds on first use like the other C++
+Rapids; with AVX512-BF16 but no AMX, by VDPBF16PS dot products on AMD (Zen 4), while Intel's, at half
+the FMA rate there, lose to the widening FMAs (see :func:`bfloat16_path`). engine/cpu_linear.py decides where it is used. Builds on first use like the other C++
 parts; imports torch.
 """
 
@@ -29,12 +29,18 @@ _EXTENSION = CppExtension("tokenmill_panel_linear_cpu", Path(__file__).resolve()
                           headers=(AMX_TILES_HEADER,))
 is_available = _EXTENSION.is_available
 build_in_background = _EXTENSION.build_in_background
+# How bfloat16 layers multiply (csrc: enum Bf16Path, in this order).
+BFLOAT16_PATHS = ("widen", "avx512_bf16", "amx")
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``[out_features, in_features]`` (float32 or bfloat16) in the kernel's panel
-    layout (a new tensor)."""
-    packed: torch.Tensor = torch.ops.tokenmill_panel.pack_weight(weight.detach())
+def pack_weight(weight: torch.Tensor, path: str | None = None) -> torch.Tensor:
+    """``weight`` ``[out_features, in_features]`` (float32 or bfloat16) in the kernel's layout (a new
+    tensor, whose shape says the layout). ``path``: one of :data:`BFLOAT16_PATHS` for a bfloat16
+    weight (default: :func:`bfloat16_path`'s choice); RuntimeError where it cannot run."""
+    if path is not None and path not in BFLOAT16_PATHS:
+        raise ValueError(f"unknown bfloat16 path {path!r}; one of {', '.join(BFLOAT16_PATHS)}")
+    index = -1 if path is None else BFLOAT16_PATHS.index(path)
+    packed: torch.Tensor = torch.ops.tokenmill_panel.pack_weight(weight.detach(), index)
     return packed
 
 
@@ -47,13 +53,12 @@ def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out_features)
 
 
-BFLOAT16_PATHS = ("widen", "avx512_bf16", "amx")
-
 
 def bfloat16_path() -> str:
     """How bfloat16 layers whose in_features is a multiple of 32 multiply here (and are packed for
-    it): ``"amx"`` on the tile unit, ``"avx512_bf16"`` by VDPBF16PS dot products, ``"widen"`` by
-    float32 FMAs on widened weights (also every other bfloat16 layer, and where the kernel is not
+    it): ``"amx"`` on the tile unit, ``"avx512_bf16"`` by VDPBF16PS dot products (AMD), ``"widen"``
+    by float32 FMAs on widened weights (Intel without a usable tile unit, CPUs without AVX512-BF16,
+    every bfloat16 layer whose in_features is not a multiple of 32, and where the kernel is not
     built)."""
     if not is_available():
         return "widen"

@@ -1,6 +1,7 @@
 """Linear-layer microbenchmark: the kernels engine/cpu_linear.py can pack for, per call, measured in
 the same run: torch's plain ``F.linear``, oneDNN with a packed weight, and the engine's panel kernel
-(engine/panel_linear).
+(engine/panel_linear); for bfloat16 also each of the kernel's other paths that runs here
+(panel_linear.BFLOAT16_PATHS: "panels" is the one this CPU gets).
 
     python ops/bench/linear.py                    # float32 and bfloat16 (~2 min on 2 cores)
     python ops/bench/linear.py --quick            # fewer shapes and repeats
@@ -53,6 +54,27 @@ def time_calls(calls: dict[str, Callable[[int], Any]], copies: int, rounds: int)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def _other_bfloat16_paths() -> dict[str, Any]:
+    """The panel kernel on each bfloat16 path other than this CPU's that runs here, by path name."""
+    import torch
+
+    from engine import panel_linear
+    from engine.cpu_linear import LinearKernel
+
+    if not panel_linear.is_available():
+        return {}
+    others = {}
+    for path in panel_linear.BFLOAT16_PATHS:
+        try:
+            if path != panel_linear.bfloat16_path():
+                panel_linear.pack_weight(torch.ones(32, 32, dtype=torch.bfloat16), path)
+                others[path] = LinearKernel(path, lambda w, path=path: panel_linear.pack_weight(w, path),
+                                            panel_linear.linear)
+        except RuntimeError:  # cannot run here
+            continue
+    return others
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and rounds")
@@ -64,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.nn import functional
 
-    from engine import cpu_linear
+    from engine import cpu_linear, panel_linear
 
     torch.set_num_threads(args.threads)
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
@@ -72,13 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     rows_list = (1, 16, 64) if args.quick else ROWS
     rounds = 3 if args.quick else 7
     kernels = {"onednn": cpu_linear.ONEDNN, "panels": cpu_linear.PANELS}
+    paths = _other_bfloat16_paths() if "bfloat16" in dtypes else {}
     print(f"{machine_info()}; ATen capability {torch.backends.cpu.get_cpu_capability()}; "
           f"engine's choice: " + ", ".join(f"{d} {getattr(cpu_linear.kernel_for(getattr(torch, d)), 'name', 'plain')}"
-                                            for d in dtypes))
+                                            for d in dtypes)
+          + f"; the panel kernel's bfloat16 path here: {panel_linear.bfloat16_path()}")
     results = []
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
-        usable = {name: k for name, k in kernels.items() if cpu_linear.packing_works(dtype, k)}
+        usable = {name: k for name, k in {**kernels, **(paths if dtype == torch.bfloat16 else {})}.items()
+                  if cpu_linear.packing_works(dtype, k)}
         for layer, (k_in, n_out) in layers.items():
             copies = 1 if n_out > 10_000 else COPIES
             gen = torch.Generator().manual_seed(0)
@@ -97,9 +122,11 @@ def main(argv: list[str] | None = None) -> int:
                     row["onednn_over_panels"] = seconds["onednn"] / seconds["panels"]
                 results.append(row)
             del weights, packed
-    columns = ["dtype", "layer", "rows", "plain_ms", "onednn_ms", "panels_ms", "onednn_over_panels"]
+    columns = ["dtype", "layer", "rows", "plain_ms", "onednn_ms", "panels_ms", *(f"{p}_ms" for p in paths),
+               "onednn_over_panels"]
     print_table("Per call (median; lower is better)",
-                ["dtype", "layer", "rows", "plain ms", "oneDNN ms", "panels ms", "oneDNN / panels"],
+                ["dtype", "layer", "rows", "plain ms", "oneDNN ms", "panels ms", *(f"{p} ms" for p in paths),
+                 "oneDNN / panels"],
                 [[fmt(r.get(c), 3) if c.endswith("_ms") else fmt(r.get(c), 2) for c in columns] for r in results])
     write_json(str(args.json) if args.json else None, {"machine": machine_info(), "results": results})
     return 0

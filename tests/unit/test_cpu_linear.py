@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from engine import cpu_linear, panel_linear
+from engine import cpu_linear
 from engine.cpu_linear import (
     PANELS, ONEDNN, FusedSiblings, LinearKernel, PackedLinear, SiblingSlice, pack_linears, packing_works,
 )
@@ -102,22 +102,17 @@ def test_the_kernel_choice_follows_the_cpu_and_falls_back(monkeypatch: pytest.Mo
     assert cpu_linear.kernel_for(torch.bfloat16) is None
 
 
-@pytest.mark.parametrize(("capability", "vendor", "flags", "path_here", "panels_for"), [
-    ("AVX2", "AuthenticAMD", "avx2", "widen", {torch.float32, torch.bfloat16}),
-    ("AVX2", "GenuineIntel", "avx2", "widen", {torch.float32, torch.bfloat16}),
-    ("AVX512", "GenuineIntel", "avx512f", "widen", set()),
-    ("AVX512", "GenuineIntel", "avx512f avx512_bf16 amx_bf16", "amx", {torch.bfloat16}),  # on the tile unit
-    ("AVX512", "GenuineIntel", "avx512f avx512_bf16 amx_bf16", "widen", set()),  # not built for it: oneDNN
-    ("AVX512", "GenuineIntel", "avx512f avx512_bf16 amx_bf16", "avx512_bf16", {torch.bfloat16}),  # tiles refused
-    ("AVX512", "AuthenticAMD", "avx512f avx512_bf16", "avx512_bf16",  # Zen 4: VDPBF16PS, float32 panels
-     {torch.float32, torch.bfloat16}),
-    ("AVX512", "AuthenticAMD", "avx512f avx512_bf16", "widen", {torch.float32}),  # not built for the pairs
+@pytest.mark.parametrize(("capability", "vendor", "flags", "panels_for"), [
+    ("AVX2", "AuthenticAMD", "avx2", {torch.float32, torch.bfloat16}),
+    ("AVX2", "GenuineIntel", "avx2", {torch.float32, torch.bfloat16}),
+    ("AVX512", "GenuineIntel", "avx512f", set()),
+    ("AVX512", "GenuineIntel", "avx512f avx512_bf16 amx_bf16", {torch.bfloat16}),  # tiles, or widening FMAs
+    ("AVX512", "GenuineIntel", "avx512f avx512_bf16", {torch.bfloat16}),  # widening FMAs
+    ("AVX512", "AuthenticAMD", "avx512f avx512_bf16", {torch.float32, torch.bfloat16}),  # Zen 4: VDPBF16PS
 ])
 def test_the_panel_kernel_leads_where_it_measured_faster_than_onednn(
-        capability: str, vendor: str, flags: str, path_here: str, panels_for: set[torch.dtype],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        capability: str, vendor: str, flags: str, panels_for: set[torch.dtype], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(cpu_linear, "cpu_flags", lambda: flags)
-    monkeypatch.setattr(panel_linear, "bfloat16_path", lambda: path_here)
     assert {dtype for dtype in (torch.float32, torch.bfloat16) if cpu_linear._prefers_panels(dtype)} == panels_for

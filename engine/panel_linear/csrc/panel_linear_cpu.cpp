@@ -2,8 +2,10 @@
 // has no bfloat16 path at all (torch's bfloat16 GEMM falls back to a scalar loop: ~14 GFLOPS on
 // 2 Zen 3 cores, a 7th of oneDNN's float32), and torch's oneDNN float32 inner product measured
 // 1.05-1.7x slower than this kernel at 1-64 rows on SmolLM2's shapes (Zen 3, ops/bench/README.md).
-// And bfloat16 on CPUs with AMX, multiplied on the tile unit (the section further down): torch's
-// oneDNN inner product streams the weights 1.1-1.6x slower at 1-16 rows (Sapphire Rapids).
+// And bfloat16 on CPUs with AVX512-BF16: with AMX multiplied on the tile unit (the section further
+// down: torch's oneDNN inner product streams the weights 1.1-1.6x slower at 1-16 rows on a Sapphire
+// Rapids), on AMD by VDPBF16PS dot products, on Intel without a usable tile unit widened into float32
+// FMAs (oneDNN's dot products measured 1.0-1.3x slower there; dot_products_pay says why).
 // Python side: engine/panel_linear/__init__.py; engine/cpu_linear.py decides where it is used.
 //
 // The weight is packed once into panels of kPanel output features: [panels][K][kPanel] (the last
@@ -30,6 +32,7 @@
 #include <optional>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "../../csrc/amx_tiles.h"
 
@@ -49,7 +52,8 @@ constexpr int kVecBytes = 16;
 constexpr int kRows = 6;
 #endif
 // bfloat16 layers multiply pairs of k natively (the pair layout, further down): by AVX512-BF16's
-// dot products, and on the AMX tile unit where there is one (every AMX CPU has AVX512-BF16).
+// dot products where they pay (dot_products_pay), and on the AMX tile unit where there is one (every
+// AMX CPU has AVX512-BF16).
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define TOKENMILL_PAIRS 1
 #if TOKENMILL_AMX
@@ -210,11 +214,11 @@ void pack_panels(const bits_t<T>* src, int64_t N, int64_t K, bits_t<T>* dst) {
 // ---- bfloat16 in pairs: AVX512-BF16 dot products and the AMX tile unit -------------------------
 // Where the CPU multiplies bfloat16 pairs itself, bfloat16 layers whose K is a multiple of 32 (as
 // in every common model; other layers keep the layout above) are packed in the pair layout of its
-// instructions instead of widening to float32 FMAs (which cannot keep up with memory beyond a few
-// rows): per 32 k, a panel's two 16-column halves, each 16 rows of 32 values where row r holds,
+// instructions instead of widening to float32 FMAs (a Zen 4's cannot keep up with memory beyond a
+// few rows): per 32 k, a panel's two 16-column halves, each 16 rows of 32 values where row r holds,
 // for each column, the weights of k = 2r and 2r + 1 side by side; zeros past N; the packed
-// tensor's shape is the same as above. One row is one VDPBF16PS operand (AVX512-BF16: AMD Zen 4,
-// Intel Cooper Lake and later), one half is one TDPBF16PS B tile (AMX, further down, used where
+// tensor's shape is the same as above. One row is one VDPBF16PS operand (AVX512-BF16, used on AMD's
+// CPUs: Zen 4 and later), one half is one TDPBF16PS B tile (AMX, further down, used where
 // the OS grants the tile unit). Input rows are read in place: a pair of bfloat16 inputs is one
 // 32-bit broadcast (pair_tile) or 32 k of 16 rows one A tile (AMX).
 // Both instructions add the two exact products of each pair to a float32 accumulator, pairs in k
@@ -389,13 +393,28 @@ enum class Bf16Path : int64_t {
   kTiles = 2,  // the AMX tile unit (pack_pairs)
 };
 
+#if TOKENMILL_PAIRS
+// Whether VDPBF16PS multiplies bfloat16 faster than widening it into float32 FMAs: on AMD's CPUs
+// (Zen 4: one dot product per cycle, twice the work of its one 512-bit FMA), not on Intel's, where it
+// issues once every two cycles against two FMAs per cycle (measured on an Emerald Rapids whose tile
+// unit the hypervisor hides): there the widening micro-tile measured as fast at 1-16 rows and
+// 1.1-1.4x faster at 64-256 rows on SmolLM2's layers.
+bool dot_products_pay() {
+  static const bool pay = [] {
+    __builtin_cpu_init();
+    return !__builtin_cpu_is("intel");
+  }();
+  return pay;
+}
+#endif
+
 Bf16Path bf16_path(int64_t K) {
 #if TOKENMILL_PAIRS
   if (K % kTileK == 0) {
 #if TOKENMILL_PAIR_TILES
     if (tokenmill_amx::usable()) return Bf16Path::kTiles;
 #endif
-    return Bf16Path::kDotPairs;
+    if (dot_products_pay()) return Bf16Path::kDotPairs;
   }
 #endif
   (void)K;
@@ -405,16 +424,69 @@ Bf16Path bf16_path(int64_t K) {
 // bf16_path of layers whose in_features is a multiple of 32 (the op; Python's bfloat16_path).
 int64_t bfloat16_path() { return static_cast<int64_t>(bf16_path(32)); }
 
+// Whether bfloat16 layers with in_features K can multiply on `path` in this process.
+bool runs_here(Bf16Path path, int64_t K) {
+  switch (path) {
+    case Bf16Path::kWiden: return true;
+#if TOKENMILL_PAIRS
+    case Bf16Path::kDotPairs: return K % kTileK == 0;
+#endif
+#if TOKENMILL_PAIR_TILES
+    case Bf16Path::kTiles: return K % kTileK == 0 && tokenmill_amx::usable();
+#endif
+    default: return false;
+  }
+}
+
+// Python's names for the paths (panel_linear.BFLOAT16_PATHS).
+const char* path_name(Bf16Path path) {
+  return path == Bf16Path::kTiles ? "amx" : path == Bf16Path::kDotPairs ? "avx512_bf16" : "widen";
+}
+
 bool supported(ScalarType type) { return type == ScalarType::Float || type == ScalarType::BFloat16; }
 
-Tensor pack_weight(Tensor weight) {
+// The packed tensor's shape says its layout (so a weight is never multiplied in another's):
+// [panels][K][kPanel] panels, [panels][K / 32][16][64] pairs side by side (kDotLayout),
+// [panels][K / 32][2][16][32] pairs in two tiles (kTileLayout).
+std::vector<int64_t> packed_shape(int64_t N, int64_t K, Bf16Path path) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  switch (path) {
+    case Bf16Path::kDotPairs: return {panels, K / 32, 16, 64};
+    case Bf16Path::kTiles: return {panels, K / 32, 2, 16, 32};
+    default: return {panels, K, kPanel};
+  }
+}
+
+// The path a packed weight of in_features K was packed for (its shape; checked whole).
+Bf16Path packed_path(const Tensor& packed, int64_t K) {
+  const int64_t dim = packed.dim();
+  STD_TORCH_CHECK(dim >= 3 && dim <= 5 && packed.is_contiguous(), "panel_linear: the weight is not packed (pack_weight)");
+  const Bf16Path path = dim == 4 ? Bf16Path::kDotPairs : dim == 5 ? Bf16Path::kTiles : Bf16Path::kWiden;
+  const std::vector<int64_t> expected = packed_shape(packed.size(0) * kPanel, K, path);
+  bool matches = path == Bf16Path::kWiden || K % 32 == 0;
+  for (int64_t d = 1; matches && d < dim; ++d) matches = packed.size(d) == expected[d];
+  STD_TORCH_CHECK(matches, "panel_linear: the packed weight does not match in_features ", K,
+                  " (or was packed by a build with another panel width)");
+  STD_TORCH_CHECK(runs_here(path, K), "panel_linear: the weight is packed for the bfloat16 path ", path_name(path),
+                  ", which this process cannot run");
+  return path;
+}
+
+// weight [N, K] in its kernel's layout (packed_shape). path: a Bf16Path for bfloat16 weights (-1:
+// this CPU's, bf16_path; tests pack every path that runs here); float32 has only the panels.
+Tensor pack_weight(Tensor weight, int64_t path_index) {
   STD_TORCH_CHECK(weight.is_cpu() && supported(weight.scalar_type()) && weight.dim() == 2,
                   "panel_linear.pack_weight: weight must be a float32 or bfloat16 [out_features, in_features] "
                   "CPU tensor");
   weight = torch::stable::contiguous(weight);
   const int64_t N = weight.size(0), K = weight.size(1);
-  [[maybe_unused]] const Bf16Path path = weight.scalar_type() == ScalarType::BFloat16 ? bf16_path(K) : Bf16Path::kWiden;
-  Tensor packed = torch::stable::new_empty(weight, {(N + kPanel - 1) / kPanel, K, kPanel});
+  const bool bf16 = weight.scalar_type() == ScalarType::BFloat16;
+  const Bf16Path path = path_index < 0 ? (bf16 ? bf16_path(K) : Bf16Path::kWiden) : static_cast<Bf16Path>(path_index);
+  STD_TORCH_CHECK(path_index <= int64_t(Bf16Path::kTiles), "panel_linear.pack_weight: no bfloat16 path ", path_index);
+  STD_TORCH_CHECK(path_index < 0 || path == Bf16Path::kWiden || (bf16 && runs_here(path, K)),
+                  "panel_linear.pack_weight: the bfloat16 path ", path_name(path), " cannot multiply this ",
+                  bf16 ? "weight here" : "float32 weight");
+  Tensor packed = torch::stable::new_empty(weight, packed_shape(N, K, path));
 #if TOKENMILL_PAIRS
   if (path != Bf16Path::kWiden) {
     pack_pairs(static_cast<const uint16_t*>(weight.const_data_ptr()), N, K,
@@ -423,12 +495,12 @@ Tensor pack_weight(Tensor weight) {
     return packed;
   }
 #endif
-  if (weight.scalar_type() == ScalarType::Float) {
-    pack_panels<float>(static_cast<const float*>(weight.const_data_ptr()), N, K,
-                       static_cast<float*>(packed.mutable_data_ptr()));
-  } else {
+  if (bf16) {
     pack_panels<BF16>(static_cast<const uint16_t*>(weight.const_data_ptr()), N, K,
                       static_cast<uint16_t*>(packed.mutable_data_ptr()));
+  } else {
+    pack_panels<float>(static_cast<const float*>(weight.const_data_ptr()), N, K,
+                       static_cast<float*>(packed.mutable_data_ptr()));
   }
   return packed;
 }
@@ -486,12 +558,11 @@ Tensor linear(Tensor x, Tensor packed_weight, std::optional<Tensor> bias, int64_
   STD_TORCH_CHECK(supported(type) && packed_weight.scalar_type() == type,
                   "panel_linear: input and weight must both be float32 or both bfloat16");
   STD_TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "panel_linear: input must be [rows, in_features], rows contiguous");
-  STD_TORCH_CHECK(packed_weight.dim() == 3 && packed_weight.size(2) == kPanel && packed_weight.is_contiguous(),
-                  "panel_linear: the weight is not packed for this build (panel width ", kPanel, ")");
-  const int64_t M = x.size(0), K = x.size(1), panels = packed_weight.size(0), N = out_features;
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
   STD_TORCH_CHECK(K > 0, "panel_linear: in_features must be positive");
-  STD_TORCH_CHECK(packed_weight.size(1) == K, "panel_linear: in_features ", K, " does not match the weight's ",
-                  packed_weight.size(1));
+  const Bf16Path path = packed_path(packed_weight, K);
+  STD_TORCH_CHECK(type == ScalarType::BFloat16 || path == Bf16Path::kWiden, "panel_linear: float32 weights are packed in panels");
+  const int64_t panels = packed_weight.size(0);
   STD_TORCH_CHECK(N > (panels - 1) * kPanel && N <= panels * kPanel, "panel_linear: out_features ", N,
                   " does not match the packed weight");
   if (bias.has_value()) {
@@ -501,7 +572,6 @@ Tensor linear(Tensor x, Tensor packed_weight, std::optional<Tensor> bias, int64_
   }
   Tensor out = torch::stable::new_empty(x, {M, N});
   if (M == 0) return out;
-  const Bf16Path path = type == ScalarType::BFloat16 ? bf16_path(K) : Bf16Path::kWiden;
   const auto run = [&](auto element, auto pairs) {
     using T = decltype(element);
     using B = bits_t<T>;
@@ -531,7 +601,7 @@ Tensor linear(Tensor x, Tensor packed_weight, std::optional<Tensor> bias, int64_
 }  // namespace
 
 STABLE_TORCH_LIBRARY(tokenmill_panel, m) {
-  m.def("pack_weight(Tensor weight) -> Tensor");
+  m.def("pack_weight(Tensor weight, int path=-1) -> Tensor");
   m.def("linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
   m.def("bfloat16_path() -> int");
 }
