@@ -149,6 +149,20 @@ inline void store_row(bits_t<T>* out, fvec lo, fvec hi, const fvec bias[2], int6
   if (cols > kLanes) store_part<T>(out + kLanes, hi + bias[1], cols - kLanes);
 }
 
+// Micro-tiles stream their panel front to back, one row of kRowBytes per step, and fetch the row
+// kAheadBytes on into L1 themselves: the L2 streamer stops at each 4 KB page (a float32 panel row is
+// 128 bytes: every 32 k), and its restarts left the FMAs waiting on memory. Measured on an Emerald
+// Rapids, against no fetching in the same run: SmolLM2's layers at 4-64 rows 1.05-1.45x faster (float32
+// and bfloat16, every path), at 1 row up to 1.5x (bfloat16); 2 KB ahead gained a little less, 1 KB
+// about half.
+constexpr int64_t kAheadBytes = 4096;
+template <int64_t kRowBytes>
+inline void fetch_ahead(const void* row) {
+  const char* ahead = static_cast<const char*>(row) + kAheadBytes;
+#pragma GCC unroll 2
+  for (int64_t line = 0; line < kRowBytes; line += 64) __builtin_prefetch(ahead + line, 0, 3);
+}
+
 // out[r][0 .. cols) = round(x[r] . W[panel column] + bias) for r < R; x rows are float32 (row
 // stride ldx), the panel is [K][kPanel] of T, out has row stride ldo.
 template <typename T, int R>
@@ -159,6 +173,7 @@ void micro_tile(const float* x, int64_t ldx, const bits_t<T>* panel, int64_t K, 
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = fvec{};
   for (int64_t k = 0; k < K; ++k) {
     fvec w0, w1;
+    fetch_ahead<sizeof(bits_t<T>) * kPanel>(panel + k * kPanel);
     load_row(panel + k * kPanel, w0, w1);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
@@ -271,6 +286,7 @@ void pair_tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K,
     const uint16_t* step = panel + k / kTileK * kTileStep;
 #pragma GCC unroll 2
     for (int q = 0; q < kTileRows; ++q) {
+      fetch_ahead<kDotLayout.row * 2>(step + q * kDotLayout.row);
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(step + q * kDotLayout.row);
       const __m512bh w1 = (__m512bh)_mm512_loadu_si512(step + q * kDotLayout.row + kDotLayout.half);
 #pragma GCC unroll 12
