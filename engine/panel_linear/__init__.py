@@ -53,7 +53,6 @@ def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out_features)
 
 
-
 def bfloat16_path() -> str:
     """How bfloat16 layers whose in_features is a multiple of 32 multiply here (and are packed for
     it): ``"amx"`` on the tile unit, ``"avx512_bf16"`` by VDPBF16PS dot products (AMD), ``"widen"``

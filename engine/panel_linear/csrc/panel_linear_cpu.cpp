@@ -231,8 +231,8 @@ void pack_panels(const bits_t<T>* src, int64_t N, int64_t K, bits_t<T>* dst) {
 // in every common model; other layers keep the layout above) are packed in the pair layout of its
 // instructions instead of widening to float32 FMAs (a Zen 4's cannot keep up with memory beyond a
 // few rows): per 32 k, a panel's two 16-column halves, each 16 rows of 32 values where row r holds,
-// for each column, the weights of k = 2r and 2r + 1 side by side; zeros past N; the packed
-// tensor's shape is the same as above. One row is one VDPBF16PS operand (AVX512-BF16, used on AMD's
+// for each column, the weights of k = 2r and 2r + 1 side by side; zeros past N (the packed
+// tensor's shape names the arrangement: packed_shape). One row is one VDPBF16PS operand (AVX512-BF16, used on AMD's
 // CPUs: Zen 4 and later), one half is one TDPBF16PS B tile (AMX, further down, used where
 // the OS grants the tile unit). Input rows are read in place: a pair of bfloat16 inputs is one
 // 32-bit broadcast (pair_tile) or 32 k of 16 rows one A tile (AMX).
