@@ -121,9 +121,11 @@ using bits_t = std::conditional_t<std::is_same_v<T, float>, float, uint16_t>;
 template <typename T>
 inline void store_part(bits_t<T>* out, fvec v, int64_t count) {
   if constexpr (std::is_same_v<T, float>) {
+    if (count == kLanes) return std::memcpy(out, &v, sizeof v), void();  // a fixed size: one store
     std::memcpy(out, &v, count * sizeof(float));
   } else {
     const hvec h = narrow(v);
+    if (count == kLanes) return std::memcpy(out, &h, sizeof h), void();
     std::memcpy(out, &h, count * sizeof(uint16_t));
   }
 }
