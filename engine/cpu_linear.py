@@ -163,8 +163,8 @@ def _bfloat16_native(dtype: torch.dtype) -> bool:
     the weights near the memory's read rate at 1-64 rows, where oneDNN's inner product measured
     1.1-2x slower (Sapphire Rapids); by VDPBF16PS dot products on AMD (Zen 4: 1.0-1.8x); on Intel
     without a usable tile unit it widens into float32 FMAs, where oneDNN's dot products issue at
-    half their rate (Emerald Rapids: as fast at 1-16 rows, 1.1-1.4x faster at 64-256). Reads the
-    CPU's flags; builds nothing."""
+    half their rate (Emerald Rapids: the widening 1.2-1.7x faster at 1-256 rows). Reads the CPU's
+    flags; builds nothing."""
     flags = cpu_flags().split()
     return (dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() == "AVX512"
             and ("amx_bf16" in flags or "avx512_bf16" in flags))

@@ -8,9 +8,10 @@ on SmolLM2's shapes. The kernel streams each panel of 2 x vector-width output fe
 back, widens bfloat16 weights to float32 in registers, and adds one fused multiply-add per k in
 order. With AMX, bfloat16 layers multiply on the tile unit instead (float32 sums in k order), which
 streams the weights 1.1-1.6x faster than torch's oneDNN inner product at 1-16 rows on a Sapphire
-Rapids; with AVX512-BF16 but no AMX, by VDPBF16PS dot products on AMD (Zen 4), while Intel's, at half
-the FMA rate there, lose to the widening FMAs (see :func:`bfloat16_path`). engine/cpu_linear.py decides where it is used. Builds on first use like the other C++
-parts; imports torch.
+Rapids; with AVX512-BF16 but no AMX, by VDPBF16PS dot products on AMD (Zen 4), while Intel's, at
+half the FMA rate there, lose to the widening FMAs (see :func:`bfloat16_path`).
+engine/cpu_linear.py decides where it is used. Builds on first use like the other C++ parts;
+imports torch.
 """
 
 from __future__ import annotations

@@ -59,20 +59,11 @@ def _other_bfloat16_paths() -> dict[str, Any]:
     import torch
 
     from engine import panel_linear
-    from engine.cpu_linear import LinearKernel
+    from engine.cpu_linear import LinearKernel, packing_works
 
-    if not panel_linear.is_available():
-        return {}
-    others = {}
-    for path in panel_linear.BFLOAT16_PATHS:
-        try:
-            if path != panel_linear.bfloat16_path():
-                panel_linear.pack_weight(torch.ones(32, 32, dtype=torch.bfloat16), path)
-                others[path] = LinearKernel(path, lambda w, path=path: panel_linear.pack_weight(w, path),
-                                            panel_linear.linear)
-        except RuntimeError:  # cannot run here
-            continue
-    return others
+    kernels = {path: LinearKernel(path, lambda w, path=path: panel_linear.pack_weight(w, path), panel_linear.linear)
+               for path in panel_linear.BFLOAT16_PATHS if path != panel_linear.bfloat16_path()}
+    return {path: kernel for path, kernel in kernels.items() if packing_works(torch.bfloat16, kernel)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
-        usable = {name: k for name, k in {**kernels, **(paths if dtype == torch.bfloat16 else {})}.items()
-                  if cpu_linear.packing_works(dtype, k)}
+        usable = {name: k for name, k in kernels.items() if cpu_linear.packing_works(dtype, k)}
+        if dtype == torch.bfloat16:
+            usable.update(paths)
         for layer, (k_in, n_out) in layers.items():
             copies = 1 if n_out > 10_000 else COPIES
             gen = torch.Generator().manual_seed(0)

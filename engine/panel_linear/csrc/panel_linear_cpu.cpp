@@ -5,7 +5,7 @@
 // And bfloat16 on CPUs with AVX512-BF16: with AMX multiplied on the tile unit (the section further
 // down: torch's oneDNN inner product streams the weights 1.1-1.6x slower at 1-16 rows on a Sapphire
 // Rapids), on AMD by VDPBF16PS dot products, on Intel without a usable tile unit widened into float32
-// FMAs (oneDNN's dot products measured 1.0-1.3x slower there; dot_products_pay says why).
+// FMAs (oneDNN's dot products measured 1.2-1.7x slower there; dot_products_pay says why).
 // Python side: engine/panel_linear/__init__.py; engine/cpu_linear.py decides where it is used.
 //
 // The weight is packed once into panels of kPanel output features: [panels][K][kPanel] (the last
@@ -234,9 +234,9 @@ void pack_panels(const bits_t<T>* src, int64_t N, int64_t K, bits_t<T>* dst) {
 // instructions instead of widening to float32 FMAs (a Zen 4's cannot keep up with memory beyond a
 // few rows): per 32 k, a panel's two 16-column halves, each 16 rows of 32 values where row r holds,
 // for each column, the weights of k = 2r and 2r + 1 side by side; zeros past N (the packed
-// tensor's shape names the arrangement: packed_shape). One row is one VDPBF16PS operand (AVX512-BF16, used on AMD's
-// CPUs: Zen 4 and later), one half is one TDPBF16PS B tile (AMX, further down, used where
-// the OS grants the tile unit). Input rows are read in place: a pair of bfloat16 inputs is one
+// tensor's shape names the arrangement: packed_shape). One row is one VDPBF16PS operand
+// (AVX512-BF16, used on AMD's CPUs: Zen 4 and later), one half is one TDPBF16PS B tile (AMX,
+// further down, used where the OS grants the tile unit). Input rows are read in place: a pair of bfloat16 inputs is one
 // 32-bit broadcast (pair_tile) or 32 k of 16 rows one A tile (AMX).
 // Both instructions add the two exact products of each pair to a float32 accumulator, pairs in k
 // order; the float32 sums may differ from the FMA path's in the last bits (rare, tested within
@@ -415,8 +415,8 @@ enum class Bf16Path : int64_t {
 // Whether VDPBF16PS multiplies bfloat16 faster than widening it into float32 FMAs: on AMD's CPUs
 // (Zen 4: one dot product per cycle, twice the work of its one 512-bit FMA), not on Intel's, where it
 // issues once every two cycles against two FMAs per cycle (measured on an Emerald Rapids whose tile
-// unit the hypervisor hides): there the widening micro-tile measured as fast at 1-16 rows and
-// 1.1-1.4x faster at 64-256 rows on SmolLM2's layers.
+// unit the hypervisor hides): there the widening micro-tile measured 1.2-1.6x faster from 16 rows
+// on SmolLM2's layers and 2-12% slower at 1-4 (alternating in one process).
 bool dot_products_pay() {
   static const bool pay = [] {
     __builtin_cpu_init();
@@ -465,24 +465,29 @@ bool supported(ScalarType type) { return type == ScalarType::Float || type == Sc
 
 // The packed tensor's shape says its layout (so a weight is never multiplied in another's):
 // [panels][K][kPanel] panels, [panels][K / 32][16][64] pairs side by side (kDotLayout),
-// [panels][K / 32][2][16][32] pairs in two tiles (kTileLayout).
-std::vector<int64_t> packed_shape(int64_t N, int64_t K, Bf16Path path) {
+// [panels][K / 32][2][16][32] pairs in two tiles (kTileLayout). Its first `rank` sizes count.
+struct PackedShape {
+  int64_t rank;
+  int64_t sizes[5];
+};
+PackedShape packed_shape(int64_t N, int64_t K, Bf16Path path) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   switch (path) {
-    case Bf16Path::kDotPairs: return {panels, K / 32, 16, 64};
-    case Bf16Path::kTiles: return {panels, K / 32, 2, 16, 32};
-    default: return {panels, K, kPanel};
+    case Bf16Path::kDotPairs: return {4, {panels, K / 32, 16, 64}};
+    case Bf16Path::kTiles: return {5, {panels, K / 32, 2, 16, 32}};
+    default: return {3, {panels, K, kPanel}};
   }
 }
 
-// The path a packed weight of in_features K was packed for (its shape; checked whole).
+// The path a packed weight of in_features K was packed for (its shape; checked whole). Runs on
+// every call: no allocation.
 Bf16Path packed_path(const Tensor& packed, int64_t K) {
   const int64_t dim = packed.dim();
   STD_TORCH_CHECK(dim >= 3 && dim <= 5 && packed.is_contiguous(), "panel_linear: the weight is not packed (pack_weight)");
   const Bf16Path path = dim == 4 ? Bf16Path::kDotPairs : dim == 5 ? Bf16Path::kTiles : Bf16Path::kWiden;
-  const std::vector<int64_t> expected = packed_shape(packed.size(0) * kPanel, K, path);
+  const PackedShape expected = packed_shape(packed.size(0) * kPanel, K, path);
   bool matches = path == Bf16Path::kWiden || K % 32 == 0;
-  for (int64_t d = 1; matches && d < dim; ++d) matches = packed.size(d) == expected[d];
+  for (int64_t d = 1; matches && d < dim; ++d) matches = packed.size(d) == expected.sizes[d];
   STD_TORCH_CHECK(matches, "panel_linear: the packed weight does not match in_features ", K,
                   " (or was packed by a build with another panel width)");
   STD_TORCH_CHECK(runs_here(path, K), "panel_linear: the weight is packed for the bfloat16 path ", path_name(path),
@@ -504,7 +509,8 @@ Tensor pack_weight(Tensor weight, int64_t path_index) {
   STD_TORCH_CHECK(path_index < 0 || path == Bf16Path::kWiden || (bf16 && runs_here(path, K)),
                   "panel_linear.pack_weight: the bfloat16 path ", path_name(path), " cannot multiply this ",
                   bf16 ? "weight here" : "float32 weight");
-  Tensor packed = torch::stable::new_empty(weight, packed_shape(N, K, path));
+  const PackedShape shape = packed_shape(N, K, path);
+  Tensor packed = torch::stable::new_empty(weight, std::vector<int64_t>(shape.sizes, shape.sizes + shape.rank));
 #if TOKENMILL_PAIRS
   if (path != Bf16Path::kWiden) {
     pack_pairs(static_cast<const uint16_t*>(weight.const_data_ptr()), N, K,
