@@ -29,11 +29,13 @@ NATIVE_FAMILIES = ("llama", "qwen2", "mistral")
 
 @pytest.fixture(scope="module")
 def biased_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama with every bias on (q/k/v, o-projection, MLP): the stack's optional inputs."""
+    """A tiny Llama with every bias on (q/k/v, o-projection, MLP): the stack's optional inputs; and
+    heads of 80 (not hidden / heads), whose rotary halves of 40 take the fused rotary's vector loop
+    and its scalar tail at every vector width (the other tiny models' halves are all tail)."""
     path = tmp_path_factory.mktemp("biased-llama")
     tokenizer = build_tokenizer()
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=80, attention_bias=True, mlp_bias=True,
                          max_position_embeddings=1024)
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(config)

@@ -149,17 +149,33 @@ std::pair<Tensor, Tensor> add_rms_norm(const Tensor& residual, const OptTensor& 
   return {h, out};
 }
 
-// out[t, h, :] = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1).
+// out[t, h, :] = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1). Each operator of
+// the eager expression rounds to T; so does each step here (vectorised: the scalar loop's
+// conversions were 4% of a bfloat16 decode step at batch 64).
 template <typename T>
 void rotate_rows(const Tensor& x, const Tensor& cos, const Tensor& sin, Tensor& out) {
   using acc = at::opmath_type<T>;
+  using Vec = at::vec::Vectorized<T>;
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
   const int64_t xs0 = x.stride(0), xs1 = x.stride(1);
   const T* xp = x.const_data_ptr<T>();
   const T* cp = cos.const_data_ptr<T>();
   const T* sp = sin.const_data_ptr<T>();
   T* op = out.mutable_data_ptr<T>();
-  // Each operator of the eager expression rounds to T; so does each step here.
+  // a * c + b * s, each product and the sum rounded to T.
+  const auto rotate = [](Vec a, Vec b, Vec c, Vec s) -> Vec {
+    if constexpr (std::is_same_v<T, acc>) {
+      return a * c + b * s;  // two roundings and a third: no contraction (-ffp-contract=off)
+    } else {
+      auto [a0, a1] = at::vec::convert_to_float<T>(a);
+      auto [b0, b1] = at::vec::convert_to_float<T>(b);
+      auto [c0, c1] = at::vec::convert_to_float<T>(c);
+      auto [s0, s1] = at::vec::convert_to_float<T>(s);
+      auto [p0, p1] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a0 * c0, a1 * c1));
+      auto [q0, q1] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(b0 * s0, b1 * s1));
+      return at::vec::convert_from_float<T>(p0 + q0, p1 + q1);
+    }
+  };
   auto mul = [](T a, T b) { return static_cast<T>(static_cast<acc>(a) * static_cast<acc>(b)); };
   auto add = [](T a, T b) { return static_cast<T>(static_cast<acc>(a) + static_cast<acc>(b)); };
   at::parallel_for(0, tokens, row_grain(heads * dim), [&](int64_t begin, int64_t end) {
@@ -169,7 +185,13 @@ void rotate_rows(const Tensor& x, const Tensor& cos, const Tensor& sin, Tensor& 
       for (int64_t h = 0; h < heads; ++h) {
         const T* row = xp + t * xs0 + h * xs1;
         T* o = op + (t * heads + h) * dim;
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+        for (; i + Vec::size() <= half; i += Vec::size()) {
+          const Vec x1 = Vec::loadu(row + i), x2 = Vec::loadu(row + half + i);
+          rotate(x1, x2.neg(), Vec::loadu(c + i), Vec::loadu(s + i)).store(o + i);
+          rotate(x2, x1, Vec::loadu(c + half + i), Vec::loadu(s + half + i)).store(o + half + i);
+        }
+        for (; i < half; ++i) {
           const T neg_x2 = static_cast<T>(-static_cast<acc>(row[i + half]));
           o[i] = add(mul(row[i], c[i]), mul(neg_x2, s[i]));
           o[i + half] = add(mul(row[i + half], c[i + half]), mul(row[i], s[i + half]));
