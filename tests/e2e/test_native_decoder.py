@@ -30,11 +30,12 @@ NATIVE_FAMILIES = ("llama", "qwen2", "mistral")
 @pytest.fixture(scope="module")
 def biased_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with every bias on (q/k/v, o-projection, MLP): the stack's optional inputs; and
-    heads of 80 (not hidden / heads), whose rotary halves of 40 take the fused rotary's vector loop
-    and its scalar tail at every vector width (the other tiny models' halves are all tail)."""
+    widths whose fused loops take their vector loop and their scalar tail: a hidden size of 80
+    (RMSNorm) and heads of 80, not hidden / heads, whose rotary halves are 40 (the other tiny
+    models' halves are all tail)."""
     path = tmp_path_factory.mktemp("biased-llama")
     tokenizer = build_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=80, intermediate_size=96, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=80, attention_bias=True, mlp_bias=True,
                          max_position_embeddings=1024)
     torch.manual_seed(1)
