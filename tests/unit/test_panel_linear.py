@@ -66,6 +66,7 @@ def _float32_agrees(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bi
 @pytest.mark.parametrize(("rows", "in_features", "out_features"), [
     (1, 1, 1), (1, 64, 40), (5, 33, 17), (7, 64, 96), (13, 200, 33), (64, 48, 130),
     (100, 1536, 24),  # several row chunks, split over threads
+    (9, 256, 1100),  # blocks of several panels handed out to the threads, the last block short
     # in_features a multiple of 32: the pair paths too
     (40, 64, 520),  # 32-row blocks of two 16-row tiles, then a tail of 8
     (70, 1024, 300),  # several panel groups, each passed by three row blocks
