@@ -102,8 +102,10 @@ def test_mixed_batch_matches_reference(heads: tuple[int, int, int], dtype: torch
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 def test_long_contexts_split_across_threads(threads: int, dtype: torch.dtype) -> None:
     """A lone long decode and a chunk over a long prefix: with 2 threads the key ranges are cut
-    into partitions (flash-decoding) whose partial softmaxes are merged."""
+    into partitions (flash-decoding) whose partial softmaxes are merged; a lone decode over a few
+    hundred keys is cut into short partitions too."""
     assert_matches_reference(make_batch([(3001, 1)], (9, 3, 64), 16, dtype, seed=1))
+    assert_matches_reference(make_batch([(301, 1)], (9, 3, 64), 16, dtype, seed=4))
     assert_matches_reference(make_batch([(2500, 40), (1800, 1)], (8, 1, 64), 16, dtype, seed=2))
 
 
