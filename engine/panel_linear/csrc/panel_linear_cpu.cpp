@@ -17,8 +17,8 @@
 //
 // Work: rows are cut into chunks whose float32 rows fit in L2 (the panel loop re-reads them;
 // bfloat16 rows are widened once per chunk), then each chunk's panels are handed out to torch's
-// threads in small blocks (for_panel_blocks); within a panel, micro-tiles of kRows rows keep 2 x kRows accumulator vectors in
-// registers while the panel's rows stream past.
+// threads in small blocks (for_panel_blocks); within a panel, micro-tiles of kRows rows keep
+// 2 x kRows accumulator vectors in registers while the panel's rows stream past.
 // Needs GCC >= 12 or Clang (native vector types, __builtin_convertvector).
 
 #include <torch/csrc/stable/library.h>
