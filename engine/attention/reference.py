@@ -37,19 +37,38 @@ def paged_attention(
     Returns:
         ``[T, heads, head_dim]`` in the query's dtype, computed in float32 (float64 for float64).
     """
+    return attend_sequences(query, key_cache, value_cache, block_tables, seq_lens.tolist(), query_start_loc.tolist(),
+                            scale)
+
+
+def attend_sequences(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    query_starts: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """:func:`paged_attention` with the context lengths and query offsets given on the host (the
+    backend takes them from the step's metadata, so no layer reads them back from the device).
+
+    NOTE: every tensor made here is made on the query's device: a default-device ``arange`` beside
+    CUDA tensors fails every prefill on a GPU.
+    """
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    device = query.device
     out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    for s, context in enumerate(seq_lens.tolist()):
-        lo, hi = starts[s], starts[s + 1]
+    for s, context in enumerate(seq_lens):
+        lo, hi = query_starts[s], query_starts[s + 1]
         if hi == lo:
             continue
         blocks = block_tables[s, : (context + block_size - 1) // block_size].long()
         keys = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context]
         values = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context]
-        positions = torch.arange(context - (hi - lo), context)
-        mask = torch.arange(context).unsqueeze(0) <= positions.unsqueeze(1)  # [q_len, context]
+        positions = torch.arange(context - (hi - lo), context, device=device)
+        mask = torch.arange(context, device=device).unsqueeze(0) <= positions.unsqueeze(1)  # [q_len, context]
         attended = F.scaled_dot_product_attention(
             query[lo:hi].transpose(0, 1).to(compute),
             keys.transpose(0, 1).to(compute),
@@ -95,9 +114,9 @@ class ReferenceBackend:
             parts.append(self._attend_decodes(query[:num_decodes], key_cache, value_cache, meta, scale))
         if num_decodes < meta.num_sequences:
             start = meta.query_start_host[num_decodes]
-            parts.append(paged_attention(
+            parts.append(attend_sequences(
                 query[start:], key_cache, value_cache, meta.block_tables[num_decodes:],
-                meta.seq_lens[num_decodes:], meta.query_start_loc[num_decodes:] - start, scale,
+                meta.seq_lens_host[num_decodes:], [q - start for q in meta.query_start_host[num_decodes:]], scale,
             ))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
