@@ -3,9 +3,11 @@
 Each extension is one source file, compiled by ``torch.utils.cpp_extension`` into a cache folder
 keyed by everything its binary depends on (source, the engine's headers it includes, torch build,
 compiler, CPU flags, compiler flags), so a binary is only ever loaded where it was built, and a
-rebuild happens exactly when one of those changes. Failure is not fatal:
-:meth:`CppExtension.is_available` logs why once and callers use their plain-torch path. Imports
-torch.
+rebuild happens exactly when one of those changes. The cache lives under ``TOKENMILL_HOME``, never
+next to the sources, so an install in a read-only site-packages builds too. Building needs a C++
+compiler and ninja on the machine that runs the engine; the sources ship as package data
+(pyproject.toml). Failure is not fatal: :meth:`CppExtension.is_available` logs why once, at
+WARNING, and callers use their plain-torch path. Imports torch.
 """
 
 from __future__ import annotations
@@ -60,6 +62,39 @@ def _compiler() -> str:
     return os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension invokes on Linux
 
 
+# What to install when the toolchain is missing: said once, in the warning that reports it.
+TOOLCHAIN_HINT = ("install a C++ compiler and ninja (Debian/Ubuntu: apt-get install g++ ninja-build; "
+                  "Fedora/RHEL: dnf install gcc-c++ ninja-build; ninja also comes with pip install ninja) "
+                  "or point CXX at a compiler")
+_toolchain_lock = threading.Lock()
+
+
+@functools.cache
+def _missing_toolchain(compiler: str) -> str | None:
+    from torch.utils import cpp_extension
+
+    missing = [f"no C++ compiler ({compiler!r} is not on PATH)"] if shutil.which(compiler) is None else []
+    if not cpp_extension.is_ninja_available():
+        missing.append("no ninja (torch builds extensions with it)")
+    if not missing:
+        return None
+    problem = " and ".join(missing)
+    logger.warning("the C++ CPU kernels cannot be built here: %s; %s. Until then the engine runs its slower "
+                   "plain-torch paths", problem, TOOLCHAIN_HINT)
+    return problem
+
+
+def missing_toolchain() -> str | None:
+    """What stops every extension from building on this machine (None: nothing).
+
+    NOTE: every extension needs the same compiler and ninja, so what is missing (and what to
+    install) is logged once per process, not once per extension; the extensions' builds start
+    side by side on their own threads, hence the lock.
+    """
+    with _toolchain_lock:
+        return _missing_toolchain(_compiler())
+
+
 class CppExtension:
     """One C++ source built into a torch extension library (ops and classes register on load).
 
@@ -109,10 +144,13 @@ class CppExtension:
         """
         from torch.utils import cpp_extension
 
-        if shutil.which(_compiler()) is None:
-            raise RuntimeError(f"no C++ compiler ({_compiler()!r} not on PATH)")
-        if not cpp_extension.is_ninja_available():
-            raise RuntimeError("ninja is not available")
+        absent = [str(path) for path in (self.source, *self.headers) if not path.is_file()]
+        if absent:
+            raise RuntimeError(f"its C++ sources are not installed ({', '.join(absent)}): this tokenmill was "
+                               "installed without its package data; reinstall it from a current checkout or wheel")
+        problem = missing_toolchain()
+        if problem is not None:
+            raise RuntimeError(f"{problem}; see the warning above for what to install")
         folder = self.build_directory()
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / "tokenmill.flock", "w") as lock_file:

@@ -1,0 +1,187 @@
+"""A production install gets the C++ fast path (issue 25): this checkout's sdist, the wheel built
+from that sdist, installed into a fresh virtualenv, builds and loads every C++ extension from the
+installed location (into TOKENMILL_HOME, nothing next to the sources), and a worker started from
+that virtualenv says in its start-up log that it runs the C++ attention kernel and the native
+decoder stack, then answers a request.
+
+The only guard against a wheel without its package data, so it runs in the normal suite. Its cost
+is one build of the three extensions (about 40 s on 2 busy cores): a shared build cache would not
+be safe, since ninja rebuilds whenever a source's path changes, and the installed sources' path
+differs from the checkout's (both would keep rebuilding each other's binaries).
+
+The new virtualenv reaches the project's dependencies (torch, transformers, ...) through a .pth
+file, so nothing is downloaded; tokenmill itself comes from the wheel only: every command runs from
+a temporary folder, so the checkout is not on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import site
+import subprocess
+import sys
+import tomllib
+import venv
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from packaging.requirements import Requirement
+
+from engine import native_decoder, panel_linear
+from engine.attention import cpu_kernel
+from engine.cpp_build import CppExtension
+from producer.keys import Keys
+from producer.schema import decode_result
+from tests.tiny_models import save_tiny_model
+from tests.worker_helpers import enqueue
+
+pytestmark = pytest.mark.timeout(900)
+
+ROOT = Path(__file__).resolve().parents[2]
+EXTENSIONS: dict[str, CppExtension] = {"attention": cpu_kernel._EXTENSION, "decoder_stack": native_decoder._EXTENSION,
+                                       "panel_linear": panel_linear._EXTENSION}
+# Run by the new virtualenv's interpreter: where tokenmill was imported from, where its extensions'
+# sources are, and whether each builds and loads (all three build side by side).
+PROBE = """
+import json, torch, engine
+from engine import cpu_linear, native_decoder, panel_linear
+from engine.attention import cpu_kernel
+extensions = {"attention": cpu_kernel._EXTENSION, "decoder_stack": native_decoder._EXTENSION,
+              "panel_linear": panel_linear._EXTENSION}
+for extension in extensions.values():
+    extension.build_in_background()
+print(json.dumps({"engine": engine.__file__,
+                  "sources": [str(p) for e in extensions.values() for p in (e.source, *e.headers)],
+                  "available": {name: e.is_available() for name, e in extensions.items()},
+                  "panels_match_torch": cpu_linear.packing_works(torch.float32, cpu_linear.PANELS)}))
+"""
+
+
+def _run(command: list[str], cwd: Path, env: dict[str, str] | None = None, timeout_s: float = 300) -> str:
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, f"{command[:4]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def _copy_checkout(target: Path) -> None:
+    """The files a fresh clone would hold plus untracked ones not ignored (no .venv, no build/)."""
+    listing = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], ROOT)
+    for name in filter(None, listing.split("\0")):
+        source = ROOT / name
+        if source.is_file():  # tracked files deleted in the working tree are listed too
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            (target / name).write_bytes(source.read_bytes())
+
+
+def _build_env(tmp: Path) -> dict[str, str]:
+    """An environment whose interpreter has what ``[build-system] requires`` asks: this one's when
+    it qualifies (offline), else those packages fetched once into a folder on PYTHONPATH."""
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    def satisfied(spec: str) -> bool:
+        requirement = Requirement(spec)
+        try:
+            return requirement.specifier.contains(metadata.version(requirement.name), prereleases=True)
+        except metadata.PackageNotFoundError:
+            return False
+
+    if not all(map(satisfied, requires)):
+        _run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(tmp / "build-env"), *requires], tmp)
+        env["PYTHONPATH"] = str(tmp / "build-env")
+    return env
+
+
+def _csrc_files() -> set[str]:
+    """Every C++ file of the engine, relative to the checkout; each extension reads only these."""
+    files = {str(p.relative_to(ROOT)) for p in (ROOT / "engine").rglob("csrc/*") if p.suffix in (".cpp", ".h")}
+    read = {str(p.relative_to(ROOT)) for e in EXTENSIONS.values() for p in (e.source, *e.headers)}
+    assert read <= files and files, (read, files)
+    return files
+
+
+def _tree(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if "__pycache__" not in p.parts}
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """sdist -> wheel -> a fresh virtualenv with only the wheel installed; its paths."""
+    tmp = tmp_path_factory.mktemp("wheel-install")
+    source, dist, env = tmp / "checkout", tmp / "dist", _build_env(tmp)
+    _copy_checkout(source)
+    sdist = Path(_run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
+                       "print(b.build_sdist(sys.argv[1]))", str(dist)], source, env).split()[-1])
+    wheel_dir = tmp / "wheel"
+    _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
+          "--wheel-dir", str(wheel_dir), str(dist / sdist)], tmp, env)
+    (wheel,) = wheel_dir.glob("tokenmill-*.whl")
+    environment = tmp / "venv"
+    venv.EnvBuilder(with_pip=False).create(environment)
+    python = environment / "bin" / "python"
+    (site_packages,) = environment.glob("lib/python*/site-packages")
+    # Dependencies from the project's environment, after the new one's own site-packages.
+    (site_packages / "project_dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps", "--no-index",
+          str(wheel)], tmp)
+    return {"tmp": tmp, "sdist": dist / sdist, "wheel": wheel, "venv": environment, "site_packages": site_packages}
+
+
+def test_sdist_and_wheel_ship_every_cpp_source(installed: dict[str, Path]) -> None:
+    import tarfile
+    import zipfile
+
+    wanted = _csrc_files()
+    with tarfile.open(installed["sdist"]) as sdist:
+        in_sdist = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
+    with zipfile.ZipFile(installed["wheel"]) as wheel:
+        in_wheel = set(wheel.namelist())
+    assert wanted <= in_sdist, f"missing from the sdist: {sorted(wanted - in_sdist)}"
+    assert wanted <= in_wheel, f"missing from the wheel: {sorted(wanted - in_wheel)}"
+
+
+def test_installed_worker_builds_and_runs_the_cpp_kernels(installed: dict[str, Path], tmp_path: Path,
+                                                          redis_url: str, redis_client: redis.Redis,
+                                                          key_prefix: str) -> None:
+    environment, package = installed["venv"], installed["site_packages"] / "engine"
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    cwd.mkdir()
+    model = save_tiny_model("llama", tmp_path / "tiny-llama")
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("TOKENMILL_")},
+           "TOKENMILL_HOME": str(home), "PATH": f"{environment / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+    before = _tree(package)
+    keys = Keys(key_prefix)
+    request_id = enqueue(redis_client, keys, prompt="The quick brown fox", params={"max_tokens": 4})
+    log_path = tmp_path / "worker.log"
+    with log_path.open("w") as log:  # a burst worker: serves the queued request, then exits
+        worker = subprocess.Popen(
+            [str(environment / "bin" / "tokenmill"), "--redis-url", redis_url, "--prefix", key_prefix, "worker",
+             "--model", str(model), "--name", "wheel-worker", "--burst", "--log-json"],
+            cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            probe: dict[str, Any] = json.loads(_run([str(environment / "bin" / "python"), "-c", PROBE], cwd, env,
+                                                    timeout_s=600).splitlines()[-1])
+            assert worker.wait(timeout=600) == 0, log_path.read_text()[-5000:]
+        finally:
+            worker.kill()
+    assert Path(probe["engine"]).is_relative_to(environment), probe["engine"]  # tokenmill from the wheel only
+    assert all(Path(p).is_relative_to(package) and Path(p).is_file() for p in probe["sources"]), probe["sources"]
+    assert probe["available"] == dict.fromkeys(EXTENSIONS, True), (probe, log_path.read_text()[-5000:])
+    assert probe["panels_match_torch"]
+    # What an operator reads: the worker's start-up log names the fast path, and warns of nothing.
+    events = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+    messages = [event["msg"] for event in events]
+    assert "attention backend: cpu" in messages, messages
+    assert any(m.startswith("decoder layers run natively (C++ stack") for m in messages), messages
+    assert not [e for e in events if e["level"] == "WARNING" and "unavailable" in e["msg"]], messages
+    result = decode_result(redis_client.get(keys.result(request_id)))  # type: ignore[arg-type]
+    assert result.status == "ok" and result.usage.completion_tokens > 0, result
+    # Built into TOKENMILL_HOME, one folder per extension; nothing written beside the installed sources.
+    for extension in EXTENSIONS.values():
+        (folder,) = (home / "torch_extensions").glob(f"{extension.name}-*")
+        assert list(folder.glob("*.so")), sorted(_tree(folder))
+    assert _tree(package) == before
