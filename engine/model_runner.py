@@ -16,6 +16,7 @@ from engine.outputs import ModelOutput, ScheduledChunk, SchedulerOutput
 from engine.paged_attention import StepAttention
 from engine.sampler import Sampler, SamplingContext
 from engine.static_decode import StaticDecode
+from engine.step_inputs import StepInputs
 
 if TYPE_CHECKING:
     from engine.native_decoder import NativeDecoder
@@ -107,7 +108,7 @@ class ModelRunner:
         """Flatten chunks into model inputs and attention metadata: single-token chunks first,
         longest context first (the reference backend gathers less padding), then prefill chunks.
 
-        Host work is a few list operations per chunk and one tensor per input.
+        Host work is a few list operations per chunk and one host-to-device copy (engine/step_inputs.py).
         """
         bs = self.block_size
         decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -c.start_position)
@@ -126,15 +127,21 @@ class ModelRunner:
             seq_lens.append(end)
             query_start.append(query_start[-1] + chunk.num_tokens)
         width = (max(seq_lens) + bs - 1) // bs
-        tables = [c.block_ids[:width] + [0] * (width - min(width, len(c.block_ids))) for c in ordered]
         sample_chunks = [c for c in ordered if c.needs_sample]
-        sample_indices = [query_start[i + 1] - 1 for i, c in enumerate(ordered) if c.needs_sample]
-        dev = self.device
+        inputs = StepInputs()
+        inputs.add("input_ids", token_ids)
+        inputs.add("positions", positions)
+        inputs.add("slots", slots)
+        inputs.add("sample_indices", [query_start[i + 1] - 1 for i, c in enumerate(ordered) if c.needs_sample])
+        inputs.add("seq_lens", seq_lens)
+        inputs.add("query_start", query_start)
+        inputs.add("tables", [b for c in ordered for b in c.block_ids[:width] + [0] * (width - len(c.block_ids[:width]))])
+        on_device = inputs.upload(self.device)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            slot_mapping=on_device["slots"],
+            block_tables=on_device["tables"].view(len(ordered), width).to(torch.int32),
+            seq_lens=on_device["seq_lens"].to(torch.int32),
+            query_start_loc=on_device["query_start"].to(torch.int32),
             num_decodes=len(decodes),
             max_seq_len=max(seq_lens),
             max_query_len=max(c.num_tokens for c in ordered),
@@ -142,9 +149,9 @@ class ModelRunner:
             query_start_host=query_start,
         )
         return PreparedBatch(
-            input_ids=torch.tensor([token_ids], device=dev),
-            position_ids=torch.tensor([positions], device=dev),
+            input_ids=on_device["input_ids"].view(1, -1),
+            position_ids=on_device["positions"].view(1, -1),
             attention=StepAttention(self.kv_cache, meta, self.backend),
-            sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=dev),
+            sample_indices=on_device["sample_indices"],
             sample_chunks=sample_chunks,
         )

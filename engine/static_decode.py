@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.outputs import ScheduledChunk
 from engine.paged_attention import StepAttention
+from engine.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +73,17 @@ class StaticDecode:
         self._query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
         self._logits_to_keep = torch.arange(size, dtype=torch.long, device=device)
         self._runners: dict[int, Callable[[], torch.Tensor]] = {}
+        self.num_runs: Counter[int] = Counter()  # steps run through each bucket's runner
 
     def fits(self, chunks: list[ScheduledChunk]) -> bool:
-        """Whether this step is all decodes, few enough, with tables no wider than the buffers."""
+        """Whether this step is all decodes, few enough, with tables no wider than the buffers.
+
+        NOTE: a one-token chunk is not always a decode: a prompt clipped to one token by the step's
+        budget has more prompt to come and samples nothing, while a static step returns a row of
+        logits for every chunk (and the runner samples each); such a step runs eagerly.
+        """
         width = self._block_tables.shape[1]
-        return (0 < len(chunks) <= self.buckets[-1] and all(c.num_tokens == 1 for c in chunks)
+        return (0 < len(chunks) <= self.buckets[-1] and all(c.num_tokens == 1 and c.needs_sample for c in chunks)
                 and all(len(c.block_ids) <= width for c in chunks))
 
     def bucket_for(self, num_sequences: int) -> int:
@@ -102,7 +110,13 @@ class StaticDecode:
         bucket = self.bucket_for(num)
         self._fill(chunks)
         self._fill_padding(num, bucket)
+        self.num_runs[bucket] += 1
         return self._runners[bucket]()[:num]
+
+    @property
+    def runners(self) -> dict[int, Callable[[], torch.Tensor]]:
+        """Each bucket's runner (a :class:`CapturedStep` on CUDA), as ``prepare_runners`` built it."""
+        return dict(self._runners)
 
     def _eager(self, bucket: int) -> Callable[[], torch.Tensor]:
         meta = AttentionMetadata(
@@ -116,24 +130,25 @@ class StaticDecode:
         return lambda: self._forward(input_ids, positions, keep, step)
 
     def _fill(self, chunks: list[ScheduledChunk]) -> None:
-        """Copy one step's inputs into the first rows of the buffers (one copy per buffer)."""
+        """Copy one step's inputs into the first rows of the buffers: one host-to-device copy (pinned
+        memory on CUDA, engine/step_inputs.py), then one device copy per buffer."""
         bs = self.block_size
         num = len(chunks)
         positions = [c.start_position for c in chunks]
         tables = [c.block_ids for c in chunks]
         width = max(len(t) for t in tables)
-        host = {
-            "ids": torch.tensor([c.token_ids[0] for c in chunks]),
-            "positions": torch.tensor(positions),
-            "slots": torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]),
-            "tables": torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-            "seq_lens": torch.tensor([p + 1 for p in positions], dtype=torch.int32),
-        }
-        self._input_ids[0, :num].copy_(host["ids"], non_blocking=True)
-        self._positions[0, :num].copy_(host["positions"], non_blocking=True)
-        self._slot_mapping[:num].copy_(host["slots"], non_blocking=True)
-        self._block_tables[:num, :width].copy_(host["tables"], non_blocking=True)
-        self._seq_lens[:num].copy_(host["seq_lens"], non_blocking=True)
+        inputs = StepInputs()
+        inputs.add("ids", [c.token_ids[0] for c in chunks])
+        inputs.add("positions", positions)
+        inputs.add("slots", [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)])
+        inputs.add("tables", [b for t in tables for b in t + [0] * (width - len(t))])
+        inputs.add("seq_lens", [p + 1 for p in positions])
+        on_device = inputs.upload(self._kv_cache.device)
+        self._input_ids[0, :num].copy_(on_device["ids"])
+        self._positions[0, :num].copy_(on_device["positions"])
+        self._slot_mapping[:num].copy_(on_device["slots"])
+        self._block_tables[:num, :width].copy_(on_device["tables"].view(num, width))
+        self._seq_lens[:num].copy_(on_device["seq_lens"])
 
     def _fill_padding(self, start: int, end: int) -> None:
         """Rows ``start .. end - 1`` attend one scratch slot and write their keys and values there."""
@@ -147,6 +162,25 @@ class StaticDecode:
         self._seq_lens[start:end] = 1
 
 
+class CapturedStep:
+    """A bucket's decode step captured in a CUDA graph: calling it replays the graph.
+
+    Args:
+        graph: the captured forward.
+        output: the logits tensor the graph writes.
+    """
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> None:
+        self.graph = graph
+        self.output = output
+        self.num_replays = 0
+
+    def __call__(self) -> torch.Tensor:
+        self.graph.replay()
+        self.num_replays += 1
+        return self.output
+
+
 def cuda_graph_runner(pool: Any) -> Callable[[int, Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]:
     """A ``make_runner`` for :meth:`StaticDecode.prepare_runners` that captures CUDA graphs in one pool."""
 
@@ -158,11 +192,6 @@ def cuda_graph_runner(pool: Any) -> Callable[[int, Callable[[], torch.Tensor]], 
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 output = eager()
-
-        def replay() -> torch.Tensor:
-            graph.replay()
-            return output
-
-        return replay
+        return CapturedStep(graph, output)
 
     return make

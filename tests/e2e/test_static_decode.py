@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import SamplingParams
+from engine import Engine, SamplingParams
 from engine.attention import cpu_kernel
+from engine.model_runner import ModelRunner
+from engine.outputs import ModelOutput, SchedulerOutput
 from engine.static_decode import StaticDecode, decode_buckets
 from tests.e2e.parity_helpers import hf_greedy, load_reference, random_prompts
 from tests.engine_helpers import build_engine
@@ -28,28 +30,58 @@ def test_buckets_cover_every_batch_size() -> None:
     assert decode_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
 
 
+def static_engine(path: Path, **settings: object) -> Engine:
+    """A CPU engine whose decode steps run through StaticDecode's buffers (eagerly, as CUDA replays them)."""
+    engine = build_engine(str(path), device="cpu", dtype="float64", kv_cache_memory="8MiB", block_size=4,
+                          attention_backend="cpu", **settings)
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner)
+    static = StaticDecode(runner.forward, runner.kv_cache, runner.backend,
+                          decode_buckets(engine.scheduler.config.max_num_seqs), max_blocks_per_seq=64)
+    static.prepare_runners(eager, "eager buckets")
+    runner.static_decode = static
+    return engine
+
+
 def test_padded_decode_steps_match_hf_generate(tiny_model_dirs: dict[str, Path]) -> None:
     path = tiny_model_dirs["llama"]
     prompts = random_prompts(VOCAB_SIZE, 11, seed=3, max_len=60)
     reference = load_reference(path, torch.float64)
     expected = [hf_greedy(reference, p, 20) for p in prompts]
-    engine = build_engine(str(path), device="cpu", dtype="float64", kv_cache_memory="8MiB", block_size=4,
-                          max_num_seqs=6, attention_backend="cpu")
+    engine = static_engine(path, max_num_seqs=6)
     runner = engine.runner
-    static = StaticDecode(runner.forward, runner.kv_cache, runner.backend, decode_buckets(6), max_blocks_per_seq=64)
-    static.prepare_runners(eager, "eager buckets")
-    runner.static_decode = static
+    assert isinstance(runner, ModelRunner) and runner.static_decode is not None
     scratch = runner.kv_cache.device_pool[:, :, runner.kv_cache.scratch_block_id].clone()
-    used = []
-    original_run = static.run
-
-    def counting_run(chunks: list) -> torch.Tensor:  # type: ignore[type-arg]
-        used.append(static.bucket_for(len(chunks)))
-        return original_run(chunks)
-
-    static.run = counting_run  # type: ignore[method-assign]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=20), progress=False)
     assert [o.token_ids for o in outputs] == expected
-    assert {1, 2, 4, 6} & set(used), used  # several buckets, padding included
+    used = runner.static_decode.num_runs
+    assert used and set(used) <= {1, 2, 4, 6}, used
+    # padding rows ran: they write into the scratch block
     assert not torch.equal(scratch, runner.kv_cache.device_pool[:, :, runner.kv_cache.scratch_block_id])
     assert engine.stats().num_used_gpu_blocks == 0
+
+
+def test_a_prompt_clipped_to_one_token_is_not_a_decode(tiny_model_dirs: dict[str, Path]) -> None:
+    """A step budget of 4 tokens with 3 decodes running leaves one token for the next prompt: that
+    chunk samples nothing, so the step must not run as a static decode step (which returns a token
+    for every row: the scheduler then raised InvariantError)."""
+    path = tiny_model_dirs["llama"]
+    prompts = random_prompts(VOCAB_SIZE, 6, seed=8, min_len=6, max_len=12)
+    reference = load_reference(path, torch.float64)
+    expected = [hf_greedy(reference, p, 12) for p in prompts]
+    engine = static_engine(path, max_num_seqs=4, max_num_batched_tokens=4, max_prefill_chunk=4)
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner) and runner.static_decode is not None
+    clipped = []
+    original_execute = runner.execute
+
+    def recording_execute(output: SchedulerOutput) -> ModelOutput:
+        if output.chunks and all(c.num_tokens == 1 for c in output.chunks):
+            clipped.extend(c for c in output.chunks if not c.needs_sample)
+        return original_execute(output)
+
+    runner.execute = recording_execute  # type: ignore[method-assign]
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=12), progress=False)
+    assert clipped, "the workload never clipped a prompt to one token beside decodes"
+    assert [o.token_ids for o in outputs] == expected
+    assert sum(runner.static_decode.num_runs.values()) > 0

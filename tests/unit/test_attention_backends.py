@@ -179,6 +179,17 @@ def test_reference_makes_its_tensors_on_the_inputs_device(device: str) -> None:
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
 
+def test_reference_prefill_reads_the_host_lists_of_the_step() -> None:
+    """Prefill chunks are sized from the metadata's host lists, built once per step: no layer reads
+    context lengths back from the device (here those tensors live on ``meta`` and cannot be read)."""
+    specs = [(40, 7), (64, 20), (5, 5)]
+    args = make_batch(specs, (9, 3, 64), 4, torch.float64, seed=2)
+    meta = metadata(args, specs)
+    meta.seq_lens, meta.query_start_loc = meta.seq_lens.to("meta"), meta.query_start_loc.to("meta")
+    out = ReferenceBackend().attend(args["query"], args["key_cache"], args["value_cache"], meta, args["scale"])
+    torch.testing.assert_close(out, paged_attention(**args), atol=0, rtol=0)
+
+
 def test_reference_groups_of_one_row_match() -> None:
     """The reference's CPU decode path in the smallest groups (one row each) changes nothing."""
     args = make_batch(SPECS, (9, 3, 64), 4, torch.float64, seed=7)
