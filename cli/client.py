@@ -19,7 +19,7 @@ from cli.common import QueueOption, app, client_settings, fail, open_producer, w
 from producer import dead_letters
 from producer.common import as_chat
 from producer.errors import ResultTimeout, SchemaError
-from producer.keys import STALE_AFTER_S
+from protocol.heartbeat import STALE_AFTER_S
 from producer.schema import GenerationResult
 
 EXIT_NOT_READY = 2  # result: not landed (yet), or the wait ran out

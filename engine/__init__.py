@@ -11,8 +11,8 @@ from engine.errors import EngineError, InvariantError, ModelLoadError
 from engine.offline import GenerationOutput
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.prompts import ChatPrompt, Prompt, PromptError, TextPrompt, TokensPrompt
-from engine.request import FinishReason, RequestErrorCode
-from engine.sampling_params import SamplingParams
+from protocol.outcomes import ErrorCode, FinishReason
+from protocol.sampling import SamplingParams
 from engine.stats import EngineStats
 
 __all__ = [
@@ -29,7 +29,7 @@ __all__ = [
     "ModelLoadError",
     "Prompt",
     "PromptError",
-    "RequestErrorCode",
+    "ErrorCode",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",

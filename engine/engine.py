@@ -19,11 +19,12 @@ from engine.clock import Clock, MonotonicClock
 from engine.config import EngineConfig
 from engine.errors import GrammarError
 from engine.offline import GenerationOutput, run_offline
-from engine.outputs import RequestOutput, StepRunner
+from engine.outputs import ModelOutput, RequestOutput, ScheduledChunk, SchedulerOutput, StepRunner
 from engine.postprocess import OutputProcessor
 from engine.prompts import Prompt, PromptError, tokenize_prompt
-from engine.request import Request, RequestErrorCode, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.request import Request, RequestStatus
+from protocol.outcomes import ErrorCode
+from protocol.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
 
@@ -115,11 +116,11 @@ class Engine:
         if not params.is_structured or params.response_format is None:
             return
         if self.grammars is None:
-            raise PromptError(RequestErrorCode.VALIDATION, "this engine does not support structured output")
+            raise PromptError(ErrorCode.VALIDATION, "this engine does not support structured output")
         try:
             self.grammars.compile(params.response_format)
         except GrammarError as exc:
-            raise PromptError(RequestErrorCode.VALIDATION, str(exc)) from None
+            raise PromptError(ErrorCode.VALIDATION, str(exc)) from None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> None:
@@ -151,19 +152,19 @@ class Engine:
 
     def _check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
-            raise PromptError(RequestErrorCode.VALIDATION, "prompt is empty")
+            raise PromptError(ErrorCode.VALIDATION, "prompt is empty")
         vocab_size = self.limits.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
-            raise PromptError(RequestErrorCode.VALIDATION, f"prompt token ids must be in [0, {vocab_size})")
+            raise PromptError(ErrorCode.VALIDATION, f"prompt token ids must be in [0, {vocab_size})")
         if params.n > self.scheduler.config.max_num_seqs:
-            raise PromptError(RequestErrorCode.VALIDATION,
+            raise PromptError(ErrorCode.VALIDATION,
                               f"n ({params.n}) exceeds the sequences this engine runs at once (max_num_seqs "
                               f"{self.scheduler.config.max_num_seqs})")
         needed = len(prompt_token_ids) + params.max_tokens
         if needed > self.limits.max_request_tokens:
             limit = "the KV cache" if self.limits.is_cache_bound else "the model context"
             raise PromptError(
-                RequestErrorCode.PROMPT_TOO_LONG,
+                ErrorCode.PROMPT_TOO_LONG,
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {needed} "
                 f"exceeds {limit} ({self.limits.max_request_tokens} tokens)",
                 num_prompt_tokens=len(prompt_token_ids),
@@ -185,12 +186,79 @@ class Engine:
             An output for every request that progressed or finished in this step.
         """
         scheduler_output = self.scheduler.schedule()
-        model_output = self.runner.execute(scheduler_output)
+        model_output = self._execute(scheduler_output)
         progressed = self.scheduler.update(scheduler_output, model_output)
         self._num_generated_tokens += len(progressed)
-        for request in self.processor.detokenize(progressed):
+        matched, failed = self.processor.detokenize(progressed)
+        for request in matched:
             self._stop_on_string(request)
+        for request, exc in failed:
+            self._fail(request.request_id, exc, request)
         return self.processor.make_outputs(progressed, self.scheduler.take_finished())
+
+    def _execute(self, plan: SchedulerOutput) -> ModelOutput:
+        """Run one step; a failure is traced to the requests it came from (:meth:`_isolate`).
+
+        NOTE: the step's block copies run first, in a call of their own: they cannot run twice (a
+        block swapped out may be reused by the same step), and a failure in them is no request's
+        fault, so it is not contained.
+        """
+        if plan.swap_out or plan.copy_blocks or plan.swap_in:
+            self.runner.execute(dataclasses.replace(plan, chunks=[]))
+            plan = SchedulerOutput(chunks=plan.chunks)
+        try:
+            return self.runner.execute(plan)
+        except Exception as exc:  # noqa: BLE001 - traced to its requests; the engine lives on
+            return self._isolate(plan.chunks, exc)
+
+    def _isolate(self, chunks: list[ScheduledChunk], step_error: Exception) -> ModelOutput:
+        """Re-run a failed step's chunks in halves until each failure is one chunk's; those requests
+        finish with an ``internal`` error, the others keep what their parts computed.
+
+        Re-running is safe: a chunk writes the same KV to the same slots every time, and sampling
+        state follows the request's own tokens, which a failed step never changed. Greedy and seeded
+        rows draw what they would have drawn in the whole batch (batch-invariant).
+
+        Returns:
+            The sampled tokens of every chunk that did not fail.
+        """
+        merged = ModelOutput()
+        failures: dict[str, Exception] = {}
+        pending = [chunks]
+        while pending:
+            group = pending.pop()
+            try:
+                output = self.runner.execute(SchedulerOutput(chunks=group))
+            except Exception as exc:  # noqa: BLE001 - narrowed down until it names one request
+                if len(group) == 1:
+                    failures[group[0].request_id] = exc
+                else:
+                    pending += [group[len(group) // 2:], group[:len(group) // 2]]
+                continue
+            merged.sampled_token_ids.update(output.sampled_token_ids)
+            merged.logprobs.update(output.logprobs)
+        if not failures:  # NOTE: e.g. out of memory at the whole batch's size only: its parts ran
+            logger.warning("a step failed as a whole and ran in parts", exc_info=step_error,
+                           extra={"event": "step_split", "num_chunks": len(chunks)})
+        for request_id, failure in failures.items():
+            self._fail(request_id, failure)
+        return merged
+
+    def _fail(self, request_id: str, exc: Exception, request: Request | None = None) -> None:
+        """Finish the request (all of an ``n > 1`` request's samples) with an ``internal`` error.
+
+        Args:
+            request: the request object when the caller holds it (it may have finished this step).
+        """
+        request = request or self.scheduler.get_request(request_id)
+        caller_id = request.group.request_id if request is not None and request.group is not None else request_id
+        logger.error("the engine failed on a request; it ends with an error and the others go on", exc_info=exc,
+                     extra={"event": "request_failed", "request_id": caller_id})
+        message = f"the engine failed on this request: {type(exc).__name__}: {exc}"
+        if request is not None and request.is_finished:  # NOTE: finished by this very step: out of the queues
+            request.fail_finished(ErrorCode.INTERNAL, message)
+        else:
+            self.scheduler.finish_request(caller_id, RequestStatus.FINISHED_ERROR, ErrorCode.INTERNAL, message)
 
     def _stop_on_string(self, request: Request) -> None:
         """A stop string matched: the request stops (``stop`` wins over a length limit its token hit)."""

@@ -15,3 +15,12 @@ class InvariantError(EngineError):
 
 class GrammarError(EngineError, ValueError):
     """A structured-output spec (JSON schema, regex, grammar) cannot be compiled."""
+
+
+class SamplingError(EngineError):
+    """Rows of a step's logits admit no valid choice (NaN, infinite, or every token masked): a fault of
+    those requests (their parameters, or the model on their input), which finish with an error."""
+
+    def __init__(self, rows: list[int], message: str) -> None:
+        super().__init__(f"rows {rows}: {message}")
+        self.rows = rows

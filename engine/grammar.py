@@ -14,7 +14,7 @@ from collections import OrderedDict
 from typing import Any
 
 from engine.errors import GrammarError
-from engine.response_format import ResponseFormat
+from protocol.sampling import ResponseFormat
 
 DEFAULT_MAX_CACHED = 256
 # xgrammar's C++ errors start with "[time] /path/file.cc:line: " (and sometimes a failed check): drop that.

@@ -11,7 +11,7 @@ import torch
 
 from engine.errors import InvariantError
 from engine.grammar import GrammarCompiler
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 from engine.sampling_state import SamplingState
 
 # dtypes xgrammar's C++ CPU kernel takes; others (float64 in tests) use its torch implementation.

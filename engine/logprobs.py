@@ -1,5 +1,5 @@
 """Log-probabilities as users expect them (OpenAI's shape): for every generated token its id, text,
-bytes and logprob, and the most likely alternatives. Standard library only; the tokenizer is any
+bytes and logprob, and the most likely alternatives (the vocabulary's TokenLogprob); the tokenizer is any
 Hugging Face tokenizer.
 """
 
@@ -8,27 +8,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.outcomes import TokenLogprob, TopLogprob
+
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback pieces
-
-
-@dataclass(frozen=True)
-class TopLogprob:
-    """One candidate token at one position."""
-
-    token_id: int
-    token: str  # its text (bytes that are not complete UTF-8 show as U+FFFD)
-    bytes: list[int]  # its exact bytes: join them across tokens to rebuild split characters
-    logprob: float  # natural log of its probability under the raw model distribution
-
-
-@dataclass(frozen=True)
-class TokenLogprob(TopLogprob):
-    """A generated token, with the ``top_logprobs`` alternatives asked for (most likely first)."""
-
-    top_logprobs: list[TopLogprob] = field(default_factory=list)
 
 
 class TokenBytes:
@@ -55,7 +39,8 @@ class TokenBytes:
 
     def describe(self, token_id: int, logprob: float) -> TopLogprob:
         data = self(token_id)
-        return TopLogprob(token_id, data.decode("utf-8", errors="replace"), list(data), logprob)
+        return TopLogprob(token_id=token_id, token=data.decode("utf-8", errors="replace"), bytes=list(data),
+                          logprob=logprob)
 
     def _bytes_of(self, token_id: int) -> bytes:
         piece = self._tokenizer.convert_ids_to_tokens(token_id)
@@ -90,7 +75,7 @@ def build_token_logprobs(token_ids: Sequence[int], raw_logprobs: Sequence[dict[i
         chosen = vocab.describe(token_id, entry[token_id])
         ranked = sorted(entry.items(), key=lambda item: -item[1])[:num_top]
         top = [vocab.describe(tid, value) for tid, value in ranked]
-        result.append(TokenLogprob(chosen.token_id, chosen.token, chosen.bytes, chosen.logprob, top))
+        result.append(TokenLogprob(**chosen.model_dump(), top_logprobs=top))
     return result
 
 

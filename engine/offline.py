@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
-from engine.logprobs import TokenLogprob
+from protocol.outcomes import TokenLogprob
 from engine.outputs import RequestMetrics, SampleOutput
 from engine.prompts import PromptError, PromptLike, as_prompt
-from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
+from protocol.outcomes import FinishReason
+from protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from engine.engine import Engine

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.logprobs import TokenLogprob
-from engine.request import FinishReason, RequestErrorCode
-from engine.sampling_params import SamplingParams
+from protocol.outcomes import TokenLogprob
+from protocol.outcomes import ErrorCode, FinishReason
+from protocol.sampling import SamplingParams
 from engine.sampling_state import SamplingState
 
 
@@ -129,7 +129,7 @@ class RequestOutput:
     prompt_token_count: int
     metrics: RequestMetrics
     error: str | None = None  # human-readable reason when finish_reason is ERROR
-    error_code: RequestErrorCode | None = None  # machine-readable, when finish_reason is ERROR
+    error_code: ErrorCode | None = None  # machine-readable, when finish_reason is ERROR
     logprobs: list[dict[int, float]] | None = None  # raw: per token, {token_id: logprob} (sampled first)
     token_logprobs: list[TokenLogprob] | None = None  # OpenAI's shape; on final outputs that asked for logprobs
     # n > 1: every sample, by index (the fields above are sample 0's); only final outputs carry them

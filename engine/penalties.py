@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 from engine.sampling_state import SamplingState
 
 _MIN_SLOTS = 8

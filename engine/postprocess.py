@@ -9,12 +9,10 @@ from typing import Any
 
 from engine.clock import Clock
 from engine.detokenizer import IncrementalDetokenizer
-from engine.logprobs import TokenBytes, TokenLogprob, build_token_logprobs
+from engine.logprobs import TokenBytes, build_token_logprobs
 from engine.outputs import RequestMetrics, RequestOutput, SampleOutput
-from engine.request import FINISH_REASON, FinishReason, ParallelGroup, Request, RequestErrorCode
-
-# Errors the scheduler decides on its own come with no message: say what happened.
-_ERROR_MESSAGES = {RequestErrorCode.CANNOT_PLACE: "the scheduler could not place this request in the KV cache"}
+from engine.request import FINISH_REASON, ParallelGroup, Request, RequestStatus
+from protocol.outcomes import ErrorCode, FinishReason, TokenLogprob
 
 
 class OutputProcessor:
@@ -31,7 +29,7 @@ class OutputProcessor:
         self._rejected: list[RequestOutput] = []  # refused at admission, handed out by the next step
         self._token_bytes: TokenBytes | None = None  # made with the first request that asks for logprobs
 
-    def reject(self, request_id: str, code: RequestErrorCode, message: str, arrival_s: float,
+    def reject(self, request_id: str, code: ErrorCode, message: str, arrival_s: float,
                num_prompt_tokens: int = 0) -> None:
         """Queue an error output for a request that never entered the scheduler."""
         metrics = RequestMetrics(arrival_time_s=arrival_s, finished_time_s=self.clock.now())
@@ -45,25 +43,34 @@ class OutputProcessor:
         """Whether a rejection (of ``request_id``, or any) waits to be handed out."""
         return any(request_id in (None, o.request_id) for o in self._rejected)
 
-    def detokenize(self, requests: list[Request]) -> list[Request]:
+    def detokenize(self, requests: list[Request]) -> tuple[list[Request], list[tuple[Request, Exception]]]:
         """Append each request's new tokens to its text.
 
         A token that stopped the request (EOS, stop id) stays in the ids but not in the text.
 
         Returns:
-            The requests whose stop string matched with these tokens: the caller finishes them.
+            The requests whose stop string matched with these tokens, and those whose tokens could
+            not be decoded (with why): the caller finishes both.
         """
         matched: list[Request] = []
+        failed: list[tuple[Request, Exception]] = []
         for request in requests:
             detokenizer = self._detokenizer(request)
-            new_token_ids = request.output_token_ids[request.num_reported_tokens:]
+            # NOTE: its own cursor, not num_reported_tokens: samples of an n > 1 request report
+            # nothing until the group ends, yet their text must still be decoded token by token once.
+            new_token_ids = request.output_token_ids[request.num_detokenized_tokens:]
+            request.num_detokenized_tokens = request.num_output_tokens
             if request.stop_token_id is not None:
                 new_token_ids = new_token_ids[:-1]
             if detokenizer.stop_matched is None:
-                detokenizer.append(new_token_ids)
+                try:
+                    detokenizer.append(new_token_ids)
+                except Exception as exc:  # noqa: BLE001 - one request's tokens; the others go on
+                    failed.append((request, exc))
+                    continue
                 if detokenizer.stop_matched is not None:
                     matched.append(request)
-        return matched
+        return matched, failed
 
     def make_outputs(self, progressed: list[Request], finished: list[Request]) -> list[RequestOutput]:
         """This step's outputs: rejections, progress of unfinished requests, then final outputs.
@@ -74,12 +81,21 @@ class OutputProcessor:
         outputs, self._rejected = self._rejected, []
         outputs += [self._output(r) for r in progressed if not r.is_finished and r.group is None]
         for request in finished:
-            self._detokenizer(request).finish()
+            self._finish_text(request)
             if request.group is None:
                 outputs.append(self._output(request))
             elif request.group.is_finished and request is request.group.finished[-1]:
                 outputs.append(self._group_output(request.group))
         return outputs
+
+    def _finish_text(self, request: Request) -> None:
+        """Release the text a finished request still holds back; a failure fails the request alone."""
+        if request.status is RequestStatus.FINISHED_ERROR:  # NOTE: its text stays as far as it got
+            return
+        try:
+            self._detokenizer(request).finish()
+        except Exception as exc:  # noqa: BLE001 - this request's tokens; the others go on
+            request.fail_finished(ErrorCode.INTERNAL, f"its text could not be decoded: {type(exc).__name__}: {exc}")
 
     def _group_output(self, group: ParallelGroup) -> RequestOutput:
         """The final output of an n > 1 request: sample 0's fields, every sample, combined timings."""
@@ -112,7 +128,6 @@ class OutputProcessor:
         new_token_ids = request.output_token_ids[request.num_reported_tokens:]
         request.num_reported_tokens = request.num_output_tokens
         request.num_reported_chars = len(text)
-        error_code = request.error_code
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,
@@ -132,8 +147,8 @@ class OutputProcessor:
             ),
             logprobs=list(request.logprobs) if request.logprobs else None,
             token_logprobs=self._token_logprobs(request),
-            error=_ERROR_MESSAGES.get(error_code) if error_code else None,
-            error_code=error_code,
+            error=request.error_message,
+            error_code=request.error_code,
         )
 
     def _token_logprobs(self, request: Request) -> list[TokenLogprob] | None:

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.request import RequestErrorCode
+from protocol.outcomes import ErrorCode
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class PromptError(ValueError):
         num_prompt_tokens: the prompt's length when it was tokenized before failing, else 0.
     """
 
-    def __init__(self, code: RequestErrorCode, message: str, num_prompt_tokens: int = 0) -> None:
+    def __init__(self, code: ErrorCode, message: str, num_prompt_tokens: int = 0) -> None:
         super().__init__(message)
         self.code = code
         self.num_prompt_tokens = num_prompt_tokens
@@ -67,7 +67,7 @@ def as_prompt(value: PromptLike) -> Prompt:
         return TokensPrompt([int(t) for t in items if isinstance(t, int)])
     if items and all(isinstance(m, Mapping) for m in items):
         return ChatPrompt([m for m in items if isinstance(m, Mapping)])
-    raise PromptError(RequestErrorCode.VALIDATION,
+    raise PromptError(ErrorCode.VALIDATION,
                       "prompt must be a string, a non-empty list of token ids or a non-empty list of chat messages")
 
 
@@ -79,31 +79,31 @@ def tokenize_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
     """
     if isinstance(prompt, TokensPrompt):
         if not prompt.token_ids:
-            raise PromptError(RequestErrorCode.VALIDATION, "prompt is empty")
+            raise PromptError(ErrorCode.VALIDATION, "prompt is empty")
         return list(prompt.token_ids)
     if isinstance(prompt, TextPrompt):
         if not prompt.text:
-            raise PromptError(RequestErrorCode.VALIDATION, "prompt is empty")
+            raise PromptError(ErrorCode.VALIDATION, "prompt is empty")
         return list(tokenizer(prompt.text)["input_ids"])
     if not prompt.messages:
-        raise PromptError(RequestErrorCode.VALIDATION, "prompt is empty")
+        raise PromptError(ErrorCode.VALIDATION, "prompt is empty")
     return _apply_chat_template(tokenizer, [dict(m) for m in prompt.messages])
 
 
 def _apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     for message in messages:
         if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
-            raise PromptError(RequestErrorCode.VALIDATION, "each chat message needs string 'role' and 'content'")
+            raise PromptError(ErrorCode.VALIDATION, "each chat message needs string 'role' and 'content'")
     if not getattr(tokenizer, "chat_template", None):
         # NOTE: producers send plain prompts as one user message by default (chat for instruct
         # models); a base model without a template reads that message's text as the raw prompt.
         if len(messages) == 1 and messages[0]["role"] == "user" and messages[0]["content"]:
             return list(tokenizer(messages[0]["content"])["input_ids"])
-        raise PromptError(RequestErrorCode.VALIDATION,
+        raise PromptError(ErrorCode.VALIDATION,
                           "this model has no chat template; send a prompt string or token ids")
     try:
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     except Exception as exc:  # noqa: BLE001 - templates are user Jinja code and can raise anything
-        raise PromptError(RequestErrorCode.VALIDATION, f"chat template failed: {exc}") from None
+        raise PromptError(ErrorCode.VALIDATION, f"chat template failed: {exc}") from None
     ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
     return [int(t) for t in ids]

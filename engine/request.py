@@ -10,7 +10,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import SamplingParams
+from protocol.outcomes import ErrorCode, FinishReason
+from protocol.sampling import SamplingParams
 from engine.sampling_state import SamplingState
 
 if TYPE_CHECKING:
@@ -31,23 +32,6 @@ class RequestStatus(enum.IntEnum):
     @property
     def is_finished(self) -> bool:
         return self >= RequestStatus.FINISHED_STOPPED
-
-
-class FinishReason(str, enum.Enum):
-    """Why a request finished, as callers see it."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-    ERROR = "error"
-
-
-class RequestErrorCode(str, enum.Enum):
-    """Why a request finished with ``FinishReason.ERROR``."""
-
-    VALIDATION = "validation"  # malformed prompt (empty, bad token ids, no chat template)
-    PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens beyond the model's context or the KV cache
-    CANNOT_PLACE = "cannot_place"  # the scheduler could never place it in the KV cache (an internal failure)
 
 
 # The one table from internal state to the user-facing finish reason.
@@ -92,13 +76,15 @@ class Request:
     first_token_time_s: float | None = None
     finished_time_s: float | None = None
     stop_token_id: int | None = None  # the EOS / stop id that finished it (kept in the ids, not in the text)
-    error_code: RequestErrorCode | None = None  # set with FINISHED_ERROR
+    error_code: ErrorCode | None = None  # set with FINISHED_ERROR
+    error_message: str | None = None  # why, for a person (set with FINISHED_ERROR)
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, when asked for
     prefix_entry_ids: list[int] = field(default_factory=list)  # prefix-cache entries of its leading full blocks
     group: ParallelGroup | None = None  # the n > 1 request this one is a sample of
     sample_index: int = 0  # which sample of its group
     # Output side: turns output_token_ids into text; set by the output processor on admission.
     detokenizer: IncrementalDetokenizer | None = None
+    num_detokenized_tokens: int = 0  # output tokens already appended to the detokenizer
     num_reported_tokens: int = 0  # output tokens already handed out in a RequestOutput
     num_reported_chars: int = 0  # characters of final text already handed out as deltas
     # Penalty counts and grammar matcher over this request's own token lists (filled by the sampler).
@@ -106,6 +92,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.sampling_state = SamplingState(self.prompt_token_ids, self.output_token_ids)
+
+    def fail_finished(self, code: ErrorCode, message: str) -> None:
+        """Turn a request that already left the scheduler's queues this step into an error (its
+        output is not out yet); live requests fail through ``Scheduler.finish_request``."""
+        self.status, self.error_code, self.error_message = RequestStatus.FINISHED_ERROR, code, message
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -183,7 +174,7 @@ def check_stop(request: Request, eos_token_ids: frozenset[int], max_model_len: i
     """
     params = request.sampling_params
     token_id = request.output_token_ids[-1]
-    if request.num_output_tokens > params.min_tokens and (
+    if not params.is_min_tokens_active(request.num_output_tokens - 1) and (
         (token_id in eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids
     ):
         request.stop_token_id = token_id

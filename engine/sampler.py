@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.errors import SamplingError
 from engine.grammar import GrammarCompiler
 from engine.logits_processors import LogitsProcessors
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 from engine.sampling_state import SamplingState
 
 _MASK_64 = (1 << 64) - 1
@@ -29,7 +30,7 @@ class SamplingContext:
     @property
     def is_min_tokens_active(self) -> bool:
         """True while EOS and stop ids must be suppressed for this row."""
-        return self.num_output_tokens < self.params.min_tokens
+        return self.params.is_min_tokens_active(self.num_output_tokens)
 
 
 @dataclass
@@ -103,19 +104,47 @@ class Sampler:
             for c in contexts
         )
         if is_plain_greedy:  # the common case: one argmax, no copies, no per-row work
-            return SamplerOutput(self.argmax(logits).tolist(), [None] * len(contexts))
+            token_ids = self.argmax(logits)
+            _check_chosen(logits, token_ids)
+            return SamplerOutput(token_ids.tolist(), [None] * len(contexts))
 
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         raw = logits.to(dtype)
         processed = self.processors.apply(raw, contexts)
         token_ids = self.argmax(processed)
+        _check_chosen(processed, token_ids)
         random_rows = [i for i, c in enumerate(contexts) if not c.params.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             row_contexts = [contexts[i] for i in random_rows]
-            token_ids[rows] = _sample_random(processed[rows], row_contexts)
+            token_ids[rows] = _sample_random(processed[rows], row_contexts, random_rows)
         token_id_list: list[int] = token_ids.tolist()
         return SamplerOutput(token_id_list, _gather_logprobs(raw, token_id_list, contexts))
+
+
+def _check_chosen(scores: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """The guard every greedy choice passes: the chosen token's score is finite.
+
+    A row holding a NaN chooses it (argmax's NaN rule), a row whose every token is masked chooses a
+    -inf, and an overflowed row an infinity; each would otherwise come back as token 0 or garbage.
+    It costs one gather of a value per row.
+
+    Raises:
+        SamplingError: naming the bad rows.
+    """
+    _check_rows(torch.isfinite(_chosen(scores, token_ids)))
+
+
+def _chosen(values: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    return values.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+
+
+def _check_rows(is_ok: torch.Tensor, row_ids: list[int] | None = None) -> None:
+    """Raise :class:`SamplingError` for the rows where ``is_ok`` is False (``row_ids`` maps them to the batch's)."""
+    if not bool(is_ok.all()):
+        bad = torch.nonzero(~is_ok).squeeze(1).tolist()
+        rows = [row_ids[i] for i in bad] if row_ids is not None else bad
+        raise SamplingError(rows, "the scores admit no valid token (NaN, infinite, or every token masked)")
 
 
 def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
@@ -162,13 +191,18 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     # NOTE: p = 1.0 becomes 2.0 so float rounding in the cumsum can never drop a token of a
     # row that disabled top-p just because a neighbour enabled it.
     p = torch.tensor([pp if pp < 1.0 else 2.0 for pp in top_p], dtype=logits.dtype, device=device)
-    num_kept = (mass_before < p.unsqueeze(1)).sum(dim=-1, keepdim=True)  # >= 1: mass_before[0] == 0
+    # NOTE: at least the top token even for p below float's smallest value (0 < p rounds to 0)
+    num_kept = (mass_before < p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
     threshold = torch.maximum(kth_value, sorted_logits.gather(1, num_kept - 1))
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def _sample_random(logits: torch.Tensor, contexts: list[SamplingContext]) -> torch.Tensor:
-    """Draws one token per row from the processed distribution (all rows have temperature > 0).
+def _sample_random(logits: torch.Tensor, contexts: list[SamplingContext], row_ids: list[int]) -> torch.Tensor:
+    """Draws one token per row from the processed distribution (all rows have temperature >= the
+    greedy floor, so ``logits / temperature`` stays finite).
+
+    Args:
+        row_ids: each row's index in the step's batch (named by a :class:`SamplingError`).
 
     Returns:
         ``[rows]`` int64 token ids.
@@ -190,7 +224,9 @@ def _sample_random(logits: torch.Tensor, contexts: list[SamplingContext]) -> tor
         q[i].exponential_(generator=generator)
     # NOTE: clamp so q == 0 cannot turn a zero-probability token into 0/0 = NaN (argmax picks NaN).
     q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return (probs / q).argmax(dim=-1)
+    token_ids = (probs / q).argmax(dim=-1)
+    _check_rows(_chosen(probs, token_ids) > 0, row_ids)  # NOTE: NaN probabilities fail it too
+    return token_ids
 
 
 def _gather_logprobs(

@@ -25,7 +25,8 @@ from engine.errors import InvariantError
 from engine.outputs import ModelOutput, SchedulerOutput
 from engine.preemption import PreemptionPolicy
 from engine.prefix_cache import PrefixCache, PrefixStats
-from engine.request import ParallelGroup, PreemptionCause, Request, RequestErrorCode, RequestStatus, check_stop
+from engine.request import ParallelGroup, PreemptionCause, Request, RequestStatus, check_stop
+from protocol.outcomes import ErrorCode
 from engine.request_queue import RequestQueues
 from engine.scheduler_policy import UrgencyKey, is_decode, queue_key, urgency_key
 from engine.scheduler_step import StepPlan
@@ -177,8 +178,8 @@ class Scheduler:
                 updated.append(request)
         return updated
 
-    def finish_request(self, request_id: str, status: RequestStatus,
-                       error_code: RequestErrorCode | None = None) -> None:
+    def finish_request(self, request_id: str, status: RequestStatus, error_code: ErrorCode | None = None,
+                       error_message: str | None = None) -> None:
         """Finish a request: drop it from its queue and free its blocks in both pools.
 
         Unknown or already finished ids are ignored (abort is idempotent).
@@ -192,14 +193,14 @@ class Scheduler:
         if group is not None:  # the caller's id of an n > 1 request: every live sample
             live = [r for r in self._queues.requests.values() if r.group is group]
             for sample in live:
-                self.finish_request(sample.request_id, status, error_code)
+                self.finish_request(sample.request_id, status, error_code, error_message)
             return
         request = self._queues.remove(request_id)
         if request is None:
             return
         self.block_manager.free(request_id)
         request.status = status
-        request.error_code = error_code
+        request.error_code, request.error_message = error_code, error_message
         request.finished_time_s = self.clock.now()
         self._finished.append(request)
         if request.group is not None:
@@ -461,7 +462,8 @@ class Scheduler:
 
     def _finish_with_error(self, request: Request) -> None:
         self.counters.num_finished_errors += 1
-        self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR, RequestErrorCode.CANNOT_PLACE)
+        self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR, ErrorCode.INTERNAL,
+                            "the scheduler could not place this request in the KV cache")
 
     def _urgency_key(self, plan: StepPlan) -> Callable[[Request], UrgencyKey]:
         return lambda r: urgency_key(r, plan.now_s, self.config.aging_interval_s)

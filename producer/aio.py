@@ -17,7 +17,8 @@ from producer import common
 from producer.common import Deadline, SubmitOptions
 from producer.config import ProducerConfig, QueueConfig, RedisConfig
 from producer.connection import aconnect
-from producer.keys import DONE_TTL_S, STALE_AFTER_S
+from producer.keys import DONE_TTL_S
+from protocol.heartbeat import STALE_AFTER_S
 from producer.schema import GenerationRequest, GenerationResult
 
 

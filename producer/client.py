@@ -17,7 +17,8 @@ from producer import common
 from producer.common import Deadline, SubmitOptions
 from producer.config import ProducerConfig, QueueConfig, RedisConfig
 from producer.connection import connect
-from producer.keys import DONE_TTL_S, STALE_AFTER_S
+from producer.keys import DONE_TTL_S
+from protocol.heartbeat import STALE_AFTER_S
 from producer.schema import GenerationRequest, GenerationResult
 
 
@@ -291,7 +292,7 @@ class Producer:
 
         Args:
             stale_after_s: a worker whose heartbeat ``ts`` is older than this counts as stale (default:
-                the workers' own default, :data:`producer.keys.STALE_AFTER_S`); one whose last heartbeat
+                the workers' own default, :data:`protocol.heartbeat.STALE_AFTER_S`); one whose last heartbeat
                 says ``stopped`` is stale at once (``stale_workers`` holds both).
 
         Returns:

@@ -17,7 +17,8 @@ from pydantic import ValidationError
 
 from producer.config import MAX_BLOCK_S
 from producer.errors import JobFailed, ResultTimeout, SchemaError, SubmitUncertain
-from producer.keys import CONSUMER_GROUP, WORKER_STOPPED, Keys
+from producer.keys import CONSUMER_GROUP, Keys
+from protocol.heartbeat import decode_heartbeat
 from producer.schema import (
     ErrorCode,
     GenerationRequest,
@@ -332,15 +333,13 @@ def shape_stats(keys: Keys, replies: Sequence[Any], *, stale_after_s: float) -> 
     now = time.time()
     live: dict[str, Any] = {}
     stale: dict[str, Any] = {}
-    for name, raw in workers.items():
-        try:
-            info = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-            ts = float(info["ts"])
-        except Exception:  # noqa: BLE001 - a garbled heartbeat counts as stale, it must not break stats
-            info, ts = {"undecodable": True}, 0.0
-        # NOTE: a worker that exited cleanly beats "stopped" once; it is gone even while that beat is fresh.
-        is_live = now - ts <= stale_after_s and info.get("state") != WORKER_STOPPED
-        (live if is_live else stale)[name.decode(errors="replace")] = info
+    for raw_name, raw in workers.items():
+        name = raw_name.decode(errors="backslashreplace")
+        beat = decode_heartbeat(name, raw)
+        if beat is None:  # NOTE: a garbled heartbeat counts as stale; it must not break stats
+            stale[name] = {"undecodable": True}
+        else:
+            (stale if beat.is_stale(now, stale_after_s) else live)[name] = beat.model_dump()
     return {
         "queue": keys.base,
         "lanes": lanes,

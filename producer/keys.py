@@ -8,12 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 CONSUMER_GROUP = "workers"
-# Heartbeat states in the workers hash (the worker writes them; status readers and reclaim read them).
-WORKER_RUNNING = "running"
-WORKER_STOPPED = "stopped"  # written on a clean exit: its pending entries may be reclaimed at once
-# Heartbeat age (s) after which a worker counts as gone: the default of the worker's own
-# ``stale_after_s`` (reclaim) and of every reader of the workers hash (``tokenmill status``, stats).
-STALE_AFTER_S = 15.0
 DEFAULT_PREFIX = "tokenmill"
 DEFAULT_QUEUE = "default"
 DEFAULT_NUM_LANES = 3

@@ -7,16 +7,27 @@ A result is msgpack bytes stored as a plain string value and XADDed to reply str
 
 from __future__ import annotations
 
-import enum
 import time
 import uuid
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgpack
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from producer.errors import SchemaError
-from producer.wire_values import check_metadata, is_utf8, require_utf8, safe_text, version_of
+from protocol.outcomes import ErrorCode, FinishReason, TokenLogprob, TopLogprob
+from protocol.sampling import (
+    INT32_END,
+    MAX_SAMPLES,
+    JsonSchemaSpec,
+    Metadata,
+    ResponseFormat,
+    SamplingParams,
+    Text,
+    TokenId,
+    WireModel,
+)
+from protocol.values import check_metadata, is_utf8, safe_text, version_of
 
 if TYPE_CHECKING:
     from producer.keys import Keys
@@ -25,116 +36,24 @@ SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
 MAX_ID_LENGTH = 256
 MAX_REPLY_TO_LENGTH = 1024
-_INT32_END = 2**31  # token ids and counts stay below this
 _MAX_ERROR_CLAUSES = 10
 
-
-class ErrorCode(str, enum.Enum):
-    """Machine-readable reasons in ``GenerationResult.error.code``."""
-
-    UNDECODABLE = "undecodable"  # the entry is not msgpack of a mapping
-    UNKNOWN_VERSION = "unknown_version"  # schema version this worker does not speak
-    VALIDATION = "validation"  # fields missing or invalid (e.g. no prompt, bad params)
-    PROMPT_TOO_LONG = "prompt_too_long"  # prompt (+ max_tokens) beyond the model's context or the KV cache
-    MODEL_NOT_SERVED = "model_not_served"  # request names a model this worker does not run
-    MAX_DELIVERIES = "max_deliveries"  # delivered too often (worker crashes); dead-lettered
-    INTERNAL = "internal"  # the engine failed on this request
-
-
-# A string that can go on the wire: valid UTF-8.
-Text = Annotated[str, AfterValidator(require_utf8)]
-TokenId = Annotated[int, Field(ge=0, lt=_INT32_END)]
-# JSON-compatible, bounded: checked at the door so that the worker can always encode the result echoing it.
-Metadata = Annotated[dict[str, Any], AfterValidator(check_metadata)]
+__all__ = [  # the vocabulary's types, re-exported: the wire speaks them (protocol/ defines them)
+    "MAX_SAMPLES", "ErrorCode", "FinishReason", "JsonSchemaSpec", "Metadata", "ResponseFormat", "SamplingParams",
+    "Text", "TokenId", "TokenLogprob", "TopLogprob",
+    # this module's own
+    "SCHEMA_VERSION", "SUPPORTED_VERSIONS", "ErrorInfo", "GenerationRequest", "GenerationResult", "Message",
+    "ResultStatus", "Sample", "Timings", "Usage", "WireFinishReason", "check_reply_to", "decode_request",
+    "decode_result", "describe_validation_error", "encode_request", "encode_result", "new_request_id",
+    "peek_reply_to", "peek_request_id", "request_id_error",
+]
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class _Wire(BaseModel):
-    """Request-side models: strict types (no ``"10"`` -> 10, ``1`` -> True, bytes -> str), finite numbers.
-
-    NOTE: requests come from any client in any language; lax coercion let malformed ones run with
-    semantics nobody asked for (``ignore_eos="yes"``, a NaN deadline that never expires).
-    """
-
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-
-_SPEC_TYPES = ("json_schema", "regex", "grammar")  # response formats whose spec sits in the field of their name
-
-
-class JsonSchemaSpec(_Wire):
-    """OpenAI's ``json_schema`` object: the output follows ``schema`` (always strictly)."""
-
-    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
-
-    name: Text = Field(default="response", min_length=1, max_length=64)
-    description: Text | None = None
-    schema_: Metadata = Field(default_factory=dict, alias="schema", description="a JSON Schema; {} = any JSON")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Wire):
-    """What the output must look like: ``{"type": "text"}`` (free text), ``{"type": "json_object"}``,
-    ``{"type": "json_schema", "json_schema": {...}}``, ``{"type": "regex", "regex": "..."}`` or
-    ``{"type": "grammar", "grammar": "<EBNF, GBNF dialect, start rule root>"}``."""
-
-    type: Literal["text", "json_object", "json_schema", "regex", "grammar"] = "text"
-    json_schema: JsonSchemaSpec | None = None
-    regex: Text | None = Field(default=None, min_length=1)
-    grammar: Text | None = Field(default=None, min_length=1)
-
-    @model_validator(mode="after")
-    def _check(self) -> ResponseFormat:
-        given = [name for name in _SPEC_TYPES if getattr(self, name) is not None]
-        if given != [name for name in _SPEC_TYPES if name == self.type]:
-            raise ValueError(f"type {self.type!r} needs exactly its own spec field, got {given}")
-        return self
-
-
-MAX_SAMPLES = 16
-
-
-class SamplingParams(_Wire):
-    """How to generate. ``temperature == 0`` is greedy."""
-
-    n: int = Field(default=1, ge=1, le=MAX_SAMPLES,
-                   description="samples per request, sharing the prompt's KV; sample i uses seed + i")
-    max_tokens: int = Field(default=256, ge=1, lt=_INT32_END)
-    temperature: float = Field(default=0.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, lt=_INT32_END, description="0 disables top-k")
-    min_tokens: int = Field(default=0, ge=0, lt=_INT32_END)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: list[Text] = Field(default_factory=list)
-    stop_token_ids: list[TokenId] = Field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI's, over generated tokens")
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI's, over generated tokens")
-    repetition_penalty: float = Field(default=1.0, gt=0.0, description="Hugging Face's, over prompt + output")
-    response_format: ResponseFormat | None = None
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop_as_list(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value
-
-    @model_validator(mode="after")
-    def _check(self) -> SamplingParams:
-        if self.min_tokens > self.max_tokens:
-            raise ValueError("min_tokens must not exceed max_tokens")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        if self.response_format is not None and self.response_format.type != "text" and (
-                self.min_tokens or self.ignore_eos):
-            raise ValueError("min_tokens and ignore_eos cannot be combined with a structured response_format")
-        return self
-
-
-class Message(_Wire):
+class Message(WireModel):
     """One chat message; extra keys (e.g. ``name``) pass through to the chat template.
 
     Extra keys follow the rules of ``metadata``: JSON-compatible, bounded depth and size.
@@ -167,7 +86,7 @@ def request_id_error(value: str) -> str | None:
     return None
 
 
-class GenerationRequest(_Wire):
+class GenerationRequest(WireModel):
     """One unit of work. ``id`` is the idempotency key: one id, one result."""
 
     id: str = Field(default_factory=new_request_id)
@@ -175,7 +94,7 @@ class GenerationRequest(_Wire):
     messages: list[Message] | None = None
     prompt_token_ids: list[TokenId] | None = None
     params: SamplingParams = Field(default_factory=SamplingParams)
-    priority: int = Field(default=0, ge=0, lt=_INT32_END, description="lane; lower = more urgent")
+    priority: int = Field(default=0, ge=0, lt=INT32_END, description="lane; lower = more urgent")
     deadline: float | None = Field(
         default=None, description="unix time; work not started by then is answered 'expired'"
     )
@@ -228,23 +147,10 @@ class ErrorInfo(_Model):
     message: str
 
 
-class TopLogprob(_Model):
-    """One candidate token at one position (OpenAI's shape)."""
-
-    token_id: int
-    token: str  # its text (incomplete UTF-8 shows as U+FFFD)
-    bytes: list[int]  # its exact bytes
-    logprob: float  # under the raw model distribution
-
-
-class TokenLogprob(TopLogprob):
-    """A generated token and the most likely alternatives at its position."""
-
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
 ResultStatus = Literal["ok", "error", "cancelled", "expired"]
-FinishReason = Literal["stop", "length", "abort"]
+# NOTE: the engine's FinishReason.ERROR never goes on the wire: an error result has status "error"
+# and no finish reason.
+WireFinishReason = Literal[FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT]
 
 
 class Sample(_Model):
@@ -253,7 +159,7 @@ class Sample(_Model):
     index: int  # 0 .. n-1
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
-    finish_reason: FinishReason | None = None
+    finish_reason: WireFinishReason | None = None
     logprobs: list[dict[int, float]] | None = None
     token_logprobs: list[TokenLogprob] | None = None
 
@@ -266,7 +172,7 @@ class GenerationResult(_Model):
     status: ResultStatus
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
-    finish_reason: FinishReason | None = None
+    finish_reason: WireFinishReason | None = None
     usage: Usage = Field(default_factory=Usage)
     timings: Timings = Field(default_factory=Timings)
     worker: str | None = None

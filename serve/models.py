@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from producer.keys import STALE_AFTER_S
+from protocol.heartbeat import STALE_AFTER_S
 from serve.context import authorize, state_of
 from serve.errors import not_found
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 from engine.config import EngineConfig
 from producer.config import FileSettings, Name, QueueConfig, RedisConfig, ServeConfig
-from producer.keys import STALE_AFTER_S
+from protocol.heartbeat import STALE_AFTER_S
 from worker.echo_engine import ECHO_MODEL, EchoOptions, is_echo_model
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]  # any case on input

@@ -1,19 +1,14 @@
 """Translation between the wire schema and the engine: request -> engine call, output -> result.
 
-Imports producer.schema and engine's torch-free modules; never torch. The engine's finish
-reasons and error codes meet the wire's here, in one table each.
+Imports producer.schema and engine's torch-free modules; never torch. Both speak the vocabulary
+of protocol/ (sampling parameters, finish reasons, error codes, logprobs), so what is left to
+translate is the envelope: prompts in, results out.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
-from engine.logprobs import TokenLogprob as EngineTokenLogprob
 from engine.outputs import RequestOutput
 from engine.prompts import ChatPrompt, Prompt, TextPrompt, TokensPrompt
-from engine.request import FinishReason as EngineFinishReason
-from engine.request import RequestErrorCode
-from engine.sampling_params import SamplingParams as EngineSamplingParams
 from producer.schema import (
     ErrorCode,
     ErrorInfo,
@@ -22,19 +17,10 @@ from producer.schema import (
     GenerationResult,
     Sample,
     Timings,
-    TokenLogprob,
     Usage,
+    WireFinishReason,
 )
 from worker.messages import Admit
-
-FINISH_REASONS: dict[EngineFinishReason, FinishReason] = {
-    EngineFinishReason.STOP: "stop", EngineFinishReason.LENGTH: "length", EngineFinishReason.ABORT: "abort",
-}
-ERROR_CODES: dict[RequestErrorCode, ErrorCode] = {
-    RequestErrorCode.VALIDATION: ErrorCode.VALIDATION,
-    RequestErrorCode.PROMPT_TOO_LONG: ErrorCode.PROMPT_TOO_LONG,
-    RequestErrorCode.CANNOT_PLACE: ErrorCode.INTERNAL,
-}
 
 
 def engine_prompt(request: GenerationRequest) -> Prompt:
@@ -44,15 +30,6 @@ def engine_prompt(request: GenerationRequest) -> Prompt:
     if request.messages is not None:
         return ChatPrompt([m.model_dump() for m in request.messages])
     return TextPrompt(request.prompt or "")
-
-
-def engine_params(request: GenerationRequest) -> EngineSamplingParams:
-    """The engine's sampling parameters for ``request`` (the two models share their fields).
-
-    Raises:
-        pydantic.ValidationError: a value the engine rejects.
-    """
-    return EngineSamplingParams(**request.params.model_dump())
 
 
 def build_result(output: RequestOutput, admit: Admit, worker: str, abort_status: str | None) -> GenerationResult:
@@ -76,17 +53,17 @@ def build_result(output: RequestOutput, admit: Admit, worker: str, abort_status:
     reason = output.finish_reason
     result = GenerationResult(
         id=request.id, status="ok", text=output.text, token_ids=list(output.token_ids),
-        finish_reason=FINISH_REASONS.get(reason) if reason is not None else None, usage=usage,
+        finish_reason=_wire_finish_reason(reason), usage=usage,
         timings=_timings(output, admit), worker=worker, metadata=request.metadata,
         logprobs=output.logprobs if request.params.logprobs is not None else None,
-        token_logprobs=wire_token_logprobs(output.token_logprobs) if request.params.logprobs is not None else None,
+        token_logprobs=output.token_logprobs if request.params.logprobs is not None else None,
         samples=_samples(output, with_logprobs=request.params.logprobs is not None),
     )
-    if reason is EngineFinishReason.ERROR:
-        code = ERROR_CODES.get(output.error_code, ErrorCode.INTERNAL) if output.error_code else ErrorCode.INTERNAL
+    if reason is FinishReason.ERROR:
+        code = output.error_code or ErrorCode.INTERNAL
         info = ErrorInfo(code=code.value, message=output.error or code.value)
         return result.model_copy(update={"status": "error", "error": info})
-    if reason is EngineFinishReason.ABORT:
+    if reason is FinishReason.ABORT:
         status = abort_status or "cancelled"
         info = ErrorInfo(code=status, message=f"request {status} while {'running' if completion_tokens else 'waiting'}")
         return result.model_copy(update={"status": status, "error": info})
@@ -98,17 +75,17 @@ def _samples(output: RequestOutput, with_logprobs: bool) -> list[Sample] | None:
     if output.samples is None:
         return None
     return [Sample(index=s.index, text=s.text, token_ids=list(s.token_ids),
-                   finish_reason=FINISH_REASONS.get(s.finish_reason) if s.finish_reason is not None else None,
+                   finish_reason=_wire_finish_reason(s.finish_reason),
                    logprobs=s.logprobs if with_logprobs else None,
-                   token_logprobs=wire_token_logprobs(s.token_logprobs) if with_logprobs else None)
+                   token_logprobs=s.token_logprobs if with_logprobs else None)
             for s in output.samples]
 
 
-def wire_token_logprobs(token_logprobs: list[EngineTokenLogprob] | None) -> list[TokenLogprob] | None:
-    """The engine's OpenAI-shaped logprobs of one sequence (a request, or one sample) on the wire."""
-    if token_logprobs is None:
+def _wire_finish_reason(reason: FinishReason | None) -> WireFinishReason | None:
+    """The engine's finish reason as the wire carries it: an error has none (its status says it)."""
+    if reason is None or reason is FinishReason.ERROR:
         return None
-    return [TokenLogprob.model_validate(dataclasses.asdict(item)) for item in token_logprobs]
+    return reason
 
 
 def _timings(output: RequestOutput, admit: Admit) -> Timings:

@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.logprobs import TokenLogprob, TopLogprob
 from engine.outputs import RequestMetrics, RequestOutput, SampleOutput
 from engine.prompts import ChatPrompt, Prompt, TextPrompt
-from engine.request import FinishReason, RequestErrorCode
-from engine.sampling_params import SamplingParams
+from protocol.outcomes import ErrorCode, FinishReason, TokenLogprob, TopLogprob
+from protocol.sampling import SamplingParams
 from engine.stats import EngineStats
 
 ECHO_MODEL = "echo"
@@ -203,7 +202,7 @@ def _output(request: _EchoRequest, new: list[int], delta: str, *, finished: bool
     return RequestOutput(
         request_id=request.request_id, new_token_ids=new, text_delta=delta, token_ids=list(request.token_ids),
         text=request.text, finished=finished, finish_reason=reason, prompt_token_count=len(request.prompt_token_ids),
-        metrics=request.metrics, error=error, error_code=RequestErrorCode.PROMPT_TOO_LONG if error else None,
+        metrics=request.metrics, error=error, error_code=ErrorCode.PROMPT_TOO_LONG if error else None,
         logprobs=logprobs, token_logprobs=token_logprobs, samples=samples,
     )
 
@@ -216,7 +215,6 @@ def _token_logprobs(request: _EchoRequest) -> list[TokenLogprob] | None:
     items = []
     for token_id in request.token_ids:
         data = bytes([token_id % 256])
-        top = TopLogprob(token_id, data.decode("utf-8", errors="replace"), list(data), 0.0)
-        items.append(TokenLogprob(top.token_id, top.token, top.bytes, 0.0,
-                                  [top] if request.params.logprobs > 0 else []))
+        top = TopLogprob(token_id=token_id, token=data.decode("utf-8", errors="replace"), bytes=list(data), logprob=0.0)
+        items.append(TokenLogprob(**top.model_dump(), top_logprobs=[top] if request.params.logprobs > 0 else []))
     return items

@@ -12,12 +12,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from pydantic import ValidationError
-
 from engine.outputs import RequestOutput
 from engine.prompts import PromptError
 from producer.schema import ErrorCode, GenerationResult
-from worker.convert import ERROR_CODES, build_result, engine_params, engine_prompt
+from worker.convert import build_result, engine_prompt
 from worker.messages import Abort, Admit, EngineLike, Entry, Finish, Incoming, Outgoing, Prepared, TokenDelta
 from worker.metrics import WorkerMetrics
 from worker.state import Load
@@ -125,7 +123,7 @@ class EngineLoop:
         def prepare() -> None:
             try:
                 prompt_token_ids = self._engine.tokenize(engine_prompt(admit.request))
-                self._engine.compile_grammar(engine_params(admit.request))
+                self._engine.compile_grammar(admit.request.params)
                 prepared = Prepared(admit, prompt_token_ids)
             except Exception as exc:  # noqa: BLE001 - any failure is this request's error result
                 prepared = Prepared(admit, None, exc)
@@ -143,12 +141,7 @@ class EngineLoop:
             self._finish_early(admit, _error_code(prepared.error), str(prepared.error))
             return
         try:
-            params = engine_params(request)
-        except ValidationError as exc:
-            self._finish_early(admit, ErrorCode.VALIDATION, str(exc))
-            return
-        try:
-            self._engine.add_request(request.id, prepared.prompt_token_ids, params, priority=admit.entry.lane)
+            self._engine.add_request(request.id, prepared.prompt_token_ids, request.params, priority=admit.entry.lane)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the engine thread
             log.exception("admission failed", extra={"event": "error", "request_id": request.id})
             self._finish_early(admit, ErrorCode.INTERNAL, f"admission failed: {type(exc).__name__}: {exc}")
@@ -194,8 +187,5 @@ class EngineLoop:
 
 
 def _error_code(exc: Exception | None) -> ErrorCode:
-    """The wire error code of a preparation failure: the prompt's own code, ``validation`` for
-    parameters the engine refuses, else ``internal``."""
-    if isinstance(exc, ValidationError):
-        return ErrorCode.VALIDATION
-    return ERROR_CODES[exc.code] if isinstance(exc, PromptError) else ErrorCode.INTERNAL
+    """The wire error code of a preparation failure: the prompt's own code, else ``internal``."""
+    return exc.code if isinstance(exc, PromptError) else ErrorCode.INTERNAL

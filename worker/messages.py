@@ -10,7 +10,7 @@ from typing import Protocol
 
 from engine.outputs import RequestOutput
 from engine.prompts import Prompt
-from engine.sampling_params import SamplingParams as EngineSamplingParams
+from protocol.sampling import SamplingParams as EngineSamplingParams
 from engine.stats import EngineStats
 from producer.schema import GenerationRequest, GenerationResult
 

@@ -32,7 +32,7 @@ from engine.kv_cache import KVCache
 from engine.outputs import ScheduledChunk
 from engine.paged_attention import StepAttention
 from engine.sampler import greedy_token_ids as torch_greedy_token_ids
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner

@@ -18,7 +18,7 @@ from pydantic import TypeAdapter, ValidationError
 from producer.bulk.errors import BulkInputError
 from producer.openai_compat.bodies import ENDPOINTS, BodyError, Endpoint, parse_body
 from producer.schema import SamplingParams
-from producer.wire_values import is_utf8
+from protocol.values import is_utf8
 
 InputFormat = Literal["jsonl", "openai", "csv", "parquet"]
 FORMATS: tuple[str, ...] = ("auto", "jsonl", "openai", "csv", "parquet")

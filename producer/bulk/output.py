@@ -19,7 +19,7 @@ from producer.bulk.errors import BulkError
 from producer.bulk.items import BulkItem, InvalidItem
 from producer.openai_compat.objects import completion_object, result_error
 from producer.schema import GenerationResult
-from producer.wire_values import is_utf8
+from protocol.values import is_utf8
 
 OutputFormat = Literal["plain", "openai"]
 FSYNC_INTERVAL_S = 2.0

@@ -97,4 +97,9 @@ def test_parallel_samples_match_separate_seeded_requests(engine: Engine) -> None
     assert [s.index for s in together.samples] == [0, 1, 2, 3]
     assert together.token_ids == together.samples[0].token_ids and together.text == together.samples[0].text
     assert len({tuple(s.token_ids) for s in together.samples}) > 1
+    # What a user reads: each sample's text is its own tokens' text, never its siblings' glued on.
+    assert [s.text for s in together.samples] == [o.text for o in separate]
+    for sample in together.samples:
+        assert sample.text == engine.tokenizer.decode(sample.token_ids, skip_special_tokens=True,
+                                                      clean_up_tokenization_spaces=False)
     assert engine.stats().num_used_gpu_blocks == 0

@@ -16,7 +16,7 @@ import msgpack
 import pytest
 
 from producer import Producer
-from producer.keys import STALE_AFTER_S
+from protocol.heartbeat import STALE_AFTER_S
 from producer.schema import GenerationResult, encode_result
 from tests.worker_helpers import ROOT, make_settings, running_worker
 

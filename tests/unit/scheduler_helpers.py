@@ -23,7 +23,7 @@ from engine.config import SchedulerConfig
 from engine.prefix_cache import PrefixCache
 from engine.outputs import ModelOutput, SchedulerOutput
 from engine.request import ParallelGroup, Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 from engine.scheduler import Scheduler
 
 Slot = tuple[int, int] | None  # (position, chain hash of the tokens up to it) whose KV a slot holds

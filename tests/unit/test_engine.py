@@ -9,8 +9,8 @@ from engine.clock import FakeClock
 from engine.engine import Engine, ModelLimits
 from engine.outputs import RequestOutput
 from engine.postprocess import OutputProcessor
-from engine.request import FinishReason, RequestErrorCode
-from engine.sampling_params import SamplingParams
+from protocol.outcomes import ErrorCode, FinishReason
+from protocol.sampling import SamplingParams
 from tests.unit.scheduler_helpers import ScriptedModelRunner, assert_no_leaks, make_scheduler, scripted_continuation
 
 VOCAB_SIZE = 26
@@ -99,8 +99,8 @@ def test_abort_and_rejections_come_out_as_outputs() -> None:
     engine.add_request("bad", [99], SamplingParams(max_tokens=2))
     engine.add_request("huge", [1] * 100, SamplingParams(max_tokens=100))
     first = {o.request_id: o for o in engine.step()}
-    assert first["bad"].error_code is RequestErrorCode.VALIDATION
-    assert first["huge"].error_code is RequestErrorCode.PROMPT_TOO_LONG and first["huge"].prompt_token_count == 100
+    assert first["bad"].error_code is ErrorCode.VALIDATION
+    assert first["huge"].error_code is ErrorCode.PROMPT_TOO_LONG and first["huge"].prompt_token_count == 100
     engine.abort("long")
     final = run_all(engine)["long"][-1]
     assert final.finished and final.finish_reason is FinishReason.ABORT

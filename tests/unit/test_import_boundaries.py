@@ -17,10 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Modules of engine/ that must load without torch or transformers (STYLE.md).
 PURE_ENGINE_MODULES = [
-    "request", "scheduler", "block_manager", "outputs", "config", "clock", "errors", "sampling_params",
+    "request", "scheduler", "block_manager", "outputs", "config", "clock", "errors",
     "detokenizer", "postprocess", "prompts",
 ]
 FORBIDDEN = {
+    # the vocabulary every part speaks: pydantic and msgpack only
+    "protocol": {"torch", "transformers", "redis", "celery", "engine", "producer", "worker", "cli", "serve",
+                 "fastapi", "typer"},
     "engine": {"redis", "celery", "msgpack", "producer", "worker", "cli", "typer"},
     "producer": {"torch", "transformers", "engine", "worker", "cli", "serve", "fastapi", "uvicorn", "starlette"},
     "serve": {"torch", "transformers", "engine", "worker", "cli"},
@@ -75,6 +78,11 @@ def _loaded_modules_after(statement: str) -> set[str]:
 def test_pure_engine_core_loads_without_torch() -> None:
     modules = _loaded_modules_after("; ".join(f"import engine.{name}" for name in PURE_ENGINE_MODULES))
     assert "torch" not in modules and "transformers" not in modules
+
+
+def test_the_vocabulary_loads_nothing_but_pydantic_and_msgpack() -> None:
+    modules = _loaded_modules_after("import protocol, protocol.sampling, protocol.outcomes, protocol.heartbeat")
+    assert not {"torch", "transformers", "redis", "engine", "producer", "worker"} & modules
 
 
 def test_producer_loads_without_torch_or_engine() -> None:

@@ -11,7 +11,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 from engine.penalties import PenaltyTable, apply_penalties
 from engine.sampler import Sampler, SamplingContext
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 from engine.sampling_state import SamplingState
 
 VOCAB_SIZE = 50

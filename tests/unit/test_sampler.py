@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.sampler import Sampler, SamplingContext, greedy_token_ids, mix_seed
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 
 VOCAB_SIZE = 32
 EOS_ID = 3

@@ -9,7 +9,7 @@ import msgpack
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from engine.sampling_params import SamplingParams as EngineSamplingParams
+from protocol.sampling import SamplingParams as EngineSamplingParams
 from producer.errors import SchemaError
 from producer.schema import (
     GenerationRequest,
@@ -22,7 +22,6 @@ from producer.schema import (
     encode_request,
     encode_result,
 )
-from worker.convert import engine_params
 
 SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["a", "b"]}}, "required": ["mood"]}
 JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "m", "schema": SCHEMA, "strict": True}}
@@ -42,7 +41,8 @@ def test_new_params_round_trip_and_reach_the_engine(response_format: dict[str, A
     request = GenerationRequest(prompt="hi", params=params)
     decoded = decode_request(_redis_fields(encode_request(request)))
     assert decoded == request
-    engine = engine_params(decoded)
+    engine = decoded.params  # NOTE: one vocabulary: the engine takes the wire's SamplingParams as they are
+    assert isinstance(engine, EngineSamplingParams)
     assert engine.repetition_penalty == 1.3 and engine.presence_penalty == 0.5
     assert engine.response_format is not None and engine.response_format.type == response_format["type"]
     if response_format["type"] == "json_schema":

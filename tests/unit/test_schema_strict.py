@@ -22,7 +22,7 @@ from producer.schema import (
     peek_reply_to,
     peek_request_id,
 )
-from producer.wire_values import MAX_ERROR_CHARS, MAX_METADATA_BYTES, MAX_METADATA_DEPTH, safe_text, version_of
+from protocol.values import MAX_ERROR_CHARS, MAX_METADATA_BYTES, MAX_METADATA_DEPTH, safe_text, version_of
 
 
 def packed(data: Any) -> bytes:

@@ -12,9 +12,9 @@ import torch
 
 from engine.errors import GrammarError, InvariantError
 from engine.grammar import GrammarCompiler
-from engine.response_format import ResponseFormat
+from protocol.sampling import ResponseFormat
 from engine.sampler import Sampler, SamplingContext
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 from engine.sampling_state import SamplingState
 from tests.tiny_models import build_tokenizer
 

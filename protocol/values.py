@@ -1,5 +1,5 @@
 """What a single value on the wire may be: valid UTF-8 text, JSON-compatible bounded metadata, the
-exact version field, and error text that can always be encoded. Used by producer.schema's models.
+exact version field, and error text that can always be encoded.
 
 Standard library and msgpack only; never imports torch, the engine or the worker.
 """

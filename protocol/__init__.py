@@ -1,0 +1,21 @@
+"""The vocabulary every part of tokenmill speaks: sampling parameters and response formats, finish
+reasons, error codes, token logprobs, worker heartbeats. Pydantic and msgpack only, so the engine,
+the worker, the producer, serve and the CLI can all import it (it imports none of them).
+"""
+
+from protocol.heartbeat import STALE_AFTER_S, Heartbeat
+from protocol.outcomes import ErrorCode, FinishReason, TokenLogprob, TopLogprob
+from protocol.sampling import MAX_SAMPLES, JsonSchemaSpec, ResponseFormat, SamplingParams
+
+__all__ = [
+    "MAX_SAMPLES",
+    "STALE_AFTER_S",
+    "ErrorCode",
+    "FinishReason",
+    "Heartbeat",
+    "JsonSchemaSpec",
+    "ResponseFormat",
+    "SamplingParams",
+    "TokenLogprob",
+    "TopLogprob",
+]
