@@ -136,7 +136,17 @@ class ServeConfig(_Frozen):
     batch_priority: str | int = Field("low", description="lane of /v1/batches work")
     request_timeout_s: float = Field(600.0, gt=0, description="longest wait for one request when the client "
                                      "sends no timeout; also its deadline in the queue")
-    max_file_bytes: int = Field(100 << 20, ge=1024, le=512 << 20, description="largest /v1/files upload")
+    max_body_bytes: int = Field(8 << 20, ge=1024, le=512 << 20, description="largest request body of every route "
+                                "but the /v1/files upload; refused (413) before it is read")
+    max_upload_bytes: int = Field(100 << 20, ge=1024, le=512 << 20, description="largest /v1/files upload body "
+                                  "(the file and its multipart framing); spooled to disk, refused (413) past it")
+    header_timeout_s: float = Field(10.0, gt=0, description="a request's head must arrive within this of the "
+                                    "connection opening or the previous response ending, else the connection closes")
+    body_timeout_s: float = Field(120.0, gt=0, description="a request's whole body must arrive within this of its "
+                                  "head, else 408")
+    keep_alive_timeout_s: int = Field(5, ge=1, description="an idle keep-alive connection closes after this")
+    max_connections: int | None = Field(None, ge=1, description="connections (or requests in progress) beyond "
+                                        "this get uvicorn's plain 503; None = no cap")
     file_ttl_s: float = Field(30 * 86_400.0, gt=0, description="how long uploaded and batch output files live")
     batch_max_in_flight: int = Field(256, ge=1, le=100_000, description="requests outstanding per batch")
     batch_dir: Path | None = Field(None, description="scratch dir of running batches; default: the temp dir")

@@ -1,4 +1,4 @@
-"""The ASGI app of ``tokenmill serve`` and the function that runs it under uvicorn.
+"""The ASGI app of ``tokenmill serve`` and the uvicorn server that runs it.
 
 Imports fastapi, uvicorn and producer; never torch, the engine or the worker.
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import secrets
+import socket
 from collections.abc import AsyncIterator
 
 import uvicorn
@@ -18,12 +18,15 @@ from fastapi import FastAPI
 from producer.aio import AsyncProducer
 from producer.client import Producer
 from producer.config import ServeSettings
-from serve import batches, completions, files, models
+from serve import batches, completions, files, models, ops
 from serve.batch_runner import BatchRunner
 from serve.batch_store import BatchStore
 from serve.context import ServeState
 from serve.errors import install_handlers
 from serve.files import FileStore
+from serve.guard import Guard
+from serve.metrics import MetricsMiddleware, ServeMetrics
+from serve.protocol import with_header_timeout
 
 
 def create_app(settings: ServeSettings) -> FastAPI:
@@ -54,13 +57,23 @@ def create_app(settings: ServeSettings) -> FastAPI:
 
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_handlers(app)
-    for module in (completions, models, files, batches):
+    for module in (completions, models, files, batches, ops):
         app.include_router(module.router)
+    app.state.metrics = metrics = ServeMetrics()
+    # NOTE: the last added runs first: metrics count what the guard refuses too.
+    app.add_middleware(Guard, config=settings.serve)
+    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=app.router.routes)
     return app
+
+
+def server_config(settings: ServeSettings) -> uvicorn.Config:
+    """uvicorn's settings for the app: h11 with the header timeout, keep-alive, connection cap."""
+    config = settings.serve
+    return uvicorn.Config(create_app(settings), host=config.host, port=config.port, log_level=config.log_level,
+                          access_log=config.log_level == "debug", http=with_header_timeout(config.header_timeout_s),
+                          timeout_keep_alive=config.keep_alive_timeout_s, limit_concurrency=config.max_connections)
 
 
 def run_server(settings: ServeSettings) -> None:
     """Serve until interrupted (uvicorn handles SIGINT / SIGTERM)."""
-    config = settings.serve
-    uvicorn.run(create_app(settings), host=config.host, port=config.port, log_level=config.log_level,
-                access_log=config.log_level == "debug")
+    uvicorn.Server(server_config(settings)).run()

@@ -16,14 +16,18 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+
+import redis
 
 from producer.bulk import BulkJob, BulkOptions
 from producer.client import Producer
 from producer.config import ServeConfig
+from serve.batch_usage import requested_model, summarize_output
 from serve.batch_store import ACTIVE, BatchStore
-from serve.files import FileStore
+from serve.files import FileGone, FileStore, path_chunks
 
 log = logging.getLogger("tokenmill.serve")
 
@@ -64,15 +68,22 @@ class BatchRunner:
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     async def adopt_orphans(self) -> None:
-        """Forever: take over active batches whose owner went silent."""
+        """Forever: take over active batches whose owner went silent. A Redis failure skips one scan
+        (the next one retries), never ends the loop."""
         while True:
-            for batch_id in await self._store.ids(since=time.time() - LOOKBACK_S):
-                if batch_id not in self._tasks and await self._store.update(
-                        batch_id, {"owner": self.owner, "owner_ts": time.time()}, if_status=ACTIVE,
-                        if_owner_older_than=time.time() - ORPHAN_AFTER_S):
-                    log.info("taking over batch %s", batch_id)
-                    self.start(batch_id)
+            try:
+                await self._adopt_orphans_once()
+            except redis.RedisError as exc:
+                log.warning("looking for orphaned batches failed (retrying in %g s): %s", ORPHAN_SCAN_S, exc)
             await asyncio.sleep(ORPHAN_SCAN_S)
+
+    async def _adopt_orphans_once(self) -> None:
+        for batch_id in await self._store.ids(since=time.time() - LOOKBACK_S):
+            if batch_id not in self._tasks and await self._store.update(
+                    batch_id, {"owner": self.owner, "owner_ts": time.time()}, if_status=ACTIVE,
+                    if_owner_older_than=time.time() - ORPHAN_AFTER_S):
+                log.info("taking over batch %s", batch_id)
+                self.start(batch_id)
 
     async def _run(self, batch_id: str) -> None:
         scratch = Path(tempfile.mkdtemp(prefix=f"{batch_id}-", dir=self._config.batch_dir))
@@ -88,21 +99,22 @@ class BatchRunner:
             shutil.rmtree(scratch, ignore_errors=True)
 
     async def _execute(self, batch_id: str, scratch: Path) -> None:
-        batch = await self._store.get(batch_id)
-        if batch is None:
+        batch, account = await self._store.load(batch_id)
+        if batch is None or account is None:
             return
         if batch["status"] == "cancelling":
             await self._finish(batch_id, "cancelled")
             return
-        data = await self._files.content(batch["input_file_id"])
-        if data is None:
+        source = scratch / "input.jsonl"
+        try:
+            await _download(self._files.read(batch["input_file_id"]), source)
+        except FileGone:
             await self._finish(batch_id, "failed", errors={"object": "list", "data": [
                 {"code": "input_file_not_found", "message": "the input file is gone", "param": "input_file_id",
                  "line": None}]})
             return
-        source = scratch / "input.jsonl"
-        source.write_bytes(data)
-        await self._store.update(batch_id, {"status": "in_progress", "in_progress_at": int(time.time())},
+        await self._store.update(batch_id, {"status": "in_progress", "in_progress_at": int(time.time()),
+                                            "model": await asyncio.to_thread(requested_model, source)},
                                  if_status={"validating", "in_progress"})
         job = BulkJob(self._producer, source, scratch / "output.jsonl", self._options(scratch, batch["endpoint"]),
                       job_id=batch_id)
@@ -111,7 +123,7 @@ class BatchRunner:
         while not run.done():
             await asyncio.wait({run}, timeout=MONITOR_INTERVAL_S)
             expired |= await self._monitor(batch_id, batch, job)
-        await self._complete(batch_id, job, expired)
+        await self._complete(batch_id, job, expired, account)
 
     def _options(self, scratch: Path, endpoint: str) -> BulkOptions:
         return BulkOptions(format="openai", priority=self._config.batch_priority, errors_path=scratch / "errors.jsonl",
@@ -121,28 +133,38 @@ class BatchRunner:
         """Report counts and life; stop the job on a cancel or at expiry. Returns whether it expired."""
         await self._store.update(batch_id, {"request_counts": _counts(job), "owner": self.owner,
                                             "owner_ts": time.time()})
-        current = await self._store.get(batch_id)
+        current, _ = await self._store.load(batch_id)
         is_expired = time.time() > float(batch["expires_at"])
         if current is None or current["status"] == "cancelling" or is_expired:
             job.stopping.set()
         return is_expired
 
-    async def _complete(self, batch_id: str, job: BulkJob, expired: bool) -> None:
+    async def _complete(self, batch_id: str, job: BulkJob, expired: bool, account: str) -> None:
         summary = job.summary
         status = ("expired" if expired else "cancelled") if summary.is_interrupted else "completed"
         if status == "completed":
             await self._store.update(batch_id, {"status": "finalizing", "finalizing_at": int(time.time())},
                                      if_status={"in_progress"})
-        fields: dict[str, Any] = {"request_counts": _counts(job)}
+        output = await asyncio.to_thread(summarize_output, job.output_path)
+        fields: dict[str, Any] = {"request_counts": _counts(job), "usage": output.usage}
+        if output.model is not None:
+            fields["model"] = output.model
         for field, path in (("output_file_id", job.output_path), ("error_file_id", job.errors_path)):
             if path.exists() and path.stat().st_size:
-                stored = await self._files.create(path.read_bytes(), f"{batch_id}_{field[:-8]}.jsonl", "batch_output")
+                stored = await self._files.create(path_chunks(path), filename=f"{batch_id}_{field[:-8]}.jsonl",
+                                                  purpose="batch_output", account=account)
                 fields[field] = stored["id"]
         await self._finish(batch_id, status, **fields)
 
     async def _finish(self, batch_id: str, status: str, **fields: Any) -> None:
         await self._store.update(batch_id, {**fields, "status": status, f"{status}_at": int(time.time())},
                                  if_status=ACTIVE)
+
+
+async def _download(chunks: AsyncIterator[bytes], path: Path) -> None:
+    with path.open("wb") as sink:
+        async for chunk in chunks:
+            sink.write(chunk)
 
 
 def _counts(job: BulkJob) -> dict[str, int]:

@@ -1,7 +1,8 @@
 """OpenAI batch objects in Redis, shared by every ``serve`` process: one hash per batch
-(``Keys.batch``), each field of the object JSON-encoded, plus ``owner`` / ``owner_ts``, the process
-running it and its last sign of life. Status changes are compare-and-set, so a cancel from one
-process and a completion in another never overwrite each other.
+(``Keys.batch``), each field of the object JSON-encoded, plus ``account``, the API key's account
+that created it (only that account sees it), and ``owner`` / ``owner_ts``, the process running it
+and its last sign of life. Status changes are compare-and-set, so a cancel from one process and a
+completion in another never overwrite each other.
 
 Imports redis and producer; never torch, the engine or the worker.
 """
@@ -17,9 +18,11 @@ from typing import Any, cast
 import redis.asyncio
 
 from producer.keys import Keys
+from serve.listing import account_objects
+from serve.stray_keys import absent_if_stray
 
 ACTIVE = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
-_INTERNAL = ("owner", "owner_ts")
+_INTERNAL = ("account", "owner", "owner_ts")
 # KEYS: the batch hash. ARGV: 1 allowed statuses, JSON-encoded, '|'-separated ('' = any);
 # 2 owner_ts must be below this ('' = no check); then field / value pairs to set. Returns 1 if set.
 _UPDATE_SCRIPT = """
@@ -49,29 +52,44 @@ class BatchStore:
         self._update = client.register_script(_UPDATE_SCRIPT)
 
     async def create(self, input_file_id: str, endpoint: str, completion_window: str, metadata: dict[str, Any] | None,
-                     owner: str) -> dict[str, Any]:
-        """A new batch in ``validating``, owned by ``owner``."""
+                     *, account: str, owner: str) -> dict[str, Any]:
+        """A new batch in ``validating`` of ``account``, run by the process ``owner``."""
         now, batch_id = int(time.time()), f"batch_{secrets.token_hex(12)}"
         batch: dict[str, Any] = {"id": batch_id, "object": "batch", "endpoint": endpoint, "errors": None,
                  "input_file_id": input_file_id, "completion_window": completion_window, "status": "validating",
                  "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
                  "expires_at": now + 86_400, "finalizing_at": None, "completed_at": None, "failed_at": None,
                  "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
+                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
+                 "model": None, "usage": None}
         key = self._keys.batch(batch_id)
         pipe = self._client.pipeline(transaction=True)
-        pipe.hset(key, mapping=_encode({**batch, "owner": owner, "owner_ts": time.time()}))  # type: ignore[arg-type]
+        pipe.hset(key, mapping=_encode({**batch, "account": account, "owner": owner,  # type: ignore[arg-type]
+                                        "owner_ts": time.time()}))
         pipe.expire(key, int(self._ttl_s))
         pipe.zadd(self._keys.batches, {batch_id: now})
         await pipe.execute()
         return batch
 
-    async def get(self, batch_id: str) -> dict[str, Any] | None:
-        """The batch object (without the owner fields), or None."""
-        raw = cast("dict[bytes, bytes]", await self._client.hgetall(self._keys.batch(batch_id)))
+    async def get(self, batch_id: str, account: str) -> dict[str, Any] | None:
+        """The batch object, or None when there is none or it is another account's."""
+        batch, owner = await self.load(batch_id)
+        return batch if owner == account else None
+
+    async def listing(self, account: str, *, limit: int, after: str | None) -> list[dict[str, Any]]:
+        """The account's batch objects, newest first (:func:`serve.listing.account_objects`)."""
+        return await account_objects(await self.ids(), account=account, after=after, limit=limit, load=self.load,
+                                     forget=lambda batch_id: self._client.zrem(self._keys.batches, batch_id))
+
+    async def load(self, batch_id: str) -> tuple[dict[str, Any] | None, str | None]:
+        """The batch object (without the internal fields) and its account, whoever asks (the runner);
+        (None, None) for no batch (or a stray key in its place)."""
+        raw = cast("dict[bytes, bytes] | None", await absent_if_stray(self._client.hgetall(self._keys.batch(batch_id))))
         if not raw:
-            return None
-        return {key.decode(): json.loads(value) for key, value in raw.items() if key.decode() not in _INTERNAL}
+            return None, None
+        fields = {key.decode(): json.loads(value) for key, value in raw.items()}
+        batch = {key: value for key, value in fields.items() if key not in _INTERNAL}
+        return batch, fields.get("account")
 
     async def update(self, batch_id: str, fields: dict[str, Any], *, if_status: Iterable[str] = (),
                      if_owner_older_than: float | None = None) -> bool:
@@ -80,17 +98,13 @@ class BatchStore:
         allowed = "|".join(json.dumps(status) for status in if_status)
         stale = "" if if_owner_older_than is None else repr(if_owner_older_than)
         args = [allowed, stale, *(item for pair in _encode(fields).items() for item in pair)]
-        return bool(await self._update(keys=[self._keys.batch(batch_id)], args=args))
+        return bool(await absent_if_stray(self._update(keys=[self._keys.batch(batch_id)], args=args)))
 
     async def ids(self, *, since: float = 0.0, descending: bool = True) -> list[str]:
         """Batch ids created since unix time ``since``, newest first by default."""
         ids = cast("list[bytes]", await self._client.zrangebyscore(self._keys.batches, since, "+inf"))
         decoded = [batch_id.decode() for batch_id in ids]
         return decoded[::-1] if descending else decoded
-
-    async def forget(self, batch_id: str) -> None:
-        """Drop an id whose object expired from the listing."""
-        await self._client.zrem(self._keys.batches, batch_id)
 
 
 def _encode(fields: dict[str, Any]) -> dict[str, str]:

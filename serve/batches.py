@@ -1,6 +1,7 @@
 """The OpenAI Batch API (``/v1/batches``): create, retrieve, list, cancel. Batches run on the bulk
 pipeline in the background (:mod:`serve.batch_runner`); their objects live in Redis, so any
-``serve`` process answers for any batch.
+``serve`` process answers for any batch. A batch belongs to the account (API key) that created it,
+from an input file of that account: the others get a 404.
 
 Imports fastapi and producer; never torch, the engine or the worker.
 """
@@ -10,17 +11,19 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from producer.openai_compat import ENDPOINTS
 from serve.batch_runner import BatchRunner
 from serve.batch_store import BatchStore
-from serve.context import authorize
-from serve.errors import APIError, not_found
+from serve.body import json_object
+from serve.context import account_of
+from serve.errors import APIError, first_invalid, not_found
 from serve.files import store_of
+from serve.listing import list_object
 
-router = APIRouter(dependencies=[Depends(authorize)])
+router = APIRouter()
 
 
 class BatchCreate(BaseModel):
@@ -45,26 +48,33 @@ def _runner(request: Request) -> BatchRunner:
 
 
 async def _batch(request: Request, batch_id: str) -> dict[str, Any]:
-    batch = await _store(request).get(batch_id)
+    batch = await _store(request).get(batch_id, account_of(request))
     if batch is None:
         raise not_found("batch", batch_id)
     return batch
 
 
 @router.post("/v1/batches")
-async def create_batch(body: BatchCreate, request: Request) -> dict[str, Any]:
+async def create_batch(request: Request) -> dict[str, Any]:
+    """NOTE: the body is read here, not declared as a parameter: FastAPI would turn the guard's 413
+    into a 400, and parse a large body on the event loop."""
+    try:
+        body = BatchCreate.model_validate(await json_object(request))
+    except ValidationError as exc:
+        raise first_invalid(exc.errors()) from None
     if body.endpoint not in ENDPOINTS:
         raise APIError(400, f"endpoint must be one of {sorted(ENDPOINTS)}", param="endpoint")
     if body.completion_window != "24h":
         raise APIError(400, "completion_window must be 24h", param="completion_window")
-    input_file = await store_of(request).get(body.input_file_id)
+    account = account_of(request)
+    input_file = await store_of(request).get(body.input_file_id, account)
     if input_file is None:
         raise not_found("file", body.input_file_id)
     if input_file["purpose"] != "batch":
         raise APIError(400, "the input file's purpose must be 'batch'", param="input_file_id")
     runner = _runner(request)
     batch = await _store(request).create(body.input_file_id, body.endpoint, body.completion_window, body.metadata,
-                                         runner.owner)
+                                         account=account, owner=runner.owner)
     runner.start(batch["id"])
     return batch
 
@@ -86,19 +96,5 @@ async def cancel_batch(batch_id: str, request: Request) -> dict[str, Any]:
 @router.get("/v1/batches")
 async def list_batches(request: Request, limit: Annotated[int, Query(ge=1, le=100)] = 20,
                        after: str | None = None) -> dict[str, Any]:
-    store = _store(request)
-    ids = await store.ids()
-    if after is not None:
-        ids = ids[ids.index(after) + 1:] if after in ids else []
-    data: list[dict[str, Any]] = []
-    for batch_id in ids:
-        batch = await store.get(batch_id)
-        if batch is None:
-            await store.forget(batch_id)
-            continue
-        data.append(batch)
-        if len(data) > limit:
-            break
-    page = data[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(data) > limit}
+    found = await _store(request).listing(account_of(request), limit=limit, after=after)
+    return list_object(found, limit)

@@ -12,19 +12,20 @@ import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from producer.errors import ResultTimeout
 from producer.openai_compat import BodyError, Endpoint, ParsedBody, completion_object, parse_body, result_error
 from producer.openai_compat.objects import chunk_object, usage_chunk
 from producer.schema import GenerationResult
-from serve.context import CallContext, authorize, call_context, state_of
-from serve.errors import REQUEST_ID_HEADER, APIError
+from serve.body import json_object
+from serve.context import CallContext, call_context, state_of
+from serve.errors import APIError
 
 T = TypeVar("T")
 STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the logs do
-router = APIRouter(dependencies=[Depends(authorize)])
+router = APIRouter()
 _background: set[asyncio.Task[None]] = set()  # fire-and-forget cancels, kept alive until done
 
 
@@ -39,7 +40,7 @@ async def completions(request: Request) -> Response:
 
 
 async def _complete(request: Request, endpoint: Endpoint) -> Response:
-    body = await _json_body(request)
+    body = await json_object(request)
     call = call_context(request, body)
     parsed = parse_body(body, endpoint)
     if parsed.stream and parsed.num_choices > 1:
@@ -49,26 +50,14 @@ async def _complete(request: Request, endpoint: Endpoint) -> Response:
     producer = state_of(request).producer
     await producer.submit(**{**parsed.options, "request_id": call.request_id, "priority": call.priority,
                              "deadline": call.deadline, "stream_tokens": parsed.stream})
-    headers = {REQUEST_ID_HEADER: call.request_id}
     if parsed.stream:
-        return StreamingResponse(_events(request, call, parsed), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(_events(request, call, parsed), media_type="text/event-stream")
     result = await _until_disconnect(request, call, producer.result(call.request_id, timeout=call.timeout_s))
     if result is None:
-        return Response(status_code=STATUS_CLIENT_CLOSED, headers=headers)
+        return Response(status_code=STATUS_CLIENT_CLOSED)
     if not result.ok:
         raise APIError.from_body(*result_error(result))
-    return JSONResponse(completion_object(endpoint, result, model=parsed.model or "", created=call.created),
-                        headers=headers)
-
-
-async def _json_body(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the body must be a JSON object")
-    return body
+    return JSONResponse(completion_object(endpoint, result, model=parsed.model or "", created=call.created))
 
 
 async def _until_disconnect(request: Request, call: CallContext, wait: Awaitable[T]) -> T | None:

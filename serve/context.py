@@ -1,12 +1,11 @@
-"""What every route needs: the process's shared state, authentication, and the per-call context
-(request id, priority lane, deadline) read from headers and the body.
+"""What every route needs: the process's shared state, the caller's account, and the per-call
+context (request id, priority lane, deadline) read from headers and the body.
 
 Imports fastapi and producer; never torch, the engine or the worker.
 """
 
 from __future__ import annotations
 
-import hmac
 import math
 import time
 from dataclasses import dataclass
@@ -16,7 +15,6 @@ from fastapi import Request
 
 from producer.aio import AsyncProducer
 from producer.config import ServeConfig
-from producer.schema import new_request_id
 from serve.errors import APIError
 
 PRIORITY_HEADER = "X-Tokenmill-Priority"
@@ -57,41 +55,45 @@ def state_of(request: Request) -> ServeState:
     return state
 
 
-async def authorize(request: Request) -> None:
-    """Check ``Authorization: Bearer KEY`` against ``serve.api_keys`` (none configured: open).
-
-    NOTE: ``async`` although it awaits nothing: FastAPI runs a plain ``def`` dependency in its
-    thread pool, a thread hand-off on every call (about 1 ms of each request's latency).
-
-    Raises:
-        APIError: 401 with OpenAI's ``invalid_api_key``.
-    """
-    keys = state_of(request).config.api_keys
-    if not keys:
-        return
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not any(hmac.compare_digest(given.strip(), key) for key in keys):
-        raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+def account_of(request: Request) -> str:
+    """The account that owns what this call creates and sees: the guard's hash of the caller's key."""
+    account: str = request.state.account
+    return account
 
 
 def call_context(request: Request, body: dict[str, Any]) -> CallContext:
-    """The context of one completion call; the request id is also kept on ``request.state``.
+    """The context of one completion call; its request id is the guard's (``X-Request-Id``).
 
     Priority: the body's ``priority`` (a tokenmill extension, as in vLLM) > the
-    ``X-Tokenmill-Priority`` header > ``serve.priority``. The timeout is the client's
-    (``X-Tokenmill-Timeout``, else the openai SDK's ``X-Stainless-Read-Timeout``), at most
-    ``serve.request_timeout_s``.
+    ``X-Tokenmill-Priority`` header > ``serve.priority``; a number (ASCII digits in the header) is
+    a lane, a string a lane's name. The timeout is the client's (``X-Tokenmill-Timeout``, else the
+    openai SDK's ``X-Stainless-Read-Timeout``), at most ``serve.request_timeout_s``.
 
     Raises:
-        APIError: 400 for a malformed priority or timeout header.
+        APIError: 400 for a priority that is neither a name nor a lane number, or a malformed
+            timeout header (an unknown name or lane is the submit's 400).
     """
     config = state_of(request).config
-    request.state.request_id = request_id = new_request_id()
     priority = body.pop("priority", None)
     if priority is None:
         header = request.headers.get(PRIORITY_HEADER)
-        priority = (int(header) if header.isdigit() else header) if header else config.priority
+        priority = _header_priority(header) if header else config.priority
+    elif isinstance(priority, bool) or not isinstance(priority, (str, int)):
+        raise APIError(400, f"priority must be a lane name or number, got a {type(priority).__name__}",
+                       param="priority")
+    request_id: str = request.state.request_id
     return CallContext(request_id, priority, min(config.request_timeout_s, _client_timeout_s(request)), time.time())
+
+
+def _header_priority(header: str) -> str | int:
+    """A lane number when the header is ASCII digits, else a lane name (checked by the submit)."""
+    # NOTE: isascii too: "²".isdigit() is True and int("²") raises; and past 4300 digits int() raises.
+    if header.isascii() and header.isdigit():
+        try:
+            return int(header)
+        except ValueError:
+            pass
+    return header
 
 
 def _client_timeout_s(request: Request) -> float:

@@ -1,10 +1,14 @@
-"""Errors of the HTTP front in OpenAI's error shape, and the handlers that render them.
+"""Errors of the HTTP front in OpenAI's error shape, and the handlers that render them: every
+failure a route can meet is answered ``{"error": {"message", "type", "param", "code"}}``, a
+server bug too (a catch-all 500), never a plain-text page.
 
 Imports fastapi and producer.openai_compat; never torch, the engine or the worker.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,6 +20,7 @@ from producer.errors import ProducerError, SchemaError, SubmitUncertain
 from producer.openai_compat import BodyError, error_object
 
 REQUEST_ID_HEADER = "X-Request-Id"
+log = logging.getLogger("tokenmill.serve")
 
 
 class APIError(Exception):
@@ -33,8 +38,7 @@ class APIError(Exception):
         error = body["error"]
         return cls(status_code, error["message"], type_=error["type"], param=error.get("param"), code=error["code"])
 
-    def response(self, request_id: str | None = None) -> JSONResponse:
-        headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         return JSONResponse(self.body, status_code=self.status_code, headers=headers)
 
 
@@ -42,39 +46,52 @@ def not_found(what: str, object_id: str) -> APIError:
     return APIError(404, f"No {what} found with id {object_id!r}.", code=f"{what}_not_found")
 
 
-def _request_id(request: Request) -> str | None:
-    return getattr(request.state, "request_id", None)
+def first_invalid(errors: Sequence[Any], *, skip: int = 0) -> APIError:
+    """A 400 naming the first of pydantic's ``errors``: its message, and its location as ``param``
+    (less ``skip`` leading parts, e.g. FastAPI's ``body``)."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    return APIError(400, str(first["msg"]), param=".".join(str(part) for part in first["loc"][skip:]) or None)
 
 
 def install_handlers(app: FastAPI) -> None:
-    """Render every error the routes raise as OpenAI's error body."""
+    """Render every error the routes raise as OpenAI's error body (the guard adds ``X-Request-Id``)."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response(_request_id(request))
+        return exc.response()
 
     @app.exception_handler(BodyError)
     async def body_error(request: Request, exc: BodyError) -> JSONResponse:
-        return APIError(400, exc.message, param=exc.param).response(_request_id(request))
+        return APIError(400, exc.message, param=exc.param).response()
 
     @app.exception_handler(SubmitUncertain)
     async def uncertain(request: Request, exc: SubmitUncertain) -> JSONResponse:
-        return APIError(503, str(exc), type_="server_error", code="queue_unavailable").response(_request_id(request))
+        return APIError(503, str(exc), type_="server_error", code="queue_unavailable").response()
 
     @app.exception_handler(SchemaError)
     async def schema_error(request: Request, exc: SchemaError) -> JSONResponse:
-        return APIError(400, exc.message, code=exc.code).response(_request_id(request))
+        return APIError(400, exc.message, code=exc.code).response()
 
     @app.exception_handler(ProducerError)
     async def producer_error(request: Request, exc: ProducerError) -> JSONResponse:
-        return APIError(503, str(exc), type_="server_error").response(_request_id(request))
+        return APIError(503, str(exc), type_="server_error").response()
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        param = ".".join(str(p) for p in first["loc"][1:]) or None
-        return APIError(400, str(first["msg"]), param=param).response(_request_id(request))
+        return first_invalid(exc.errors(), skip=1).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail), code=None).response(_request_id(request))
+        return APIError(exc.status_code, str(exc.detail), code=None).response()
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        """The catch-all: a bug, never the client's fault. NOTE: this one runs outside the guard (in
+        Starlette's outermost middleware, which re-raises so uvicorn logs the traceback), so it
+        names the request id itself."""
+        request_id = getattr(request.state, "request_id", None)
+        log.error("request %s (%s %s) failed: %s: %s", request_id, request.method, request.url.path,
+                  type(exc).__name__, exc)
+        error = APIError(500, f"internal error ({type(exc).__name__}); request id {request_id}",
+                         type_="server_error", code="internal_error")
+        return error.response({REQUEST_ID_HEADER: request_id} if request_id else None)

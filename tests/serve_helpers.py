@@ -1,19 +1,29 @@
-"""Builders for the ``tokenmill serve`` tests: the app under uvicorn in a background thread, and an
-openai client pointed at it."""
+"""Builders for the ``tokenmill serve`` tests: the app under uvicorn in a background thread (or in
+a process of its own, to measure its memory), and a raw HTTP exchange over a socket."""
 
 from __future__ import annotations
 
+import http.client
+import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 
 from producer.config import ServeSettings
-from serve.app import create_app
+from serve.app import server_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -33,7 +43,7 @@ def running_server(redis_url: str, prefix: str, **serve: Any) -> Iterator[str]:
     port = free_port()
     settings = ServeSettings.load(None, {"redis": {"url": redis_url}, "queue": {"prefix": prefix},
                                          "serve": {"port": port, "log_level": "warning", **serve}})
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(server_config(settings))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -46,3 +56,61 @@ def running_server(redis_url: str, prefix: str, **serve: Any) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=15)
         assert not thread.is_alive(), "serve did not stop"
+
+
+@contextmanager
+def serve_process(redis_url: str, prefix: str, **serve: Any) -> Iterator[tuple[int, int]]:
+    """``tokenmill serve`` as a process of its own (``python -m cli serve``); yields its port and pid.
+
+    Args:
+        **serve: ``[serve]`` settings, passed as ``TOKENMILL_SERVE__<KEY>`` env values.
+    """
+    port = free_port()
+    env = {**os.environ, **{f"TOKENMILL_SERVE__{key.upper()}": str(value) for key, value in serve.items()}}
+    process = subprocess.Popen([sys.executable, "-m", "cli", "--redis-url", redis_url, "--prefix", prefix, "serve",
+                                "--port", str(port), "--log-level", "warning"], cwd=ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not _answers(f"http://127.0.0.1:{port}/health"):
+            assert process.poll() is None and time.monotonic() < deadline, "serve did not start"
+            time.sleep(0.05)
+        yield port, process.pid
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:  # stuck on a request it still waits for: the test failed anyway
+            process.kill()
+            process.wait(timeout=15)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The most resident memory process ``pid`` ever had (``VmHWM`` in ``/proc/<pid>/status``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for process {pid}")
+
+
+def request_head(method: str, path: str, headers: dict[str, str] | None = None) -> bytes:
+    """An HTTP/1.1 request head (``Host`` included)."""
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, str], Any]:
+    """The status, headers and (JSON-decoded when it is JSON) body of the response on ``sock``."""
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    raw = response.read()
+    headers = {key.lower(): value for key, value in response.getheaders()}
+    body = json.loads(raw) if headers.get("content-type", "").startswith("application/json") else raw
+    return response.status, headers, body

@@ -16,6 +16,7 @@ import redis.asyncio
 from producer.keys import Keys
 from serve import batch_runner
 from serve.batch_store import BatchStore
+from serve.guard import ANONYMOUS
 from tests.serve_helpers import running_server
 from tests.worker_helpers import make_settings, running_worker
 
@@ -137,7 +138,7 @@ def test_a_batch_whose_server_died_is_finished_by_another(base_url: str, redis_u
     async def orphan() -> str:  # what a server that died right after accepting the batch leaves
         client = redis.asyncio.Redis.from_url(redis_url)
         batch = await BatchStore(client, Keys(prefix=key_prefix), 3600).create(
-            uploaded.id, "/v1/chat/completions", "24h", None, owner="dead-server")
+            uploaded.id, "/v1/chat/completions", "24h", None, account=ANONYMOUS, owner="dead-server")
         await BatchStore(client, Keys(prefix=key_prefix), 3600).update(batch["id"], {"owner_ts": 0.0})
         await client.aclose()
         return str(batch["id"])

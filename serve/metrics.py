@@ -1,0 +1,81 @@
+"""Prometheus metrics of one ``serve`` process, on its own ``CollectorRegistry`` (served at
+``/metrics``): HTTP requests by route, method and status, requests in flight, their latency, and
+the process's own memory and CPU. The queue's and the workers' numbers are the workers' metrics.
+
+Imports prometheus_client and starlette (through fastapi); never torch, the engine or the worker.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+# Seconds from the request's head to its response's end (a streamed or long generation included).
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+UNMATCHED = "unmatched"  # the route label of a path no route serves
+
+
+class ServeMetrics:
+    """The registry and the series of one server process."""
+
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("tokenmill_serve_requests", "HTTP requests answered, by route template, method "
+                                "and status", ["route", "method", "status"], registry=registry)
+        self.in_flight = Gauge("tokenmill_serve_requests_in_flight", "HTTP requests being answered",
+                               registry=registry)
+        self.latency_s = Histogram("tokenmill_serve_request_duration_seconds", "request head to the response's "
+                                   "end, by route template", ["route", "method"], buckets=LATENCY_BUCKETS_S,
+                                   registry=registry)
+        ProcessCollector(registry=registry)
+
+    def render(self) -> bytes:
+        """Prometheus text of every series."""
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Counts every HTTP request, those the guard refuses before routing (401, 413) included.
+
+    Args:
+        app: the app behind it.
+        metrics: where to count.
+        routes: the app's routes, to label a request by its route's template (``/v1/files/{file_id}``),
+            never its raw path (one series per file id would have no bound).
+    """
+
+    def __init__(self, app: ASGIApp, metrics: ServeMetrics, routes: Sequence[BaseRoute]) -> None:
+        self.app, self.metrics, self.routes = app, metrics, routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route, method = self._route(scope), scope["method"]
+        status = 500  # what Starlette answers when the app raises before responding
+
+        async def send_counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        started = time.perf_counter()
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.latency_s.labels(route, method).observe(time.perf_counter() - started)
+            self.metrics.requests.labels(route, method, str(status)).inc()
+
+    def _route(self, scope: Scope) -> str:
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match is Match.FULL:
+                return str(getattr(route, "path", UNMATCHED))
+        return UNMATCHED
