@@ -83,6 +83,18 @@ class ModelConfig(_Frozen):
     max_model_len: int | None = Field(None, ge=1, description="cap on prompt + output tokens; None: the model's")
     cache_dir: str | None = Field(None, description="where dequantized GGUF weights are cached")
     num_threads: int | None = Field(None, ge=1, description="CPU threads for torch; None: leave torch's default")
+    random_init: bool = Field(
+        False, description="build the model from name's config.json (a directory holding one, or the .json file) with "
+        "random weights, no checkpoint (for measuring speed at any shape); without tokenizer files beside it, "
+        "prompts must be token ids"
+    )
+
+    @model_validator(mode="after")
+    def _check_random_init(self) -> ModelConfig:
+        if self.random_init and (self.name == "echo" or self.name.startswith("echo:") or self.name.endswith(".gguf")):
+            raise ValueError("random_init builds a model from a config.json: name must be a directory holding one "
+                             f"or a .json file, not {self.name!r}")
+        return self
 
 
 class CacheConfig(_Frozen):
@@ -126,6 +138,29 @@ class ExecutionConfig(_Frozen):
     )
 
 
+class StructuredOutputConfig(_Frozen):
+    """Limits on compiling structured-output grammars (a small spec can take minutes and gigabytes)."""
+
+    isolate_compiles: bool = Field(
+        True, description="compile each spec in a child process under the limits below; off: in the worker's "
+        "preparation thread, unbounded"
+    )
+    compile_timeout_s: float = Field(10.0, gt=0, description="a spec still compiling after this is refused "
+                                     "(validation error) and its compiler process killed")
+    compile_memory: int | str = Field("2GiB", description="memory one compilation may use beyond the compiler "
+                                      "process's own; past it the spec is refused")
+
+    @field_validator("compile_memory")
+    @classmethod
+    def _check_size(cls, value: int | str) -> int | str:
+        parse_bytes(value)
+        return value
+
+    @property
+    def compile_memory_bytes(self) -> int:
+        return parse_bytes(self.compile_memory)
+
+
 class EngineConfig(_Frozen):
     """Everything needed to build an :class:`engine.Engine`: one section per part.
 
@@ -136,6 +171,7 @@ class EngineConfig(_Frozen):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
+    structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
 
     @field_validator("model", mode="before")
     @classmethod

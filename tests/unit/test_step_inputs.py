@@ -1,0 +1,24 @@
+"""A step's integer inputs packed into one tensor and uploaded in one copy (engine/step_inputs.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.step_inputs import StepInputs
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_list_comes_back_as_a_view_of_one_upload(device: str) -> None:
+    inputs = StepInputs()
+    inputs.add("ids", [5, 6, 7])
+    inputs.add("empty", [])
+    inputs.add("slots", [2**40, 0])
+    uploaded = inputs.upload(torch.device(device))
+    assert {name: t.tolist() for name, t in uploaded.items()} == {"ids": [5, 6, 7], "empty": [], "slots": [2**40, 0]}
+    assert all(t.dtype == torch.int64 and t.device.type == device for t in uploaded.values())
+    storages = {t.untyped_storage().data_ptr() for t in uploaded.values()}
+    assert len(storages) == 1  # one tensor: one host-to-device copy
