@@ -62,7 +62,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
     app.state.metrics = metrics = ServeMetrics()
     # NOTE: the last added runs first: metrics count what the guard refuses too.
     app.add_middleware(Guard, config=settings.serve)
-    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=app.router.routes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
 
 

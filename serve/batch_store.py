@@ -67,7 +67,7 @@ class BatchStore:
         pipe.hset(key, mapping=_encode({**batch, "account": account, "owner": owner,  # type: ignore[arg-type]
                                         "owner_ts": time.time()}))
         pipe.expire(key, int(self._ttl_s))
-        pipe.zadd(self._keys.batches, {batch_id: now})
+        pipe.zadd(self._keys.batches, {batch_id: time.time()})  # NOTE: not created_at: seconds would tie
         await pipe.execute()
         return batch
 

@@ -74,7 +74,7 @@ class FileStore:
             pipe = self._client.pipeline(transaction=True)
             pipe.hset(key, mapping={"meta": json.dumps(meta), "account": account, "chunks": count})
             pipe.expire(key, int(self._ttl_s))
-            pipe.zadd(self._keys.files, {file_id: now})
+            pipe.zadd(self._keys.files, {file_id: time.time()})  # NOTE: not created_at: seconds would tie
             await pipe.execute()
         except BaseException:
             with contextlib.suppress(redis.RedisError):

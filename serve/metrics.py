@@ -8,15 +8,14 @@ Imports prometheus_client and starlette (through fastapi); never torch, the engi
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
-from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # Seconds from the request's head to its response's end (a streamed or long generation included).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-UNMATCHED = "unmatched"  # the route label of a path no route serves
+# The route label of a request answered before or without a route: the guard's 401 / 413 / 408, an unknown path.
+UNROUTED = "none"
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})  # any other: "other"
 
 
 class ServeMetrics:
@@ -39,23 +38,23 @@ class ServeMetrics:
 
 
 class MetricsMiddleware:
-    """Counts every HTTP request, those the guard refuses before routing (401, 413) included.
+    """Counts every HTTP request, those the guard refuses before routing included. A request is
+    labelled by its route's template (``/v1/files/{file_id}``, from the ``route`` Starlette's
+    router puts in the scope), never its raw path: one series per file id would have no bound.
 
     Args:
         app: the app behind it.
         metrics: where to count.
-        routes: the app's routes, to label a request by its route's template (``/v1/files/{file_id}``),
-            never its raw path (one series per file id would have no bound).
     """
 
-    def __init__(self, app: ASGIApp, metrics: ServeMetrics, routes: Sequence[BaseRoute]) -> None:
-        self.app, self.metrics, self.routes = app, metrics, routes
+    def __init__(self, app: ASGIApp, metrics: ServeMetrics) -> None:
+        self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        route, method = self._route(scope), scope["method"]
+        method = scope["method"] if scope["method"] in METHODS else "other"  # a client's word: bound the series
         status = 500  # what Starlette answers when the app raises before responding
 
         async def send_counted(message: Message) -> None:
@@ -70,12 +69,6 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_counted)
         finally:
             self.metrics.in_flight.dec()
+            route = str(getattr(scope.get("route"), "path", UNROUTED))
             self.metrics.latency_s.labels(route, method).observe(time.perf_counter() - started)
             self.metrics.requests.labels(route, method, str(status)).inc()
-
-    def _route(self, scope: Scope) -> str:
-        for route in self.routes:
-            match, _ = route.matches(scope)
-            if match is Match.FULL:
-                return str(getattr(route, "path", UNMATCHED))
-        return UNMATCHED

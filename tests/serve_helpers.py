@@ -87,7 +87,7 @@ def serve_process(redis_url: str, prefix: str, **serve: Any) -> Iterator[tuple[i
 def _answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status == 200
+            return bool(response.status == 200)
     except (urllib.error.URLError, OSError):
         return False
 

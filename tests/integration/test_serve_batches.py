@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -62,6 +63,11 @@ def test_a_batch_runs_to_completed_in_openai_shape(base_url: str, redis_url: str
         assert [b.id for b in client.batches.list().data] == [batch.id]
         assert client.files.delete(uploaded.id).deleted
     assert sorted(line["custom_id"] for line in lines) == sorted(f"req-{i}" for i in range(NUM_LINES))
+    usages = [line["response"]["body"]["usage"] for line in lines]
+    assert done.model == "echo" and done.usage is not None
+    assert done.usage.input_tokens == sum(u["prompt_tokens"] for u in usages) > 0
+    assert done.usage.output_tokens == sum(u["completion_tokens"] for u in usages) > 0
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
     for line in lines:
         assert line["id"].startswith("batch_req_") and line["error"] is None
         response = line["response"]
@@ -97,6 +103,8 @@ def test_a_completions_batch_names_the_serving_model_and_reports_bad_lines(base_
         output, errors = ({r["custom_id"]: r for r in map(json.loads, client.files.content(file_id).text.splitlines())}
                           for file_id in (done.output_file_id, done.error_file_id))
     assert sorted(output) == ["two", "unnamed"] and sorted(errors) == ["chat", "elsewhere", "zero"]
+    assert done.model == "house-echo", "the served name the results give, not the lines' name"
+    assert done.usage is not None and done.usage.output_tokens == 2 * len("two") + len("unnamed")
     two = output["two"]["response"]["body"]
     assert two["object"] == "text_completion" and two["model"] == "house-echo"
     assert [(c["index"], c["text"]) for c in two["choices"]] == [(0, "two"), (1, "two")]
@@ -117,6 +125,7 @@ def test_cancel_a_running_batch(base_url: str, redis_url: str, key_prefix: str) 
         batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                       completion_window="24h")
         running = _wait_for(client, batch.id, {"in_progress"})
+        assert running.model == "echo" and running.usage is None, "the lines' model until the results are summed"
         while (client.batches.retrieve(batch.id).request_counts or running.request_counts).completed < 2:
             time.sleep(0.05)
         assert client.batches.cancel(batch.id).status == "cancelling"
@@ -128,11 +137,12 @@ def test_cancel_a_running_batch(base_url: str, redis_url: str, key_prefix: str) 
     assert len(partial) == cancelled.request_counts.completed
 
 
-def test_a_batch_whose_server_died_is_finished_by_another(base_url: str, redis_url: str, key_prefix: str,
+def test_a_batch_whose_server_died_is_finished_by_another(redis_url: str, key_prefix: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """...even when the other's first look for orphans meets a Redis error (the next look retries)."""
     monkeypatch.setattr(batch_runner, "ORPHAN_AFTER_S", 1.0)
     monkeypatch.setattr(batch_runner, "ORPHAN_SCAN_S", 0.2)
-    with openai.OpenAI(base_url=base_url, api_key="x") as client:
+    with running_server(redis_url, key_prefix) as url, openai.OpenAI(base_url=url, api_key="x") as client:
         uploaded = client.files.create(file=("in.jsonl", _batch_input(num_lines=5)), purpose="batch")
 
     async def orphan() -> str:  # what a server that died right after accepting the batch leaves
@@ -144,7 +154,17 @@ def test_a_batch_whose_server_died_is_finished_by_another(base_url: str, redis_u
         return str(batch["id"])
 
     batch_id = asyncio.run(orphan())
+    failures = [redis.ConnectionError("injected: Redis went away for a moment")]
+    ids = BatchStore.ids
+
+    async def flaky_ids(self: BatchStore, **kwargs: Any) -> list[str]:
+        if failures:
+            raise failures.pop()
+        return await ids(self, **kwargs)
+
+    monkeypatch.setattr(BatchStore, "ids", flaky_ids)
     with running_server(redis_url, key_prefix) as other_url, running_worker(make_settings(redis_url, key_prefix)), \
             openai.OpenAI(base_url=other_url, api_key="x") as client:
         done = _wait_for(client, batch_id, {"completed", "failed"})
+    assert not failures, "the first look failed"
     assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 5
