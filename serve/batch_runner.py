@@ -25,8 +25,8 @@ import redis
 from producer.bulk import BulkJob, BulkOptions
 from producer.client import Producer
 from producer.config import ServeConfig
-from serve.batch_usage import requested_model, summarize_output
 from serve.batch_store import ACTIVE, BatchStore
+from serve.batch_usage import requested_model, summarize_output
 from serve.files import FileGone, FileStore, path_chunks
 
 log = logging.getLogger("tokenmill.serve")
@@ -113,9 +113,9 @@ class BatchRunner:
                 {"code": "input_file_not_found", "message": "the input file is gone", "param": "input_file_id",
                  "line": None}]})
             return
+        model = await asyncio.to_thread(requested_model, source)  # until the results name the served one
         await self._store.update(batch_id, {"status": "in_progress", "in_progress_at": int(time.time()),
-                                            "model": await asyncio.to_thread(requested_model, source)},
-                                 if_status={"validating", "in_progress"})
+                                            "model": model}, if_status={"validating", "in_progress"})
         job = BulkJob(self._producer, source, scratch / "output.jsonl", self._options(scratch, batch["endpoint"]),
                       job_id=batch_id)
         run = asyncio.ensure_future(asyncio.to_thread(job.run))

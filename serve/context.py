@@ -65,7 +65,7 @@ def call_context(request: Request, body: dict[str, Any]) -> CallContext:
     """The context of one completion call; its request id is the guard's (``X-Request-Id``).
 
     Priority: the body's ``priority`` (a tokenmill extension, as in vLLM) > the
-    ``X-Tokenmill-Priority`` header > ``serve.priority``; a number (ASCII digits in the header) is
+    ``X-Tokenmill-Priority`` header > ``serve.priority``; a number (digits, in the header) is
     a lane, a string a lane's name. The timeout is the client's (``X-Tokenmill-Timeout``, else the
     openai SDK's ``X-Stainless-Read-Timeout``), at most ``serve.request_timeout_s``.
 

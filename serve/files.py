@@ -165,8 +165,9 @@ async def upload(request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/files")
-async def list_files(request: Request, purpose: str | None = None, limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
-                     after: str | None = None, order: str = "desc") -> dict[str, Any]:
+async def list_files(request: Request, purpose: str | None = None,
+                     limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000, after: str | None = None,
+                     order: str = "desc") -> dict[str, Any]:
     found = await store_of(request).listing(account=account_of(request), purpose=purpose, limit=limit, after=after,
                                          descending=order != "asc")
     return list_object(found, limit)
