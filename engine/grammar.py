@@ -1,6 +1,7 @@
 """Structured output: compiles a request's ``response_format`` into an xgrammar grammar over the
 model's vocabulary, once per distinct spec (an LRU cache, thread-safe, meant to run on the worker's
-tokenizer thread, never on the engine thread), and makes per-request matchers from it.
+preparation threads, never on the engine thread; the compile itself runs in a child process under
+a time and memory limit: engine/grammar_process.py), and makes per-request matchers from it.
 
 xgrammar (and with it torch) is imported on first use, so importing this module costs nothing.
 """
@@ -14,6 +15,7 @@ from collections import OrderedDict
 from typing import Any
 
 from engine.errors import GrammarError
+from engine.grammar_process import CompileLimits, GrammarProcess
 from protocol.sampling import ResponseFormat
 
 DEFAULT_MAX_CACHED = 256
@@ -32,35 +34,51 @@ class GrammarCompiler:
         vocab_size: the width of the model's logits (may exceed the tokenizer's vocabulary).
         eos_token_ids: the ids that end a complete output.
         max_cached: compiled grammars kept; the least recently used one goes first.
+        limits: compile each spec in a child process under these limits (engine/grammar_process.py);
+            None compiles in the calling thread, unbounded (tests of the grammars themselves).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
-                 max_cached: int = DEFAULT_MAX_CACHED) -> None:
+                 max_cached: int = DEFAULT_MAX_CACHED, limits: CompileLimits | None = None) -> None:
         self.vocab_size = vocab_size
         self._tokenizer = tokenizer
         self._eos_token_ids = sorted(eos_token_ids)
         self._max_cached = max_cached
-        self._compiler: Any = None  # xgrammar.GrammarCompiler, built on first use
+        self._limits = limits
+        self._info: Any = None  # xgrammar.TokenizerInfo, built on first use
+        self._compiler: Any = None  # xgrammar.GrammarCompiler (in-thread compiles)
+        self._process: GrammarProcess | None = None  # the child of isolated compiles
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
+
+    def is_cached(self, response_format: ResponseFormat) -> bool:
+        """Whether compiling ``response_format`` would be a cache hit (nothing to wait for)."""
+        with self._lock:
+            return response_format.cache_key in self._cache
 
     def compile(self, response_format: ResponseFormat) -> Any:
         """The compiled grammar of ``response_format`` (from the cache when it was compiled before).
 
         Raises:
-            GrammarError: the schema, regex or grammar is invalid, or xgrammar is not installed.
+            GrammarError: the schema, regex or grammar is invalid, its compilation ran past the
+                limits, or xgrammar is not installed.
         """
         key = response_format.cache_key
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-            compiler = self._get_compiler()
-        try:
-            compiled = _compile(compiler, response_format)
-        except RuntimeError as exc:
-            message = _NATIVE_PREFIX.sub("", str(exc).strip()).splitlines()[0]
-            raise GrammarError(f"invalid response_format {response_format.type}: {message}") from None
+            self._prepare()
+        kind, spec = _spec_of(response_format)
+        if self._process is not None:
+            import xgrammar  # noqa: PLC0415 - loaded by _prepare already
+
+            compiled = xgrammar.CompiledGrammar.deserialize_json(self._process.compile(kind, spec), self._info)
+        else:
+            try:
+                compiled = compile_spec(self._compiler, kind, spec)
+            except RuntimeError as exc:
+                raise GrammarError(describe_native_error(kind, exc)) from None
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > self._max_cached:
@@ -73,28 +91,55 @@ class GrammarCompiler:
 
         return xgrammar.GrammarMatcher(self.compile(response_format))
 
-    def _get_compiler(self) -> Any:
-        if self._compiler is None:
-            try:
-                import xgrammar  # noqa: PLC0415 - heavy (torch); only structured output needs it
-            except ImportError:
-                raise GrammarError("structured output needs the xgrammar package (pip install xgrammar)") from None
-            info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
-                                                           stop_token_ids=self._eos_token_ids)
-            self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
-        return self._compiler
+    def close(self) -> None:
+        """Stop the compiler's child process, if one runs."""
+        if self._process is not None:
+            self._process.close()
+
+    def _prepare(self) -> None:
+        """Build the tokenizer info and the compiler (or its child process) on first use."""
+        if self._info is not None:
+            return
+        try:
+            import xgrammar  # noqa: PLC0415 - heavy (torch); only structured output needs it
+        except ImportError:
+            raise GrammarError("structured output needs the xgrammar package (pip install xgrammar)") from None
+        self._info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                             stop_token_ids=self._eos_token_ids)
+        if self._limits is not None:
+            self._process = GrammarProcess(self._info.serialize_json(), self._limits)
+        else:
+            self._compiler = xgrammar.GrammarCompiler(self._info, cache_enabled=False)
 
 
-def _compile(compiler: Any, response_format: ResponseFormat) -> Any:
+def _spec_of(response_format: ResponseFormat) -> tuple[str, str]:
+    """What xgrammar compiles for a response format: (kind, text)."""
     kind = response_format.type
-    if kind == "regex":
-        return compiler.compile_regex(response_format.regex)
-    if kind == "grammar":
-        return compiler.compile_grammar(response_format.grammar)
+    if kind == "regex" and response_format.regex is not None:
+        return kind, response_format.regex
+    if kind == "grammar" and response_format.grammar is not None:
+        return kind, response_format.grammar
     if kind == "json_object":
-        schema: dict[str, Any] = {"type": "object"}
-    elif kind == "json_schema" and response_format.json_schema is not None:
-        schema = response_format.json_schema.schema_
-    else:
-        raise GrammarError(f"response_format {kind!r} needs no grammar")
-    return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+        return "json_schema", json.dumps({"type": "object"})
+    if kind == "json_schema" and response_format.json_schema is not None:
+        return kind, json.dumps(response_format.json_schema.schema_)
+    raise GrammarError(f"response_format {kind!r} needs no grammar")
+
+
+def compile_spec(compiler: Any, kind: str, spec: str) -> Any:
+    """``compiler`` (an ``xgrammar.GrammarCompiler``) applied to one (kind, text) of :func:`_spec_of`.
+
+    Raises:
+        RuntimeError: xgrammar refused the spec.
+    """
+    if kind == "regex":
+        return compiler.compile_regex(spec)
+    if kind == "grammar":
+        return compiler.compile_grammar(spec)
+    return compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
+
+
+def describe_native_error(kind: str, exc: Exception) -> str:
+    """xgrammar's error, without its C++ source location: what a user can act on."""
+    message = _NATIVE_PREFIX.sub("", str(exc).strip()).splitlines()[0]
+    return f"invalid response_format {kind}: {message}"

@@ -9,15 +9,15 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from engine.outputs import RequestOutput
 from engine.prompts import PromptError
 from producer.schema import ErrorCode, GenerationResult
-from worker.convert import build_result, engine_prompt
+from worker.convert import build_result
 from worker.messages import Abort, Admit, EngineLike, Entry, Finish, Incoming, Outgoing, Prepared, TokenDelta
 from worker.metrics import WorkerMetrics
+from worker.preparation import Preparation
 from worker.state import Load
 
 log = logging.getLogger("tokenmill.worker")
@@ -55,8 +55,7 @@ class EngineLoop:
         self._worker_name = worker_name
         self._live: dict[str, _Live] = {}
         self.is_admitting = True  # False while draining: admits stay pending in Redis
-        # NOTE: one thread, so requests reach the engine in the order they were read.
-        self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-tokenize")
+        self._preparation = Preparation(engine, inbox)
 
     @property
     def num_live(self) -> int:
@@ -88,8 +87,13 @@ class EngineLoop:
                 self._engine.abort(request_id)
 
     def close(self) -> None:
-        """Stop the tokenizer thread (requests still being tokenized stay pending in Redis)."""
-        self._tokenizer.shutdown(wait=False, cancel_futures=True)
+        """Stop preparing (requests still being tokenized stay pending in Redis)."""
+        self._preparation.close()
+
+    @property
+    def oldest_preparation_s(self) -> float:
+        """How long the oldest request in preparation (tokenizing, compiling) has taken so far."""
+        return self._preparation.oldest_job_s()
 
     def _take_commands(self, wait_s: float) -> None:
         while True:
@@ -101,7 +105,7 @@ class EngineLoop:
             if isinstance(command, Abort):
                 self._abort(command)
             elif isinstance(command, Admit):
-                self._tokenize(command)
+                self._preparation.submit(command)
             else:
                 self._load.add_queued(-1)
                 if self.is_admitting:  # NOTE: while draining, a dropped admit stays pending in Redis
@@ -112,24 +116,6 @@ class EngineLoop:
         if live is not None and live.abort_status is None:
             live.abort_status = command.status
             self._engine.abort(command.request_id)
-
-    def _tokenize(self, admit: Admit) -> None:
-        """Tokenize (and compile a structured-output grammar) on the tokenizer thread; the result
-        comes back through the inbox as ``Prepared``.
-
-        NOTE: tokenizing a long prompt takes about a second per MB, compiling a JSON schema tens of
-        milliseconds; on the engine thread either would stall every running request for that long.
-        """
-        def prepare() -> None:
-            try:
-                prompt_token_ids = self._engine.tokenize(engine_prompt(admit.request))
-                self._engine.compile_grammar(admit.request.params)
-                prepared = Prepared(admit, prompt_token_ids)
-            except Exception as exc:  # noqa: BLE001 - any failure is this request's error result
-                prepared = Prepared(admit, None, exc)
-            self._inbox.put(prepared)
-
-        self._tokenizer.submit(prepare)
 
     def _admit(self, prepared: Prepared) -> None:
         admit = prepared.admit

@@ -25,8 +25,8 @@ class FakeTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True, **kwargs: Any) -> str:
         return "".join(chr(97 + t) for t in token_ids if not (skip_special_tokens and t == EOS))
 
-    def __call__(self, text: str) -> dict[str, list[int]]:
-        return {"input_ids": [(ord(c) - 97) % VOCAB_SIZE for c in text]}
+    def __call__(self, texts: list[str], **kwargs: Any) -> dict[str, list[list[int]]]:
+        return {"input_ids": [[(ord(c) - 97) % VOCAB_SIZE for c in text] for text in texts]}
 
 
 def make_engine(**scheduler_config: Any) -> Engine:

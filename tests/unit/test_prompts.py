@@ -15,8 +15,8 @@ class _BaseModelTokenizer:
 
     chat_template = None
 
-    def __call__(self, text: str) -> dict[str, Any]:
-        return {"input_ids": list(text.encode())}
+    def __call__(self, texts: list[str], **kwargs: Any) -> dict[str, Any]:
+        return {"input_ids": [list(text.encode()) for text in texts]}
 
 
 def test_a_lone_user_message_is_the_raw_prompt_of_a_model_without_a_chat_template() -> None:

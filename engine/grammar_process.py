@@ -1,0 +1,143 @@
+"""Grammar compilation in a child process, under a time and a memory limit.
+
+A structured-output spec can be small and still take xgrammar minutes and gigabytes to compile (a
+3 KB regex of nested counted repetitions took 27 s here; a 3.5 MB alternation 244 s and 2.85 GB).
+In a thread nothing can stop it; in a child process it is killed at its limits and the request is
+answered with a ``validation`` error. The compiled grammar comes back serialized
+(``CompiledGrammar.serialize_json``, milliseconds) and is rebuilt over the parent's tokenizer info.
+
+One child serves one engine, one compile at a time; it is started on first use, and a killed child
+is replaced by the next compile. Imports xgrammar only inside the child and on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import resource
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine.errors import GrammarError
+
+logger = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 120.0  # the child imports xgrammar (and torch) and rebuilds the tokenizer info
+
+
+@dataclass(frozen=True)
+class CompileLimits:
+    """What one compilation may take."""
+
+    timeout_s: float  # wall-clock seconds for one spec
+    memory_bytes: int  # address space the child may grow by beyond what it holds when ready
+
+
+class GrammarProcess:
+    """A child process that compiles specs for one tokenizer.
+
+    Args:
+        tokenizer_info_json: ``xgrammar.TokenizerInfo.serialize_json()`` of the model's tokenizer.
+        limits: the time and memory each compilation may take.
+    """
+
+    def __init__(self, tokenizer_info_json: str, limits: CompileLimits) -> None:
+        self._tokenizer_info_json = tokenizer_info_json
+        self.limits = limits
+        self._lock = threading.Lock()  # one compile at a time: the child is single-threaded
+        self._process: Any = None  # multiprocessing.Process (spawn context)
+        self._conn: Connection | None = None
+
+    def compile(self, kind: str, spec: str) -> str:
+        """The serialized compiled grammar of ``spec`` (``kind``: regex, grammar or json_schema).
+
+        Raises:
+            GrammarError: the spec is invalid, or its compilation ran past a limit (the child is
+                killed and replaced).
+        """
+        with self._lock:
+            conn = self._ready_connection()
+            conn.send((kind, spec))
+            if not conn.poll(self.limits.timeout_s):
+                self._kill()
+                raise GrammarError(f"the {kind} took longer than {self.limits.timeout_s:g} s to compile "
+                                   "(simplify it, e.g. fewer or smaller counted repetitions)")
+            try:
+                is_ok, payload = conn.recv()
+            except (EOFError, OSError):
+                self._kill()
+                raise GrammarError(f"compiling the {kind} needed more than {self.limits.memory_bytes >> 20} MiB "
+                                   "of memory") from None
+        if not is_ok:
+            raise GrammarError(payload)
+        result: str = payload
+        return result
+
+    def close(self) -> None:
+        """Stop the child (a later compile starts a new one)."""
+        with self._lock:
+            self._kill()
+
+    def _ready_connection(self) -> Connection:
+        if self._conn is not None and self._process is not None and self._process.is_alive():
+            return self._conn
+        self._kill()
+        context = multiprocessing.get_context("spawn")  # NOTE: never fork a process that holds torch threads
+        parent, child = context.Pipe()
+        process = context.Process(target=_serve, args=(child, self._tokenizer_info_json, self.limits.memory_bytes),
+                                  name="tm-grammar", daemon=True)
+        started = time.monotonic()
+        process.start()
+        child.close()
+        if not parent.poll(_START_TIMEOUT_S) or parent.recv() != "ready":
+            process.kill()
+            raise GrammarError("the grammar compiler process did not start")
+        logger.info("grammar compiler process started", extra={"event": "grammar_process_started",
+                                                                "seconds": round(time.monotonic() - started, 2)})
+        self._process, self._conn = process, parent
+        return parent
+
+    def _kill(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.join(timeout=5.0)
+        if self._conn is not None:
+            self._conn.close()
+        self._process, self._conn = None, None
+
+
+def _serve(conn: Connection, tokenizer_info_json: str, memory_bytes: int) -> None:
+    """The child's loop: compile what arrives, send back ``(True, serialized)`` or ``(False, why)``."""
+    import xgrammar  # noqa: PLC0415 - only the child needs it
+
+    os.nice(19)  # NOTE: a long compile must not take a core from the engine's threads (preparation.py)
+
+    from engine.grammar import compile_spec, describe_native_error  # noqa: PLC0415
+
+    info = xgrammar.TokenizerInfo.deserialize_json(tokenizer_info_json)
+    compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+    # NOTE: the limit counts from here: the child's own imports are not the spec's fault.
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (_address_space_bytes() + memory_bytes, hard))
+    conn.send("ready")
+    while True:
+        try:
+            kind, spec = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send((True, compile_spec(compiler, kind, spec).serialize_json()))
+        except (MemoryError, RuntimeError) as exc:
+            # NOTE: xgrammar's C++ reports an allocation past the limit as RuntimeError("std::bad_alloc").
+            is_memory = isinstance(exc, MemoryError) or "bad_alloc" in str(exc)
+            conn.send((False, f"compiling the {kind} needed more than {memory_bytes >> 20} MiB of memory"
+                       if is_memory else describe_native_error(kind, exc)))
+
+
+def _address_space_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[0]) * resource.getpagesize()

@@ -1,0 +1,101 @@
+"""Preparing admitted requests off the engine thread: tokenizing prompts and compiling grammars.
+
+Two lanes, so that a large job never delays a small one: requests with a long prompt or a
+structured ``response_format`` go to the heavy lane (tokenizing a 4 MB prompt takes seconds; a
+grammar compiles in a child process for up to ``[engine.structured_output] compile_timeout_s``),
+everything else to the light lane, which therefore only ever waits for small prompts. Each result
+comes back to the engine thread through its inbox as ``Prepared``.
+
+Imports the worker's messages and the engine's torch-free prompt types; never torch or Redis.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from worker.convert import engine_prompt
+from worker.messages import Admit, EngineLike, Incoming, Prepared
+
+HEAVY_PROMPT_CHARS = 64 * 1024  # prompts longer than this (text, or all messages' content) take the heavy lane
+NUM_HEAVY_THREADS = 2  # a large prompt and a grammar compile may run side by side
+HEAVY_NICE = 10  # the heavy lane's threads' nice value
+
+
+class Preparation:
+    """Runs each admit's tokenization and grammar compilation in its lane.
+
+    Args:
+        engine: tokenizes (thread-safe) and compiles grammars (thread-safe, in a child process).
+        inbox: the engine thread's inbox, which receives every ``Prepared``.
+    """
+
+    def __init__(self, engine: EngineLike, inbox: queue.Queue[Incoming]) -> None:
+        self._engine = engine
+        self._inbox = inbox
+        self._light = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-prepare")
+        self._heavy = ThreadPoolExecutor(max_workers=NUM_HEAVY_THREADS, thread_name_prefix="tm-prepare-heavy",
+                                         initializer=_yield_to_the_engine)
+        self._started: dict[int, float] = {}  # job -> monotonic start, while it runs
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    def submit(self, admit: Admit) -> None:
+        """Prepare ``admit`` in its lane; the result arrives in the inbox."""
+        lane = self._heavy if is_heavy(admit) else self._light
+        lane.submit(self._prepare, admit, next(self._ids))
+
+    def oldest_job_s(self) -> float:
+        """Seconds the oldest running preparation has taken so far (0 when none runs): what the heartbeat
+        reports, so an operator sees an intake that is stuck on one job."""
+        with self._lock:
+            oldest = min(self._started.values(), default=None)
+        return 0.0 if oldest is None else time.monotonic() - oldest
+
+    def close(self) -> None:
+        """Stop both lanes (requests still being prepared stay pending in Redis)."""
+        for lane in (self._light, self._heavy):
+            lane.shutdown(wait=False, cancel_futures=True)
+
+    def _prepare(self, admit: Admit, job: int) -> None:
+        with self._lock:
+            self._started[job] = time.monotonic()
+        try:
+            prompt_token_ids = self._engine.tokenize(engine_prompt(admit.request))
+            self._engine.compile_grammar(admit.request.params)
+            prepared = Prepared(admit, prompt_token_ids)
+        except Exception as exc:  # noqa: BLE001 - any failure is this request's error result
+            prepared = Prepared(admit, None, exc)
+        finally:
+            with self._lock:
+                del self._started[job]
+        self._inbox.put(prepared)
+
+
+def _yield_to_the_engine() -> None:
+    """Lower this thread's scheduling priority (Linux: a thread has its own nice value).
+
+    NOTE: a heavy preparation keeps a core busy for seconds; at equal priority it takes that core
+    from one of torch's threads, and every parallel region of a step then waits for the thread that
+    lost it. Niced, it runs on what the engine leaves idle.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HEAVY_NICE)
+    except (AttributeError, OSError):  # not Linux, or not permitted: run at the same priority
+        pass
+
+
+def is_heavy(admit: Admit) -> bool:
+    """Whether preparing ``admit`` may take long: a long prompt, or a grammar to compile."""
+    request = admit.request
+    if request.params.is_structured:
+        return True
+    if request.prompt is not None:
+        return len(request.prompt) > HEAVY_PROMPT_CHARS
+    if request.messages is not None:
+        return sum(len(m.content) for m in request.messages) > HEAVY_PROMPT_CHARS
+    return False
