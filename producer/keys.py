@@ -105,7 +105,8 @@ class Keys:
         return self.reply(f"bulk:{job_id}")
 
     def file(self, file_id: str) -> str:
-        """Hash of one file of the OpenAI Files API (``tokenmill serve``): fields ``meta`` (JSON) and ``data``."""
+        """Hash of one file of the OpenAI Files API (``tokenmill serve``): fields ``meta`` (JSON), ``account``
+        (the owner's key hash), ``chunks`` and the content in 1 MiB fields ``chunk:0`` .. ``chunk:{chunks - 1}``."""
         return f"{self.base}:file:{file_id}"
 
     @property
@@ -114,7 +115,8 @@ class Keys:
         return f"{self.base}:files"
 
     def batch(self, batch_id: str) -> str:
-        """Hash of one OpenAI batch (``tokenmill serve``): its object's fields, JSON-encoded, plus owner fields."""
+        """Hash of one OpenAI batch (``tokenmill serve``): its object's fields, JSON-encoded, plus ``account``
+        (the owner's key hash), ``owner`` and ``owner_ts`` (the serve process running it, and when it last said so)."""
         return f"{self.base}:batch:{batch_id}"
 
     @property
@@ -141,8 +143,11 @@ class Keys:
         """Lane for a priority given as a lane number or one of ``PRIORITY_NAMES``.
 
         Raises:
-            ValueError: unknown name or lane out of range.
+            ValueError: unknown name, lane out of range, or neither a name nor an int.
         """
+        if isinstance(priority, bool) or not isinstance(priority, (int, str)):
+            raise ValueError(f"priority must be a lane number or one of {sorted(PRIORITY_NAMES)}, "
+                             f"got {type(priority).__name__}")
         if isinstance(priority, str):
             if priority not in PRIORITY_NAMES:
                 raise ValueError(f"unknown priority {priority!r}; use one of {sorted(PRIORITY_NAMES)} or a lane number")

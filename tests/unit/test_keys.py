@@ -32,7 +32,8 @@ def test_names_clamp_to_the_lanes_that_exist() -> None:
 
 
 @pytest.mark.parametrize(("priority", "match"), [("urgent", "unknown priority"), (3, "out of range"),
-                                                 (-1, "out of range")])
+                                                 (-1, "out of range"), ([1], "must be a lane number"),
+                                                 (True, "must be a lane number"), (1.0, "must be a lane number")])
 def test_bad_priorities(priority: str | int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         Keys().lane_of(priority)
