@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.clock import Clock, MonotonicClock
 from engine.config import EngineConfig
+from engine.echo import ECHO_MODEL, VOCAB_SIZE, build_echo_parts, is_echo_model
 from engine.errors import GrammarError
 from engine.offline import GenerationOutput, run_offline
 from engine.outputs import ModelOutput, RequestOutput, ScheduledChunk, SchedulerOutput, StepRunner
@@ -78,13 +79,26 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> Engine:
-        """Load the model and size the KV cache (imports torch)."""
+        """Load the model and size the KV cache (imports torch), or build the echo model (engine/echo.py:
+        no torch, no weights)."""
+        clock = clock or MonotonicClock()
+        if is_echo_model(config.model.name):
+            return cls._echo(config, clock)
         from engine.model_setup import build_engine_parts  # noqa: PLC0415 - torch only for real engines
 
-        clock = clock or MonotonicClock()
         parts = build_engine_parts(config, clock)
         return cls(parts.scheduler, parts.runner, OutputProcessor(parts.tokenizer, clock), parts.tokenizer,
                    parts.limits, clock, parts.grammars)
+
+    @classmethod
+    def _echo(cls, config: EngineConfig, clock: Clock) -> Engine:
+        parts = build_echo_parts(config, clock)
+        num_tokens = parts.scheduler.block_manager.num_gpu_blocks * parts.block_size
+        limits = ModelLimits(model_name=ECHO_MODEL, source=ECHO_MODEL, vocab_size=VOCAB_SIZE,
+                             max_request_tokens=min(parts.max_model_len, num_tokens),
+                             is_cache_bound=num_tokens < parts.max_model_len, kv_block_bytes=parts.block_size)
+        return cls(parts.scheduler, parts.runner, OutputProcessor(parts.tokenizer, clock), parts.tokenizer, limits,
+                   clock)
 
     @property
     def model_name(self) -> str:

@@ -1,0 +1,162 @@
+"""The echo model: the real engine (scheduler, block manager, prefix cache, output processor, stop
+rules) over a step runner that needs no weights. Each request's output repeats its prompt.
+
+For queue tests, benchmarks of the queue and smoke tests of a deployment: the worker drives it
+exactly as it drives a model, so what they exercise is the scheduler production runs. Served as
+``echo``, or ``echo:step_delay_s=0.004`` to sleep that long per step, standing in for a forward.
+
+Token ids are the prompt's UTF-8 bytes (0..255); 256 is EOS. At output position ``i`` the runner
+"samples" prompt byte ``i``; once the prompt has been echoed it samples EOS, so a request stops
+after one echo, unless ``ignore_eos`` (or ``min_tokens`` not yet reached) makes it go round again,
+up to ``max_tokens``. Stop strings, stop ids, ``min_tokens``, ``n``, priorities, preemption and
+aborts all behave as they do on a model. Standard library only: no torch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine.block_manager import BlockManager
+from engine.clock import Clock
+from engine.config import EngineConfig
+from engine.outputs import ModelOutput, ScheduledChunk, SchedulerOutput
+from engine.prefix_cache import PrefixCache
+from engine.scheduler import Scheduler
+
+ECHO_MODEL = "echo"
+EOS_TOKEN_ID = 256
+VOCAB_SIZE = 257
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def is_echo_model(name: str) -> bool:
+    """Whether a model name selects the echo model (``echo`` or ``echo:options``)."""
+    return name == ECHO_MODEL or name.startswith(ECHO_MODEL + ":")
+
+
+@dataclass(frozen=True)
+class EchoOptions:
+    """The echo model's options, from ``echo:step_delay_s=S``."""
+
+    step_delay_s: float = 0.0  # sleep per step, standing in for a forward pass
+
+    @classmethod
+    def parse(cls, name: str) -> EchoOptions:
+        """Options of an echo model name.
+
+        Raises:
+            ValueError: not an echo name, or an unknown or malformed option.
+        """
+        if not is_echo_model(name):
+            raise ValueError(f"{name!r} is not an echo model")
+        values: dict[str, float] = {}
+        for item in filter(None, name.removeprefix(ECHO_MODEL).removeprefix(":").split(",")):
+            key, _, text = item.partition("=")
+            if key != "step_delay_s":
+                raise ValueError(f"unknown echo option {key!r} (the echo model takes step_delay_s)")
+            values[key] = float(text)
+        options = cls(**values)
+        if options.step_delay_s < 0:
+            raise ValueError("echo options must be >= 0")
+        return options
+
+
+class ByteTokenizer:
+    """The part of a Hugging Face tokenizer the engine uses, over UTF-8 bytes.
+
+    Chat messages are their contents, one per line (the "chat template" of the echo model).
+    """
+
+    eos_token_id = EOS_TOKEN_ID
+    all_special_ids = [EOS_TOKEN_ID]
+    added_tokens_decoder: dict[int, Any] = {EOS_TOKEN_ID: "</s>"}
+    chat_template = "the contents of the messages, one per line"
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = True, **kwargs: Any) -> dict[str, Any]:
+        return {"input_ids": [list(text.encode()) for text in texts]}
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        return "\n".join(str(m.get("content", "")) for m in messages)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True, **kwargs: Any) -> str:
+        eos = b"" if skip_special_tokens else b"</s>"
+        return b"".join(bytes([t]) if t != EOS_TOKEN_ID else eos for t in token_ids).decode("utf-8", errors="replace")
+
+    def convert_ids_to_tokens(self, token_id: int) -> str:
+        """A byte's piece in SentencePiece's byte-fallback form (engine/logprobs.py reads it back)."""
+        return "</s>" if token_id == EOS_TOKEN_ID else f"<0x{token_id:02X}>"
+
+
+class EchoRunner:
+    """Executes a step without a model: every chunk that samples gets its next echo token.
+
+    Args:
+        options: the pace.
+    """
+
+    def __init__(self, options: EchoOptions) -> None:
+        self.options = options
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        output = ModelOutput()
+        if not scheduler_output.chunks:
+            return output
+        if self.options.step_delay_s:
+            time.sleep(self.options.step_delay_s)
+        for chunk in scheduler_output.chunks:
+            if chunk.needs_sample:
+                token_id = next_echo_token(chunk)
+                output.sampled_token_ids[chunk.request_id] = [token_id]
+                if chunk.sampling_params.logprobs is not None:
+                    output.logprobs[chunk.request_id] = [{token_id: 0.0}]  # certain: its own only alternative
+        return output
+
+
+def next_echo_token(chunk: ScheduledChunk) -> int:
+    """The token at the chunk's output position: the prompt's byte there, or EOS once it was echoed."""
+    if chunk.sampling_state is None:
+        raise ValueError(f"{chunk.request_id}: the echo runner needs the request's tokens (sampling_state)")
+    prompt = chunk.sampling_state.prompt_token_ids
+    position = chunk.num_output_tokens
+    params = chunk.sampling_params
+    if position < len(prompt) or params.ignore_eos or params.is_min_tokens_active(position):
+        return prompt[position % len(prompt)]
+    return EOS_TOKEN_ID
+
+
+@dataclass
+class EchoParts:
+    """What an echo engine is made of (the torch-free counterpart of model_setup's parts)."""
+
+    scheduler: Scheduler
+    runner: EchoRunner
+    tokenizer: ByteTokenizer
+    max_model_len: int
+    block_size: int
+
+
+def build_echo_parts(config: EngineConfig, clock: Clock) -> EchoParts:
+    """The engine's parts for an echo model name.
+
+    The block pool holds every running request at full length (``max_num_seqs`` x ``max_model_len``),
+    so the echo model never preempts for memory unless ``[engine.cache] kv_cache_memory`` is set: then
+    it counts one byte per token, a way to exercise preemption (and swap, into a host pool as large)
+    without a model.
+
+    Raises:
+        ValueError: a malformed echo name.
+    """
+    options = EchoOptions.parse(config.model.name)
+    max_model_len = config.model.max_model_len or DEFAULT_MAX_MODEL_LEN
+    block_size = config.cache.block_size
+    blocks_per_request = -(-max_model_len // block_size)
+    budget = config.cache.kv_cache_bytes
+    num_gpu_blocks = (budget // block_size if budget is not None
+                      else config.scheduler.max_num_seqs * blocks_per_request + 1)
+    block_manager = BlockManager(num_gpu_blocks, num_gpu_blocks, block_size)  # NOTE: a swap pool as large
+    prefix_cache = PrefixCache(block_manager) if config.cache.enable_prefix_caching else None
+    scheduler = Scheduler(config.scheduler, block_manager, clock, frozenset({EOS_TOKEN_ID}), max_model_len,
+                          prefix_cache)
+    return EchoParts(scheduler, EchoRunner(options), ByteTokenizer(), max_model_len, block_size)

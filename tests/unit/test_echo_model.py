@@ -1,0 +1,67 @@
+"""The echo model is the real engine over an echo runner (issue 27): stop strings, stop ids,
+min_tokens, max_tokens, n, logprobs, priorities and preemption behave as they do on a model, and
+building it loads no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.echo import EOS_TOKEN_ID, EchoOptions
+from protocol.outcomes import FinishReason
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _echo(**sections: object) -> Engine:
+    return Engine.from_config(EngineConfig.model_validate({"model": {"name": "echo"}, **sections}))
+
+
+def _one(engine: Engine, prompt: str, **params: object) -> tuple[FinishReason | None, str, list[int]]:
+    [out] = engine.generate([prompt], SamplingParams(**params), progress=False)  # type: ignore[arg-type]
+    return out.finish_reason, out.text, out.token_ids
+
+
+def test_a_prompt_is_echoed_once_then_stops_on_eos() -> None:
+    assert _one(_echo(), "abc") == (FinishReason.STOP, "abc", [97, 98, 99, EOS_TOKEN_ID])
+    assert _one(_echo(), "abc", max_tokens=2) == (FinishReason.LENGTH, "ab", [97, 98])
+    assert _one(_echo(), "ab", ignore_eos=True, max_tokens=5) == (FinishReason.LENGTH, "ababa", [97, 98] * 2 + [97])
+
+
+def test_stop_strings_stop_ids_and_min_tokens_are_the_engines_rules() -> None:
+    engine = _echo()
+    assert _one(engine, "say stop here", stop=["stop"])[:2] == (FinishReason.STOP, "say ")
+    reason, text, ids = _one(engine, "abcd", stop_token_ids=[ord("c")])
+    assert (reason, text, ids) == (FinishReason.STOP, "ab", [97, 98, 99])
+    reason, text, ids = _one(engine, "xy", min_tokens=5, max_tokens=10)
+    assert (reason, text) == (FinishReason.STOP, "xyxyx") and ids[-1] == EOS_TOKEN_ID and len(ids) == 6
+
+
+def test_parallel_samples_and_logprobs() -> None:
+    [out] = _echo().generate(["hé"], SamplingParams(n=3, max_tokens=3, ignore_eos=True, logprobs=1), progress=False)
+    assert out.samples is not None and [s.text for s in out.samples] == ["hé"] * 3
+    assert out.token_logprobs is not None and out.token_logprobs[0].bytes == [104]
+    assert all(t.logprob == 0.0 for t in out.token_logprobs)
+
+
+def test_a_small_kv_budget_preempts_and_every_request_still_finishes_whole() -> None:
+    engine = _echo(cache={"kv_cache_memory": 256, "block_size": 4, "swap_space": 0},
+                   scheduler={"max_num_seqs": 8})
+    prompts = [f"request number {i} " * 2 for i in range(8)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=40), progress=False)
+    assert [o.text for o in outs] == [p[:40] for p in prompts]
+    assert engine.stats().counters.num_preemptions > 0
+
+
+def test_options_and_no_torch() -> None:
+    assert EchoOptions.parse("echo:step_delay_s=0.5").step_delay_s == 0.5
+    with pytest.raises(ValueError, match="unknown echo option"):
+        EchoOptions.parse("echo:speed=3")
+    code = ("import sys; from engine import Engine, EngineConfig; e = Engine.from_config(EngineConfig(model='echo')); "
+            "e.generate(['hi'], progress=False); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
