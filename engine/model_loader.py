@@ -287,5 +287,5 @@ def random_model(config: Any, dtype: torch.dtype, device: torch.device, attn_imp
     cuda = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda), torch.device(device):
         torch.manual_seed(RANDOM_INIT_SEED)
-        return AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype,
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype,  # type: ignore[no-untyped-call]
                                                 attn_implementation=attn_implementation)

@@ -4,6 +4,7 @@ scheduler, runner and limits. Imports torch (a loading helper)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -70,7 +71,8 @@ def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
         profiles = profile_steps(loaded, spec, backend, config.scheduler,
                                  with_decode_bucket=captures_decode_steps(config, loaded.device, backend),
                                  measure=cuda_peak_bytes(loaded.device))
-        torch.cuda.empty_cache()  # the profile's pool and activations go back before free memory is read
+        gc.collect()  # NOTE: the profile's pool and activations go back to the device before free memory is read
+        torch.cuda.empty_cache()
     num_gpu_blocks, num_cpu_blocks = size_kv_cache(config.cache, spec, loaded.device, profiles)
     kv_cache = KVCache(spec, num_gpu_blocks, num_cpu_blocks, loaded.device)
     block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, spec.block_size)

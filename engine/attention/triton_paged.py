@@ -198,7 +198,7 @@ def _merge_partitions_kernel(
 
 def head_dim_padded(head_dim: int) -> int:
     """The head width the kernels compute at: a power of two, and at least tl.dot's smallest K."""
-    return max(MIN_HEAD_DIM_P, triton.next_power_of_2(head_dim))
+    return max(MIN_HEAD_DIM_P, int(triton.next_power_of_2(head_dim)))
 
 
 def decode_partitions(num_sequences: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> tuple[int, int]:
@@ -209,12 +209,12 @@ def decode_partitions(num_sequences: int, num_kv_heads: int, max_seq_len: int, n
     the step to about ``PROGRAMS_PER_SM`` programs per multiprocessor, in partitions of at least
     ``MIN_PARTITION`` positions (a merge pass costs more than a partition that short saves).
     """
-    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(1, num_sequences * num_kv_heads))
-    partitions = min(wanted, triton.cdiv(max_seq_len, MIN_PARTITION))
+    wanted = -(-PROGRAMS_PER_SM * num_sms // max(1, num_sequences * num_kv_heads))
+    partitions = min(wanted, -(-max_seq_len // MIN_PARTITION))
     if partitions <= 1:
         return 1, max_seq_len
-    size = triton.cdiv(triton.cdiv(max_seq_len, partitions), TILE_N) * TILE_N
-    return triton.cdiv(max_seq_len, size), size
+    size = -(-max_seq_len // (partitions * TILE_N)) * TILE_N
+    return -(-max_seq_len // size), size
 
 
 @functools.cache

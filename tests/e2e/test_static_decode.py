@@ -1,5 +1,7 @@
 """Decode steps at static shapes (the buffers CUDA graphs replay), run eagerly on the CPU: padded
-buckets and the scratch block must not change a single token, nor touch a real block."""
+buckets and the scratch block must not change a single token, nor touch a real block, and a step
+with a prompt clipped to one token runs eagerly. On CUDA (marked ``gpu``): the graphs are captured
+at start-up and replayed, with Hugging Face's tokens."""
 
 from __future__ import annotations
 
@@ -13,12 +15,13 @@ from engine import Engine, SamplingParams
 from engine.attention import cpu_kernel
 from engine.model_runner import ModelRunner
 from engine.outputs import ModelOutput, SchedulerOutput
-from engine.static_decode import StaticDecode, decode_buckets
+from engine.static_decode import CapturedStep, StaticDecode, decode_buckets
 from tests.e2e.parity_helpers import hf_greedy, load_reference, random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import VOCAB_SIZE
 
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not cpu_kernel.is_available(), reason="needs the CPU kernel")]
+pytestmark = pytest.mark.e2e
+NEEDS_CPU_KERNEL = pytest.mark.skipif(not cpu_kernel.is_available(), reason="needs the CPU kernel")
 
 
 def eager(bucket: int, forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
@@ -43,6 +46,7 @@ def static_engine(path: Path, **settings: object) -> Engine:
     return engine
 
 
+@NEEDS_CPU_KERNEL
 def test_padded_decode_steps_match_hf_generate(tiny_model_dirs: dict[str, Path]) -> None:
     path = tiny_model_dirs["llama"]
     prompts = random_prompts(VOCAB_SIZE, 11, seed=3, max_len=60)
@@ -61,6 +65,7 @@ def test_padded_decode_steps_match_hf_generate(tiny_model_dirs: dict[str, Path])
     assert engine.stats().num_used_gpu_blocks == 0
 
 
+@NEEDS_CPU_KERNEL
 def test_a_prompt_clipped_to_one_token_is_not_a_decode(tiny_model_dirs: dict[str, Path]) -> None:
     """A step budget of 4 tokens with 3 decodes running leaves one token for the next prompt: that
     chunk samples nothing, so the step must not run as a static decode step (which returns a token
@@ -85,3 +90,26 @@ def test_a_prompt_clipped_to_one_token_is_not_a_decode(tiny_model_dirs: dict[str
     assert clipped, "the workload never clipped a prompt to one token beside decodes"
     assert [o.token_ids for o in outputs] == expected
     assert sum(runner.static_decode.num_runs.values()) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_cuda_graphs_are_captured_and_replayed(family: str, tiny_model_dirs: dict[str, Path]) -> None:
+    """On CUDA with the Triton kernel, decode steps are captured per bucket at start-up and replayed:
+    tokens equal Hugging Face's, and every decode step that fit a bucket replayed its graph."""
+    path = tiny_model_dirs[family]
+    prompts = random_prompts(VOCAB_SIZE, 11, seed=5, max_len=60)
+    reference = load_reference(path, torch.float64, "cuda")
+    expected = [hf_greedy(reference, p, 20) for p in prompts]
+    engine = build_engine(str(path), device="cuda", dtype="float64", kv_cache_memory="64MiB", block_size=4,
+                          max_num_seqs=6, attention_backend="triton")
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner) and runner.static_decode is not None
+    runners = runner.static_decode.runners
+    assert sorted(runners) == decode_buckets(6) and all(isinstance(r, CapturedStep) for r in runners.values())
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=20), progress=False)
+    assert [o.token_ids for o in outputs] == expected
+    replays = {bucket: r.num_replays for bucket, r in runners.items() if isinstance(r, CapturedStep)}
+    runs = {bucket: runner.static_decode.num_runs[bucket] for bucket in runners}
+    assert sum(replays.values()) > 0 and replays == runs, (replays, runs)

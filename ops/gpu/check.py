@@ -1,0 +1,347 @@
+"""The GPU check in one run (ops/gpu/check.sh calls it): what is missing first, then every stage in a
+process of its own under a time limit, all inside one deadline (9 minutes on an H200), then one
+table of targets with PASS / FAIL / SKIP and one JSON report.
+
+    python ops/gpu/check.py --out DIR [--model-files .gpu/smollm2] [--dry]
+
+Stages, in order of what a short run should not lose:
+
+    env             torch / CUDA / versions, and the modules the engine and tests need
+    pytest-kernels  Triton and reference attention on CUDA: bfloat16 at head_dim 64/128, GQA, ragged
+                    contexts, split decodes, a pool past 2^31 elements (-m gpu)
+    pytest-parity   greedy parity on CUDA: tiny models in float64 (Triton and reference, CUDA graphs
+                    captured and replayed) and SmolLM2's shape with random weights in float32
+    smollm2-step    SmolLM2 bfloat16 decode step at batch 64: Engine.step wall clock and CUDA events
+    llama8b         an 8B-shaped Llama: decode tok/s, prefill tok/s, bandwidth fraction, memory
+    throughput      ops/bench/throughput.py against HF static batching and transformers' CB
+
+``--dry`` runs the same stages on the CPU at tiny shapes (pytest only collects): CI runs it, so the
+script keeps working between the rare runs on a GPU. Standard library only; stages import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))
+
+from ops.gpu.models import SMOLLM2_FILES, export_smollm2_files  # noqa: E402
+
+DEADLINE_S = 510.0  # every stage ends by then (the device call allows 9 minutes; installing wheels comes first)
+# Importable modules the engine, its tests and the benchmarks need, and what each is for.
+NEEDED_MODULES = {
+    "torch": "the engine", "transformers": "the models", "triton": "the CUDA attention kernel",
+    "tokenizers": "SmolLM2's tokenizer", "safetensors": "transformers", "accelerate": "transformers' loading",
+    "pydantic": "engine config", "pydantic_settings": "worker config (imported by tests)", "redis": "tests' conftest",
+    "msgpack": "the wire format", "pytest": "the test stages", "pytest_timeout": "pytest's timeout setting",
+}
+# The table's rows of test results: (target, stage, pattern of the test ids it counts); a test counts
+# in the first row of its stage whose pattern it matches.
+TEST_TARGETS = [
+    ("bf16 kernel vs reference (hd 64/128, GQA)", "pytest-kernels", r"::test_bfloat16_"),
+    ("Triton split decode vs reference", "pytest-kernels", r"::test_(split_decode|static_decode_width)"),
+    ("other CUDA kernel tests (int64 pool, ...)", "pytest-kernels", r"."),
+    ("CUDA graphs captured + replayed (tiny)", "pytest-parity", r"::test_cuda_graphs_are_captured"),
+    ("tiny parity fp64, Triton + reference", "pytest-parity", r"test_parity_tiny\.py"),
+    ("SmolLM2 fp32 random weights vs HF", "pytest-parity", r"test_parity_random_smollm2\.py"),
+]
+KERNEL_TESTS = ["tests/unit/test_attention_backends.py", "tests/unit/test_step_inputs.py"]
+PARITY_TESTS = ["tests/e2e/test_static_decode.py", "tests/e2e/test_parity_tiny.py",
+                "tests/e2e/test_parity_random_smollm2.py"]
+# NOTE: of the tiny parity matrix only these scenarios: each new shape compiles Triton kernels (~1 s each)
+# on a fresh machine, and the rest repeat their code paths (block size 1 and recompute preemption).
+PARITY_SELECTION = "test_cuda_graphs or test_random_smollm2 or block16 or block4-chunked or swap-preemption"
+
+
+@dataclass
+class StageRun:
+    """What one stage's process did."""
+
+    name: str
+    command: list[str]
+    seconds: float = 0.0
+    exit_code: int | None = None  # None: not run
+    timed_out: bool = False
+    skipped: str = ""  # why it did not run
+    output_tail: str = ""
+    result: dict[str, Any] = field(default_factory=dict)  # the stage's JSON, or parsed test outcomes
+
+
+@dataclass(frozen=True)
+class Target:
+    """One row of the final table."""
+
+    name: str
+    measured: str
+    goal: str
+    verdict: str  # PASS, FAIL or SKIP
+
+
+def missing_modules() -> dict[str, str]:
+    return {name: why for name, why in NEEDED_MODULES.items() if importlib.util.find_spec(name) is None}
+
+
+def run_stage(stage: StageRun, timeout_s: float, log: Path, env: dict[str, str]) -> str:
+    """Run ``stage.command`` from the repository root in a session of its own, killed with its
+    children after ``timeout_s``; its output is appended to ``log`` and returned (its tail kept)."""
+    if timeout_s < 5:
+        stage.skipped = "no time left before the deadline"
+        return ""
+    with log.open("a") as out:
+        out.write(f"\n===== {stage.name}: {' '.join(stage.command)}\n")
+        out.flush()
+        start = time.monotonic()
+        proc = subprocess.Popen(stage.command, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            stage.exit_code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stage.exit_code = proc.wait()
+            stage.timed_out = True
+        stage.seconds = time.monotonic() - start
+    text = log.read_text(errors="replace")
+    output = text[text.rfind(f"===== {stage.name}:"):]
+    stage.output_tail = output[-3000:]
+    print(f"  {stage.name}: exit {stage.exit_code}{' (timed out)' if stage.timed_out else ''} "
+          f"in {stage.seconds:.0f} s", flush=True)
+    return output
+
+
+def pytest_outcomes(output: str) -> dict[str, str]:
+    """``test id -> PASSED/FAILED/ERROR/SKIPPED`` from pytest's verbose lines (they survive a kill)."""
+    found = re.finditer(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)", output, re.MULTILINE)
+    return {match.group(1): match.group(2) for match in found}
+
+
+def pytest_rows(stages: dict[str, StageRun], dry: bool) -> list[Target]:
+    """A row per group of tests (:data:`TEST_TARGETS`)."""
+    groups: dict[str, list[str]] = {name: [] for name, _, _ in TEST_TARGETS}
+    for stage_name in ("pytest-kernels", "pytest-parity"):
+        for tid, outcome in stages[stage_name].result.get("tests", {}).items():
+            name = next(n for n, s, pattern in TEST_TARGETS if s == stage_name and re.search(pattern, tid))
+            groups[name].append(outcome)
+    rows = []
+    for (name, stage_name, _), results in zip(TEST_TARGETS, groups.values()):
+        passed, failed = results.count("PASSED"), results.count("FAILED") + results.count("ERROR")
+        stage = stages[stage_name]
+        if dry:
+            rows.append(Target(name, f"{stage.result.get('collected', 0)} collected (dry)", "all pass", "SKIP"))
+        elif failed or stage.timed_out:  # NOTE: a stage cut short leaves its groups unproven
+            rows.append(Target(name, f"{passed} passed, {failed} failed" + (", timed out" if stage.timed_out else ""),
+                               "all pass", "FAIL"))
+        elif passed:
+            rows.append(Target(name, f"{passed} passed", "all pass", "PASS"))
+        else:
+            rows.append(Target(name, stage.skipped or "none ran", "all pass", "SKIP" if stage.skipped else "FAIL"))
+    return rows
+
+
+def _verdict(ok: bool | None) -> str:
+    return "SKIP" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def measured_rows(stages: dict[str, StageRun], dry: bool) -> list[Target]:
+    """The rows of the measuring stages (a stage that failed makes its rows FAIL, one not run SKIP)."""
+    rows: list[Target] = []
+
+    def failed(stage: StageRun, names: list[tuple[str, str]]) -> bool:
+        if stage.result:
+            return False
+        why = stage.skipped or ("timed out" if stage.timed_out else f"exit {stage.exit_code}")
+        rows.extend(Target(name, why, goal, "SKIP" if stage.skipped else "FAIL") for name, goal in names)
+        return True
+
+    step = stages["smollm2-step"]
+    if not failed(step, [("SmolLM2 bf16 decode step, batch 64", "<= 10 ms")]):
+        r = step.result
+        graphs_ok = dry or r["graph_steps"] == r["steps"]
+        ok = r["step_wall_ms"] <= 10 and (r["step_event_ms"] is None or r["step_event_ms"] <= 10) and graphs_ok
+        event = "-" if r["step_event_ms"] is None else f"{r['step_event_ms']:.2f}"
+        rows.append(Target(f"SmolLM2 bf16 decode step, batch {r['batch']}",
+                           f"wall {r['step_wall_ms']:.2f} / event {event} ms" + ("" if graphs_ok else ", NO GRAPHS"),
+                           "<= 10 ms", "SKIP" if dry else _verdict(ok)))
+    throughput = stages["throughput"]
+    if not failed(throughput, [("throughput vs HF static batch 16", ">= 5x"), ("throughput vs transformers CB", ">= 3x")]):
+        targets = throughput.result.get("summary", {}).get("targets", {})
+        for system, label in (("hf_static16", "throughput vs HF static batch 16"),
+                              ("hf_cb", "throughput vs transformers CB")):
+            t = targets.get(system)
+            rows.append(Target(label, f"{t['speedup']:.2f}x" if t else "not measured",
+                               f">= {t['target']:.0f}x" if t else "-",
+                               "SKIP" if dry else _verdict(t["passed"] if t else False)))
+    llama = stages["llama8b"]
+    names = [("8B decode tok/s, batch 1/64/256", "measured"), ("8B prefill tok/s, 4k-token step", "measured"),
+             ("8B decode bandwidth fraction", ">= 70%"), ("8B GPU memory peak", "measured")]
+    if not failed(llama, names):
+        r = llama.result
+        measured = "SKIP" if dry else "PASS"
+        for d in r["decode"]:
+            rows.append(Target(f"8B decode, batch {d['batch']} (ctx {d['context']})",
+                               f"{d['tokens_per_s']:,.0f} tok/s, {d['step_wall_ms']:.2f} ms", "measured", measured))
+        rows.append(Target(f"8B prefill, {r['prefill']['tokens']}-token step",
+                           f"{r['prefill']['tokens_per_s']:,.0f} tok/s", "measured", measured))
+        for d in r["decode"][:2]:
+            fraction = d["fraction_of_copy_bandwidth"]
+            rows.append(Target(f"8B bandwidth fraction, batch {d['batch']}",
+                               "-" if fraction is None else f"{100 * fraction:.0f}% of copy", ">= 70%",
+                               "SKIP" if fraction is None else _verdict(fraction >= 0.7)))
+        peak = r["gpu_peak_bytes"]
+        rows.append(Target("8B GPU memory (max_memory_allocated)",
+                           "-" if peak is None else f"{peak / 2**30:.1f} GiB (weights {r['weights_bytes'] / 2**30:.1f})",
+                           "measured", "SKIP" if peak is None else "PASS"))
+    return rows
+
+
+def print_table(rows: list[Target]) -> None:
+    widths = [max(len(getattr(r, f)) for r in rows + [Target("target", "measured", "goal", "result")])
+              for f in ("name", "measured", "goal", "verdict")]
+    header = Target("target", "measured", "goal", "result")
+    for row in [header, Target(*("-" * w for w in widths)), *rows]:
+        cells = (row.name, row.measured, row.goal, row.verdict)
+        print("  ".join(c.ljust(w) if i < 3 else c for i, (c, w) in enumerate(zip(cells, widths))))
+
+
+Reader = Callable[[StageRun, str], None]  # fills a stage's result from its output
+
+
+def stage_commands(args: argparse.Namespace, scratch: Path) -> list[tuple[StageRun, float, Reader]]:
+    """``(stage, budget seconds, read its result)`` in running order."""
+    python = sys.executable
+    pytest_base = [python, "-m", "pytest", "-p", "no:cacheprovider", "-m", "gpu", "-o", "addopts=",
+                   "-W", "ignore::pytest.PytestConfigWarning"]
+    pytest_mode = ["--collect-only", "-q"] if args.dry else ["-v", "-rN"]
+
+    def read_json(path: Path) -> Reader:
+        def read(stage: StageRun, output: str) -> None:
+            if stage.exit_code == 0 and path.exists():
+                stage.result = json.loads(path.read_text())
+        return read
+
+    def read_tests(stage: StageRun, output: str) -> None:
+        if args.dry:
+            found = re.search(r"(\d+)(?:/\d+)? tests? collected", output)
+            stage.result = {"collected": int(found.group(1)) if found else 0} if stage.exit_code == 0 else {}
+        else:
+            stage.result = {"tests": pytest_outcomes(output)}
+
+    model = str(args.model_files)
+    dry = ["--dry"] if args.dry else []
+    throughput_json = scratch / "throughput.json"
+    throughput = [python, "ops/bench/throughput.py", "--random-init", "--model", model, "--no-step-table",
+                  "--systems", "tokenmill,hf_static16,hf_cb", "--json", str(throughput_json)]
+    if args.dry:
+        throughput += ["--device", "cpu", "--dtype", "float32", "--quick", "--num-requests", "4",
+                       "--model", str(scratch / "smollm2-tiny"), "--kv-cache-memory", "64MiB", "--swap-space", "16MiB",
+                       "--hf-cb-num-blocks", "64", "--hf-cb-max-batch-tokens", "256"]
+    else:
+        throughput += ["--device", "cuda", "--dtype", "bfloat16", "--threads", "8", "--hf-batch1-limit", "8",
+                       "--kv-cache-memory", "8GiB", "--child-timeout", "80"]
+    return [
+        (StageRun("pytest-kernels", pytest_base + pytest_mode + KERNEL_TESTS), 120.0, read_tests),
+        (StageRun("pytest-parity", pytest_base + pytest_mode + ["-k", PARITY_SELECTION] + PARITY_TESTS), 150.0,
+         read_tests),
+        (StageRun("smollm2-step", [python, "-m", "ops.gpu.stages", "smollm2-step", "--model", model, "--result",
+                                   str(scratch / "step.json"), *dry]), 60.0, read_json(scratch / "step.json")),
+        (StageRun("llama8b", [python, "-m", "ops.gpu.stages", "llama8b", "--result", str(scratch / "llama.json"),
+                              *dry]), 100.0, read_json(scratch / "llama.json")),
+        (StageRun("throughput", throughput), 170.0, read_json(throughput_json)),
+    ]
+
+
+def probe_device(env: dict[str, str]) -> dict[str, Any]:
+    """Versions and the CUDA device, from a process of its own (importing torch here would cost its time)."""
+    code = ("import json, sys, torch, transformers\n"
+            "info = {'python': sys.version.split()[0], 'torch': torch.__version__, "
+            "'transformers': transformers.__version__, 'cuda': torch.cuda.is_available()}\n"
+            "try:\n    import triton; info['triton'] = triton.__version__\nexcept ImportError:\n    info['triton'] = None\n"
+            "if info['cuda']:\n    p = torch.cuda.get_device_properties(0)\n"
+            "    info.update(device=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1))\n"
+            "print(json.dumps(info))")
+    try:
+        done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                              timeout=120)
+        return dict(json.loads(done.stdout.strip().splitlines()[-1])) if done.returncode == 0 else {
+            "error": done.stderr[-1500:]}
+    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as exc:
+        return {"error": repr(exc)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="where check.json and check.log go")
+    parser.add_argument("--model-files", type=Path, default=SMOLLM2_FILES,
+                        help="SmolLM2's config and tokenizer (ops/gpu/prepare.sh puts them here)")
+    parser.add_argument("--dry", action="store_true", help="tiny shapes on the CPU, pytest only collects")
+    parser.add_argument("--deadline-s", type=float, default=DEADLINE_S)
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "check.log"
+    log.write_text("")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+           "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+
+    missing = missing_modules()
+    print("missing modules: " + (", ".join(f"{m} ({why})" for m, why in missing.items()) or "none"), flush=True)
+    scratch = Path(tempfile.mkdtemp(prefix="tm-gpu-check-"))
+    if not (args.model_files / "config.json").exists():
+        if args.dry:  # CI has the alias; a GPU machine gets the files from prepare.sh
+            args.model_files = export_smollm2_files(scratch / "smollm2")
+        else:
+            print(f"SmolLM2's files are missing at {args.model_files}: run ops/gpu/prepare.sh first", flush=True)
+    if args.dry:
+        from ops.gpu.models import TINY_SMOLLM2, shrunk
+
+        shrunk(args.model_files, scratch / "smollm2-tiny", TINY_SMOLLM2)
+    env["TOKENMILL_SMOLLM2_FILES"] = str(args.model_files)
+    device = probe_device(env)
+    print("device: " + json.dumps(device), flush=True)
+    no_cuda = "" if args.dry or device.get("cuda") else "no CUDA device"
+    blocking = [m for m in missing if m not in ("pytest_timeout",)]
+    why_not = no_cuda or (f"missing {', '.join(blocking)}" if blocking else "")
+
+    stages: list[StageRun] = []
+    for stage, budget, read in stage_commands(args, scratch):
+        if why_not or (stage.name.startswith("pytest") and "pytest" in missing):
+            stage.skipped = why_not or "pytest is missing"
+        elif stage.name in ("smollm2-step", "throughput", "pytest-parity") and \
+                not (args.model_files / "config.json").exists():
+            stage.skipped = "SmolLM2's files are missing (ops/gpu/prepare.sh)"
+        else:
+            remaining = args.deadline_s - (time.monotonic() - started)
+            read(stage, run_stage(stage, min(budget, remaining), log, env))
+        stages.append(stage)
+
+    env_ok = bool(device.get("cuda")) and not blocking
+    rows = [Target("environment", f"{device.get('device', 'no GPU')}; torch {device.get('torch')}, "
+                   f"triton {device.get('triton')}", "CUDA + modules",
+                   "SKIP" if args.dry else _verdict(env_ok))]
+    rows += pytest_rows({s.name: s for s in stages}, args.dry)
+    rows += measured_rows({s.name: s for s in stages}, args.dry)
+    report = {"dry": args.dry, "seconds": time.monotonic() - started, "missing_modules": missing, "device": device,
+              "stages": [asdict(s) for s in stages], "targets": [asdict(r) for r in rows]}
+    (args.out / "check.json").write_text(json.dumps(report, indent=2, default=str))
+    print(f"\nGPU check{' (dry: CPU, tiny shapes)' if args.dry else ''}: {time.monotonic() - started:.0f} s; "
+          f"JSON {args.out / 'check.json'}, log {log}\n")
+    print_table(rows)
+    return 1 if any(r.verdict == "FAIL" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

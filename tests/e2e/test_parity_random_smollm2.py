@@ -1,0 +1,53 @@
+"""SmolLM2-135M's shape from its config with random weights, float32: the engine's greedy tokens equal
+Hugging Face ``generate`` on the same random model, except where the reference's top two logits are
+a near-tie. On the CPU (slow) and on CUDA (marked ``gpu``: the Triton kernel, decode steps in CUDA
+graphs), where the real weights cannot travel: ``TOKENMILL_SMOLLM2_FILES`` names a directory with
+SmolLM2's config and tokenizer (ops/gpu/prepare.sh makes one); without it they come from the alias."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.model_loader import random_model
+from engine.model_runner import ModelRunner
+from engine.static_decode import CapturedStep
+from ops.gpu.models import export_smollm2_files
+from tests.e2e.parity_helpers import DEVICES, NEAR_TIE, attention_backend, first_divergence, hf_greedy, random_prompts, top2_gap
+from tests.engine_helpers import build_engine
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def smollm2_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    given = os.environ.get("TOKENMILL_SMOLLM2_FILES")
+    return Path(given) if given else export_smollm2_files(tmp_path_factory.mktemp("smollm2"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_random_smollm2_greedy_matches_hf_generate(device: str, smollm2_files: Path) -> None:
+    engine = build_engine(str(smollm2_files), random_init=True, device=device, dtype="float32",
+                          kv_cache_memory="256MiB", attention_backend=attention_backend("kernel", device))
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner)
+    reference = random_model(runner.model.config, torch.float32, torch.device(device), "sdpa").eval()
+    prompts = random_prompts(engine.limits.vocab_size, 12, seed=11, max_len=100)
+    expected = [hf_greedy(reference, p, MAX_TOKENS) for p in prompts]
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), progress=False)
+    for out, prompt, want in zip(outputs, prompts, expected):
+        got = out.token_ids[:len(want)]  # HF stops at EOS; the engine was told to ignore it
+        at = first_divergence(got, want)
+        if at is not None:
+            gap = top2_gap(reference, prompt + want[:at])
+            assert gap < NEAR_TIE, f"diverged at token {at} where the reference is decisive (top-2 gap {gap:.2e})"
+    if device == "cuda":
+        assert runner.static_decode is not None
+        replays = [r.num_replays for r in runner.static_decode.runners.values() if isinstance(r, CapturedStep)]
+        assert sum(replays) > 0, "no decode step replayed a CUDA graph"
