@@ -156,6 +156,7 @@ class Engine:
         params = params or SamplingParams()
         arrival = self.clock.now() if arrival_time is None else arrival_time
         try:
+            params = self._resolve_max_tokens(prompt_token_ids, params)
             self._check_fits(prompt_token_ids, params)
             self.compile_grammar(params)
         except PromptError as exc:
@@ -163,6 +164,19 @@ class Engine:
             return
         request = Request(request_id, list(prompt_token_ids), params, arrival_time_s=arrival, priority=priority)
         self.scheduler.add_request(request)
+
+    def _resolve_max_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """``params`` with ``max_tokens`` = the room the prompt leaves when it asked for "the rest of the
+        context" (None), as OpenAI and vLLM do for chat."""
+        if params.max_tokens is not None:
+            return params
+        room = self.limits.max_request_tokens - len(prompt_token_ids)
+        if room < 1:
+            limit = "the KV cache" if self.limits.is_cache_bound else "the model context"
+            raise PromptError(ErrorCode.PROMPT_TOO_LONG,
+                              f"prompt ({len(prompt_token_ids)} tokens) leaves no room to generate within {limit} "
+                              f"({self.limits.max_request_tokens} tokens)", num_prompt_tokens=len(prompt_token_ids))
+        return params.model_copy(update={"max_tokens": max(room, params.min_tokens)})
 
     def _check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
@@ -174,7 +188,7 @@ class Engine:
             raise PromptError(ErrorCode.VALIDATION,
                               f"n ({params.n}) exceeds the sequences this engine runs at once (max_num_seqs "
                               f"{self.scheduler.config.max_num_seqs})")
-        needed = len(prompt_token_ids) + params.max_tokens
+        needed = len(prompt_token_ids) + (params.max_tokens or 0)
         if needed > self.limits.max_request_tokens:
             limit = "the KV cache" if self.limits.is_cache_bound else "the model context"
             raise PromptError(

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.errors import InvariantError
 from protocol.outcomes import ErrorCode, FinishReason
 from protocol.sampling import SamplingParams
 from engine.sampling_state import SamplingState
@@ -115,9 +116,17 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def max_tokens(self) -> int:
+        """Most tokens it may generate: ``max_tokens``, as the engine resolved it at admission."""
+        max_tokens = self.sampling_params.max_tokens
+        if max_tokens is None:
+            raise InvariantError(f"{self.request_id}: max_tokens was not resolved at admission")
+        return max_tokens
+
+    @property
     def max_total_tokens(self) -> int:
         """Most tokens this request can ever hold in the cache."""
-        return self.num_prompt_tokens + self.sampling_params.max_tokens
+        return self.num_prompt_tokens + self.max_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -180,6 +189,6 @@ def check_stop(request: Request, eos_token_ids: frozenset[int], max_model_len: i
         request.stop_token_id = token_id
         return RequestStatus.FINISHED_STOPPED
     is_context_full = max_model_len is not None and request.num_tokens >= max_model_len
-    if request.num_output_tokens >= params.max_tokens or is_context_full:
+    if request.num_output_tokens >= request.max_tokens or is_context_full:
         return RequestStatus.FINISHED_LENGTH
     return None

@@ -229,6 +229,8 @@ def encode_request(request: GenerationRequest) -> dict[str, bytes | int]:
     for name, default in _NEWER_PARAM_DEFAULTS.items():
         if data["params"].get(name) == default:
             del data["params"][name]
+    if request.params.max_tokens is None:  # NOTE: None is a value here (the rest of the context), not "unset"
+        data["params"]["max_tokens"] = None
     return {"d": _pack(data), "v": SCHEMA_VERSION}
 
 

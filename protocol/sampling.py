@@ -108,7 +108,9 @@ class SamplingParams(WireModel):
 
     n: int = Field(default=1, ge=1, le=MAX_SAMPLES,
                    description="samples per request, sharing the prompt's KV; sample i uses seed + i")
-    max_tokens: int = Field(default=256, ge=1, lt=INT32_END, description="most new tokens to generate")
+    max_tokens: int | None = Field(default=256, ge=1, lt=INT32_END,
+                                   description="most new tokens to generate; None: the rest of the model's context "
+                                               "(OpenAI's and vLLM's chat default)")
     min_tokens: int = Field(default=0, ge=0, lt=INT32_END,
                             description="EOS and stop ids are suppressed before this many tokens")
     temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE,
@@ -140,7 +142,7 @@ class SamplingParams(WireModel):
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must not exceed max_tokens ({self.min_tokens} > {self.max_tokens})")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")

@@ -171,8 +171,10 @@ class EchoEngine:
         return self._finish(request, reason, new, delta)
 
     def _target_length(self, request: _EchoRequest) -> int:
-        echo_length = len(request.prompt_token_ids) if not request.params.ignore_eos else request.params.max_tokens
-        return min(request.params.max_tokens, echo_length, self._max_model_len - len(request.prompt_token_ids))
+        room = self._max_model_len - len(request.prompt_token_ids)
+        max_tokens = request.params.max_tokens or room  # None: the rest of the context
+        echo_length = len(request.prompt_token_ids) if not request.params.ignore_eos else max_tokens
+        return min(max_tokens, echo_length, room)
 
     @staticmethod
     def _finish(request: _EchoRequest, reason: FinishReason, new: list[int] | None = None,

@@ -114,3 +114,14 @@ def test_the_runner_gets_sampling_parameters_from_the_plan() -> None:
     engine.add_request("p", [3, 4, 5], params)
     chunk = engine.scheduler.schedule().chunks[0]
     assert chunk.sampling_params is params and chunk.num_output_tokens == 0
+
+
+def test_max_tokens_none_generates_the_rest_of_the_context() -> None:
+    """OpenAI's and vLLM's chat default: no max_tokens = as many as the model's context leaves."""
+    engine = make_engine()
+    engine.add_request("rest", [1, 2, 3], SamplingParams(max_tokens=None, ignore_eos=True))
+    engine.add_request("full", [1] * 128, SamplingParams(max_tokens=None))
+    finals = {request_id: outputs[-1] for request_id, outputs in run_all(engine).items()}
+    assert finals["rest"].finish_reason is FinishReason.LENGTH and len(finals["rest"].token_ids) == 128 - 3
+    assert finals["full"].error_code is ErrorCode.PROMPT_TOO_LONG and "leaves no room" in (finals["full"].error or "")
+    assert_no_leaks(engine.scheduler)

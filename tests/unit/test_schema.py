@@ -41,6 +41,12 @@ def test_request_round_trip(prompt: dict[str, Any]) -> None:
     assert decode_request(fields) == request  # str keys work as well
 
 
+def test_max_tokens_none_travels_as_the_rest_of_the_context() -> None:
+    request = GenerationRequest(prompt="Hi", params=SamplingParams(max_tokens=None))
+    assert decode_request(as_redis_returns(encode_request(request))).params.max_tokens is None
+    assert decode_request(as_redis_returns(encode_request(GenerationRequest(prompt="Hi")))).params.max_tokens == 256
+
+
 def test_result_round_trip_with_logprobs() -> None:
     result = GenerationResult(id="r", status="ok", text="héllo", token_ids=[5, 6], finish_reason="length",
                               logprobs=[{5: -0.1, 9: -2.0}], metadata={"k": 1}, worker="w1")
