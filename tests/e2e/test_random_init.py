@@ -42,6 +42,10 @@ def test_greedy_matches_hf_generate_on_the_same_random_model(config_dir: Path) -
     outputs = engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True), progress=False)
     assert [o.token_ids for o in outputs] == expected
     assert all(o.error is None and o.text == "" for o in outputs)
+    [with_logprobs] = engine.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2),
+                                      progress=False)
+    assert with_logprobs.token_ids == expected[0][:4] and with_logprobs.token_logprobs is not None
+    assert [t.token for t in with_logprobs.token_logprobs] == [""] * 4  # no tokenizer: no token text
 
 
 def test_a_config_json_file_builds_the_same_model(config_dir: Path) -> None:
