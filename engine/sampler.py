@@ -82,6 +82,7 @@ class Sampler:
         self.processors = LogitsProcessors(grammars)
         # The greedy choice; the CPU's captured step swaps in its one-pass C++ version (same results).
         self.argmax: Callable[[torch.Tensor], torch.Tensor] = greedy_token_ids
+        self._generators: dict[torch.device, torch.Generator] = {}  # seeded rows' draws, reseeded per row
 
     def __call__(self, logits: torch.Tensor, contexts: list[SamplingContext]) -> SamplerOutput:
         """Samples one token per row.
@@ -117,9 +118,15 @@ class Sampler:
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             row_contexts = [contexts[i] for i in random_rows]
-            token_ids[rows] = _sample_random(processed[rows], row_contexts, random_rows)
+            token_ids[rows] = _sample_random(processed[rows], row_contexts, random_rows, self._generator(logits.device))
         token_id_list: list[int] = token_ids.tolist()
         return SamplerOutput(token_id_list, _gather_logprobs(raw, token_id_list, contexts))
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """This sampler's generator on ``device`` (one per sampler: engines on other threads have their own)."""
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+        return self._generators[device]
 
 
 def _check_chosen(scores: torch.Tensor, token_ids: torch.Tensor) -> None:
@@ -197,12 +204,14 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def _sample_random(logits: torch.Tensor, contexts: list[SamplingContext], row_ids: list[int]) -> torch.Tensor:
+def _sample_random(logits: torch.Tensor, contexts: list[SamplingContext], row_ids: list[int],
+                   generator: torch.Generator) -> torch.Tensor:
     """Draws one token per row from the processed distribution (all rows have temperature >= the
     greedy floor, so ``logits / temperature`` stays finite).
 
     Args:
         row_ids: each row's index in the step's batch (named by a :class:`SamplingError`).
+        generator: reseeded for each seeded row (a new one per row per step cost a CUDA allocation each).
 
     Returns:
         ``[rows]`` int64 token ids.
@@ -219,8 +228,7 @@ def _sample_random(logits: torch.Tensor, contexts: list[SamplingContext], row_id
     if len(row_to_seed) < len(contexts):
         q.exponential_()  # global RNG, one call for the whole batch
     for i, seed in row_to_seed.items():  # NOTE: the only per-row loop; each seeded row owns its stream
-        generator = torch.Generator(device=logits.device)
-        generator.manual_seed(mix_seed(seed, contexts[i].num_output_tokens))
+        generator.manual_seed(mix_seed(seed, contexts[i].num_output_tokens))  # a full reset: the row's own stream
         q[i].exponential_(generator=generator)
     # NOTE: clamp so q == 0 cannot turn a zero-probability token into 0/0 = NaN (argmax picks NaN).
     q.clamp_(min=torch.finfo(q.dtype).tiny)

@@ -18,6 +18,10 @@ import pytest
 import redis
 
 from producer.embedded import server_binary
+from tests.triton_interpreter import enable_interpreter_without_cuda
+
+# NOTE: before any test module imports triton (transformers does, through torch._dynamo): see there.
+enable_interpreter_without_cuda()
 
 LOCAL_REDIS_URL = "redis://127.0.0.1:6379/0"
 
