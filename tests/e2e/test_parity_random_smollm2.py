@@ -38,7 +38,9 @@ def test_random_smollm2_greedy_matches_hf_generate(device: str, smollm2_files: P
     runner = engine.runner
     assert isinstance(runner, ModelRunner)
     reference = random_model(runner.model.config, torch.float32, torch.device(device), "sdpa").eval()
-    prompts = random_prompts(engine.limits.vocab_size, 12, seed=11, max_len=100)
+    # NOTE: the real weights' parity runs on the CPU already (test_parity_smollm2.py); here the CPU only
+    # keeps the path working, the GPU runs the full set.
+    prompts = random_prompts(engine.limits.vocab_size, 12 if device == "cuda" else 3, seed=11, max_len=100)
     expected = [hf_greedy(reference, p, MAX_TOKENS) for p in prompts]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), progress=False)
     for out, prompt, want in zip(outputs, prompts, expected):
