@@ -20,6 +20,7 @@ from pydantic_core import ErrorDetails
 from producer.client import Producer
 from producer.config import ClientSettings
 from producer.errors import ProducerError
+from producer.version import package_version
 
 T = TypeVar("T")
 
@@ -36,9 +37,17 @@ class CliState:
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+def _print_version(is_asked: bool) -> None:
+    if is_asked:
+        typer.echo(f"tokenmill {package_version()}")
+        raise typer.Exit()
+
+
 @app.callback()
 def main(
     ctx: typer.Context,
+    _version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True, help="print tokenmill's version and exit")] = False,
     config: Annotated[Path | None, typer.Option(
         "--config", "-c", help="TOML settings file; one file serves workers and clients")] = None,
     redis_url: Annotated[str | None, typer.Option(
