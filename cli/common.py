@@ -123,9 +123,25 @@ def or_exit(call: Callable[[], T], model: type[BaseModel] | None = None) -> T:
 
 
 def client_settings(ctx: typer.Context) -> ClientSettings:
-    """The ``[redis]`` and ``[queue]`` settings of the global options."""
+    """The ``[redis]`` and ``[queue]`` settings of the global options, once the whole deployment's
+    settings pass :func:`check_deployment_settings`."""
     state: CliState = ctx.obj
+    check_deployment_settings(state)
     return or_exit(lambda: ClientSettings.load(state.config_file, state.overrides), ClientSettings)
+
+
+def check_deployment_settings(state: CliState) -> None:
+    """Exit 1 as the worker would on these settings (file, env and flags): every section checked
+    against the worker's schema, an unknown key with the nearest known one.
+
+    NOTE: a client reads only ``[redis]``, ``[queue]`` (and ``[worker] stale_after_s``), but a file
+    one command accepts must not be refused by the next one (a worker) on a typo the first let by.
+    ``worker.config`` is pydantic only (it loads the engine's config models, never torch: measured
+    with ``python -X importtime``, ~60 ms), imported here so ``--help`` and ``tokenmill redis`` pay nothing.
+    """
+    from worker.config import Settings  # noqa: PLC0415 - the worker's schema; loads no torch
+
+    or_exit(lambda: Settings.load(state.config_file, state.overrides), Settings)
 
 
 @contextmanager
