@@ -13,9 +13,9 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from cli.common import QueueOption, app, client_settings, fail, open_producer, warn_without_workers, with_queue
+from cli.tables import print_line, print_rows
 from producer import dead_letters
 from producer.common import as_chat
 from producer.errors import ResultTimeout, SchemaError
@@ -23,6 +23,8 @@ from protocol.heartbeat import STALE_AFTER_S
 from producer.schema import GenerationResult
 
 EXIT_NOT_READY = 2  # result: not landed (yet), or the wait ran out
+LANE_COLUMNS = ("lane", "depth", "pending", "lag")
+WORKER_COLUMNS = ("name", "state", "model", "age s", "running", "waiting", "tok/s", "finished", "prefix hit")
 
 
 def _print_result(result: GenerationResult, as_json: bool) -> None:
@@ -224,32 +226,24 @@ def status(
         typer.echo(json.dumps(stats, default=str, indent=2))
         return
     console = Console()
-    lanes = Table(title=f"queue {stats['queue']}", title_justify="left")
-    for column in ("lane", "depth", "pending", "lag"):
-        lanes.add_column(column, justify="right")
-    for lane in stats["lanes"]:
-        lanes.add_row(str(lane["lane"]), str(lane["depth"]), str(lane["pending"]),
-                      "-" if lane["lag"] is None else str(lane["lag"]))
-    console.print(lanes)
-    console.print(f"dead letters: {stats['dead']}   cancel marks: {stats['cancelled']}   "
-                  f"live workers: {stats['num_live_workers']}")
-    console.print(_workers_table(stats))
+    print_rows(console, f"queue {stats['queue']}", LANE_COLUMNS,
+               [[str(lane["lane"]), str(lane["depth"]), str(lane["pending"]),
+                 "-" if lane["lag"] is None else str(lane["lag"])] for lane in stats["lanes"]],
+               right_aligned=LANE_COLUMNS)
+    print_line(console, f"dead letters: {stats['dead']}   cancel marks: {stats['cancelled']}   "
+                        f"live workers: {stats['num_live_workers']}")
+    print_rows(console, "workers", WORKER_COLUMNS, _worker_rows(stats), right_aligned=WORKER_COLUMNS[3:])
 
 
-def _workers_table(stats: dict[str, Any]) -> Table:
-    table = Table(title="workers", title_justify="left")
-    for column in ("name", "state", "model", "age s", "running", "waiting", "tok/s", "finished", "prefix hit"):
-        table.add_column(column, justify="left" if column in ("name", "state", "model") else "right")
+def _worker_rows(stats: dict[str, Any]) -> list[list[str]]:
     now = time.time()
     rows = [(name, info, "live") for name, info in stats["workers"].items()]
     rows += [(name, info, "gone") for name, info in stats["stale_workers"].items()]
-    for name, info, liveness in rows:
-        age = f"{now - float(info.get('ts', 0)):.1f}" if info.get("ts") else "-"
-        state = f"{info.get('state', '?')} ({liveness})"
-        table.add_row(name, state, str(info.get("model", "")), age, str(info.get("running", "")),
-                      str(info.get("waiting", "")), f"{float(info.get('tokens_per_s', 0.0)):.1f}",
-                      str(info.get("num_finished", "")), f"{float(info.get('prefix_hit_ratio', 0.0)):.0%}")
-    return table
+    return [[name, f"{info.get('state', '?')} ({liveness})", str(info.get("model", "")),
+             f"{now - float(info.get('ts', 0)):.1f}" if info.get("ts") else "-", str(info.get("running", "")),
+             str(info.get("waiting", "")), f"{float(info.get('tokens_per_s', 0.0)):.1f}",
+             str(info.get("num_finished", "")), f"{float(info.get('prefix_hit_ratio', 0.0)):.0%}"]
+            for name, info, liveness in rows]
 
 
 @app.command()
@@ -289,9 +283,5 @@ def _print_letters(letters: list[dead_letters.DeadLetter], as_json: bool) -> Non
     if as_json:
         typer.echo(json.dumps([d.as_dict() for d in letters], indent=2))
         return
-    table = Table(title=f"dead letters ({len(letters)})", title_justify="left")
-    for column in ("dead id", "request id", "lane", "reason"):
-        table.add_column(column)
-    for letter in letters:
-        table.add_row(letter.dead_id, letter.request_id or "-", letter.stream, letter.reason)
-    Console(width=200).print(table)
+    print_rows(Console(), f"dead letters ({len(letters)})", ("dead id", "request id", "lane", "reason"),
+               [[letter.dead_id, letter.request_id or "-", letter.stream, letter.reason] for letter in letters])
