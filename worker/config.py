@@ -55,7 +55,12 @@ class WorkerConfig(BaseModel):
     max_deliveries: int = Field(5, ge=1, description="deliveries before an entry is dead-lettered")
     max_request_bytes: int = Field(4 << 20, ge=1024, description="larger requests are answered prompt_too_long "
                                    "before they are decoded or tokenized")
-    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM: time to finish started requests")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM: time to finish started requests, "
+                                   "then as long again to write their results")
+    pending_check_interval_s: float = Field(60.0, gt=0, description="how often the worker compares its pending "
+                                            "list with what it holds (and after a lost connection)")
+    redis_give_up_s: float = Field(300.0, gt=0, description="exit non-zero once every Redis call of a thread "
+                                   "failed for this long")
     token_ttl_s: float = Field(3600.0, gt=0, description="lifetime of a token stream after its last entry")
     # NOTE: every poll wakes the reader thread and Redis; at 20 Hz those wake-ups cost ~8% of a
     # 2-core CPU engine's throughput (ops/bench/bulk.py). 4 Hz keeps cancels under ~0.25 s.

@@ -2,12 +2,15 @@
 
 Token ids are the UTF-8 bytes of the prompt; the output echoes them. Served as the model
 ``echo``, or ``echo:tokens_per_step=1,step_delay_s=0.004`` to pace it like a real engine.
+``echo:crash_on=TEXT`` is a test hook: the process exits at once (``os._exit(1)``, a crash no
+engine can contain) in a step that runs a prompt containing TEXT; a model name without it never crashes.
 Imports engine's torch-free modules only (config, outputs, sampling_params); never engine.engine.
 """
 
 from __future__ import annotations
 
 import codecs
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,10 +33,12 @@ def is_echo_model(name: str) -> bool:
 
 @dataclass(frozen=True)
 class EchoOptions:
-    """The pace of the echo engine, from ``echo:tokens_per_step=N,step_delay_s=S``."""
+    """The pace of the echo engine, from ``echo:tokens_per_step=N,step_delay_s=S`` (and the test hook
+    ``crash_on=TEXT``)."""
 
     tokens_per_step: int = 0  # tokens each request gets per step; 0 = the whole output in one step
     step_delay_s: float = 0.0  # sleep per step, standing in for a forward pass
+    crash_on: str = ""  # test hook: a step running a prompt with this text exits the process; "" = never
 
     @classmethod
     def parse(cls, name: str) -> EchoOptions:
@@ -45,12 +50,16 @@ class EchoOptions:
         if not is_echo_model(name):
             raise ValueError(f"{name!r} is not an echo model")
         values: dict[str, float] = {}
+        crash_on = ""
         for item in filter(None, name.removeprefix(ECHO_MODEL).removeprefix(":").split(",")):
             key, _, text = item.partition("=")
-            if key not in ("tokens_per_step", "step_delay_s"):
-                raise ValueError(f"unknown echo option {key!r} (use tokens_per_step, step_delay_s)")
-            values[key] = float(text)
-        options = cls(int(values.get("tokens_per_step", 0)), values.get("step_delay_s", 0.0))
+            if key == "crash_on" and text:
+                crash_on = text
+            elif key in ("tokens_per_step", "step_delay_s"):
+                values[key] = float(text)
+            else:
+                raise ValueError(f"unknown echo option {key!r} (use tokens_per_step, step_delay_s, crash_on)")
+        options = cls(int(values.get("tokens_per_step", 0)), values.get("step_delay_s", 0.0), crash_on)
         if options.tokens_per_step < 0 or options.step_delay_s < 0:
             raise ValueError("echo options must be >= 0")
         return options
@@ -88,6 +97,7 @@ class EchoEngine:
         self._max_model_len = config.model.max_model_len or DEFAULT_MAX_MODEL_LEN
         self._tokens_per_step = options.tokens_per_step
         self._step_delay_s = options.step_delay_s
+        self._crash_on = options.crash_on.encode()
         self._waiting: dict[str, _EchoRequest] = {}
         self._running: dict[str, _EchoRequest] = {}
         self._rejected: list[RequestOutput] = []
@@ -130,6 +140,9 @@ class EchoEngine:
                 break
             request.metrics.first_scheduled_time_s = now
             self._running[request.request_id] = self._waiting.pop(request.request_id)
+        if self._crash_on and any(self._crash_on in bytes(t % 256 for t in r.prompt_token_ids)
+                                  for r in self._running.values()):
+            os._exit(1)  # NOTE: the test hook (crash_on): a crash that takes every request of the step along
         for request in list(self._running.values()):
             outputs.append(self._advance(request, now))
         return outputs

@@ -81,9 +81,10 @@ class WorkerMetrics:
             scrape target's ``instance`` tells workers apart).
         model: model served (info label).
         keys: key layout of the served queue; lane series are labelled ``queue`` and ``lane``.
+        is_redis_healthy: read at scrape time for ``tokenmill_redis_healthy`` (see worker/health.py).
     """
 
-    def __init__(self, worker: str, model: str, keys: Keys) -> None:
+    def __init__(self, worker: str, model: str, keys: Keys, is_redis_healthy: Callable[[], bool]) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info  # noqa: PLC0415
 
         self.keys = keys
@@ -119,6 +120,8 @@ class WorkerMetrics:
                               lane_labels, registry=reg)
         self.dead_letters = Gauge("tokenmill_dead_letters", "entries in the dead-letter stream", ["queue"],
                                   registry=reg)
+        Gauge("tokenmill_redis_healthy", "1 while the worker reaches Redis, 0 once a thread's calls failed "
+              "several times in a row", registry=reg).set_function(lambda: float(is_redis_healthy()))
         reg.register(_EngineCollector(self))
 
     def observe_engine(self, stats: EngineStats) -> None:

@@ -2,6 +2,11 @@
 can admit soon), reclaims dead consumers' entries, triages everything into the two queues, and
 aborts cancelled requests (at admission, and while they run: the one cancellation poll).
 
+Entries that come back after their worker died (reclaimed, or left by an earlier process under
+this name) are suspects: each runs alone, so a request that kills workers takes no innocent one
+with it (docs/design.md, "Reclaim by heartbeats"). The worker also checks its own pending list
+against what it holds and takes back entries whose delivery never reached it.
+
 Imports redis and producer (keys, schema); never the engine object (it only sees queues and Load).
 """
 
@@ -11,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import redis
@@ -19,10 +25,12 @@ from producer.keys import CONSUMER_GROUP, Keys
 from producer.schema import ErrorCode, GenerationResult, peek_request_id
 from worker.config import WorkerConfig
 from worker.backoff import Backoff
+from worker.health import RedisHealth
 from worker.heartbeat import as_text
 from worker.intake import IntakePolicy, answer, triage
 from worker.messages import Abort, Admit, DeadLetter, Entry, Finish, Incoming, Outgoing
-from worker.reclaim import Reclaimed, Reclaimer
+from worker.pending import OwnDelivery, Pending, list_pending
+from worker.reclaim import Reclaimer
 from worker.state import Load
 
 log = logging.getLogger("tokenmill.worker")
@@ -30,6 +38,7 @@ log = logging.getLogger("tokenmill.worker")
 # Redis error replies that pass on their own: retried with backoff for as long as they last.
 TRANSIENT_ERROR_PREFIXES = ("OOM", "LOADING", "BUSY", "TRYAGAIN", "MASTERDOWN", "CLUSTERDOWN", "READONLY")
 MAX_HARD_ERRORS = 10  # other errors in a row (with backoff, about half a minute) end the reader
+PENDING_PAGE = 1000  # entries per XPENDING while comparing the pending list with what is held
 
 
 class Reader:
@@ -43,23 +52,32 @@ class Reader:
         inbox: admits and aborts for the engine thread.
         outbox: immediate answers and dead letters for the writer.
         model_names: the names a request's ``model`` may give (served and configured).
+        health: records the reader's failing Redis calls (and decides when it gives up).
     """
 
     def __init__(self, client: redis.Redis, keys: Keys, config: WorkerConfig, load: Load,
-                 inbox: queue.Queue[Incoming], outbox: queue.Queue[Outgoing], model_names: frozenset[str]) -> None:
+                 inbox: queue.Queue[Incoming], outbox: queue.Queue[Outgoing], model_names: frozenset[str],
+                 health: RedisHealth) -> None:
         self._client, self._keys, self._config, self._load = client, keys, config, load
+        self._health = health
         self._inbox, self._outbox = inbox, outbox
         # NOTE: reclaim keeps the heartbeat's pace: it looks once per beat, and claims only entries idle
         # for half a beat (longer than two reclaimers racing, shorter than any dead worker's silence).
         self._reclaimer = Reclaimer(client, keys, config.name, config.stale_after_s,
                                     min_idle_ms=int(config.heartbeat_interval_s * 500))
+        self._own = OwnDelivery(client, config.name)
         self._intake = IntakePolicy(keys, model_names, config.name, config.max_request_bytes)
         self._backoff = Backoff()
         self._next_reclaim_s = self._next_cancel_poll_s = 0.0
+        self._next_pending_check_s = time.monotonic() + config.pending_check_interval_s
         self._needs_groups = True  # (re-)create the consumer groups before the next read
-        # Lanes whose entries already delivered to this consumer name are still to be re-read
-        # (a restart under the same --name), with the id to read after.
-        self._backlog: dict[str, str] = {stream: "0" for stream in keys.lanes}
+        self._needs_pending_check = False  # a connection failed: a reply may have been lost on the way
+        # Lanes whose entries already delivered to this consumer name are still to be taken (a
+        # restart under the same --name), with the id to list after (None: from the start).
+        self._backlog: dict[str, str | None] = dict.fromkeys(keys.lanes)
+        # NOTE: entries whose worker died holding them, held here (pending for this worker, counts
+        # unchanged) until each runs alone.
+        self._suspects: deque[Pending] = deque()
         self.stopping = threading.Event()  # set by the worker: read nothing more
         self.closing = threading.Event()  # set by the worker: poll cancellations no more, end the thread
         self.drained = threading.Event()  # set in burst mode when every lane came back empty
@@ -95,29 +113,38 @@ class Reader:
                     self.closing.wait(self._config.cancel_poll_s)
                 num_hard_errors = 0
                 self._backoff.reset()
+                self._health.succeeded("tm-reader")
             except redis.RedisError as exc:
                 num_hard_errors = self._on_redis_error(exc, num_hard_errors)
 
     def _read_once(self, burst: bool) -> bool:
-        """One round: reclaim when due, then read as much as the engine can take; True when drained."""
+        """One round: run the next suspect, or take this name's backlog, or check the pending list and
+        reclaim when due and then read as much as the engine can take; True when drained."""
         if self._needs_groups:
             self._ensure_groups()
-        now_s = time.monotonic()
+        if self._suspects:
+            self._run_next_suspect()
+            return False
         # NOTE: reclaiming moves entries into this consumer's pending list, where the backlog
-        # read would meet them again: this worker's own backlog goes first.
-        if not self._backlog and now_s >= self._next_reclaim_s:
+        # would meet them again: this worker's own backlog goes first.
+        if self._backlog:
+            self._take_backlog(self._config.read_count)
+            return False
+        now_s = time.monotonic()
+        if self._needs_pending_check or now_s >= self._next_pending_check_s:
+            self._take_back_lost()
+        if now_s >= self._next_reclaim_s:
             num_reclaimed, capacity = self._take_reclaimed()
             # NOTE: a full batch means more may be waiting: go on at once while there is room.
             is_more = num_reclaimed >= capacity
             self._next_reclaim_s = now_s + (0.0 if is_more else self._config.heartbeat_interval_s)
+            if num_reclaimed:
+                return False
         capacity = self._load.capacity(self._config.max_waiting)
         if capacity == 0:
             self._load.wait_for_room(0.05)
             return False
         count = min(capacity, self._config.read_count)
-        if self._backlog:
-            self._dispatch(self._read_backlog(count))
-            return False
         # NOTE: while requests run, a read blocks no longer than one cancellation poll period.
         block_ms = self._config.block_ms
         if self._load.live_ids:
@@ -135,6 +162,7 @@ class Reader:
 
         Raises:
             redis.RedisError: ``exc`` again after too many hard errors in a row.
+            RedisGaveUp: Redis failed every call for ``redis_give_up_s``.
         """
         message = str(exc)
         if "NOGROUP" in message:
@@ -142,10 +170,14 @@ class Reader:
             self._backlog.clear()  # a new group has no pending entries of ours
             self._needs_groups = True
             return num_hard_errors
-        is_transient = isinstance(exc, (redis.ConnectionError, redis.TimeoutError)) or message.startswith(
-            TRANSIENT_ERROR_PREFIXES)
+        is_lost_connection = isinstance(exc, (redis.ConnectionError, redis.TimeoutError))
+        # NOTE: a command that ran but whose reply never came (an XREADGROUP, a claim) left entries in
+        # this worker's pending list that it does not hold: look for them once Redis answers again.
+        self._needs_pending_check = self._needs_pending_check or is_lost_connection
+        is_transient = is_lost_connection or message.startswith(TRANSIENT_ERROR_PREFIXES)
         log.warning("redis unavailable" if is_transient else "redis error",
                     extra={"event": "redis_error", "error": message})
+        self._health.failed("tm-reader", exc)
         if not is_transient:
             num_hard_errors += 1
             if num_hard_errors >= MAX_HARD_ERRORS:
@@ -173,25 +205,48 @@ class Reader:
             entries = self._xreadgroup({s: ">" for s in self._keys.lanes}, count, block_ms)
         return entries
 
-    def _read_backlog(self, count: int) -> list[Entry]:
-        """The next page of entries already delivered to this consumer name, most urgent lane first.
-
-        A page shorter than asked ends that lane's backlog; the cursor moves past every entry,
-        including ones deleted from the stream meanwhile (those are acked: nothing to run).
-        """
+    def _take_backlog(self, count: int) -> None:
+        """The next page of entries an earlier process under this name left pending, most urgent lane
+        first: suspects, since that process ended holding them (a page shorter than asked ends the lane)."""
         stream = next(iter(self._backlog))
-        reply: Any = self._client.xreadgroup(CONSUMER_GROUP, self._config.name, {stream: self._backlog[stream]},
-                                             count=count)
-        items = reply[0][1] if reply else []
-        if len(items) < count:
+        page = list_pending(self._client, stream, self._keys.lanes.index(stream), self._config.name, count,
+                            after=self._backlog[stream])
+        if len(page) < count:
             del self._backlog[stream]
         else:
-            self._backlog[stream] = items[-1][0]
-        lane = self._keys.lanes.index(stream)
-        deleted = [eid for eid, fields in items if not fields]
-        if deleted:
-            self._client.xack(stream, CONSUMER_GROUP, *deleted)
-        return [Entry(stream, as_text(eid), lane, dict(fields)) for eid, fields in items if fields]
+            self._backlog[stream] = page[-1].entry_id
+        self._add_suspects(page)
+
+    def _take_back_lost(self) -> None:
+        """Compare this worker's pending list with what it holds, and take back what it lost.
+
+        An entry pending for this worker that it does not hold was delivered by a command whose reply
+        never arrived. Delivered once, it was never anywhere else and runs as usual (that delivery is
+        the one it gets now); delivered more often, it is a suspect like any reclaimed entry.
+        """
+        self._needs_pending_check = False
+        self._next_pending_check_s = time.monotonic() + self._config.pending_check_interval_s
+        lost: list[Pending] = []
+        for lane, stream in enumerate(self._keys.lanes):
+            held = self._load.held_ids(stream)
+            after = None
+            while True:
+                page = list_pending(self._client, stream, lane, self._config.name, PENDING_PAGE, after=after)
+                lost += [p for p in page if p.entry_id not in held]
+                if len(page) < PENDING_PAGE:
+                    break
+                after = page[-1].entry_id
+        if not lost:
+            return
+        log.warning("taking back entries whose delivery was lost", extra={"event": "pending_recovered",
+                                                                          "count": len(lost)})
+        self._add_suspects([p for p in lost if p.num_deliveries > 1])
+        entries = []
+        for item in lost:
+            if item.num_deliveries == 1:
+                entry, _ = self._own.deliver(item, is_counted=False)
+                entries += [entry] if entry is not None else []
+        self._dispatch(entries)
 
     def _xreadgroup(self, streams: dict[Any, Any], count: int, block_ms: int | None) -> list[Entry]:
         reply: Any = self._client.xreadgroup(CONSUMER_GROUP, self._config.name, streams, count=count,
@@ -204,28 +259,50 @@ class Reader:
         return out
 
     def _take_reclaimed(self) -> tuple[int, int]:
-        """Claim dead consumers' entries, as many as the engine can take; returns (claimed, asked)."""
+        """Claim dead consumers' entries (suspects), as many as the engine can take; returns (claimed, asked)."""
         capacity = max(1, self._load.capacity(self._config.max_waiting))
         claimed = self._reclaimer.reclaim(capacity)
-        fresh = []
-        for item in claimed:
-            if item.num_deliveries > self._config.max_deliveries:
-                self._outbox.put(self._dead_letter(item))
-            else:
-                fresh.append(item.entry)
-        self._dispatch(fresh)
+        self._add_suspects(claimed)
         return len(claimed), capacity
 
-    def _dead_letter(self, item: Reclaimed) -> DeadLetter:
-        reason = f"{ErrorCode.MAX_DELIVERIES.value}: delivered {item.num_deliveries} times"
-        request_id = peek_request_id(item.entry.fields)
+    def _add_suspects(self, items: list[Pending]) -> None:
+        self._load.hold(item.key for item in items)
+        self._suspects.extend(items)
+
+    def _run_next_suspect(self) -> None:
+        """Deliver the oldest suspect and run it alone: only once this worker holds nothing but
+        suspects, and the next one only after it is answered. A suspect delivered more than
+        ``max_deliveries`` times is dead-lettered instead.
+
+        NOTE: if it kills this worker too, only its own delivery count has risen: the suspects
+        waiting behind it are still pending here with the counts they had, for the next reclaimer.
+        """
+        if self._load.num_held > len(self._suspects):
+            self._load.wait_for_room(self._config.cancel_poll_s)
+            return
+        item = self._suspects[0]
+        entry, num_deliveries = self._own.deliver(item, is_counted=True)
+        self._suspects.popleft()
+        if entry is None:  # answered, taken by a reclaimer, or deleted meanwhile
+            self._load.release([item.key])
+        elif num_deliveries > self._config.max_deliveries:
+            self._outbox.put(self._dead_letter(entry, num_deliveries))
+        else:
+            log.info("running a suspect alone", extra={"event": "suspect", "entry_id": entry.entry_id,
+                                                        "deliveries": num_deliveries})
+            self._dispatch([entry])
+
+    def _dead_letter(self, entry: Entry, num_deliveries: int) -> DeadLetter:
+        reason = f"{ErrorCode.MAX_DELIVERIES.value}: delivered {num_deliveries} times"
+        request_id = peek_request_id(entry.fields)
         result = None
         if request_id is not None:
             result = GenerationResult.failure(request_id, ErrorCode.MAX_DELIVERIES, reason, worker=self._config.name)
         log.warning("dead-lettered", extra={"event": "dead_lettered", "request_id": request_id, "reason": reason})
-        return DeadLetter(item.entry, reason, result)
+        return DeadLetter(entry, reason, result)
 
     def _dispatch(self, entries: list[Entry]) -> None:
+        self._load.hold((e.stream, e.entry_id) for e in entries)
         now_s = time.time()
         decided = [self._triage(e, now_s) for e in entries]
         admits = [d for d in decided if isinstance(d, Admit)]

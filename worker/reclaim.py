@@ -1,21 +1,23 @@
 """Reclaiming entries of dead consumers (stale or stopped heartbeat) and removing those consumers.
 
 Imports redis, producer.keys and worker.heartbeat; never the engine. Entries of a consumer with
-a fresh heartbeat are never taken, however long its generation runs.
+a fresh heartbeat are never taken, however long its generation runs. Claims move ownership only
+(``JUSTID``: the delivery count stays): an entry counts as delivered again when it runs
+(:class:`worker.pending.OwnDelivery`), so entries that wait here behind a suspect are not counted
+again if the suspect kills this worker too.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from producer.keys import CONSUMER_GROUP, Keys
 from worker.heartbeat import Heartbeat, as_text, is_dead, read_heartbeats
-from worker.messages import Entry
+from worker.pending import Pending, list_pending
 
 log = logging.getLogger("tokenmill.worker")
 
@@ -27,14 +29,6 @@ if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) == 0 then
 end
 return -1
 """
-
-
-@dataclass
-class Reclaimed:
-    """An entry taken over from a dead consumer."""
-
-    entry: Entry
-    num_deliveries: int  # including this one
 
 
 class Reclaimer:
@@ -57,14 +51,15 @@ class Reclaimer:
         self._min_idle_ms = min_idle_ms
         self._delete_if_idle = client.register_script(DELETE_IF_IDLE_LUA)
 
-    def reclaim(self, limit: int) -> list[Reclaimed]:
-        """Claim up to ``limit`` entries of dead consumers, most urgent lane first.
+    def reclaim(self, limit: int) -> list[Pending]:
+        """Claim up to ``limit`` entries of dead consumers, most urgent lane first; now pending for
+        this worker, with the delivery counts they had.
 
         Dead consumers left with no pending entries are removed from the group.
         """
         beats = read_heartbeats(self._client, self._keys)
         now_s = time.time()
-        claimed: list[Reclaimed] = []
+        claimed: list[Pending] = []
         for lane, stream in enumerate(self._keys.lanes):
             for consumer in self._dead_consumers(stream, beats, now_s):
                 if consumer["pending"] == 0:
@@ -85,20 +80,15 @@ class Reclaimer:
                 out.append({"name": name, "pending": int(consumer["pending"])})
         return out
 
-    def _claim(self, stream: str, lane: int, owner: str, limit: int) -> list[Reclaimed]:
-        pending = self._client.xpending_range(stream, CONSUMER_GROUP, min="-", max="+", count=limit,
-                                              consumername=owner)
-        deliveries = {as_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
-        if not deliveries:
+    def _claim(self, stream: str, lane: int, owner: str, limit: int) -> list[Pending]:
+        pending = {p.entry_id: p for p in list_pending(self._client, stream, lane, owner, limit)}
+        if not pending:
             return []
-        entries: Any = self._client.xclaim(stream, CONSUMER_GROUP, self._consumer, self._min_idle_ms,
-                                           list(deliveries))
-        out = []
-        for entry_id, fields in entries:
-            if fields is None:  # deleted from the stream meanwhile; XCLAIM already dropped it
-                continue
-            rid = as_text(entry_id)
-            out.append(Reclaimed(Entry(stream, rid, lane, dict(fields)), deliveries[rid] + 1))
+        claimed: Any = self._client.xclaim(stream, CONSUMER_GROUP, self._consumer, self._min_idle_ms,
+                                           list(pending), justid=True)
+        # NOTE: an entry deleted from the stream meanwhile is dropped by XCLAIM (Redis 7) or comes
+        # back here and is acked when it is delivered (6.2)
+        out = [pending[as_text(entry_id)] for entry_id in claimed if as_text(entry_id) in pending]
         if out:
             log.info("reclaimed", extra={"event": "reclaimed", "count": len(out), "from": owner, "stream": stream})
         return out

@@ -13,7 +13,7 @@ from redis.commands.core import Script
 
 from producer.keys import CONSUMER_GROUP, DONE_TTL_S, Keys
 from producer.schema import SCHEMA_VERSION, ErrorCode, GenerationResult, encode_result
-from worker.messages import DeadLetter, Finish, Outgoing, TokenDelta
+from worker.messages import DeadLetter, Finish
 
 # NOTE: one script, so "stored + notified + replied + acked" is a single atomic step. The
 # result is stored only if absent (SET NX); only the call that stored it notifies (done list,
@@ -66,6 +66,23 @@ return 0
 
 
 @dataclass(frozen=True)
+class PositionedDelta:
+    """A token delta with its place in this run's text: ``offset`` is the byte where ``data`` starts.
+
+    NOTE: a reclaimed request runs again from its first token while readers may have read part of
+    an earlier run (a worker paused, not dead, goes on writing too); the offset lets them take each
+    byte of the text once (docs/design.md, the token stream).
+    """
+
+    request_id: str
+    data: bytes  # UTF-8 text
+    offset: int
+
+
+Writable = Finish | DeadLetter | PositionedDelta
+
+
+@dataclass(frozen=True)
 class FlushOutcome:
     """What happened to one finish / dead-letter item of a flush."""
 
@@ -113,7 +130,7 @@ class ResultWriter:
                         "tokens": int(token_ttl_s * 1000)}
         self._script: Script = client.register_script(FINISH_LUA)
 
-    def flush(self, items: list[Outgoing]) -> list[FlushOutcome]:
+    def flush(self, items: list[Writable]) -> list[FlushOutcome]:
         """Write ``items`` in order, in one round trip.
 
         Returns:
@@ -127,7 +144,7 @@ class ResultWriter:
         pipe = self._client.pipeline(transaction=False)
         finishes: list[tuple[int, Finish | DeadLetter]] = []
         for item in items:
-            if isinstance(item, TokenDelta):
+            if isinstance(item, PositionedDelta):
                 self._add_token_delta(pipe, item)
             else:
                 item, payload = encodable(item)
@@ -143,9 +160,9 @@ class ResultWriter:
                 outcomes.append(FlushOutcome(item, is_stored=bool(int(reply))))
         return outcomes
 
-    def _add_token_delta(self, pipe: Any, item: TokenDelta) -> None:
+    def _add_token_delta(self, pipe: Any, item: PositionedDelta) -> None:
         key = self._keys.tokens(item.request_id)
-        pipe.xadd(key, {"t": item.text.encode(errors="replace")})
+        pipe.xadd(key, {"t": item.data, "o": item.offset})
         pipe.pexpire(key, self._ttl_ms["tokens"])
 
     def _add_finish(self, pipe: Any, item: Finish | DeadLetter, payload: bytes | None) -> None:

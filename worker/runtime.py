@@ -20,6 +20,7 @@ from producer.connection import connect
 from worker.config import Settings
 from worker.echo_engine import EchoEngine, is_echo_model
 from worker.errors import StartupError
+from worker.health import RedisHealth
 from worker.heartbeat import STOPPED
 from worker.logs import setup_logging
 from worker.loop import EngineLoop
@@ -81,13 +82,17 @@ class Worker:
         outbox: queue.Queue[Outgoing] = queue.Queue()
         self._load = load = Load()
         keys, config, model = settings.queue.keys, settings.worker, self._engine.model_name
+        health = RedisHealth(config.redis_give_up_s)
         # NOTE: one registry per worker, so several workers can live in one process (tests).
-        self.metrics = WorkerMetrics(self.name, model, keys) if config.metrics_port is not None else None
+        self.metrics = None
+        if config.metrics_port is not None:
+            self.metrics = WorkerMetrics(self.name, model, keys, is_redis_healthy=lambda: health.is_healthy)
         self._loop = EngineLoop(self._engine, inbox, outbox, load, self.name, self.metrics)
         served = settings.served_model_name
         self._reader = Reader(self._client, keys, config, load, inbox, outbox,
-                              frozenset({served, model, settings.engine.model.name}))
-        self._writer = Writer(self._client, settings.queue, config, load, outbox, model, served, self.metrics)
+                              frozenset({served, model, settings.engine.model.name}), health)
+        self._writer = Writer(self._client, settings.queue, config, load, outbox, model, served, health,
+                              self.metrics)
         self._stopping = threading.Event()
         self._forced = threading.Event()
         self._failed = threading.Event()  # a thread died: exit non-zero at once
@@ -104,7 +109,9 @@ class Worker:
         Returns:
             The process exit code: 0 after a graceful or forced stop; 1 when one of the worker's
             threads died (its work stays pending for other workers, and the heartbeat stops,
-            so a supervisor restarts the process rather than keep a worker that does nothing).
+            so a supervisor restarts the process rather than keep a worker that does nothing),
+            Redis failed for ``redis_give_up_s``, or results could not be written before the end
+            (their entries stay pending, for a reclaimer to run again).
         """
         if self.metrics is not None and self.settings.worker.metrics_port is not None:
             self.metrics.serve(self.settings.worker.metrics_port, self.settings.worker.metrics_host)
@@ -165,8 +172,14 @@ class Worker:
         for event in (self._reader.stopping, self._reader.closing, self._writer.closing):
             event.set()
         self._loop.close()
+        # NOTE: the writer may spend drain_timeout_s retrying results Redis refuses
         for thread in threads:
-            thread.join(timeout=self.settings.worker.block_ms / 1000 + 5.0)
+            thread.join(timeout=self.settings.worker.block_ms / 1000 + self.settings.worker.drain_timeout_s + 5.0)
+        num_unwritten = self._writer.num_unwritten
+        if num_unwritten:
+            log.error("results could not be written; their entries stay pending for reclaim",
+                      extra={"event": "results_lost", "count": num_unwritten})
+            self._failed.set()
         if self._failed.is_set():
             self._say_stopped()
         if self.metrics is not None:

@@ -6,6 +6,7 @@ Standard library only; holds numbers and id snapshots, never Redis clients or th
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.stats import EngineStats
@@ -28,6 +29,10 @@ class Load:
     prefix_hit_ratio: float = 0.0  # of prompt tokens looked up in the prefix cache
     num_cached_blocks: int = 0  # KV blocks the prefix cache indexes
     is_write_blocked: bool = False  # Redis refused the writer's last round: read nothing more until one succeeds
+    # NOTE: (stream, entry id) of every entry this worker took (read, reclaimed, recovered) and has
+    # not answered yet, wherever it is: reader, preparation, engine, outbox, a failed write. Its own
+    # pending list in Redis minus these are entries it lost (a reply that never arrived).
+    _held: set[tuple[str, str]] = field(default_factory=set, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _room: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -67,7 +72,28 @@ class Load:
             self.num_finished += 1
             self.num_tokens += num_tokens
 
+    def hold(self, entries: Iterable[tuple[str, str]]) -> None:
+        """Reader: it took these ``(stream, entry id)`` entries (before it hands them on)."""
+        with self._lock:
+            self._held.update(entries)
+
+    def release(self, entries: Iterable[tuple[str, str]]) -> None:
+        """Writer: these entries are answered (acked); wakes the reader (a suspect may be next)."""
+        with self._lock:
+            self._held.difference_update(entries)
+        self._room.set()
+
+    def held_ids(self, stream: str) -> frozenset[str]:
+        """Entry ids of ``stream`` this worker holds."""
+        with self._lock:
+            return frozenset(entry_id for held_stream, entry_id in self._held if held_stream == stream)
+
+    @property
+    def num_held(self) -> int:
+        with self._lock:
+            return len(self._held)
+
     def wait_for_room(self, timeout_s: float) -> None:
-        """Reader: sleep until the engine takes work, at most ``timeout_s``."""
+        """Reader: sleep until the engine takes work or an entry is answered, at most ``timeout_s``."""
         self._room.wait(timeout_s)
         self._room.clear()

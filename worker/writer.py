@@ -1,6 +1,6 @@
-"""The writer thread: persists results (atomic finish), token deltas and heartbeats; trims old
-cancel marks and heartbeats. Imports redis and producer (config, keys); never the engine object:
-it only drains the outbox.
+"""The writer thread: persists results (atomic finish), token deltas (each with its byte offset)
+and heartbeats; trims old cancel marks and heartbeats; tells the reader which entries are answered.
+Imports redis and producer (config, keys); never the engine object: it only drains the outbox.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import redis
 from producer.config import QueueConfig
 from worker.backoff import Backoff
 from worker.config import WorkerConfig
+from worker.health import RedisHealth
 from worker.heartbeat import RUNNING, STOPPED, Heartbeat, forget_old, write_heartbeat
 from worker.messages import DeadLetter, Finish, Outgoing, TokenDelta
 from worker.metrics import WorkerMetrics
-from worker.results import ResultWriter
+from worker.results import PositionedDelta, ResultWriter, Writable
 from worker.state import Load
 
 log = logging.getLogger("tokenmill.worker")
@@ -39,12 +40,14 @@ class Writer:
         outbox: what to write.
         model_name: the model loaded, shown in the heartbeat.
         served_model_name: the name it is served under: in the heartbeat and stamped on every result.
+        health: records the writer's failing Redis calls (and decides when it gives up).
         metrics: counts written results; samples rate and lane depth each beat. None = no metrics.
     """
 
     def __init__(self, client: redis.Redis, queue_config: QueueConfig, config: WorkerConfig, load: Load,
                  outbox: queue.Queue[Outgoing], model_name: str, served_model_name: str,
-                 metrics: WorkerMetrics | None = None) -> None:
+                 health: RedisHealth, metrics: WorkerMetrics | None = None) -> None:
+        self._health = health
         self._metrics = metrics
         self._client, self._keys, self._config, self._load = client, queue_config.keys, config, load
         self._outbox = outbox
@@ -52,7 +55,8 @@ class Writer:
         self._results = ResultWriter(client, self._keys, queue_config.result_ttl_s, config.token_ttl_s)
         self._beat = Heartbeat(name=config.name, ts=time.time(), model=model_name,
                                served_model_name=served_model_name)
-        self._unwritten: list[Outgoing] = []  # items of a flush that failed, retried first
+        self._unwritten: list[Writable] = []  # items of a flush that failed, retried first
+        self._stream_bytes: dict[str, int] = {}  # request id -> bytes of token deltas so far in this run
         self._backoff = Backoff()
         self._last_tokens = (time.monotonic(), 0)
         self.closing = threading.Event()  # set by the worker: flush what is queued, then stop
@@ -71,15 +75,28 @@ class Writer:
         if self._metrics is not None:
             self._metrics.observe_beat(self._client, self._beat.tokens_per_s)
 
+    @property
+    def num_unwritten(self) -> int:
+        """Results (and dead letters) taken but not written: after :meth:`run` ended, what was lost."""
+        return sum(not isinstance(item, PositionedDelta) for item in self._unwritten)
+
     def run(self) -> None:
         """Write until :attr:`closing` is set and the outbox is empty; the last beat says ``stopped``.
 
-        Redis errors never end the loop: a failed write (a result, a heartbeat) is retried with
-        backoff while the reader pauses (see :attr:`Load.is_write_blocked`); anything else is a
-        bug and ends the thread, which the worker turns into a non-zero exit.
+        Redis errors never end the loop by themselves: a failed write (a result, a heartbeat) is
+        retried with backoff while the reader pauses (see :attr:`Load.is_write_blocked`), until the
+        failures have lasted ``redis_give_up_s`` (:class:`worker.health.RedisGaveUp`). Once closing,
+        it tries for ``drain_timeout_s`` at most, then stops with :attr:`num_unwritten` results left
+        (their entries stay pending, for a reclaimer to run again). Anything else is a bug and ends
+        the thread, which the worker turns into a non-zero exit.
         """
         next_beat_s = next_trim_s = 0.0
+        give_up_at_s: float | None = None
         while not (self.closing.is_set() and self._outbox.empty() and not self._unwritten):
+            if self.closing.is_set():
+                give_up_at_s = give_up_at_s or time.monotonic() + self._config.drain_timeout_s
+                if time.monotonic() >= give_up_at_s:
+                    break
             try:
                 self._flush(self._take(max(0.0, min(WAKE_S, next_beat_s - time.monotonic()))))
                 if time.monotonic() >= next_beat_s:
@@ -90,10 +107,15 @@ class Writer:
                     next_trim_s = time.monotonic() + TRIM_INTERVAL_S
                 self._load.set_write_blocked(False)
                 self._backoff.reset()
+                self._health.succeeded("tm-writer")
             except redis.RedisError as exc:
                 self._load.set_write_blocked(True)
                 log.warning("redis write failed, retrying", extra={"event": "redis_error", "error": str(exc)})
-                self._backoff.wait()
+                self._health.failed("tm-writer", exc)
+                self._backoff.wait(self.closing if give_up_at_s is None else None)
+        self._unwritten += self._positioned(self._take_all())
+        if self._unwritten:
+            return  # NOTE: Redis is failing: a last beat would only fail too (staleness tells)
         self.beat(STOPPED)
 
     def _take(self, timeout_s: float) -> list[Outgoing]:
@@ -108,26 +130,51 @@ class Writer:
                 break
         return items
 
+    def _take_all(self) -> list[Outgoing]:
+        items = []
+        while True:
+            try:
+                items.append(self._outbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _positioned(self, items: list[Outgoing]) -> list[Writable]:
+        """``items`` with each token delta placed at its byte offset in its request's text (this run's:
+        a finish ends the run), so that a retried write keeps its place."""
+        out: list[Writable] = []
+        for item in items:
+            if isinstance(item, TokenDelta):
+                data = item.text.encode(errors="replace")
+                offset = self._stream_bytes.get(item.request_id, 0)
+                self._stream_bytes[item.request_id] = offset + len(data)
+                out.append(PositionedDelta(item.request_id, data, offset))
+            else:
+                if item.result is not None:
+                    self._stream_bytes.pop(item.result.id, None)
+                    if item.result.model is None:
+                        item.result.model = self._beat.served_model_name
+                out.append(item)
+        return out
+
     def _flush(self, items: list[Outgoing]) -> None:
         """Write ``items`` after anything a failed flush left.
 
         A failed round trip keeps every item for the retry. Items Redis refused one by one
-        (e.g. ``OOM`` under ``maxmemory``) are kept too.
+        (e.g. ``OOM`` under ``maxmemory``) are kept too. Answered entries are released
+        (:meth:`Load.release`).
 
         Raises:
             redis.RedisError: the round trip or an item failed; the caller backs off.
         """
-        for item in items:
-            if not isinstance(item, TokenDelta) and item.result is not None and item.result.model is None:
-                item.result.model = self._beat.served_model_name
-        self._unwritten += items
+        self._unwritten += self._positioned(items)
         if not self._unwritten:
             return
         outcomes = self._results.flush(self._unwritten)
         self._unwritten = [o.item for o in outcomes if o.error is not None]
-        for outcome in outcomes:
-            if outcome.error is None:
-                self._log_written(outcome.item, outcome.is_stored)
+        written = [o for o in outcomes if o.error is None]
+        self._load.release((o.item.entry.stream, o.item.entry.entry_id) for o in written)
+        for outcome in written:
+            self._log_written(outcome.item, outcome.is_stored)
         if self._unwritten:
             first = next(o.error for o in outcomes if o.error is not None)
             raise redis.ResponseError(f"{len(self._unwritten)} result(s) not written: {first}")

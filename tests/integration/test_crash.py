@@ -10,7 +10,7 @@ import redis
 
 from producer.keys import Keys
 from producer.schema import decode_result
-from tests.worker_helpers import enqueue, start_worker_process
+from tests.worker_helpers import enqueue, start_worker_process, wait_result
 from worker.heartbeat import read_heartbeats
 
 NUM_REQUESTS = 200
@@ -73,3 +73,39 @@ def test_sigterm_drains_and_exits_zero(redis_url: str, redis_client: redis.Redis
     assert second.wait(timeout=30) == 0, second.stderr.read().decode() if second.stderr else ""
     assert time.monotonic() - started < 20
     _assert_exactly_once(redis_client, keys, ids, reply)
+
+
+def _deliveries(client: redis.Redis, stream: str) -> list[int]:
+    """The delivery count of each entry pending in ``stream`` (none before a worker made the group)."""
+    try:
+        rows = client.xpending_range(stream, "workers", "-", "+", 100)
+    except redis.ResponseError:
+        return []
+    return [int(row["times_delivered"]) for row in rows]
+
+
+def test_same_name_restarts_dead_letter_an_entry_after_max_deliveries(
+        redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
+    """A supervisor restarting a worker under a fixed name that dies holding an entry: the backlog
+    path counts deliveries like reclaim does (it looped forever: delivery count 7, no dead letter)."""
+    keys = Keys(key_prefix)
+    request_id = enqueue(redis_client, keys, prompt="held until the worker is killed")
+    env = {"TOKENMILL_WORKER__MAX_DELIVERIES": "3"}
+    for delivery in (1, 2, 3):
+        worker = start_worker_process(redis_url, key_prefix, "fixed", model="echo:step_delay_s=60", env=env)
+        deadline = time.monotonic() + 30
+        while _deliveries(redis_client, keys.lane(0)) != [delivery]:
+            assert time.monotonic() < deadline, _deliveries(redis_client, keys.lane(0))
+            time.sleep(0.02)
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=5)
+    last = start_worker_process(redis_url, key_prefix, "fixed", model="echo:step_delay_s=60", env=env)
+    try:
+        result = wait_result(redis_client, keys, request_id, timeout_s=30)
+    finally:
+        last.send_signal(signal.SIGTERM)
+        assert last.wait(timeout=20) == 0
+    assert result.error is not None and result.error.code == "max_deliveries", result
+    [(_, dead)] = redis_client.xrange(keys.dead)
+    assert dead[b"reason"] == b"max_deliveries: delivered 4 times"
+    assert _deliveries(redis_client, keys.lane(0)) == []

@@ -268,4 +268,4 @@ def test_prompts_are_tokenized_off_the_engine_thread(redis_url: str, redis_clien
     settings = make_settings(redis_url, key_prefix)
     with running_worker(settings):
         assert wait_result(redis_client, settings.queue.keys, enqueue(redis_client, settings.queue.keys)).ok
-    assert threads and all(name.startswith("tm-tokenize") for name in threads), threads
+    assert threads and all(name.startswith("tm-prepare") for name in threads), threads

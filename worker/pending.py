@@ -1,0 +1,101 @@
+"""Entries in a consumer's pending list: listing them (XPENDING) and delivering one of this
+worker's own again, atomically and only while it is still this worker's (Lua).
+
+A pending entry that is delivered again is the one Redis counts: XPENDING's ``times_delivered``
+is how often the entry reached a worker, which ``max_deliveries`` and the quarantine of suspects
+read (docs/design.md, "Reclaim by heartbeats"). Imports redis and producer.keys; never the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from producer.keys import CONSUMER_GROUP
+from worker.heartbeat import as_text
+from worker.messages import Entry
+
+# NOTE: XCLAIM with min-idle 0 takes an entry from whoever holds it; the ownership check and the
+# claim must be one step, so a worker never takes back what a reclaimer took from it. A delivery
+# that does not count (an entry whose reply was lost on the way) keeps the count (RETRYCOUNT).
+# An entry deleted from the stream meanwhile is acked: there is nothing left to run.
+#   KEYS: 1 lane stream. ARGV: 1 group, 2 entry id, 3 consumer, 4 count this delivery (1/0).
+#   Returns nil when the entry is not this consumer's, else {deliveries, fields or nil}.
+DELIVER_OWN_LUA = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if #p == 0 or p[1][2] ~= ARGV[3] then return false end
+local count = tonumber(p[1][4])
+local claim = {'XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[2]}
+if ARGV[4] == '1' then
+  count = count + 1
+else
+  claim[#claim + 1] = 'RETRYCOUNT'
+  claim[#claim + 1] = count
+end
+local claimed = redis.call(unpack(claim))
+if #claimed == 0 or not claimed[1][2] then
+  redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+  return {count, false}
+end
+return {count, claimed[1][2]}
+"""
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An entry in a consumer's pending list: delivered, not acked."""
+
+    stream: str  # the lane stream
+    lane: int
+    entry_id: str
+    num_deliveries: int  # how often Redis delivered it so far
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What :class:`worker.state.Load` holds it by."""
+        return self.stream, self.entry_id
+
+
+def list_pending(client: redis.Redis, stream: str, lane: int, consumer: str, count: int,
+                 after: str | None = None) -> list[Pending]:
+    """Up to ``count`` entries pending for ``consumer`` in ``stream``, oldest first, after id ``after``."""
+    start = "-" if after is None else f"({after}"
+    rows = client.xpending_range(stream, CONSUMER_GROUP, min=start, max="+", count=count, consumername=consumer)
+    return [Pending(stream, lane, as_text(row["message_id"]), int(row["times_delivered"])) for row in rows]
+
+
+class OwnDelivery:
+    """Delivers entries of this worker's own pending list again (see :data:`DELIVER_OWN_LUA`).
+
+    Args:
+        client: Redis client.
+        consumer: this worker's consumer name.
+    """
+
+    def __init__(self, client: redis.Redis, consumer: str) -> None:
+        self._client = client
+        self._consumer = consumer
+        self._script = client.register_script(DELIVER_OWN_LUA)
+
+    def deliver(self, item: Pending, *, is_counted: bool) -> tuple[Entry | None, int]:
+        """The entry's fields once more, with its delivery count after this delivery.
+
+        Args:
+            item: an entry pending for this worker.
+            is_counted: this delivery counts (a suspect about to run) or not (a lost reply recovered).
+
+        Returns:
+            ``(entry, deliveries)``; the entry is None when it is no longer this worker's (answered,
+            or taken by a reclaimer) or was deleted from the stream (then it is acked).
+        """
+        reply: Any = self._script(keys=[item.stream], args=[CONSUMER_GROUP, item.entry_id, self._consumer,
+                                                             int(is_counted)])
+        if reply is None:
+            return None, item.num_deliveries
+        count, flat = int(reply[0]), reply[1]
+        if not flat:
+            return None, count
+        fields = dict(zip(flat[0::2], flat[1::2]))
+        return Entry(item.stream, item.entry_id, item.lane, fields), count
