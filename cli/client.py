@@ -17,10 +17,10 @@ from rich.console import Console
 from cli.common import QueueOption, app, client_settings, fail, open_producer, warn_without_workers, with_queue
 from cli.tables import print_line, print_rows
 from producer import dead_letters
-from producer.common import as_chat
+from producer.common import build_request
 from producer.errors import ResultTimeout, SchemaError
 from protocol.heartbeat import STALE_AFTER_S
-from producer.schema import GenerationResult
+from producer.schema import GenerationRequest, GenerationResult
 
 EXIT_NOT_READY = 2  # result: not landed (yet), or the wait ran out
 LANE_COLUMNS = ("lane", "depth", "pending", "lag")
@@ -79,6 +79,15 @@ def _response_format(response_format: str | None, json_schema: Path | None, rege
     return {"type": "json_schema", "json_schema": {"name": json_schema.stem or "schema", "schema": schema}}
 
 
+def _build_request(ctx: typer.Context, options: dict[str, Any]) -> GenerationRequest:
+    """The request of ``options`` (None = not given), validated before Redis is reached; exit 1 if invalid."""
+    keys = client_settings(ctx).producer_config.keys
+    try:
+        return build_request(keys, {name: value for name, value in options.items() if value is not None})
+    except SchemaError as exc:
+        raise fail(f"invalid request: {exc.message}") from None
+
+
 @app.command()
 def submit(
     ctx: typer.Context,
@@ -122,10 +131,7 @@ def submit(
     Warns (stderr) when no live worker serves the queue: the request then waits for one.
     """
     with_queue(ctx, queue)
-    if system is not None and (raw or messages is not None):
-        raise fail("error: --system goes with a plain prompt (not --raw, and inside --messages otherwise)")
-    given = _read_prompt(prompt, messages)
-    options: dict[str, Any] = {**(given if raw else as_chat(given, system)), "model": model,
+    options: dict[str, Any] = {**_read_prompt(prompt, messages), "raw": raw, "system": system, "model": model,
                                "max_tokens": max_tokens, "min_tokens": min_tokens, "temperature": temperature,
                                "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop or None,
                                "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
@@ -134,12 +140,10 @@ def submit(
                                "request_id": request_id, "stream_tokens": stream or None,
                                "priority": int(priority) if priority.isdigit() else priority}
     as_json = as_json or logprobs is not None
+    request = _build_request(ctx, options)
     with open_producer(ctx) as producer:
         warn_without_workers(ctx, producer)
-        try:
-            rid = producer.submit(**{name: value for name, value in options.items() if value is not None})
-        except SchemaError as exc:
-            raise fail(f"invalid request: {exc.message}") from None
+        [rid] = producer.submit_many([request])
         if no_wait:
             typer.echo(rid)
             return

@@ -79,7 +79,8 @@ class AsyncProducer:
         await self.close()
 
     async def submit(self, **options: Unpack[SubmitOptions]) -> str:
-        """Enqueue one request; see :meth:`producer.Producer.submit`.
+        """Enqueue one request; see :meth:`producer.Producer.submit` (a plain ``prompt`` is the user's
+        message, after ``system`` if given; ``raw=True`` sends it as raw text).
 
         Raises:
             SchemaError: invalid options (code ``validation``); nothing was sent.

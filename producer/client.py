@@ -74,8 +74,13 @@ class Producer:
     def submit(self, **options: Unpack[SubmitOptions]) -> str:
         """Enqueue one request on the lane of its priority.
 
+        A plain ``prompt`` goes to the model as the user's message (its chat template applies),
+        after a ``system`` message when one is given, as from the CLI, bulk and Celery;
+        ``raw=True`` sends it as raw text instead (no chat template).
+
         Args:
-            **options: exactly one of ``prompt`` / ``messages`` / ``prompt_token_ids``; sampling
+            **options: exactly one of ``prompt`` / ``messages`` / ``prompt_token_ids``; ``raw``
+                and ``system`` for a plain prompt, as above; sampling
                 parameters (``n`` (samples, sharing the prompt: the result's ``samples``; sample i
                 uses ``seed + i``), ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_tokens``,
                 ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``logprobs`` (top alternatives
@@ -106,7 +111,9 @@ class Producer:
         """Enqueue many requests, one pipelined round trip per ``submit_chunk_size`` of them.
 
         Args:
-            requests: ``GenerationRequest`` objects or dicts of ``submit`` keyword arguments.
+            requests: ``GenerationRequest`` objects (sent as they are: their ``prompt`` is raw text,
+                as on the wire) or dicts of ``submit`` keyword arguments (a plain ``prompt`` is the
+                user's message unless ``raw``, as in ``submit``).
 
         Returns:
             The request ids, in input order.

@@ -75,6 +75,8 @@ return redis.call('GET', KEYS[1])
 _SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
 _REQUEST_FIELDS = frozenset({"prompt", "messages", "prompt_token_ids", "deadline", "reply_to",
                              "stream_tokens", "metadata", "model"})
+# How a plain prompt reaches the model: resolved into the request's prompt or messages (as_request_prompt).
+_PROMPT_STYLE_OPTIONS = frozenset({"raw", "system"})
 # Options given as any Sequence / Mapping from Python; the strict wire models take lists and dicts.
 _SEQUENCE_FIELDS = frozenset({"messages", "prompt_token_ids", "stop_token_ids", "stop"})
 
@@ -85,6 +87,8 @@ class SubmitOptions(TypedDict, total=False):
     n: int
 
     prompt: str
+    raw: bool
+    system: str | None
     messages: Sequence[Message | Mapping[str, Any]]
     prompt_token_ids: Sequence[int]
     max_tokens: int
@@ -113,15 +117,16 @@ class SubmitOptions(TypedDict, total=False):
 def build_request(keys: Keys, options: Mapping[str, Any]) -> GenerationRequest:
     """Validate ``submit`` options into a request, before anything is sent.
 
-    ``None`` values mean "default"; ``priority`` defaults to ``"normal"``.
+    ``None`` values mean "default"; ``priority`` defaults to ``"normal"``; a plain ``prompt`` is
+    the user's message unless ``raw`` (see :func:`as_request_prompt`).
 
     Raises:
         SchemaError: code ``validation``, one clause per bad field.
     """
-    unknown = set(options) - _SAMPLING_FIELDS - _REQUEST_FIELDS - {"priority", "request_id"}
+    unknown = set(options) - _SAMPLING_FIELDS - _REQUEST_FIELDS - _PROMPT_STYLE_OPTIONS - {"priority", "request_id"}
     if unknown:
         raise SchemaError(ErrorCode.VALIDATION.value, f"unknown submit option(s): {', '.join(sorted(unknown))}")
-    given = {name: _as_plain(name, value) for name, value in options.items() if value is not None}
+    given = {name: _as_plain(name, value) for name, value in as_request_prompt(options).items() if value is not None}
     data: dict[str, Any] = {name: value for name, value in given.items() if name in _REQUEST_FIELDS}
     data["params"] = {name: value for name, value in given.items() if name in _SAMPLING_FIELDS}
     if "request_id" in given:
@@ -166,11 +171,33 @@ def _check_for_queue(keys: Keys, request: GenerationRequest) -> None:
         raise SchemaError(ErrorCode.VALIDATION.value, reason)
 
 
+def as_request_prompt(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` without ``raw`` and ``system``, its plain ``prompt`` as the request carries it:
+    the user's message after ``system`` (:func:`as_chat`), or with ``raw=True`` the text as it is
+    (no chat template). Every entry point that takes a plain prompt (``Producer.submit``, the CLI,
+    bulk, Celery) resolves it here.
+
+    Raises:
+        SchemaError: code ``validation``: ``raw`` is not a bool, ``system`` not a string, or
+            ``system`` given where it would be dropped (``raw``, ``messages``, token ids).
+    """
+    is_raw, system = options.get("raw") or False, options.get("system")
+    rest = {name: value for name, value in options.items() if name not in _PROMPT_STYLE_OPTIONS}
+    if not isinstance(is_raw, bool):
+        raise SchemaError(ErrorCode.VALIDATION.value, f"raw: must be true or false, got {is_raw!r}")
+    if system is not None and not isinstance(system, str):
+        raise SchemaError(ErrorCode.VALIDATION.value, f"system: must be a string, got {type(system).__name__}")
+    if system is not None and (is_raw or rest.get("prompt") is None):
+        raise SchemaError(ErrorCode.VALIDATION.value, "system: goes with a plain prompt sent as chat (not raw; "
+                          "put it in messages otherwise)")
+    return rest if is_raw else as_chat(rest, system)
+
+
 def as_chat(options: Mapping[str, Any], system: str | None = None) -> dict[str, Any]:
     """``options`` with a plain ``prompt`` turned into chat messages: an optional system message,
     then the prompt as the user's. Messages and token ids stay as given.
 
-    NOTE: chat is the default for plain prompts (CLI, Celery, bulk), because the models people serve
+    NOTE: chat is the default for plain prompts (the producers, CLI, Celery, bulk), because the models people serve
     are instruct models that ramble on raw text; a worker whose model has no chat template reads a
     lone user message as raw text (docs/design.md).
     """

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class BulkOptions(BaseModel):
@@ -33,6 +33,12 @@ class BulkOptions(BaseModel):
     top_k: int | None = None
     seed: int | None = None
     stop: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _check_system(self) -> BulkOptions:
+        if self.raw and self.system is not None:
+            raise ValueError("system goes before plain prompts sent as chat, not with raw")
+        return self
 
     @property
     def sampling_defaults(self) -> dict[str, object]:

@@ -185,8 +185,11 @@ class BulkJob:
                                    **flight.item.options,
                                    "request_id": request_id_of(self.job_id, flight.item.item_id, flight.attempt),
                                    "reply_to": self.reply_stream}
-        if self.input_format != "openai" and not self.options.raw:
-            options = common.as_chat(options, self.options.system)
+        # NOTE: an OpenAI body is taken as the HTTP API takes it: a completions prompt is raw text.
+        if self.input_format == "openai" or self.options.raw:
+            options["raw"] = True
+        elif "prompt" in options:  # the job's system message goes before plain prompts only (not messages)
+            options["system"] = self.options.system
         return common.build_request(self.producer.keys, options)
 
     def _recover(self, items: list[BulkItem]) -> None:

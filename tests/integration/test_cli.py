@@ -61,7 +61,7 @@ def test_a_plain_prompt_is_a_user_message_unless_raw(cli: list[str], redis_clien
     assert [m.role for m in requests[sent["--system Be brief."]].messages or []] == ["system", "user"]
     assert requests[sent["--raw"]].prompt == "Hi" and requests[sent["--raw"]].messages is None
     refused = runner.invoke(app, [*cli, "submit", "Hi", "--no-wait", "--raw", "--system", "x"])
-    assert refused.exit_code != 0 and "--system" in refused.output
+    assert refused.exit_code == 1 and "invalid request: system: goes with a plain prompt" in refused.output
 
 
 def test_submit_invalid_params_exit_1(cli: list[str]) -> None:
