@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import redis
 from producer.keys import Keys
 from producer.schema import ErrorCode, GenerationRequest, GenerationResult, decode_result, encode_request, encode_result
 from worker.config import Settings
+from worker.logs import setup_logging
 from worker.runtime import Worker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +58,26 @@ def running_worker(settings: Settings, **kwargs: Any) -> Iterator[Worker]:
         worker.stop()
         thread.join(timeout=10)
         assert not thread.is_alive(), "worker did not stop"
+
+
+@contextmanager
+def worker_logs(as_json: bool, level: str = "INFO") -> Iterator[io.StringIO]:
+    """The worker's log lines (``setup_logging``, as a worker process sets it up) written to a buffer;
+    the loggers are put back as they were afterwards."""
+    loggers = [logging.getLogger(name) for name in ("tokenmill", "engine")]
+    saved = [(logger.handlers[:], logger.level, logger.propagate) for logger in loggers]
+    buffer = io.StringIO()
+    stderr, sys.stderr = sys.stderr, buffer
+    try:
+        setup_logging(level, as_json)
+    finally:
+        sys.stderr = stderr
+    try:
+        yield buffer
+    finally:
+        for logger, (handlers, level_before, propagate) in zip(loggers, saved):
+            logger.handlers[:], logger.propagate = handlers, propagate
+            logger.setLevel(level_before)
 
 
 def enqueue(client: redis.Redis, keys: Keys, lane: int = 0, **fields: Any) -> str:

@@ -20,12 +20,19 @@ class _Formatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         fields = {k: v for k, v in record.__dict__.items() if k not in _STANDARD}
+        # NOTE: a traceback (exc_info=True, log.exception) or stack (stack_info=True) is the point of
+        # such a line: "thread died" without one says nothing of why
+        trace = "\n".join(filter(None, [self.formatException(record.exc_info) if record.exc_info else "",
+                                         self.formatStack(record.stack_info) if record.stack_info else ""]))
         if self._as_json:
             line = {"ts": round(record.created, 3), "level": record.levelname, "msg": record.getMessage(), **fields}
+            if trace:
+                line["traceback"] = trace
             return json.dumps(line, default=str)
         stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
         extras = " ".join(f"{k}={v}" for k, v in fields.items() if k != "event")
-        return f"{stamp} {record.levelname:<7} {record.getMessage()} {extras}".rstrip()
+        text = f"{stamp} {record.levelname:<7} {record.getMessage()} {extras}".rstrip()
+        return f"{text}\n{trace}" if trace else text
 
 
 def setup_logging(level: str = "INFO", as_json: bool = False) -> None:

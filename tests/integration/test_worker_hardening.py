@@ -3,6 +3,7 @@ recovery finishes, and a worker whose thread dies exits non-zero instead of idli
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import threading
@@ -17,7 +18,14 @@ import redis
 
 from producer.keys import CONSUMER_GROUP, Keys
 from producer.schema import decode_result
-from tests.worker_helpers import enqueue, make_settings, running_worker, start_worker_process, wait_result
+from tests.worker_helpers import (
+    enqueue,
+    make_settings,
+    running_worker,
+    start_worker_process,
+    wait_result,
+    worker_logs,
+)
 from worker.echo_engine import EchoEngine
 from worker.heartbeat import read_heartbeats
 from worker.messages import Prompt
@@ -132,11 +140,14 @@ def test_a_dead_thread_stops_the_worker_with_a_failure(redis_url: str, redis_cli
     worker = Worker(settings, handle_signals=False)
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(worker.run()), daemon=True)
-    thread.start()
-    enqueue(redis_client, settings.queue.keys, prompt="trigger")
-    thread.join(timeout=10)
+    with worker_logs(as_json=True) as logs:
+        thread.start()
+        enqueue(redis_client, settings.queue.keys, prompt="trigger")
+        thread.join(timeout=10)
     assert not thread.is_alive() and codes == [1]
     assert read_heartbeats(redis_client, settings.queue.keys)[settings.worker.name].state == "stopped"
+    [died] = [line for line in map(json.loads, logs.getvalue().splitlines()) if line.get("event") == "thread_died"]
+    assert "RuntimeError: a bug in the writer" in died["traceback"] and died["thread_name"] == "tm-writer"
 
 
 def test_restart_under_the_same_name_drains_its_whole_pending_list(
