@@ -30,6 +30,10 @@ Mode = Literal["recheck", "blocking"]
 TASK_NAME = "tokenmill.generate"
 JSON_ONLY = {"task_serializer": "json", "result_serializer": "json", "accept_content": ["json", "msgpack"],
              "result_accept_content": ["json", "msgpack"]}
+# NOTE: a worker that accepts pickle runs whatever code a message carries; tokenmill's tasks refuse such an app
+_PICKLE_NAMES = frozenset({"pickle", "application/x-python-serialize"})
+_SERIALIZER_SETTINGS = ("accept_content", "result_accept_content", "task_serializer", "result_serializer",
+                        "event_serializer")
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 # Keys of an input dict forwarded as submit options (task keyword arguments win over them).
 _INPUT_OPTION_KEYS = frozenset({*_PROMPT_KEYS, "metadata", "priority", "deadline", "model", "max_tokens",
@@ -180,7 +184,11 @@ def register_tasks(app: Celery, producer_config: ProducerConfig | None = None, *
 
     Returns:
         The Celery task object.
+
+    Raises:
+        ValueError: ``app`` serialises with or accepts pickle.
     """
+    _refuse_pickle(app)
     generator = _Generator(producer_config or ProducerConfig(),
                            TaskOptions(mode, poll_interval_s, max_poll_interval_s, timeout_s))
 
@@ -190,6 +198,19 @@ def register_tasks(app: Celery, producer_config: ProducerConfig | None = None, *
     generate.__doc__ = "Generate with tokenmill; returns the GenerationResult as a dict."
     decorator = app.task(bind=True, name=name, max_retries=None, acks_late=True, typing=False, shared=False)
     return decorator(generate)
+
+
+def _refuse_pickle(app: Celery) -> None:
+    """Raise ValueError naming the settings of ``app`` that serialise with or accept pickle."""
+    found = []
+    for name in _SERIALIZER_SETTINGS:
+        value = app.conf.get(name)
+        values = [value] if isinstance(value, str) else list(value or ())
+        if _PICKLE_NAMES.intersection(str(v).lower() for v in values):
+            found.append(f"{name}={value!r}")
+    if found:
+        raise ValueError(f"this Celery app accepts pickle ({', '.join(found)}): a pickled message runs any code "
+                         f"on the worker that reads it; use JSON or msgpack (producer.celery.JSON_ONLY)")
 
 
 def make_app(broker_url: str, backend_url: str | None = None, producer_config: ProducerConfig | None = None,

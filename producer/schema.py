@@ -277,11 +277,79 @@ def peek_reply_to(fields: dict[Any, Any]) -> str | None:
 
 
 def _peek(fields: dict[Any, Any], name: str) -> Any:
+    """The value of the first ``name`` key of the map in ``d``, or None.
+
+    NOTE: only that value is decoded; the others are stepped over without recursion, so a request
+    whose metadata nests 100,000 deep (past the 1,024 levels msgpack's unpacker allows) still has
+    an id to answer it under.
+    """
+    payload = _field(fields, "d")
+    if not isinstance(payload, (bytes, bytearray)) or not payload or payload[0] not in _MAP_TYPES:
+        return None
     try:
-        data = _unpack(_field(fields, "d"))
+        pos, num_items = _msgpack_header(payload, 0)
+        for _ in range(num_items // 2):
+            key_end = _msgpack_skip(payload, pos)
+            value_end = _msgpack_skip(payload, key_end)
+            if _unpack(payload[pos:key_end]) == name:
+                return _unpack(payload[key_end:value_end])
+            pos = value_end
     except Exception:  # noqa: BLE001 - any garbage: there is simply nothing to recover
         return None
-    return data.get(name) if isinstance(data, dict) else None
+    return None
+
+
+_MAP_TYPES = frozenset({*range(0x80, 0x90), 0xDE, 0xDF})
+# msgpack type byte -> bytes after it before the payload, for types with a fixed payload
+_FIXED_SIZES = {0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8,
+                0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17}
+# type byte -> (width of the length, bytes between the length and the payload): bin, ext, str
+_SIZED = {0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0), 0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1),
+          0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0)}
+# type byte -> (width of the count, elements per count): array16/32, map16/32
+_CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
+
+
+def _msgpack_header(data: bytes | bytearray, pos: int) -> tuple[int, int]:
+    """Where the msgpack value at ``pos`` ends, its elements left out, and how many elements follow.
+
+    Raises:
+        ValueError: not msgpack (a byte no type starts with).
+    """
+    kind = data[pos]
+    if kind <= 0x7F or kind >= 0xE0 or kind in (0xC0, 0xC2, 0xC3):
+        return pos + 1, 0
+    if kind <= 0x8F:
+        return pos + 1, 2 * (kind & 0x0F)
+    if kind <= 0x9F:
+        return pos + 1, kind & 0x0F
+    if kind <= 0xBF:
+        return pos + 1 + (kind & 0x1F), 0
+    if kind in _FIXED_SIZES:
+        return pos + 1 + _FIXED_SIZES[kind], 0
+    if kind in _SIZED:
+        width, gap = _SIZED[kind]
+        return pos + 1 + width + gap + int.from_bytes(data[pos + 1:pos + 1 + width], "big"), 0
+    if kind in _CONTAINERS:
+        width, per_count = _CONTAINERS[kind]
+        return pos + 1 + width, per_count * int.from_bytes(data[pos + 1:pos + 1 + width], "big")
+    raise ValueError(f"byte {kind:#x} at {pos} starts no msgpack value")
+
+
+def _msgpack_skip(data: bytes | bytearray, pos: int) -> int:
+    """Where the msgpack value at ``pos`` ends, its elements included, walked in a loop (each step
+    moves on by a byte at least, so garbage ends it too).
+
+    Raises:
+        ValueError, IndexError: ``data`` ends inside the value or is not msgpack.
+    """
+    num_left = 1
+    while num_left:
+        pos, num_elements = _msgpack_header(data, pos)
+        num_left += num_elements - 1
+    if pos > len(data):
+        raise ValueError("msgpack value runs past the end")
+    return pos
 
 
 def _unpack(payload: Any) -> Any:

@@ -40,7 +40,8 @@ def triage(entry: Entry, now_s: float, policy: IntakePolicy) -> Admit | Finish |
 
     Returns:
         ``Admit`` to run it, ``Finish`` with an error / expired result, or ``DeadLetter`` when no
-        request id can be recovered to address an answer to.
+        request id can be recovered to address an answer to (also when the entry has none: the
+        schema's default id would answer it where nobody waits).
     """
     size = sum(len(value) for value in entry.fields.values() if isinstance(value, (bytes, str)))
     if size > policy.max_request_bytes:
@@ -50,6 +51,8 @@ def triage(entry: Entry, now_s: float, policy: IntakePolicy) -> Admit | Finish |
         request = decode_request(entry.fields)
     except SchemaError as exc:
         return _refuse_undecodable(entry, exc, policy)
+    if peek_request_id(entry.fields) != request.id:
+        return DeadLetter(entry, reason=f"{ErrorCode.VALIDATION.value}: the request has no id to answer it under")
     reply_error = check_reply_to(request, policy.keys)
     if reply_error is not None:
         return answer(request.model_copy(update={"reply_to": None}), entry, ErrorCode.VALIDATION.value, reply_error,
