@@ -30,7 +30,8 @@ def _sigterm_as_interrupt(_signum: int, _frame: FrameType | None) -> None:
 def bulk_command(
     ctx: typer.Context,
     input_path: Annotated[Path, typer.Argument(help="JSONL, OpenAI Batch JSONL, CSV or Parquet")],
-    output_path: Annotated[Path, typer.Argument(help="results JSONL; re-run with the same path to resume")],
+    output_path: Annotated[Path, typer.Argument(
+        help="results JSONL, or Parquet if named .parquet (the parquet extra); re-run with the same path to resume")],
     priority: Annotated[str, typer.Option(help="high, normal, low or a lane number")] = "low",
     max_in_flight: Annotated[int, typer.Option(help="most requests outstanding at once")] = 256,
     max_tokens: Annotated[int | None, typer.Option(help="default max_tokens (items may override)")] = None,

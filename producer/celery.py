@@ -21,7 +21,6 @@ from typing import Any, Literal, cast
 from celery import Celery
 
 from producer.client import Producer
-from producer.common import as_chat
 from producer.config import ProducerConfig
 from producer.errors import JobFailed, ResultTimeout, SchemaError
 from producer.schema import ErrorCode, GenerationResult
@@ -36,7 +35,7 @@ _SERIALIZER_SETTINGS = ("accept_content", "result_accept_content", "task_seriali
                         "event_serializer")
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 # Keys of an input dict forwarded as submit options (task keyword arguments win over them).
-_INPUT_OPTION_KEYS = frozenset({*_PROMPT_KEYS, "metadata", "priority", "deadline", "model", "max_tokens",
+_INPUT_OPTION_KEYS = frozenset({*_PROMPT_KEYS, "raw", "system", "metadata", "priority", "deadline", "model", "max_tokens",
                                 "temperature", "top_p", "top_k", "min_tokens", "seed", "stop", "stop_token_ids",
                                 "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty",
                                 "repetition_penalty", "response_format"})
@@ -103,12 +102,10 @@ def request_options(source: Any, options: dict[str, Any]) -> dict[str, Any]:
     elif source is not None:
         raise SchemaError(ErrorCode.VALIDATION.value,
                           f"generate takes a str, a messages list or a dict, got {type(source).__name__}")
-    options = dict(options)
-    is_raw, system = bool(options.pop("raw", False)), options.pop("system", None)
     if any(k in options for k in _PROMPT_KEYS):
         given = {k: v for k, v in given.items() if k not in _PROMPT_KEYS}
-    merged = {**given, **options}
-    return merged if is_raw else as_chat(merged, system)
+    # NOTE: raw / system travel on to the producer, which resolves them (producer.common.as_request_prompt).
+    return {**given, **options}
 
 
 class _Generator:

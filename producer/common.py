@@ -26,6 +26,7 @@ from producer.schema import (
     Message,
     ResponseFormat,
     SamplingParams,
+    ToolSpec,
     check_reply_to,
     decode_result,
     describe_validation_error,
@@ -73,12 +74,12 @@ return redis.call('GET', KEYS[1])
 """
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
-_REQUEST_FIELDS = frozenset({"prompt", "messages", "prompt_token_ids", "deadline", "reply_to",
-                             "stream_tokens", "metadata", "model"})
+# A request's own fields a caller may set (id is request_id, priority a name or lane; the rest are the producer's).
+_REQUEST_FIELDS = frozenset(GenerationRequest.model_fields) - {"id", "params", "priority", "submitted_at"}
 # How a plain prompt reaches the model: resolved into the request's prompt or messages (as_request_prompt).
 _PROMPT_STYLE_OPTIONS = frozenset({"raw", "system"})
 # Options given as any Sequence / Mapping from Python; the strict wire models take lists and dicts.
-_SEQUENCE_FIELDS = frozenset({"messages", "prompt_token_ids", "stop_token_ids", "stop"})
+_SEQUENCE_FIELDS = frozenset({"messages", "prompt_token_ids", "stop_token_ids", "stop", "tools"})
 
 
 class SubmitOptions(TypedDict, total=False):
@@ -112,6 +113,7 @@ class SubmitOptions(TypedDict, total=False):
     stream_tokens: bool
     metadata: Mapping[str, Any] | None
     model: str | None
+    tools: Sequence[ToolSpec | Mapping[str, Any]] | None
 
 
 def build_request(keys: Keys, options: Mapping[str, Any]) -> GenerationRequest:

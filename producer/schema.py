@@ -36,16 +36,17 @@ SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
 MAX_ID_LENGTH = 256
 MAX_REPLY_TO_LENGTH = 1024
+MAX_TOOLS = 128  # function tools per request (OpenAI's limit)
 _MAX_ERROR_CLAUSES = 10
 
 __all__ = [  # the vocabulary's types, re-exported: the wire speaks them (protocol/ defines them)
     "MAX_SAMPLES", "ErrorCode", "FinishReason", "JsonSchemaSpec", "Metadata", "ResponseFormat", "SamplingParams",
     "Text", "TokenId", "TokenLogprob", "TopLogprob",
     # this module's own
-    "SCHEMA_VERSION", "SUPPORTED_VERSIONS", "ErrorInfo", "GenerationRequest", "GenerationResult", "Message",
-    "ResultStatus", "Sample", "Timings", "Usage", "WireFinishReason", "check_reply_to", "decode_request",
-    "decode_result", "describe_validation_error", "encode_request", "encode_result", "new_request_id",
-    "peek_reply_to", "peek_request_id", "request_id_error",
+    "MAX_TOOLS", "SCHEMA_VERSION", "SUPPORTED_VERSIONS", "ErrorInfo", "FunctionSpec", "GenerationRequest",
+    "GenerationResult", "Message", "ResultStatus", "Sample", "Timings", "ToolSpec", "Usage", "WireFinishReason",
+    "check_reply_to", "decode_request", "decode_result", "describe_validation_error", "encode_request",
+    "encode_result", "new_request_id", "peek_reply_to", "peek_request_id", "request_id_error",
 ]
 
 
@@ -69,6 +70,25 @@ class Message(WireModel):
         if self.model_extra:
             check_metadata(self.model_extra)
         return self
+
+
+class FunctionSpec(WireModel):
+    """A function the model may call (OpenAI's ``function`` object): rendered into the prompt by the
+    model's chat template (engine/prompts.py), which is all a worker does with it."""
+
+    # NOTE: OpenAI's rule for names: they go into the prompt, into a JSON schema's enum and back to
+    # the client as the call's name, so nothing that needs quoting or could read as markup.
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Text | None = None
+    parameters: Metadata | None = Field(default=None, description="JSON Schema of the arguments object")
+    strict: bool | None = None
+
+
+class ToolSpec(WireModel):
+    """One tool of a chat request (OpenAI's ``{"type": "function", "function": {...}}``)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionSpec
 
 
 def new_request_id() -> str:
@@ -105,6 +125,8 @@ class GenerationRequest(WireModel):
         default=None, description="model the caller expects; a worker serving another answers an error"
     )
     metadata: Metadata = Field(default_factory=dict, description="echoed back in the result")
+    tools: list[ToolSpec] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS,
+                                         description="functions the chat template tells the model of")
     submitted_at: float = Field(default_factory=time.time, description="unix time the producer enqueued it")
 
     @field_validator("id")
@@ -124,6 +146,17 @@ class GenerationRequest(WireModel):
             raise ValueError("prompt_token_ids must be a non-empty list of non-negative ints")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
+        return self
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> GenerationRequest:
+        if self.tools is None:
+            return self
+        if self.messages is None:
+            raise ValueError("tools need messages (the chat template renders them)")
+        names = [tool.function.name for tool in self.tools]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
         return self
 
 

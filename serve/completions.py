@@ -1,6 +1,8 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions``: a request on the queue, answered from
 its result (non-streaming) or its token stream (server-sent events). A client that disconnects
-cancels its request.
+cancels its request. A chat request with tools is answered with its ``tool_calls`` when the answer
+is a call (producer/openai_compat/tool_calls.py); streamed, content goes out as it comes and a call
+when it is complete: a chunk with its id and name, then one with its arguments.
 
 Imports fastapi and producer; never torch, the engine or the worker.
 """
@@ -17,7 +19,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from producer.errors import ResultTimeout
 from producer.openai_compat import BodyError, Endpoint, ParsedBody, completion_object, parse_body, result_error
-from producer.openai_compat.objects import chunk_object, usage_chunk
+from producer.openai_compat.objects import chunk_object, tool_call_deltas, usage_chunk
+from producer.openai_compat.tool_calls import ParsedAnswer, ToolCallStream
 from producer.schema import GenerationResult
 from serve.body import json_object
 from serve.context import CallContext, call_context, state_of
@@ -57,7 +60,8 @@ async def _complete(request: Request, endpoint: Endpoint) -> Response:
         return Response(status_code=STATUS_CLIENT_CLOSED)
     if not result.ok:
         raise APIError.from_body(*result_error(result))
-    return JSONResponse(completion_object(endpoint, result, model=parsed.model or "", created=call.created))
+    return JSONResponse(completion_object(endpoint, result, model=parsed.model or "", created=call.created,
+                                          tools=parsed.tools))
 
 
 async def _until_disconnect(request: Request, call: CallContext, wait: Awaitable[T]) -> T | None:
@@ -101,16 +105,20 @@ async def _events(request: Request, call: CallContext, parsed: ParsedBody) -> As
     """Server-sent events: a chunk per text delta as the worker writes it, a last chunk with the
     finish reason (and one with usage when asked for), then ``data: [DONE]``."""
     producer, endpoint, model = state_of(request).producer, parsed.endpoint, parsed.model or ""
+    calls = ToolCallStream(parsed.tools.names) if parsed.tools is not None else None
     is_finished = False
     try:
         is_first = True
         async for text in producer.stream(call.request_id, timeout=call.timeout_s):
-            yield _sse(chunk_object(endpoint, call.request_id, model=model, created=call.created, text=text,
-                                    is_first=is_first))
-            is_first = False
+            content = calls.feed(text) if calls is not None else text
+            if content:
+                yield _sse(chunk_object(endpoint, call.request_id, model=model, created=call.created, text=content,
+                                        is_first=is_first))
+                is_first = False
         result = await producer.result(call.request_id, timeout=call.timeout_s)
         is_finished = True
-        for event in _closing_events(result, call, parsed, is_first):
+        answer = calls.finish() if calls is not None else ParsedAnswer(None)
+        for event in _closing_events(result, call, parsed, answer, is_first):
             yield event
     except ResultTimeout:
         yield _sse(APIError(504, f"no answer within {call.timeout_s:g} s", type_="timeout_error",
@@ -121,13 +129,23 @@ async def _events(request: Request, call: CallContext, parsed: ParsedBody) -> As
     yield "data: [DONE]\n\n"
 
 
-def _closing_events(result: GenerationResult, call: CallContext, parsed: ParsedBody,
+def _closing_events(result: GenerationResult, call: CallContext, parsed: ParsedBody, answer: ParsedAnswer,
                     is_first: bool) -> list[str]:
+    """The chunks after the last delta: what the answer held back (content, calls), the finish
+    reason, the usage when asked for."""
     if not result.ok:
         return [_sse(result_error(result)[1])]
     model = result.model or parsed.model or ""
-    events = [_sse(chunk_object(parsed.endpoint, call.request_id, model=model, created=call.created,
-                                finish_reason=result.finish_reason or "stop", is_first=is_first))]
+    held: list[tuple[str, dict[str, Any] | None]] = [(answer.content, None)] if answer.content else []
+    held += [("", delta) for delta in tool_call_deltas(call.request_id, answer.calls)]
+    events = []
+    for text, tool_call in held:
+        events.append(_sse(chunk_object(parsed.endpoint, call.request_id, model=model, created=call.created,
+                                        text=text, tool_call=tool_call, is_first=is_first)))
+        is_first = False
+    finish_reason = "tool_calls" if answer.calls else result.finish_reason or "stop"
+    events.append(_sse(chunk_object(parsed.endpoint, call.request_id, model=model, created=call.created,
+                                    finish_reason=finish_reason, is_first=is_first)))
     if parsed.include_usage:
         events.append(_sse(usage_chunk(parsed.endpoint, result, model=model, created=call.created)))
     return events

@@ -24,11 +24,13 @@ from worker.messages import Admit
 
 
 def engine_prompt(request: GenerationRequest) -> Prompt:
-    """The request's prompt as the engine's typed prompt (chat messages are templated by the engine)."""
+    """The request's prompt as the engine's typed prompt (chat messages and their tools are templated by
+    the engine)."""
     if request.prompt_token_ids is not None:
         return TokensPrompt(list(request.prompt_token_ids))
     if request.messages is not None:
-        return ChatPrompt([m.model_dump() for m in request.messages])
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
+        return ChatPrompt([m.model_dump() for m in request.messages], tools=tools)
     return TextPrompt(request.prompt or "")
 
 

@@ -1,4 +1,4 @@
-"""Bulk jobs: a JSONL / OpenAI Batch / CSV / Parquet file through the queue into JSONL results.
+"""Bulk jobs: a JSONL / OpenAI Batch / CSV / Parquet file through the queue into JSONL (or Parquet) results.
 
 ``run(INPUT, OUTPUT, ...)`` is resumable: re-running with the same OUTPUT finishes only what is
 missing. Never imports torch, the engine or the worker.
@@ -24,7 +24,8 @@ def run(input_path: str | Path, output_path: str | Path, *, producer: Producer |
     Args:
         input_path: JSONL (``{"id", "prompt" | "messages", params...}``), OpenAI Batch request
             JSONL, CSV with a prompt column, or Parquet (needs the ``parquet`` extra).
-        output_path: results JSONL (plain, or OpenAI Batch output lines for OpenAI input);
+        output_path: results JSONL (plain, or OpenAI Batch output lines for OpenAI input), or
+            Parquet when named ``.parquet`` / ``.pq`` (plain lines; needs the ``parquet`` extra);
             failures and invalid records go to ``errors_path`` (default OUTPUT + ".errors.jsonl").
         producer: the queue to use; None builds one from ``config`` (and closes it afterwards).
         config: queue and Redis settings when no ``producer`` is given.
@@ -38,7 +39,8 @@ def run(input_path: str | Path, output_path: str | Path, *, producer: Producer |
 
     Raises:
         BulkInputError: the input cannot be read (missing, no prompt column, no pyarrow).
-        BulkError: the output file is not a tokenmill bulk output.
+        BulkError: the output file is not a tokenmill bulk output, or a Parquet output cannot be
+            written (no pyarrow, OpenAI Batch input); raised before anything is sent.
         pydantic.ValidationError: invalid options.
     """
     bulk_options = BulkOptions.model_validate(options)

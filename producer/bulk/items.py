@@ -1,7 +1,7 @@
 """Bulk input: reading JSONL, OpenAI Batch, CSV and Parquet files into :class:`BulkItem` records.
 
 Owns format detection and per-line parsing (never raises for one bad line: the line becomes an
-:class:`InvalidItem`). Imports only the standard library and producer.schema; pyarrow lazily.
+:class:`InvalidItem`). Imports only the standard library and producer.schema; pyarrow lazily (producer.bulk.arrow).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
 
+from producer.bulk.arrow import import_pyarrow
 from producer.bulk.errors import BulkInputError
 from producer.openai_compat.bodies import ENDPOINTS, BodyError, Endpoint, parse_body
 from producer.schema import SamplingParams
@@ -251,8 +252,4 @@ def _cell_value(name: str, value: Any) -> Any:
 
 
 def _pyarrow_parquet() -> Any:
-    try:
-        import pyarrow.parquet as parquet  # noqa: PLC0415 - optional extra
-    except ImportError as exc:
-        raise BulkInputError("Parquet input needs pyarrow: pip install 'tokenmill[parquet]'") from exc
-    return parquet
+    return import_pyarrow("Parquet input", BulkInputError)[1]

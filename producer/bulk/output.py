@@ -117,6 +117,13 @@ def repair_and_scan(path: Path, done: DoneSet, *, is_errors: bool) -> int:
     return num_lines
 
 
+def json_text(value: Any) -> str:
+    """``value`` as JSON text, non-ASCII as it is; valid UTF-8 (lone surrogates from a bad input
+    line are kept as JSON escapes)."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if is_utf8(text) else json.dumps(value)
+
+
 class LineWriter:
     """Appends whole JSON lines: flushed per line, fsynced every ``FSYNC_INTERVAL_S`` and on close."""
 
@@ -129,10 +136,7 @@ class LineWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         # NOTE: one write() call per line, so a kill leaves at most one torn line at the end.
-        text = json.dumps(record, ensure_ascii=False)
-        if not is_utf8(text):  # lone surrogates from a bad input line: keep them as JSON escapes
-            text = json.dumps(record)
-        self._handle.write(text + "\n")
+        self._handle.write(json_text(record) + "\n")
         self._handle.flush()
         self.num_written += 1
         if time.monotonic() - self._last_sync_s > FSYNC_INTERVAL_S:

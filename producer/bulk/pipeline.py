@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any, cast
 
 from producer import common
+from producer.bulk.errors import BulkError
 from producer.bulk.items import BulkItem, InvalidItem, Parsed, count_records, detect_format, read_items
 from producer.bulk.options import BulkOptions, job_id_of, request_id_of
 from producer.bulk.output import DoneSet, LineWriter, OutputFormat, invalid_line, repair_and_scan, result_line
+from producer.bulk.parquet_output import ParquetOutput, is_parquet_output
 from producer.bulk.report import BulkProgress, BulkSummary
 from producer.client import Producer
 from producer.errors import SchemaError
@@ -51,7 +53,8 @@ class BulkJob:
     Args:
         producer: the queue to feed (its client is used for the reply stream too).
         input_path: JSONL, OpenAI Batch JSONL, CSV or Parquet.
-        output_path: results JSONL; by default also the job's identity for resuming.
+        output_path: results JSONL, or Parquet when named ``.parquet`` / ``.pq`` (see
+            :mod:`producer.bulk.parquet_output`); by default also the job's identity for resuming.
         options: see :class:`BulkOptions`.
         show_progress: draw a progress bar on stderr.
         job_id: the job's identity when it is not the OUTPUT path (e.g. an OpenAI batch id): runs
@@ -65,6 +68,9 @@ class BulkJob:
         self.errors_path = options.errors_path or output_path.with_name(output_path.name + ".errors.jsonl")
         self.input_format = detect_format(input_path, options.format)
         self.output_format: OutputFormat = "openai" if self.input_format == "openai" else "plain"
+        self._parquet = self._parquet_output(output_path)
+        # Where results are appended: OUTPUT itself, or the journal a Parquet OUTPUT is built from.
+        self.results_path = output_path if self._parquet is None else self._parquet.journal
         self.job_id = job_id or job_id_of(output_path)
         self.reply_stream = producer.keys.bulk_replies(self.job_id)
         self.summary = BulkSummary(output_path, self.errors_path)
@@ -85,14 +91,17 @@ class BulkJob:
         """
         start_s = time.monotonic()
         done = DoneSet()
-        repair_and_scan(self.output_path, done, is_errors=False)
+        if self._parquet is None:
+            repair_and_scan(self.output_path, done, is_errors=False)
+        else:
+            self._parquet.scan(done)
         repair_and_scan(self.errors_path, done, is_errors=True)
         self.summary.num_earlier_errors = len(done.lines)
         self.summary.num_total = count_records(self.input_path, self.input_format)
         records = self._unfinished(read_items(self.input_path, self.input_format,
                                               prompt_column=self.options.prompt_column,
                                               id_column=self.options.id_column), done)
-        self._out, self._err = LineWriter(self.output_path), LineWriter(self.errors_path)
+        self._out, self._err = LineWriter(self.results_path), LineWriter(self.errors_path)
         try:
             with BulkProgress(self.summary.num_total, enabled=self._show_progress) as self._progress:
                 self._drive(records)
@@ -103,7 +112,22 @@ class BulkJob:
             self._out.close()
             self._err.close()
             self.summary.wall_s = time.monotonic() - start_s
+        if self._parquet is not None:  # NOTE: also after an interrupt: OUTPUT then holds what is finished
+            self._parquet.merge()
         return self.summary
+
+    def _parquet_output(self, output_path: Path) -> ParquetOutput | None:
+        """The Parquet OUTPUT of a path named ``.parquet``, else None (JSONL).
+
+        Raises:
+            BulkError: OpenAI Batch input (its output lines are JSONL), or pyarrow is missing.
+        """
+        if not is_parquet_output(output_path):
+            return None
+        if self.output_format == "openai":
+            raise BulkError(f"{output_path}: OpenAI Batch input is answered with OpenAI Batch output lines, "
+                            "which are JSONL: name the output .jsonl")
+        return ParquetOutput(output_path)
 
     def _interrupt(self) -> None:
         """Leave the job resumable; with ``cancel_on_interrupt``, cancel what this run queued."""

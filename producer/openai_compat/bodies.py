@@ -12,35 +12,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from producer.openai_compat.errors import BodyError as BodyError  # re-exported: bulk input imports it from here
+from producer.openai_compat.tools import ToolPlan, tool_plan
+
 
 Endpoint = Literal["chat", "completions"]
 ENDPOINTS: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 
 # Accepted and ignored: they change nothing about the generation.
-_IGNORED = frozenset({"user", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-                      "safety_identifier", "stream_options"})
+_IGNORED = frozenset({"user", "store", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options"})
 # Passed through under the same name (OpenAI's sampling fields, and tokenmill extensions as vLLM has them).
 _SAME_NAME = ("temperature", "top_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty", "top_k",
               "min_tokens", "stop_token_ids", "ignore_eos", "repetition_penalty")
 _CHAT_ONLY = frozenset({"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
-                        "tool_choice", "functions", "function_call", "modalities", "audio", "prediction",
-                        "reasoning_effort", "web_search_options"})
+                        "tool_choice", "parallel_tool_calls", "functions", "function_call", "modalities", "audio",
+                        "prediction", "reasoning_effort", "web_search_options"})
 _COMPLETIONS_ONLY = frozenset({"prompt", "echo", "suffix", "best_of"})
-
-
-class BodyError(ValueError):
-    """A body field that cannot be honoured.
-
-    Attributes:
-        param: the offending field (OpenAI's ``param``), e.g. ``"n"`` or ``"messages"``.
-        message: why, for a person.
-    """
-
-    def __init__(self, param: str | None, message: str) -> None:
-        super().__init__(f"{param}: {message}" if param else message)
-        self.param = param
-        self.message = message
 
 
 @dataclass
@@ -53,6 +41,7 @@ class ParsedBody:
     stream: bool = False  # answer with server-sent events
     include_usage: bool = False  # stream_options.include_usage: a last chunk carrying usage
     num_choices: int = 1  # n: the result's samples become the choices
+    tools: ToolPlan | None = None  # chat with tools: the answer is read for tool calls
 
 
 def parse_body(body: Mapping[str, Any], endpoint: Endpoint) -> ParsedBody:
@@ -84,7 +73,11 @@ def parse_body(body: Mapping[str, Any], endpoint: Endpoint) -> ParsedBody:
     parsed.num_choices = _num_choices(body)
     _response_format(body, options)
     _logprobs(body, endpoint, options)
-    (_chat if endpoint == "chat" else _completions)(body, options)
+    if endpoint == "chat":
+        _chat(body, options)
+        parsed.tools = _tools(body, options)
+    else:
+        _completions(body, options)
     return parsed
 
 
@@ -159,13 +152,18 @@ def _logprobs(body: Mapping[str, Any], endpoint: Endpoint, options: dict[str, An
         options["logprobs"] = count
 
 
+def _tools(body: Mapping[str, Any], options: dict[str, Any]) -> ToolPlan | None:
+    """The tools as the wire carries them (the worker renders them), and a forced call's schema as
+    the response format (producer/openai_compat/tools.py)."""
+    plan = tool_plan(body)
+    if plan is not None:
+        options["tools"] = plan.wire_tools()
+        if plan.is_forced:
+            options["response_format"] = plan.forced_format()
+    return plan
+
+
 def _chat(body: Mapping[str, Any], options: dict[str, Any]) -> None:
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise BodyError(name, "tool calling is not supported")
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none", "auto"):
-            raise BodyError(name, "tool calling is not supported")
     if body.get("modalities") not in (None, ["text"]):
         raise BodyError("modalities", 'only ["text"] is supported')
     for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
@@ -178,10 +176,14 @@ def _chat(body: Mapping[str, Any], options: dict[str, Any]) -> None:
 
 
 def _message(message: Any, index: int) -> dict[str, Any]:
-    """One chat message with its content as text (``developer`` is templated as ``system``)."""
+    """One chat message with its content as text (``developer`` is templated as ``system``; an
+    assistant's ``tool_calls`` and a ``tool`` result's ``tool_call_id`` checked, for the template)."""
     if not isinstance(message, Mapping):
         raise BodyError(f"messages[{index}]", "must be an object")
     out = {key: value for key, value in message.items() if value is not None}
+    if out.get("tool_calls") == []:  # NOTE: some clients send an empty list for "no calls"
+        del out["tool_calls"]
+    _check_tool_turn(out, index)
     content = out.get("content", "")
     if isinstance(content, list):
         out["content"] = "".join(_text_part(part, index) for part in content)
@@ -192,6 +194,22 @@ def _message(message: Any, index: int) -> dict[str, Any]:
     if out.get("role") == "developer":
         out["role"] = "system"
     return out
+
+
+def _check_tool_turn(message: Mapping[str, Any], index: int) -> None:
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if message.get("role") != "assistant" or not isinstance(calls, list):
+            raise BodyError(f"messages[{index}].tool_calls", "only an assistant message has tool_calls, a list")
+        for i, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, Mapping) else None
+            if (not isinstance(call, Mapping) or call.get("type", "function") != "function"
+                    or not isinstance(call.get("id"), str) or not isinstance(function, Mapping)
+                    or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str)):
+                raise BodyError(f"messages[{index}].tool_calls[{i}]",
+                                'must be {"id", "type": "function", "function": {"name", "arguments": <JSON text>}}')
+    if message.get("role") == "tool" and not isinstance(message.get("tool_call_id"), str):
+        raise BodyError(f"messages[{index}].tool_call_id", "a tool message answers a call: its id is required")
 
 
 def _text_part(part: Any, index: int) -> str:
@@ -207,7 +225,10 @@ def _completions(body: Mapping[str, Any], options: dict[str, Any]) -> None:
     if body.get("suffix"):
         raise BodyError("suffix", "suffix (insertion) is not supported")
     prompt = _one_prompt(body.get("prompt"))
-    options["prompt_token_ids" if isinstance(prompt, list) else "prompt"] = prompt
+    if isinstance(prompt, list):
+        options["prompt_token_ids"] = prompt
+    else:  # a completions prompt is raw text, never a chat turn (OpenAI's and vLLM's meaning)
+        options.update(prompt=prompt, raw=True)
 
 
 def _is_token_ids(value: Any) -> bool:

@@ -1,5 +1,6 @@
 """OpenAI response objects built from tokenmill results: ``chat.completion`` / ``text_completion``
-objects, their stream chunks, logprobs in both shapes, and errors in OpenAI's error shape.
+objects (a chat answer read for tool calls when the request has tools), their stream chunks,
+logprobs in both shapes, and errors in OpenAI's error shape.
 
 Pure: no I/O; never imports torch, the engine, the worker or a web framework.
 """
@@ -12,6 +13,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from producer.openai_compat.bodies import Endpoint
+from producer.openai_compat.tool_calls import ParsedAnswer, ToolCall, call_id, parse_answer
+from producer.openai_compat.tools import ToolPlan
 from producer.schema import ErrorCode, GenerationResult
 
 OBJECT_NAMES: dict[Endpoint, str] = {"chat": "chat.completion", "completions": "text_completion"}
@@ -35,11 +38,13 @@ def response_id(endpoint: Endpoint, request_id: str) -> str:
     return _ID_PREFIXES[endpoint] + request_id
 
 
-def completion_object(endpoint: Endpoint, result: GenerationResult, *, model: str, created: int) -> dict[str, Any]:
-    """The response body of an ``ok`` result (``choices`` from its samples when ``n > 1``)."""
+def completion_object(endpoint: Endpoint, result: GenerationResult, *, model: str, created: int,
+                      tools: ToolPlan | None = None) -> dict[str, Any]:
+    """The response body of an ``ok`` result (``choices`` from its samples when ``n > 1``); with
+    ``tools`` (the request's plan) a chat answer that is a call comes back as ``tool_calls``."""
     return {"id": response_id(endpoint, result.id), "object": OBJECT_NAMES[endpoint], "created": created,
             "model": result.model or model, "system_fingerprint": None,
-            "choices": [_choice(endpoint, sample, i) for i, sample in enumerate(_samples(result))],
+            "choices": [_choice(endpoint, sample, i, result.id, tools) for i, sample in enumerate(_samples(result))],
             "usage": usage_object(result)}
 
 
@@ -55,13 +60,18 @@ def _samples(result: GenerationResult) -> Sequence[Any]:
     return samples if samples else [result]
 
 
-def _choice(endpoint: Endpoint, sample: Any, position: int) -> dict[str, Any]:
+def _choice(endpoint: Endpoint, sample: Any, position: int, request_id: str, tools: ToolPlan | None) -> dict[str, Any]:
     index = getattr(sample, "index", position)
     finish_reason = sample.finish_reason or "stop"
     token_logprobs = getattr(sample, "token_logprobs", None)
     if endpoint == "chat":
-        return {"index": index, "message": {"role": "assistant", "content": sample.text, "refusal": None},
-                "logprobs": chat_logprobs(token_logprobs), "finish_reason": finish_reason}
+        answer = parse_answer(sample.text, tools.names) if tools is not None else ParsedAnswer(sample.text)
+        message: dict[str, Any] = {"role": "assistant", "content": answer.content, "refusal": None}
+        if answer.calls:
+            message["tool_calls"] = tool_call_objects(request_id, index, answer.calls)
+            finish_reason = "tool_calls"
+        return {"index": index, "message": message, "logprobs": chat_logprobs(token_logprobs),
+                "finish_reason": finish_reason}
     return {"index": index, "text": sample.text, "logprobs": completion_logprobs(token_logprobs),
             "finish_reason": finish_reason}
 
@@ -98,13 +108,33 @@ def completion_logprobs(token_logprobs: Sequence[Any] | None) -> dict[str, Any] 
             "text_offset": offsets}
 
 
+def tool_call_objects(request_id: str, choice: int, calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    """A message's ``tool_calls``: ``[{id, type: "function", function: {name, arguments}}]``."""
+    return [{"id": call_id(request_id, choice, i), "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}} for i, call in enumerate(calls)]
+
+
+def tool_call_deltas(request_id: str, calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    """The streamed ``delta.tool_calls`` of a choice's calls, as OpenAI sends them: per call (its
+    ``index``), first its id, type and name with empty arguments, then the arguments."""
+    deltas: list[dict[str, Any]] = []
+    for i, call in enumerate(tool_call_objects(request_id, 0, calls)):
+        deltas.append({"index": i, **call, "function": {"name": call["function"]["name"], "arguments": ""}})
+        deltas.append({"index": i, "function": {"arguments": call["function"]["arguments"]}})
+    return deltas
+
+
 def chunk_object(endpoint: Endpoint, request_id: str, *, model: str, created: int, text: str = "",
-                 finish_reason: str | None = None, is_first: bool = False) -> dict[str, Any]:
-    """One streamed chunk carrying a text delta (chat: the first one also names the role)."""
+                 finish_reason: str | None = None, is_first: bool = False,
+                 tool_call: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed chunk carrying a text delta or one ``tool_call`` delta (:func:`tool_call_deltas`;
+    chat: the first chunk also names the role)."""
     if endpoint == "chat":
-        delta: dict[str, Any] = {"role": "assistant", "content": text} if is_first else {"content": text}
-        if finish_reason is not None and not text:
-            delta = {}
+        delta: dict[str, Any] = {"role": "assistant"} if is_first else {}
+        if tool_call is not None:
+            delta.update({"content": None, "tool_calls": [tool_call]} if is_first else {"tool_calls": [tool_call]})
+        elif text or finish_reason is None:
+            delta["content"] = text
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}

@@ -42,7 +42,7 @@ def producer(redis_url: str, key_prefix: str) -> Iterator[Producer]:
 def test_queue_results_equal_offline_engine(worker: Worker, producer: Producer, model_dir: Path) -> None:
     offline = build_engine(str(model_dir), device="cpu", dtype="float64", kv_cache_memory="4MiB")
     expected = offline.generate(PROMPTS, SamplingParams(max_tokens=12), progress=False)
-    ids = [producer.submit(prompt=p, max_tokens=12, priority=i % 3) for i, p in enumerate(PROMPTS)]
+    ids = [producer.submit(prompt=p, raw=True, max_tokens=12, priority=i % 3) for i, p in enumerate(PROMPTS)]
     results = producer.wait_all(ids, timeout=120)
     for result, want in zip(results, expected):
         assert result.status == "ok", result

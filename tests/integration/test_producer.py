@@ -28,7 +28,8 @@ def test_submit_writes_a_decodable_entry_to_its_lane(producer: Producer, redis_c
                                  metadata={"user": 7}, request_id="req-1")
     assert request_id == "req-1"
     (request,) = lane_entries(redis_client, keys, 1)  # default priority "normal" = lane 1
-    assert (request.id, request.prompt, request.priority) == ("req-1", "Hello", 1)
+    assert (request.id, request.prompt, request.priority) == ("req-1", None, 1)
+    assert [(m.role, m.content) for m in request.messages] == [("user", "Hello")]  # a plain prompt is chat
     assert (request.params.max_tokens, request.params.temperature, request.params.stop) == (8, 0.5, ["\n"])
     assert request.metadata == {"user": 7}
 

@@ -143,14 +143,10 @@ def test_celery_generate_sends_a_plain_prompt_as_a_user_message(keys: Keys) -> N
     assert _wire(build_request(keys, request_options("Hi", {"system": "Be brief."}))) == (None, SYSTEM_HI)
 
 
-@pytest.mark.xfail(strict=True, reason="producer/celery.py request_options resolves raw itself and drops the flag, "
-                   "so the producer now reads its raw prompt as a user message: it must pass raw/system through")
 def test_celery_generate_sends_raw_text_with_raw(keys: Keys) -> None:
     assert _wire(build_request(keys, request_options("Hi", {"raw": True}))) == ("Hi", None)
 
 
-@pytest.mark.xfail(strict=True, reason="producer/openai_compat/bodies.py: a /v1/completions body's options must "
-                   "say raw=True (serve submits them through AsyncProducer.submit, where a plain prompt is chat)")
 def test_a_completions_body_is_raw_text_as_serve_submits_it(keys: Keys) -> None:
     assert _wire(build_request(keys, parse_body({"model": "m", "prompt": "Hi"}, "completions").options)) == (
         "Hi", None)

@@ -39,7 +39,8 @@ def test_content_parts_and_developer_messages() -> None:
 
 
 def test_completions_prompts() -> None:
-    assert _request({"prompt": "Once"}, "completions").prompt == "Once"
+    once = _request({"prompt": "Once"}, "completions")
+    assert (once.prompt, once.messages) == ("Once", None)  # raw text: no chat template
     assert _request({"prompt": ["Once"]}, "completions").params.max_tokens == 16  # OpenAI's default there
     assert _request({"prompt": [[1, 2, 3]]}, "completions").prompt_token_ids == [1, 2, 3]
     with pytest.raises(BodyError, match="one prompt per request") as several:
