@@ -6,13 +6,8 @@ checkout this code runs from. The standard library only.
 from __future__ import annotations
 
 import importlib.metadata
-import sys
+import tomllib
 from pathlib import Path
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 
 DISTRIBUTION = "tokenmill"
 UNKNOWN_VERSION = "unknown"

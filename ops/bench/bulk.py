@@ -22,8 +22,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-# NOTE: ops/bench/queue.py would shadow the standard library's `queue`: keep this folder off
-# sys.path and import the helpers as a package (as throughput.py does).
+# NOTE: run as a script, this folder comes first on sys.path: take it off and import the helpers as
+# ops.bench.* from the repository root.
 _HERE = Path(__file__).resolve().parent
 REPO_ROOT = _HERE.parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]

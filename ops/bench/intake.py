@@ -20,7 +20,8 @@ from pathlib import Path
 
 import msgpack
 
-# NOTE: ops/bench holds a queue.py that would shadow the standard library's: import as a package.
+# NOTE: run as a script, this folder comes first on sys.path: take it off and import the helpers as
+# ops.bench.* from the repository root.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))

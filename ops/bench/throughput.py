@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-# NOTE: this folder holds queue.py, which would shadow the standard library's `queue` (used by
-# transformers, redis and the worker) if the folder were on sys.path: import it as a package.
+# NOTE: run as a script, this folder comes first on sys.path: take it off and import the helpers as
+# ops.bench.* from the repository root.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))

@@ -2,8 +2,8 @@
 result with the echo engine (no model), against Celery running an equivalent echo task, on the
 same Redis server in the same run.
 
-    python ops/bench/queue.py            # full run (~1-2 min)
-    python ops/bench/queue.py --quick    # small, for development
+    python ops/bench/queue_bench.py            # full run (~1-2 min)
+    python ops/bench/queue_bench.py --quick    # small, for development
 
 Redis: --redis-url, else REDIS_URL, else redis://127.0.0.1:6379/0. Every key this script writes
 carries a unique prefix and is deleted at the end; nothing is flushed.
@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-# NOTE: this file is named queue.py: with its folder on sys.path it would shadow the standard
-# library's `queue` (used by redis, celery and the worker). Import the helpers as a package.
+# NOTE: run as a script, this folder comes first on sys.path: take it off and import the helpers as
+# ops.bench.* from the repository root.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
@@ -32,7 +32,7 @@ PROMPT = "Echo this short benchmark prompt back, please."
 MAX_TOKENS = 16
 
 # ----------------------------------------------------------------------------- Celery side
-# The Celery worker imports this module (``celery -A ops.bench.queue``): the app reads its broker
+# The Celery worker imports this module (``celery -A ops.bench.queue_bench``): the app reads its broker
 # and key prefix from the environment the driver sets.
 try:
     from celery import Celery
@@ -165,7 +165,7 @@ def bench_celery(url: str, pool: str, concurrency: int, args: argparse.Namespace
     # options of their first use, so every pool run shares them; workers run one after another.
     tag, env = _celery_tag(url)
     celery_bin = str(Path(sys.executable).with_name("celery"))
-    cmd = [celery_bin, "-A", "ops.bench.queue:celery_app", "worker", f"--pool={pool}", "--loglevel=WARNING",
+    cmd = [celery_bin, "-A", "ops.bench.queue_bench:celery_app", "worker", f"--pool={pool}", "--loglevel=WARNING",
            "-Q", tag, "--without-gossip", "--without-mingle", "--without-heartbeat", "-n", f"{tag}@%h"]
     if pool != "solo":
         cmd.append(f"--concurrency={concurrency}")

