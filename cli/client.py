@@ -20,16 +20,20 @@ from producer import dead_letters
 from producer.common import build_request
 from producer.errors import ResultTimeout, SchemaError
 from protocol.heartbeat import STALE_AFTER_S
-from producer.schema import GenerationRequest, GenerationResult
+from producer.schema import GenerationRequest, GenerationResult, SamplingParams
 
 EXIT_NOT_READY = 2  # result: not landed (yet), or the wait ran out
-LANE_COLUMNS = ("lane", "depth", "pending", "lag")
+LANE_COLUMNS = ("lane", "model", "depth", "pending", "lag")  # model: "-" for the shared lanes
 WORKER_COLUMNS = ("name", "state", "model", "age s", "running", "waiting", "tok/s", "finished", "prefix hit")
 
 
 def _print_result(result: GenerationResult, as_json: bool) -> None:
     if as_json:
         typer.echo(result.model_dump_json())
+    elif result.ok and result.samples:  # n > 1: each sample under a header line
+        for sample in result.samples:
+            typer.echo(f"--- sample {sample.index} ({sample.finish_reason}) ---")
+            typer.echo(sample.text)
     elif result.ok:
         typer.echo(result.text)
     if not result.ok:
@@ -97,7 +101,9 @@ def submit(
     raw: Annotated[bool, typer.Option("--raw", help="send the prompt as raw text, without the chat template")] = False,
     model: Annotated[str | None, typer.Option(help="the model the request is for (a worker serving another answers "
                                                     "model_not_served)")] = None,
-    max_tokens: Annotated[int | None, typer.Option(help="most tokens to generate (default 256)")] = None,
+    max_tokens: Annotated[int | None, typer.Option(
+        help=f"most tokens to generate (default {SamplingParams.model_fields['max_tokens'].default})")] = None,
+    n: Annotated[int | None, typer.Option("--n", help="parallel samples of the prompt (default 1)")] = None,
     min_tokens: Annotated[int | None, typer.Option(help="fewest tokens to generate before EOS or a stop")] = None,
     temperature: Annotated[float | None, typer.Option(help="0 = greedy (the default)")] = None,
     top_p: Annotated[float | None, typer.Option(help="nucleus sampling: keep the most likely tokens up to this "
@@ -105,6 +111,8 @@ def submit(
     top_k: Annotated[int | None, typer.Option(help="keep only the k most likely tokens (0 = off)")] = None,
     seed: Annotated[int | None, typer.Option(help="random seed of the sampler (reproducible sampling)")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
+    stop_token_id: Annotated[list[int] | None, typer.Option(help="stop token id (repeatable)")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="generate past end-of-sequence tokens")] = False,
     repetition_penalty: Annotated[float | None, typer.Option(
         help="Hugging Face's repetition penalty over prompt and output (> 1 repeats less)")] = None,
     presence_penalty: Annotated[float | None, typer.Option(help="OpenAI's presence penalty [-2, 2]")] = None,
@@ -133,7 +141,8 @@ def submit(
     with_queue(ctx, queue)
     options: dict[str, Any] = {**_read_prompt(prompt, messages), "raw": raw, "system": system, "model": model,
                                "max_tokens": max_tokens, "min_tokens": min_tokens, "temperature": temperature,
-                               "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop or None,
+                               "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop or None, "n": n,
+                               "stop_token_ids": stop_token_id or None, "ignore_eos": ignore_eos or None,
                                "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
                                "frequency_penalty": frequency_penalty, "logprobs": logprobs,
                                "response_format": _response_format(response_format, json_schema, regex),
@@ -221,7 +230,7 @@ def status(
              f"as the workers judge it: {STALE_AFTER_S:g})")] = None,
     queue: QueueOption = None,
 ) -> None:
-    """Lane depths, pending, dead letters and workers (heartbeat age, tokens/s)."""
+    """Lane depths (shared and per model), pending, dead letters and workers (heartbeat age, tokens/s)."""
     with_queue(ctx, queue)
     stale_after_s = stale_after if stale_after is not None else client_settings(ctx).worker.stale_after_s
     with open_producer(ctx) as producer:
@@ -231,9 +240,9 @@ def status(
         return
     console = Console()
     print_rows(console, f"queue {stats['queue']}", LANE_COLUMNS,
-               [[str(lane["lane"]), str(lane["depth"]), str(lane["pending"]),
+               [[str(lane["lane"]), lane["model"] or "-", str(lane["depth"]), str(lane["pending"]),
                  "-" if lane["lag"] is None else str(lane["lag"])] for lane in stats["lanes"]],
-               right_aligned=LANE_COLUMNS)
+               right_aligned=("lane", "depth", "pending", "lag"))
     print_line(console, f"dead letters: {stats['dead']}   cancel marks: {stats['cancelled']}   "
                         f"live workers: {stats['num_live_workers']}")
     print_rows(console, "workers", WORKER_COLUMNS, _worker_rows(stats), right_aligned=WORKER_COLUMNS[3:])

@@ -23,7 +23,7 @@ from celery import Celery
 from producer.client import Producer
 from producer.config import ProducerConfig
 from producer.errors import JobFailed, ResultTimeout, SchemaError
-from producer.schema import ErrorCode, GenerationResult
+from producer.schema import ErrorCode, GenerationResult, SamplingParams
 
 Mode = Literal["recheck", "blocking"]
 TASK_NAME = "tokenmill.generate"
@@ -35,10 +35,8 @@ _SERIALIZER_SETTINGS = ("accept_content", "result_accept_content", "task_seriali
                         "event_serializer")
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 # Keys of an input dict forwarded as submit options (task keyword arguments win over them).
-_INPUT_OPTION_KEYS = frozenset({*_PROMPT_KEYS, "raw", "system", "metadata", "priority", "deadline", "model", "max_tokens",
-                                "temperature", "top_p", "top_k", "min_tokens", "seed", "stop", "stop_token_ids",
-                                "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty",
-                                "repetition_penalty", "response_format"})
+_INPUT_OPTION_KEYS = frozenset({*_PROMPT_KEYS, "raw", "system", "metadata", "priority", "deadline", "model", "tools",
+                                *SamplingParams.model_fields})
 
 
 
