@@ -81,27 +81,40 @@ class BulkSummary:
                 "complete": self.is_complete}
 
 
+PROGRESS_LINE_INTERVAL_S = 10.0  # how often progress is written as a line where stderr is no terminal
+
+
 class BulkProgress:
     """A progress bar over the work of this run; a no-op when ``enabled`` is False.
+
+    Where the console is no terminal (stderr sent to a file or a log collector), a live bar would
+    leave only its last state: the progress is written instead as a plain line every
+    ``line_interval_s`` and once at the end.
 
     NOTE: items finished by an earlier run (skipped: in the files; recovered: results found in
     Redis) leave the bar's total instead of advancing it, and are shown as counts, so that the
     rates and the ETA measure only what this run generates.
     """
 
-    def __init__(self, total: int, *, enabled: bool, console: Console | None = None) -> None:
+    def __init__(self, total: int, *, enabled: bool, console: Console | None = None,
+                 line_interval_s: float = PROGRESS_LINE_INTERVAL_S) -> None:
         self._start_s = time.monotonic()
         self._num_tokens = 0
         self._counts = {"skipped": 0, "recovered": 0, "adopted": 0}
         self._progress: Progress | None = None
+        self._console = console or Console(stderr=True)
+        self._line_interval_s = line_interval_s
+        self._next_line_s: float | None = None  # None: a live bar (a terminal), else when the next line is due
         if enabled:
             self._progress = Progress(
                 TextColumn("[bold]bulk"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("{task.fields[items_s]:>7.1f} items/s {task.fields[tokens_s]:>8.1f} tok/s"),
                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[earlier]}"),
-                console=console or Console(stderr=True),
+                console=self._console, disable=not self._console.is_terminal,
             )
             self._task = self._progress.add_task("bulk", total=total, items_s=0.0, tokens_s=0.0, earlier="")
+            if not self._console.is_terminal:
+                self._next_line_s = self._start_s + line_interval_s
 
     def advance(self, num_items: int = 1, num_tokens: int = 0) -> None:
         """Items this run finished (generated, failed or invalid) and their completion tokens."""
@@ -112,6 +125,23 @@ class BulkProgress:
         elapsed_s = max(1e-6, time.monotonic() - self._start_s)
         done = self._progress.tasks[0].completed
         self._progress.update(self._task, items_s=done / elapsed_s, tokens_s=self._num_tokens / elapsed_s)
+        if self._next_line_s is not None and time.monotonic() >= self._next_line_s:
+            self._write_line()
+
+    def _write_line(self) -> None:
+        """The progress as one plain line (no terminal): counts, rates, elapsed time and ETA."""
+        assert self._progress is not None and self._next_line_s is not None
+        task = self._progress.tasks[0]
+        total, done = int(task.total or 0), int(task.completed)
+        elapsed_s = time.monotonic() - self._start_s
+        items_s = done / elapsed_s if elapsed_s > 0 else 0.0
+        eta = f"{(total - done) / items_s:.0f} s" if items_s > 0 else "?"
+        percent = 100.0 * done / total if total else 100.0
+        earlier = "".join(f" {name} {n}" for name, n in self._counts.items() if n)
+        self._console.print(f"bulk {done}/{total} ({percent:.1f}%) {items_s:.1f} items/s "
+                            f"{self._num_tokens / max(elapsed_s, 1e-6):.1f} tok/s elapsed {elapsed_s:.0f} s "
+                            f"ETA {eta}{earlier}", markup=False, highlight=False, soft_wrap=True)
+        self._next_line_s = time.monotonic() + self._line_interval_s
 
     def skip(self) -> None:
         """An item already in the output or errors file."""
@@ -142,6 +172,8 @@ class BulkProgress:
                  tb: TracebackType | None) -> None:
         if self._progress is not None:
             self._progress.stop()
+            if self._next_line_s is not None:
+                self._write_line()
 
 
 def render_summary(summary: BulkSummary, console: Console) -> None:

@@ -27,3 +27,15 @@ def test_earlier_work_is_counted_as_such_not_as_progress() -> None:
     assert rates is not None, line
     items_s, tokens_s = float(rates[1]), float(rates[2])
     assert abs(tokens_s - 50 * items_s) <= 50 * 0.1, "one item, 50 new tokens: the rate counts nothing recovered"
+
+
+def test_without_a_terminal_progress_is_written_as_lines_not_only_the_last_state() -> None:
+    out = io.StringIO()
+    console = Console(file=out, width=80, force_terminal=False)
+    with BulkProgress(4, enabled=True, console=console, line_interval_s=0.0) as progress:
+        for _ in range(4):
+            progress.advance(1, 10)
+    lines = out.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == ["1/4", "2/4", "3/4", "4/4", "4/4"], lines  # + one at the end
+    assert all(line.startswith("bulk ") and "ETA" in line for line in lines), "plain lines, never cut at 80 columns"
+    assert "\x1b[" not in out.getvalue(), "no terminal control codes in a file"
