@@ -49,7 +49,8 @@ def bulk_command(
     input_format: Annotated[str, typer.Option("--format", help="auto, jsonl, openai, csv or parquet")] = "auto",
     prompt_column: Annotated[str, typer.Option(help="CSV/Parquet prompt column")] = "prompt",
     id_column: Annotated[str, typer.Option(help="CSV/Parquet id column (optional)")] = "id",
-    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="progress on stderr: a bar on a terminal, else a line every 10 s")] = True,
+    progress: Annotated[bool, typer.Option(
+        "--progress/--no-progress", help="progress on stderr: a bar on a terminal, else a line every 10 s")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
     queue: QueueOption = None,
 ) -> None:
