@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from tests.worker_helpers import worker_logs
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fail() -> None:
@@ -41,3 +47,32 @@ def test_a_line_without_an_exception_is_one_line(as_json: bool) -> None:
     output = buffer.getvalue()
     assert output.count("\n") == 1
     assert "traceback" not in output.lower()
+
+
+_LOAD_A_MODEL = """
+import sys
+{before}
+from worker.logs import setup_logging
+setup_logging("INFO", as_json={as_json})
+from transformers import AutoModelForCausalLM
+AutoModelForCausalLM.from_pretrained(sys.argv[1])
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.tiny_models import save_tiny_model  # noqa: PLC0415 - torch only for this test
+
+    return save_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.mark.parametrize(("as_json", "imported_first"), [(False, False), (True, False), (True, True)],
+                         ids=["text-control", "json-imported-after", "json-imported-before"])
+def test_json_logs_switch_off_hugging_face_progress_bars(tiny_model: Path, as_json: bool,
+                                                         imported_first: bool) -> None:
+    code = _LOAD_A_MODEL.format(before="import transformers" if imported_first else "", as_json=as_json)
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    done = subprocess.run([sys.executable, "-c", code, str(tiny_model)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, check=True)
+    # NOTE: the text control shows the bar is there to switch off (text logs leave it as it is)
+    assert ("Loading weights" in done.stderr) is not as_json, done.stderr[-2000:]
