@@ -99,8 +99,8 @@ def submit(
     messages: Annotated[str | None, typer.Option(help='chat messages as JSON: [{"role": "user", "content": ...}]')] = None,
     system: Annotated[str | None, typer.Option(help="a system message before the prompt")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="send the prompt as raw text, without the chat template")] = False,
-    model: Annotated[str | None, typer.Option(help="the model the request is for (a worker serving another answers "
-                                                    "model_not_served)")] = None,
+    model: Annotated[str | None, typer.Option(help="the model the request is for: it waits in that model's lanes, "
+                                                    "for a worker serving it")] = None,
     max_tokens: Annotated[int | None, typer.Option(
         help=f"most tokens to generate (default {SamplingParams.model_fields['max_tokens'].default})")] = None,
     n: Annotated[int | None, typer.Option("--n", help="parallel samples of the prompt (default 1)")] = None,
@@ -151,7 +151,7 @@ def submit(
     as_json = as_json or logprobs is not None
     request = _build_request(ctx, options)
     with open_producer(ctx) as producer:
-        warn_without_workers(ctx, producer)
+        warn_without_workers(ctx, producer, request.model)
         [rid] = producer.submit_many([request])
         if no_wait:
             typer.echo(rid)

@@ -155,10 +155,14 @@ def open_producer(ctx: typer.Context) -> Iterator[Producer]:
         producer.close()
 
 
-def warn_without_workers(ctx: typer.Context, producer: Producer) -> None:
-    """One line on stderr when no live worker serves the producer's queue (the requests wait for one)."""
+def warn_without_workers(ctx: typer.Context, producer: Producer, model: str | None = None) -> None:
+    """One line on stderr when no live worker serves the producer's queue, or ``model`` on it (the
+    requests wait for one)."""
     stale_after_s = client_settings(ctx).worker.stale_after_s
     stats = or_exit(lambda: producer.stats(stale_after_s=stale_after_s))
     if stats["num_live_workers"] == 0:
         typer.echo(f"warning: no live worker serves queue {producer.keys.base}; requests wait until one starts "
                    "(tokenmill worker)", err=True)
+    elif model is not None and all(model not in beat["model_names"] for beat in stats["workers"].values()):
+        typer.echo(f"warning: no live worker serves model {model!r} on queue {producer.keys.base}; the request "
+                   "waits until one starts", err=True)

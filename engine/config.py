@@ -128,7 +128,8 @@ class CacheConfig(_Frozen):
 
 
 class ExecutionConfig(_Frozen):
-    """How a step executes: the attention backend, and whether the forward is compiled / captured."""
+    """How a step executes: the attention backend, the CPU's linear-layer kernel, and whether the forward is
+    compiled / captured. Each fast path keeps its reference beside it (``reference``, ``off``)."""
 
     attention_backend: Literal["auto", "reference", "cpu", "triton"] = Field(
         "auto", description="auto: the device's kernel (cpu: C++, cuda: Triton), else reference (gather + SDPA)"
@@ -136,6 +137,11 @@ class ExecutionConfig(_Frozen):
     compile: Literal["auto", "off"] = Field(
         "auto", description="auto: captured steps (CUDA: decode steps in CUDA graphs; CPU: Llama-family decoder layers "
         "in one C++ call); off: eager Hugging Face modules"
+    )
+    linear_kernel: Literal["auto", "onednn", "panels", "off"] = Field(
+        "auto", description="CPU linear layers, packed once at load: auto: the faster kernel for this CPU and dtype "
+        "(engine/kernels/cpu_linear.py); onednn: torch's oneDNN; panels: the engine's C++ panel kernel; off: plain "
+        "nn.Linear"
     )
 
 

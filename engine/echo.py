@@ -4,26 +4,31 @@ rules) over a step runner that needs no weights. Each request's output repeats i
 For queue tests, benchmarks of the queue and smoke tests of a deployment: the worker drives it
 exactly as it drives a model, so what they exercise is the scheduler production runs. Served as
 ``echo``, or ``echo:step_delay_s=0.004`` to sleep that long per step, standing in for a forward.
+``echo:crash_on=TEXT`` is a test hook: a step that runs a prompt containing TEXT exits the process
+(``os._exit(1)``, a crash no engine can contain); a name without it never crashes.
 
 Token ids are the prompt's UTF-8 bytes (0..255); 256 is EOS. At output position ``i`` the runner
 "samples" prompt byte ``i``; once the prompt has been echoed it samples EOS, so a request stops
 after one echo, unless ``ignore_eos`` (or ``min_tokens`` not yet reached) makes it go round again,
 up to ``max_tokens``. Stop strings, stop ids, ``min_tokens``, ``n``, priorities, preemption and
-aborts all behave as they do on a model. Standard library only: no torch.
+aborts all behave as they do on a model; a structured ``response_format`` is accepted and not
+enforced (the answer is the prompt, which a test writes to match). Standard library only: no torch.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine.block_manager import BlockManager
-from engine.clock import Clock
 from engine.config import EngineConfig
-from engine.outputs import ModelOutput, ScheduledChunk, SchedulerOutput
-from engine.prefix_cache import PrefixCache
-from engine.scheduler import Scheduler
+from engine.core.clock import Clock
+from engine.core.scheduler import Scheduler
+from engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput
+from engine.kv.block_manager import BlockManager
+from engine.kv.prefix_cache import PrefixCache
+from protocol.sampling import ResponseFormat
 
 ECHO_MODEL = "echo"
 EOS_TOKEN_ID = 256
@@ -38,9 +43,10 @@ def is_echo_model(name: str) -> bool:
 
 @dataclass(frozen=True)
 class EchoOptions:
-    """The echo model's options, from ``echo:step_delay_s=S``."""
+    """The echo model's options, from ``echo:step_delay_s=S`` (and the test hook ``crash_on=TEXT``)."""
 
     step_delay_s: float = 0.0  # sleep per step, standing in for a forward pass
+    crash_on: str = ""  # test hook: a step running a prompt with this text exits the process; "" = never
 
     @classmethod
     def parse(cls, name: str) -> EchoOptions:
@@ -51,13 +57,16 @@ class EchoOptions:
         """
         if not is_echo_model(name):
             raise ValueError(f"{name!r} is not an echo model")
-        values: dict[str, float] = {}
+        step_delay_s, crash_on = 0.0, ""
         for item in filter(None, name.removeprefix(ECHO_MODEL).removeprefix(":").split(",")):
             key, _, text = item.partition("=")
-            if key != "step_delay_s":
-                raise ValueError(f"unknown echo option {key!r} (the echo model takes step_delay_s)")
-            values[key] = float(text)
-        options = cls(**values)
+            if key == "step_delay_s":
+                step_delay_s = float(text)
+            elif key == "crash_on" and text:
+                crash_on = text
+            else:
+                raise ValueError(f"unknown echo option {key!r} (the echo model takes step_delay_s, crash_on)")
+        options = cls(step_delay_s, crash_on)
         if options.step_delay_s < 0:
             raise ValueError("echo options must be >= 0")
         return options
@@ -66,13 +75,16 @@ class EchoOptions:
 class ByteTokenizer:
     """The part of a Hugging Face tokenizer the engine uses, over UTF-8 bytes.
 
-    Chat messages are their contents, one per line (the "chat template" of the echo model).
+    Chat messages are their contents, one per line (the "chat template" of the echo model). The
+    template takes ``tools`` and writes nothing of them, so a request with tools echoes what its
+    messages say (a test writes the call it wants back) rather than a tools preamble.
     """
 
     eos_token_id = EOS_TOKEN_ID
     all_special_ids = [EOS_TOKEN_ID]
     added_tokens_decoder: dict[int, Any] = {EOS_TOKEN_ID: "</s>"}
-    chat_template = "the contents of the messages, one per line"
+    # NOTE: mentions "tools": engine/output/prompts.py then passes tools to the template (renders_tools)
+    chat_template = "the contents of the messages, one per line; tools are taken and not written"
 
     def __call__(self, texts: list[str], add_special_tokens: bool = True, **kwargs: Any) -> dict[str, Any]:
         return {"input_ids": [list(text.encode()) for text in texts]}
@@ -85,7 +97,7 @@ class ByteTokenizer:
         return b"".join(bytes([t]) if t != EOS_TOKEN_ID else eos for t in token_ids).decode("utf-8", errors="replace")
 
     def convert_ids_to_tokens(self, token_id: int) -> str:
-        """A byte's piece in SentencePiece's byte-fallback form (engine/logprobs.py reads it back)."""
+        """A byte's piece in SentencePiece's byte-fallback form (engine/output/logprobs.py reads it back)."""
         return "</s>" if token_id == EOS_TOKEN_ID else f"<0x{token_id:02X}>"
 
 
@@ -93,16 +105,19 @@ class EchoRunner:
     """Executes a step without a model: every chunk that samples gets its next echo token.
 
     Args:
-        options: the pace.
+        options: the pace, and the crash hook.
     """
 
     def __init__(self, options: EchoOptions) -> None:
         self.options = options
+        self._crash_on = options.crash_on.encode()
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         output = ModelOutput()
         if not scheduler_output.chunks:
             return output
+        if self._crash_on and any(self._crash_on in _bytes(_prompt_of(chunk)) for chunk in scheduler_output.chunks):
+            os._exit(1)  # NOTE: the test hook (crash_on): a crash that takes every request of the step along
         if self.options.step_delay_s:
             time.sleep(self.options.step_delay_s)
         for chunk in scheduler_output.chunks:
@@ -114,11 +129,16 @@ class EchoRunner:
         return output
 
 
+class AnyGrammar:
+    """Structured output on the echo model: every ``response_format`` is accepted and not enforced."""
+
+    def compile(self, response_format: ResponseFormat) -> None:
+        """Nothing to compile: the echo model's answer is its prompt."""
+
+
 def next_echo_token(chunk: ScheduledChunk) -> int:
     """The token at the chunk's output position: the prompt's byte there, or EOS once it was echoed."""
-    if chunk.sampling_state is None:
-        raise ValueError(f"{chunk.request_id}: the echo runner needs the request's tokens (sampling_state)")
-    prompt = chunk.sampling_state.prompt_token_ids
+    prompt = _prompt_of(chunk)
     position = chunk.num_output_tokens
     params = chunk.sampling_params
     if position < len(prompt) or params.ignore_eos or params.is_min_tokens_active(position):
@@ -126,13 +146,24 @@ def next_echo_token(chunk: ScheduledChunk) -> int:
     return EOS_TOKEN_ID
 
 
+def _prompt_of(chunk: ScheduledChunk) -> list[int]:
+    if chunk.sampling_state is None:
+        raise ValueError(f"{chunk.request_id}: the echo runner needs the request's tokens (sampling_state)")
+    return chunk.sampling_state.prompt_token_ids
+
+
+def _bytes(token_ids: list[int]) -> bytes:
+    return bytes(t % 256 for t in token_ids)  # NOTE: EOS (256) may be given in a prompt of token ids
+
+
 @dataclass
 class EchoParts:
-    """What an echo engine is made of (the torch-free counterpart of model_setup's parts)."""
+    """What the echo model's engine is made of (the torch-free counterpart of model_setup's parts)."""
 
     scheduler: Scheduler
     runner: EchoRunner
     tokenizer: ByteTokenizer
+    grammars: AnyGrammar
     max_model_len: int
     block_size: int
 
@@ -159,4 +190,4 @@ def build_echo_parts(config: EngineConfig, clock: Clock) -> EchoParts:
     prefix_cache = PrefixCache(block_manager) if config.cache.enable_prefix_caching else None
     scheduler = Scheduler(config.scheduler, block_manager, clock, frozenset({EOS_TOKEN_ID}), max_model_len,
                           prefix_cache)
-    return EchoParts(scheduler, EchoRunner(options), ByteTokenizer(), max_model_len, block_size)
+    return EchoParts(scheduler, EchoRunner(options), ByteTokenizer(), AnyGrammar(), max_model_len, block_size)

@@ -12,39 +12,28 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
-from engine.clock import Clock, MonotonicClock
 from engine.config import EngineConfig
+from engine.core.clock import Clock, MonotonicClock
+from engine.core.limits import ModelLimits
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.core.stats import EngineStats
+from engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput, StepRunner
 from engine.echo import ECHO_MODEL, VOCAB_SIZE, build_echo_parts, is_echo_model
 from engine.errors import GrammarError
 from engine.offline import GenerationOutput, run_offline
-from engine.outputs import ModelOutput, RequestOutput, ScheduledChunk, SchedulerOutput, StepRunner
-from engine.postprocess import OutputProcessor
-from engine.prompts import Prompt, PromptError, tokenize_prompt
-from engine.request import Request, RequestStatus
+from engine.output.output_processor import OutputProcessor
+from engine.output.prompts import Prompt, PromptError, tokenize_prompt
+from engine.output.request_output import RequestOutput
 from protocol.outcomes import ErrorCode
 from protocol.sampling import SamplingParams
-from engine.scheduler import Scheduler
-from engine.stats import EngineStats
 
 if TYPE_CHECKING:
-    from engine.grammar import GrammarCompiler
+    from engine.sample.grammar import Grammars
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """What the engine checks requests against."""
-
-    model_name: str  # as configured (alias, id or path)
-    source: str  # what was loaded: the resolved directory or hub id
-    vocab_size: int  # prompt token ids must be below this
-    max_request_tokens: int  # prompt + max_tokens of one request: the model context or the whole KV cache
-    is_cache_bound: bool  # max_request_tokens is the KV cache's size, not the model's context
-    kv_block_bytes: int  # bytes of one KV block (stats)
 
 
 class Engine:
@@ -62,7 +51,7 @@ class Engine:
     """
 
     def __init__(self, scheduler: Scheduler, runner: StepRunner, processor: OutputProcessor, tokenizer: Any,
-                 limits: ModelLimits, clock: Clock, grammars: GrammarCompiler | None = None) -> None:
+                 limits: ModelLimits, clock: Clock, grammars: Grammars | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.processor = processor
@@ -78,27 +67,27 @@ class Engine:
         self._num_generated_tokens = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> Engine:
+    def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> Self:
         """Load the model and size the KV cache (imports torch), or build the echo model (engine/echo.py:
         no torch, no weights)."""
         clock = clock or MonotonicClock()
         if is_echo_model(config.model.name):
             return cls._echo(config, clock)
-        from engine.model_setup import build_engine_parts  # noqa: PLC0415 - torch only for real engines
+        from engine.model.model_setup import build_engine_parts  # noqa: PLC0415 - torch only for real engines
 
         parts = build_engine_parts(config, clock)
         return cls(parts.scheduler, parts.runner, OutputProcessor(parts.tokenizer, clock), parts.tokenizer,
                    parts.limits, clock, parts.grammars)
 
     @classmethod
-    def _echo(cls, config: EngineConfig, clock: Clock) -> Engine:
+    def _echo(cls, config: EngineConfig, clock: Clock) -> Self:
         parts = build_echo_parts(config, clock)
         num_tokens = parts.scheduler.block_manager.num_gpu_blocks * parts.block_size
         limits = ModelLimits(model_name=ECHO_MODEL, source=ECHO_MODEL, vocab_size=VOCAB_SIZE,
                              max_request_tokens=min(parts.max_model_len, num_tokens),
                              is_cache_bound=num_tokens < parts.max_model_len, kv_block_bytes=parts.block_size)
         return cls(parts.scheduler, parts.runner, OutputProcessor(parts.tokenizer, clock), parts.tokenizer, limits,
-                   clock)
+                   clock, parts.grammars)
 
     @property
     def model_name(self) -> str:
@@ -172,10 +161,9 @@ class Engine:
             return params
         room = self.limits.max_request_tokens - len(prompt_token_ids)
         if room < 1:
-            limit = "the KV cache" if self.limits.is_cache_bound else "the model context"
             raise PromptError(ErrorCode.PROMPT_TOO_LONG,
-                              f"prompt ({len(prompt_token_ids)} tokens) leaves no room to generate within {limit} "
-                              f"({self.limits.max_request_tokens} tokens)", num_prompt_tokens=len(prompt_token_ids))
+                              f"prompt ({len(prompt_token_ids)} tokens) leaves no room to generate within "
+                              f"{self._request_limit}", num_prompt_tokens=len(prompt_token_ids))
         return params.model_copy(update={"max_tokens": max(room, params.min_tokens)})
 
     def _check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -190,13 +178,20 @@ class Engine:
                               f"{self.scheduler.config.max_num_seqs})")
         needed = len(prompt_token_ids) + (params.max_tokens or 0)
         if needed > self.limits.max_request_tokens:
-            limit = "the KV cache" if self.limits.is_cache_bound else "the model context"
             raise PromptError(
                 ErrorCode.PROMPT_TOO_LONG,
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {needed} "
-                f"exceeds {limit} ({self.limits.max_request_tokens} tokens)",
+                f"exceeds {self._request_limit}",
                 num_prompt_tokens=len(prompt_token_ids),
             )
+
+    @property
+    def _request_limit(self) -> str:
+        """What bounds a request, as a prompt-too-long message names it (with the setting to raise)."""
+        num_tokens = self.limits.max_request_tokens
+        if self.limits.is_cache_bound:
+            return f"the KV cache ({num_tokens} tokens)"
+        return f"the model context (max_model_len is {num_tokens} tokens)"
 
     def abort(self, request_id: str) -> None:
         """Stop a request; the next :meth:`step` reports it finished with reason ``abort``.

@@ -6,20 +6,30 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tqdm.auto import tqdm
 
-from protocol.outcomes import TokenLogprob
-from engine.outputs import RequestMetrics, SampleOutput
-from engine.prompts import PromptError, PromptLike, as_prompt
-from protocol.outcomes import FinishReason
+from engine.core.clock import Clock
+from engine.output.prompts import Prompt, PromptError, PromptLike, as_prompt
+from engine.output.request_output import RequestMetrics, RequestOutput, SampleOutput
+from protocol.outcomes import FinishReason, TokenLogprob
 from protocol.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from engine.engine import Engine
-
 _batch_numbers = itertools.count()  # keeps request ids of successive generate() calls distinct
+
+
+class OfflineEngine(Protocol):
+    """What offline generation needs of an engine: :class:`engine.engine.Engine`, which hands itself in."""
+
+    clock: Clock
+
+    def tokenize(self, prompt: Prompt) -> list[int]: ...
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
 
 
 @dataclass
@@ -38,7 +48,7 @@ class GenerationOutput:
 
 
 def run_offline(
-    engine: Engine,
+    engine: OfflineEngine,
     prompts: Sequence[PromptLike],
     params: SamplingParams | Sequence[SamplingParams] | None,
     progress: bool = True,

@@ -192,10 +192,11 @@ class AsyncProducer:
     async def stats(self, *, stale_after_s: float = STALE_AFTER_S) -> dict[str, Any]:
         """Queue, lane and worker stats; see :meth:`producer.Producer.stats`."""
         client = await self.connect()
+        lanes = common.all_lanes(self.keys, await client.smembers(self.keys.models))
         pipe = client.pipeline(transaction=False)
-        common.queue_stats_commands(pipe, self.keys)
+        common.queue_stats_commands(pipe, self.keys, lanes)
         replies = await pipe.execute(raise_on_error=False)
-        return common.shape_stats(self.keys, replies, stale_after_s=stale_after_s)
+        return common.shape_stats(self.keys, lanes, replies, stale_after_s=stale_after_s)
 
     async def _get(self, key: str) -> bytes | None:
         client = await self.connect()

@@ -17,7 +17,7 @@ from producer import common
 from producer.common import Deadline, SubmitOptions
 from producer.config import ProducerConfig, QueueConfig, RedisConfig
 from producer.connection import connect
-from producer.keys import DONE_TTL_S
+from producer.keys import DONE_TTL_S, Lane
 from protocol.heartbeat import STALE_AFTER_S
 from producer.schema import GenerationRequest, GenerationResult
 
@@ -254,11 +254,11 @@ class Producer:
         """
         wanted = set(request_ids)
         found: dict[str, common.RequestState] = {}
-        for lane in self.keys.lanes:
+        for lane in self._lanes():
             start = "-"
             while len(found) < len(wanted):
                 entries = cast("list[tuple[bytes, dict[bytes, bytes]]]",
-                               self.client.xrange(lane, min=start, count=common.LOCATE_PAGE))
+                               self.client.xrange(lane.stream, min=start, count=common.LOCATE_PAGE))
                 found |= dict.fromkeys(common.ids_in_entries(entries, wanted), "queued")
                 if len(entries) < common.LOCATE_PAGE:
                     break
@@ -295,7 +295,8 @@ class Producer:
                 raise common.timeout_error([request_id], timeout)
 
     def stats(self, *, stale_after_s: float = STALE_AFTER_S) -> dict[str, Any]:
-        """Queue depth, pending, lag (Redis >= 7, else None) per lane; dead letters; workers.
+        """Queue depth, pending, lag (Redis >= 7, else None) per lane (the shared lanes and those of every
+        model requests were routed to); dead letters; workers.
 
         Args:
             stale_after_s: a worker whose heartbeat ``ts`` is older than this counts as stale (default:
@@ -303,14 +304,19 @@ class Producer:
                 says ``stopped`` is stale at once (``stale_workers`` holds both).
 
         Returns:
-            ``{"queue", "lanes": [{"lane", "stream", "depth", "pending", "lag", "has_group"}],
+            ``{"queue", "models", "lanes": [{"lane", "model", "stream", "depth", "pending", "lag", "has_group"}],
             "depth", "pending", "dead", "cancelled", "num_live_workers", "workers",
-            "stale_workers"}``.
+            "stale_workers"}``; a shared lane's ``model`` is None, and ``depth`` and ``pending`` add up every lane.
         """
+        lanes = self._lanes()
         pipe = self.client.pipeline(transaction=False)
-        common.queue_stats_commands(pipe, self.keys)
+        common.queue_stats_commands(pipe, self.keys, lanes)
         replies = pipe.execute(raise_on_error=False)
-        return common.shape_stats(self.keys, replies, stale_after_s=stale_after_s)
+        return common.shape_stats(self.keys, lanes, replies, stale_after_s=stale_after_s)
+
+    def _lanes(self) -> list[Lane]:
+        """Every lane of the queue: the shared ones and those of every registered model."""
+        return common.all_lanes(self.keys, cast("set[bytes]", self.client.smembers(self.keys.models)))
 
     def _collect(self, pending: dict[str, None], ids: list[str] | None = None) -> Iterator[GenerationResult]:
         """Yield (and drop from ``pending``) every result of ``ids`` (default: all pending) that has landed."""

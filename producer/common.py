@@ -7,7 +7,7 @@ from __future__ import annotations
 import codecs
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal, TypedDict
 
@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from producer.config import MAX_BLOCK_S
 from producer.errors import JobFailed, ResultTimeout, SchemaError, SubmitUncertain
-from producer.keys import CONSUMER_GROUP, Keys
+from producer.keys import CONSUMER_GROUP, Keys, Lane
 from protocol.heartbeat import decode_heartbeat
 from producer.schema import (
     ErrorCode,
@@ -62,11 +62,13 @@ return value
 
 # NOTE: the submit-once scheme (Celery tasks, bulk jobs): a marker per id, set NX with the result's
 # lifetime, guards the XADD, so a re-run or redelivery never queues an id twice. A first submit also
-# clears an old cancel mark of the id (it would pre-cancel this request). KEYS: marker, lane, cancel
-# set. ARGV: now (unix s), marker ttl ms, d, v, id. Returns the submit time of whoever submitted first.
+# clears an old cancel mark of the id (it would pre-cancel this request), and registers the model of a
+# request that names one. KEYS: marker, lane, cancel set[, models set]. ARGV: now (unix s), marker ttl
+# ms, d, v, id[, model]. Returns the submit time of whoever submitted first.
 SUBMIT_ONCE_SCRIPT = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   redis.call('ZREM', KEYS[3], ARGV[5])
+  if KEYS[4] then redis.call('SADD', KEYS[4], ARGV[6]) end
   redis.call('XADD', KEYS[2], '*', 'd', ARGV[3], 'v', ARGV[4])
   return ARGV[1]
 end
@@ -211,15 +213,19 @@ def as_chat(options: Mapping[str, Any], system: str | None = None) -> dict[str, 
 
 
 def queue_submit_commands(pipe: Any, keys: Keys, requests: Sequence[GenerationRequest]) -> None:
-    """Queue the commands that enqueue ``requests`` (sync or asyncio pipeline, one round trip).
+    """Queue the commands that enqueue ``requests`` (sync or asyncio pipeline, one round trip), each on
+    its priority lane: the shared one, or its model's when it names one (the model is registered too).
 
     NOTE: the ids are first removed from the cancel set: a cancel mark lives ``result_ttl_s`` and
     would otherwise cancel a later submit of the same id before it ran. ZREM precedes the XADDs
     on the same connection, so no worker can see an entry while its old mark still stands.
     """
     pipe.zrem(keys.cancel, *[request.id for request in requests])
+    models = {request.model for request in requests if request.model is not None}
+    if models:
+        pipe.sadd(keys.models, *sorted(models))
     for request in requests:
-        pipe.xadd(keys.lane(request.priority), encode_request(request))
+        pipe.xadd(keys.lane(request.priority, request.model), encode_request(request))
 
 
 def queue_submit_once_commands(pipe: Any, script: Any, keys: Keys, requests: Sequence[GenerationRequest],
@@ -227,8 +233,12 @@ def queue_submit_once_commands(pipe: Any, script: Any, keys: Keys, requests: Seq
     """Queue one :data:`SUBMIT_ONCE_SCRIPT` call per request (each replies with its first submit time)."""
     for request in requests:
         fields = encode_request(request)
-        script(keys=[keys.submitted(request.id), keys.lane(request.priority), keys.cancel],
-               args=[repr(now_s), int(ttl_s * 1000), fields["d"], fields["v"], request.id], client=pipe)
+        script_keys = [keys.submitted(request.id), keys.lane(request.priority, request.model), keys.cancel]
+        args = [repr(now_s), int(ttl_s * 1000), fields["d"], fields["v"], request.id]
+        if request.model is not None:
+            script_keys.append(keys.models)
+            args.append(request.model)
+        script(keys=script_keys, args=args, client=pipe)
 
 
 def ids_in_entries(entries: Sequence[tuple[bytes, Mapping[bytes, bytes]]], wanted: set[str]) -> list[str]:
@@ -351,32 +361,45 @@ def done_keys(keys: Keys, request_ids: Sequence[str]) -> dict[str, str]:
     return {keys.done(request_id): request_id for request_id in request_ids}
 
 
-def queue_stats_commands(pipe: Any, keys: Keys) -> None:
+def all_lanes(keys: Keys, registered: Iterable[bytes | str]) -> list[Lane]:
+    """Every lane of the queue: the shared ones and those of each model in ``registered`` (the reply
+    to SMEMBERS of :attr:`Keys.models`), most urgent first.
+
+    NOTE: anyone may write to the set: a name that is not UTF-8 is read with replacement characters,
+    which names lanes that hold nothing, never an error.
+    """
+    models = [name.decode(errors="replace") if isinstance(name, bytes) else name for name in registered]
+    return keys.lanes_for(models)
+
+
+def queue_stats_commands(pipe: Any, keys: Keys, lanes: Sequence[Lane]) -> None:
     """Queue the commands whose replies :func:`shape_stats` reads (sync or asyncio pipeline)."""
-    for lane in keys.lanes:
-        pipe.xlen(lane)
-        pipe.xpending(lane, CONSUMER_GROUP)
-        pipe.xinfo_groups(lane)
+    for lane in lanes:
+        pipe.xlen(lane.stream)
+        pipe.xpending(lane.stream, CONSUMER_GROUP)
+        pipe.xinfo_groups(lane.stream)
     pipe.xlen(keys.dead)
     pipe.zcard(keys.cancel)
     pipe.hgetall(keys.workers)
 
 
-def shape_stats(keys: Keys, replies: Sequence[Any], *, stale_after_s: float) -> dict[str, Any]:
-    """Stats from the replies of :func:`queue_stats_commands` (errors returned, not raised) and the workers hash."""
-    lanes = []
-    for k in range(keys.num_lanes):
-        depth, pending, groups = replies[3 * k: 3 * k + 3]
+def shape_stats(keys: Keys, lanes: Sequence[Lane], replies: Sequence[Any], *, stale_after_s: float) -> dict[str, Any]:
+    """Stats of ``lanes`` from the replies of :func:`queue_stats_commands` (errors returned, not raised) and
+    the workers hash."""
+    lane_stats = []
+    for position, lane in enumerate(lanes):
+        depth, pending, groups = replies[3 * position: 3 * position + 3]
         group = _find_group(groups)
-        lanes.append({
-            "lane": k,
-            "stream": keys.lane(k),
+        lane_stats.append({
+            "lane": lane.priority,
+            "model": lane.model,
+            "stream": lane.stream,
             "depth": depth,
             "pending": 0 if isinstance(pending, Exception) else int(pending["pending"]),
             "lag": None if group is None else group.get("lag"),
             "has_group": group is not None,
         })
-    dead, num_cancelled, workers = replies[3 * keys.num_lanes:]
+    dead, num_cancelled, workers = replies[3 * len(lanes):]
     now = time.time()
     live: dict[str, Any] = {}
     stale: dict[str, Any] = {}
@@ -389,9 +412,10 @@ def shape_stats(keys: Keys, replies: Sequence[Any], *, stale_after_s: float) -> 
             (stale if beat.is_stale(now, stale_after_s) else live)[name] = beat.model_dump()
     return {
         "queue": keys.base,
-        "lanes": lanes,
-        "depth": sum(lane["depth"] for lane in lanes),
-        "pending": sum(lane["pending"] for lane in lanes),
+        "models": sorted({lane.model for lane in lanes if lane.model is not None}),
+        "lanes": lane_stats,
+        "depth": sum(lane["depth"] for lane in lane_stats),
+        "pending": sum(lane["pending"] for lane in lane_stats),
         "dead": dead,
         "cancelled": num_cancelled,
         "num_live_workers": len(live),

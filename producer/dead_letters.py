@@ -59,7 +59,8 @@ def select(letters: list[DeadLetter], ids: Collection[str] | None) -> tuple[list
 
 
 def requeue(client: redis.Redis, keys: Keys, letter: DeadLetter) -> str:
-    """Move one dead letter back to its lane (a fresh entry, delivery count 0).
+    """Move one dead letter back to its lane (a fresh entry, delivery count 0): the shared lane or the
+    model's it came from (the model is registered again, as a submit does).
 
     A stored ``max_deliveries`` answer is removed in the same MULTI, so the re-run can answer.
 
@@ -69,11 +70,14 @@ def requeue(client: redis.Redis, keys: Keys, letter: DeadLetter) -> str:
     Raises:
         ValueError: the letter's stream is not a lane of this queue.
     """
-    if letter.stream not in keys.lanes:
+    lane = keys.parse_lane(letter.stream)
+    if lane is None:
         raise ValueError(f"stream {letter.stream!r} is not a lane of queue {keys.base}")
     pipe = client.pipeline(transaction=True)
     if letter.request_id is not None and _has_dead_answer(client, keys, letter.request_id):
         pipe.delete(keys.result(letter.request_id), keys.done(letter.request_id))
+    if lane.model is not None:
+        pipe.sadd(keys.models, lane.model)
     pipe.xadd(letter.stream, letter.fields)  # type: ignore[arg-type]
     pipe.xdel(keys.dead, letter.dead_id)
     replies = pipe.execute()

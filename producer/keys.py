@@ -5,7 +5,9 @@ This module is the protocol's key layout (docs/design.md); producer and worker b
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from urllib.parse import quote, unquote
 
 CONSUMER_GROUP = "workers"
 DEFAULT_PREFIX = "tokenmill"
@@ -19,13 +21,22 @@ PRIORITY_NAMES: dict[str, int] = {"high": 0, "normal": 1, "low": 2}
 
 
 @dataclass(frozen=True)
+class Lane:
+    """One request stream of a queue: a priority lane, shared or one model's."""
+
+    stream: str  # the stream's key
+    priority: int  # its priority lane k (0 = most urgent)
+    model: str | None  # the model its requests name; None for the shared lanes (requests naming none)
+
+
+@dataclass(frozen=True)
 class Keys:
     """Key names for one queue.
 
     Attributes:
         prefix: namespace shared by all queues of a deployment.
         queue: the queue name; workers serve exactly one queue.
-        num_lanes: priority lanes 0..num_lanes-1.
+        num_lanes: priority lanes 0..num_lanes-1, shared and of each model alike (:meth:`lane`).
         hash_tag: wrap ``prefix:queue`` in braces (``{prefix:queue}:lane:0`` ...) so every key
             of the queue hashes to one Redis Cluster slot (multi-key Lua and XREADGROUP need it).
     """
@@ -50,16 +61,49 @@ class Keys:
         """``prefix:queue``, or ``{prefix:queue}`` (one cluster slot) with ``hash_tag``."""
         return f"{{{self.prefix}:{self.queue}}}" if self.hash_tag else f"{self.prefix}:{self.queue}"
 
-    def lane(self, k: int) -> str:
-        """Request stream of priority lane ``k`` (0 = most urgent)."""
+    def lane(self, k: int, model: str | None = None) -> str:
+        """Request stream of priority lane ``k`` (0 = most urgent): the shared one, which holds the
+        requests naming no model, or the lane of ``model``, which holds those naming it.
+
+        NOTE: a model name may hold any character (``org/name``, ``a:b``, braces): it is percent-encoded
+        (everything but letters, digits and ``_.-~``; ``:`` is ``%3A``), so one key names one model, the
+        name part never holds a ``:``, and with ``hash_tag`` the braces of the base stay the first.
+        """
         if not 0 <= k < self.num_lanes:
             raise ValueError(f"lane {k} out of range 0..{self.num_lanes - 1}")
-        return f"{self.base}:lane:{k}"
+        if model is None:
+            return f"{self.base}:lane:{k}"
+        return f"{self.base}:model:{quote(model, safe='')}:lane:{k}"
 
     @property
     def lanes(self) -> list[str]:
-        """All request streams, most urgent first."""
+        """The shared request streams (requests naming no model), most urgent first."""
         return [self.lane(k) for k in range(self.num_lanes)]
+
+    def lanes_for(self, models: Iterable[str]) -> list[Lane]:
+        """The shared lanes and the lanes of every one of ``models``, in the order a worker reads them:
+        lane 0 of all of them before lane 1, the shared lane first within a lane, then models by name."""
+        names: list[str | None] = [None, *sorted(set(models))]
+        return [Lane(self.lane(k, model), k, model) for k in range(self.num_lanes) for model in names]
+
+    def parse_lane(self, stream: str) -> Lane | None:
+        """The lane of this queue that ``stream`` names (shared or a model's), or None when it names none."""
+        head, is_lane, number = stream.rpartition(":lane:")
+        model_prefix = f"{self.base}:model:"
+        if not is_lane or (head != self.base and not head.startswith(model_prefix)):
+            return None
+        model = None if head == self.base else unquote(head[len(model_prefix):])
+        try:
+            lane = Lane(stream, int(number), model)
+            return lane if self.lane(lane.priority, model) == stream else None  # NOTE: only the one spelling
+        except ValueError:  # not a number, or out of range
+            return None
+
+    @property
+    def models(self) -> str:
+        """Set of the model names requests were routed to (the producer adds a request's model with its
+        XADD; a worker adds the names it serves), so stats find model lanes no live worker reads."""
+        return f"{self.base}:models"
 
     def result(self, request_id: str) -> str:
         """String value holding the msgpack ``GenerationResult`` (with a TTL)."""

@@ -74,7 +74,7 @@ class Message(WireModel):
 
 class FunctionSpec(WireModel):
     """A function the model may call (OpenAI's ``function`` object): rendered into the prompt by the
-    model's chat template (engine/prompts.py), which is all a worker does with it."""
+    model's chat template (engine/output/prompts.py), which is all a worker does with it."""
 
     # NOTE: OpenAI's rule for names: they go into the prompt, into a JSON schema's enum and back to
     # the client as the call's name, so nothing that needs quoting or could read as markup.

@@ -42,6 +42,9 @@ class Heartbeat(BaseModel):
     started_at: float = Field(default_factory=time.time)  # unix time the worker started
     model: str = ""  # model loaded (as configured: alias, id or path)
     served_model_name: str = ""  # the name requests use for it (``/v1/models`` lists these)
+    # Every name a request's ``model`` may give to reach this worker: it reads those models' lanes. Empty
+    # from a worker of an older release, which reads the shared lanes only (serves no request naming a model).
+    model_names: list[str] = Field(default_factory=list)
     running: int = 0  # requests generating now
     waiting: int = 0  # requests waiting inside the engine
     tokens_per_s: float = 0.0  # completion tokens per second over the last interval

@@ -124,7 +124,7 @@ class SamplingParams(WireModel):
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
                                  description="alternatives per token to return with its logprob")
-    # Penalties (engine/penalties.py): OpenAI's over the output so far, Hugging Face's over prompt + output.
+    # Penalties (engine/sample/penalties.py): OpenAI's over the output so far, Hugging Face's over prompt + output.
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0,
                                     description="OpenAI's: subtracted once from every generated token")
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0,

@@ -25,6 +25,7 @@ from serve.context import ServeState
 from serve.errors import install_handlers
 from serve.files import FileStore
 from serve.guard import Guard
+from serve.live_models import LiveModels
 from serve.metrics import MetricsMiddleware, ServeMetrics
 from serve.protocol import with_header_timeout
 
@@ -42,11 +43,13 @@ def create_app(settings: ServeSettings) -> FastAPI:
         async with AsyncProducer.from_config(config) as producer:
             sync_producer = await asyncio.to_thread(Producer.from_config, config)
             client = await producer.connect()
-            app.state.serve = ServeState(settings.serve, producer)
+            live_models = LiveModels(client, config.keys, settings.worker.stale_after_s)
+            app.state.serve = ServeState(settings.serve, producer, live_models)
             app.state.files = file_store = FileStore(client, config.keys, settings.serve.file_ttl_s)
             app.state.batches = batch_store = BatchStore(client, config.keys, settings.serve.file_ttl_s)
             owner = f"serve-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-            app.state.batch_runner = runner = BatchRunner(batch_store, file_store, sync_producer, settings.serve, owner)
+            app.state.batch_runner = runner = BatchRunner(batch_store, file_store, sync_producer, live_models,
+                                                          settings.serve, owner)
             orphans = asyncio.get_running_loop().create_task(runner.adopt_orphans())
             try:
                 yield

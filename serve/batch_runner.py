@@ -28,6 +28,7 @@ from producer.config import ServeConfig
 from serve.batch_store import ACTIVE, BatchStore
 from serve.batch_usage import requested_model, summarize_output
 from serve.files import FileGone, FileStore, path_chunks
+from serve.live_models import LiveModels
 
 log = logging.getLogger("tokenmill.serve")
 
@@ -44,13 +45,16 @@ class BatchRunner:
         store: the batch objects.
         files: the file store (input, output and error files).
         producer: a sync producer (thread-safe) for the bulk jobs.
+        live_models: the models live workers serve: lines naming another are answered ``model_not_served``
+            when a run starts, not queued.
         config: the ``[serve]`` settings.
         owner: this process's name in the batch objects.
     """
 
-    def __init__(self, store: BatchStore, files: FileStore, producer: Producer, config: ServeConfig,
-                 owner: str) -> None:
+    def __init__(self, store: BatchStore, files: FileStore, producer: Producer, live_models: LiveModels,
+                 config: ServeConfig, owner: str) -> None:
         self._store, self._files, self._producer, self._config = store, files, producer, config
+        self._live_models = live_models
         self.owner = owner
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -116,8 +120,8 @@ class BatchRunner:
         model = await asyncio.to_thread(requested_model, source)  # until the results name the served one
         await self._store.update(batch_id, {"status": "in_progress", "in_progress_at": int(time.time()),
                                             "model": model}, if_status={"validating", "in_progress"})
-        job = BulkJob(self._producer, source, scratch / "output.jsonl", self._options(scratch, batch["endpoint"]),
-                      job_id=batch_id)
+        options = self._options(scratch, batch["endpoint"], await self._live_models.names())
+        job = BulkJob(self._producer, source, scratch / "output.jsonl", options, job_id=batch_id)
         run = asyncio.ensure_future(asyncio.to_thread(job.run))
         expired = False
         while not run.done():
@@ -125,9 +129,10 @@ class BatchRunner:
             expired |= await self._monitor(batch_id, batch, job)
         await self._complete(batch_id, job, expired, account)
 
-    def _options(self, scratch: Path, endpoint: str) -> BulkOptions:
+    def _options(self, scratch: Path, endpoint: str, served_models: frozenset[str]) -> BulkOptions:
         return BulkOptions(format="openai", priority=self._config.batch_priority, errors_path=scratch / "errors.jsonl",
-                           max_in_flight=self._config.batch_max_in_flight, cancel_on_interrupt=True, endpoint=endpoint)
+                           max_in_flight=self._config.batch_max_in_flight, cancel_on_interrupt=True, endpoint=endpoint,
+                           served_models=served_models)
 
     async def _monitor(self, batch_id: str, batch: dict[str, Any], job: BulkJob) -> bool:
         """Report counts and life; stop the job on a cancel or at expiry. Returns whether it expired."""

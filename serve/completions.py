@@ -2,7 +2,8 @@
 its result (non-streaming) or its token stream (server-sent events). A client that disconnects
 cancels its request. A chat request with tools is answered with its ``tool_calls`` when the answer
 is a call (producer/openai_compat/tool_calls.py); streamed, content goes out as it comes and a call
-when it is complete: a chunk with its id and name, then one with its arguments.
+when it is complete: a chunk with its id and name, then one with its arguments. A request naming a
+model no live worker serves is answered 503 at once, never queued (serve/live_models.py).
 
 Imports fastapi and producer; never torch, the engine or the worker.
 """
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from producer.common import build_request
 from producer.errors import ResultTimeout
 from producer.openai_compat import BodyError, Endpoint, ParsedBody, completion_object, parse_body, result_error
 from producer.openai_compat.objects import chunk_object, tool_call_deltas, usage_chunk
@@ -50,9 +52,13 @@ async def _complete(request: Request, endpoint: Endpoint) -> Response:
         raise BodyError("n", "streaming supports n = 1 only")
     if parsed.stream and parsed.options.get("logprobs") is not None:
         raise BodyError("logprobs", "logprobs are not streamed; ask without stream")
-    producer = state_of(request).producer
-    await producer.submit(**{**parsed.options, "request_id": call.request_id, "priority": call.priority,
-                             "deadline": call.deadline, "stream_tokens": parsed.stream})
+    state = state_of(request)
+    producer = state.producer
+    queued = build_request(producer.keys, {**parsed.options, "request_id": call.request_id, "priority": call.priority,
+                                           "deadline": call.deadline, "stream_tokens": parsed.stream})
+    if queued.model is not None:  # NOTE: queued, it would wait in lanes no live worker reads
+        await state.live_models.require(queued.model)
+    await producer.submit_many([queued])
     if parsed.stream:
         return StreamingResponse(_events(request, call, parsed), media_type="text/event-stream")
     result = await _until_disconnect(request, call, producer.result(call.request_id, timeout=call.timeout_s))

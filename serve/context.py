@@ -16,6 +16,7 @@ from fastapi import Request
 from producer.aio import AsyncProducer
 from producer.config import ServeConfig
 from serve.errors import APIError
+from serve.live_models import LiveModels
 
 PRIORITY_HEADER = "X-Tokenmill-Priority"
 # Client timeouts, in seconds: ours, then the one the openai SDK sends with every request.
@@ -28,6 +29,7 @@ class ServeState:
 
     config: ServeConfig
     producer: AsyncProducer
+    live_models: LiveModels  # the models live workers serve (requests naming another are refused)
 
 
 @dataclass(frozen=True)

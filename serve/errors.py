@@ -27,10 +27,13 @@ class APIError(Exception):
     """An answer other than success: an HTTP status and OpenAI's error body."""
 
     def __init__(self, status_code: int, message: str, *, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, is_final: bool = False) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.body = error_object(message, type_=type_, param=param, code=code)
+        # NOTE: OpenAI's SDKs retry a 5xx twice with backoff unless told not to (x-should-retry): an
+        # error that a retry within seconds cannot mend says so, and the client fails at once.
+        self.is_final = is_final
 
     @classmethod
     def from_body(cls, status_code: int, body: dict[str, Any]) -> APIError:
@@ -39,7 +42,8 @@ class APIError(Exception):
         return cls(status_code, error["message"], type_=error["type"], param=error.get("param"), code=error["code"])
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body, status_code=self.status_code, headers=headers)
+        headers = {**(headers or {}), **({"x-should-retry": "false"} if self.is_final else {})}
+        return JSONResponse(self.body, status_code=self.status_code, headers=headers or None)
 
 
 def not_found(what: str, object_id: str) -> APIError:

@@ -1,4 +1,4 @@
-"""``GET /v1/models``: the model names live workers serve, from their heartbeats.
+"""``GET /v1/models``: the model names live workers serve, from their heartbeats (serve/live_models.py).
 
 Imports fastapi and producer; never torch, the engine or the worker.
 """
@@ -9,7 +9,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from protocol.heartbeat import STALE_AFTER_S
 from serve.context import state_of
 from serve.errors import not_found
 
@@ -17,13 +16,12 @@ router = APIRouter()
 
 
 async def served_models(request: Request) -> dict[str, dict[str, Any]]:
-    """Model id -> OpenAI model object, for every name a live worker announces."""
-    stats = await state_of(request).producer.stats(stale_after_s=STALE_AFTER_S)
+    """Model id -> OpenAI model object, for every served name a live worker announces."""
     models: dict[str, dict[str, Any]] = {}
-    for info in stats["workers"].values():  # live only: stale and stopped workers are not listed
-        name = info.get("served_model_name") or info.get("model")
-        if isinstance(name, str) and name:
-            created = int(min(float(info.get("started_at", 0)), models.get(name, {}).get("created", float("inf"))))
+    for beat in await state_of(request).live_models.heartbeats():  # live only: stale and stopped ones are not
+        name = beat.served_model_name or beat.model
+        if name:
+            created = int(min(beat.started_at, models.get(name, {}).get("created", float("inf"))))
             models[name] = {"id": name, "object": "model", "created": created, "owned_by": "tokenmill"}
     return models
 

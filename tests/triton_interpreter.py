@@ -30,7 +30,7 @@ def enable_interpreter_without_cuda() -> None:
 
 
 def triton_module(device: str) -> ModuleType:
-    """``engine.attention.triton_paged`` for tensors on ``device``: compiled on CUDA, interpreted on the CPU.
+    """``engine.kernels.attention.triton_paged`` for tensors on ``device``: compiled on CUDA, interpreted on the CPU.
 
     Skips the test when the interpreter is wanted but cannot run here: a CUDA machine (its cases run
     the compiled kernels), or triton imported before the variable was set.
@@ -42,7 +42,7 @@ def triton_module(device: str) -> ModuleType:
             pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (see tests/triton_interpreter.py)")
         os.environ["TRITON_INTERPRET"] = "1"
         _widen_bfloat16_dots()
-    return importlib.import_module("engine.attention.triton_paged")
+    return importlib.import_module("engine.kernels.attention.triton_paged")
 
 
 def _library_is_interpreted() -> bool:

@@ -11,13 +11,14 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import redis
 
 from producer.keys import Keys
+from protocol.heartbeat import Heartbeat, encode_heartbeat
 from producer.schema import ErrorCode, GenerationRequest, GenerationResult, decode_result, encode_request, encode_result
 from worker.config import Settings
 from worker.logs import setup_logging
@@ -33,7 +34,7 @@ def make_settings(redis_url: str, prefix: str, *, model: str = "echo", engine: d
     """Settings on the test's own prefix, with fast intervals.
 
     Args:
-        model: the model's name; ``echo:tokens_per_step=1,step_delay_s=0.01`` paces the echo engine.
+        model: the model's name; ``echo:step_delay_s=0.01`` paces the echo model.
         engine: more engine settings by section, e.g. ``{"scheduler": {"max_num_seqs": 1}}``.
         **worker: ``[worker]`` settings.
     """
@@ -48,16 +49,54 @@ def make_settings(redis_url: str, prefix: str, *, model: str = "echo", engine: d
 
 @contextmanager
 def running_worker(settings: Settings, **kwargs: Any) -> Iterator[Worker]:
-    """A worker serving in a background thread; stopped gracefully on exit."""
+    """A worker serving in a background thread, once its first heartbeat is written (serve answers a
+    model only once a live worker announces it); stopped gracefully on exit."""
     worker = Worker(settings, handle_signals=False, **kwargs)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
+    _wait_for_heartbeat(settings, thread)
     try:
         yield worker
     finally:
         worker.stop()
         thread.join(timeout=10)
         assert not thread.is_alive(), "worker did not stop"
+
+
+@contextmanager
+def serving_models(redis_url: str, prefix: str, *models: str) -> Iterator[dict[str, str]]:
+    """An echo worker per model, served under that name (named ``w-<model>``); yields model -> worker name."""
+    with ExitStack() as stack:
+        worker_of = {}
+        for model in models:
+            settings = make_settings(redis_url, prefix, served_model_name=model, name=f"w-{model}")
+            worker_of[model] = stack.enter_context(running_worker(settings)).name
+        yield worker_of
+
+
+def _wait_for_heartbeat(settings: Settings, thread: threading.Thread, timeout_s: float = 10.0) -> None:
+    """Until the worker's heartbeat is in the workers hash, it stops, or Redis fails (its own tests)."""
+    if settings.redis.url is None:
+        return
+    client = redis.Redis.from_url(settings.redis.url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while thread.is_alive() and time.monotonic() < deadline:
+            if client.hexists(settings.queue.keys.workers, settings.worker.name):
+                return
+            time.sleep(0.005)
+    except redis.RedisError:
+        return
+    finally:
+        client.close()
+
+
+def announce(client: redis.Redis, keys: Keys, name: str, *model_names: str) -> None:
+    """A live heartbeat of a worker that reads nothing: serve takes ``model_names`` as served and queues
+    requests naming them, where they wait."""
+    beat = Heartbeat(name=name, ts=time.time(), model=model_names[0], served_model_name=model_names[0],
+                     model_names=list(model_names))
+    client.hset(keys.workers, name, encode_heartbeat(beat))
 
 
 @contextmanager
@@ -116,7 +155,7 @@ def start_worker_process(redis_url: str, prefix: str, name: str, *args: str, mod
 
     Args:
         *args: extra flags of the worker command.
-        model: the model's name (``echo:...`` options pace the echo engine).
+        model: the model's name (``echo:...`` options pace the echo model).
         env: extra ``TOKENMILL_*`` variables (they win over the defaults here).
     """
     defaults = {"TOKENMILL_WORKER__HEARTBEAT_INTERVAL_S": "0.2", "TOKENMILL_WORKER__STALE_AFTER_S": "1.0",

@@ -14,9 +14,9 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from engine.config import EngineConfig
+from engine.echo import ECHO_MODEL, EchoOptions, is_echo_model
 from producer.config import FileSettings, Name, QueueConfig, RedisConfig, ServeConfig
 from protocol.heartbeat import STALE_AFTER_S
-from worker.echo_engine import ECHO_MODEL, EchoOptions, is_echo_model
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]  # any case on input
 

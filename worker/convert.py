@@ -7,8 +7,8 @@ translate is the envelope: prompts in, results out.
 
 from __future__ import annotations
 
-from engine.outputs import RequestOutput
-from engine.prompts import ChatPrompt, Prompt, TextPrompt, TokensPrompt
+from engine.output.prompts import ChatPrompt, Prompt, TextPrompt, TokensPrompt
+from engine.output.request_output import RequestOutput
 from producer.schema import (
     ErrorCode,
     ErrorInfo,

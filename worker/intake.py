@@ -57,6 +57,8 @@ def triage(entry: Entry, now_s: float, policy: IntakePolicy) -> Admit | Finish |
     if reply_error is not None:
         return answer(request.model_copy(update={"reply_to": None}), entry, ErrorCode.VALIDATION.value, reply_error,
                       policy.worker)
+    # NOTE: a guard: producers route a request naming a model to that model's lanes, which only workers
+    # serving it read; only an entry written to another lane by hand (or an older producer) meets it.
     if request.model is not None and request.model not in policy.model_names:
         message = f"this worker serves {' / '.join(sorted(map(repr, policy.model_names)))}, not {request.model!r}"
         return answer(request, entry, ErrorCode.MODEL_NOT_SERVED.value, message, policy.worker)

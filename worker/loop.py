@@ -11,11 +11,12 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-from engine.outputs import RequestOutput
-from engine.prompts import PromptError
+from engine.engine import Engine
+from engine.output.prompts import PromptError
+from engine.output.request_output import RequestOutput
 from producer.schema import ErrorCode, GenerationResult
 from worker.convert import build_result
-from worker.messages import Abort, Admit, EngineLike, Entry, Finish, Incoming, Outgoing, Prepared, TokenDelta
+from worker.messages import Abort, Admit, Entry, Finish, Incoming, Outgoing, Prepared, TokenDelta
 from worker.metrics import WorkerMetrics
 from worker.preparation import Preparation
 from worker.state import Load
@@ -45,7 +46,7 @@ class EngineLoop:
         metrics: receives the engine's stats after every step; None = no metrics.
     """
 
-    def __init__(self, engine: EngineLike, inbox: queue.Queue[Incoming], outbox: queue.Queue[Outgoing],
+    def __init__(self, engine: Engine, inbox: queue.Queue[Incoming], outbox: queue.Queue[Outgoing],
                  load: Load, worker_name: str, metrics: WorkerMetrics | None = None) -> None:
         self._metrics = metrics
         self._engine = engine

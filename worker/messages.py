@@ -1,46 +1,13 @@
-"""Plain records passed between the worker's threads, and the engine interface the worker drives.
+"""Plain records passed between the worker's threads.
 
-Standard library and producer.schema only; never imports engine.engine (torch) or redis.
+Standard library and producer.schema only; never imports the engine or redis.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from engine.outputs import RequestOutput
-from engine.prompts import Prompt
-from protocol.sampling import SamplingParams as EngineSamplingParams
-from engine.stats import EngineStats
 from producer.schema import GenerationRequest, GenerationResult
-
-
-class EngineLike(Protocol):
-    """What the worker needs of an engine: ``engine.Engine`` and ``EchoEngine`` both fit."""
-
-    @property
-    def model_name(self) -> str: ...
-
-    def tokenize(self, prompt: Prompt) -> list[int]: ...
-
-    def compile_grammar(self, params: EngineSamplingParams) -> None: ...
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: EngineSamplingParams,
-        priority: int = 0,
-        arrival_time: float | None = None,
-    ) -> None: ...
-
-    def step(self) -> list[RequestOutput]: ...
-
-    def abort(self, request_id: str) -> None: ...
-
-    def has_unfinished(self) -> bool: ...
-
-    def stats(self) -> EngineStats: ...
 
 
 @dataclass(frozen=True)

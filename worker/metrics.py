@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.stats import EngineStats
-from producer.keys import CONSUMER_GROUP, Keys
+from engine.core.stats import EngineStats
+from producer.keys import CONSUMER_GROUP, Keys, Lane
 from producer.schema import GenerationResult
 
 if TYPE_CHECKING:
@@ -79,22 +79,27 @@ class WorkerMetrics:
     Args:
         worker: the worker's name (an info label; series carry no per-worker label, the
             scrape target's ``instance`` tells workers apart).
-        model: model served (info label).
-        keys: key layout of the served queue; lane series are labelled ``queue`` and ``lane``.
+        model: the model as configured (info label; :meth:`name_model` names it as the engine does once built).
+        keys: key layout of the served queue.
+        lanes: the lanes the worker reads (:meth:`Keys.lanes_for`), sampled each beat; their series are labelled
+            ``queue``, ``lane`` and ``model`` (empty for the shared lanes).
         is_redis_healthy: read at scrape time for ``tokenmill_redis_healthy`` (see worker/health.py).
     """
 
-    def __init__(self, worker: str, model: str, keys: Keys, is_redis_healthy: Callable[[], bool]) -> None:
+    def __init__(self, worker: str, model: str, keys: Keys, lanes: Sequence[Lane],
+                 is_redis_healthy: Callable[[], bool]) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info  # noqa: PLC0415
 
         self.keys = keys
+        self.lanes = list(lanes)
         self.registry = CollectorRegistry()
         self.engine_stats = EngineStats()  # latest engine.stats(); replaced whole, never mutated
         self._server: Any = None
         self._thread: threading.Thread | None = None
         reg = self.registry
-        Info("tokenmill_worker", "the worker behind this endpoint", registry=reg).info(
-            {"worker": worker, "model": model, "queue": keys.queue, "prefix": keys.prefix})
+        self._info = Info("tokenmill_worker", "the worker behind this endpoint", registry=reg)
+        self._info_labels = {"worker": worker, "model": model, "queue": keys.queue, "prefix": keys.prefix}
+        self._info.info(self._info_labels)
         self.requests = Counter("tokenmill_requests", "results written, by status (dead = dead-lettered, no id)",
                                 ["status"], registry=reg)
         self.duplicates = Counter("tokenmill_duplicate_results", "results not stored: the id was already answered",
@@ -111,7 +116,7 @@ class WorkerMetrics:
         self.prompt_tokens = Counter("tokenmill_prompt_tokens", "prompt tokens of finished requests", registry=reg)
         self.tokens_per_s = Gauge("tokenmill_generation_tokens_per_second",
                                   "completion tokens per second over the last heartbeat interval", registry=reg)
-        lane_labels = ["queue", "lane"]
+        lane_labels = ["queue", "lane", "model"]
         self.lane_length = Gauge("tokenmill_lane_length", "XLEN of the lane stream (acked entries included "
                                  "until trimmed)", lane_labels, registry=reg)
         self.lane_pending = Gauge("tokenmill_lane_pending", "entries delivered to the group, not yet acked",
@@ -157,24 +162,30 @@ class WorkerMetrics:
 
     def _sample_lanes(self, client: redis.Redis) -> None:
         pipe = client.pipeline(transaction=False)
-        for lane in self.keys.lanes:
-            pipe.xlen(lane)
-            pipe.xpending(lane, CONSUMER_GROUP)
-            pipe.xinfo_groups(lane)
+        for lane in self.lanes:
+            pipe.xlen(lane.stream)
+            pipe.xpending(lane.stream, CONSUMER_GROUP)
+            pipe.xinfo_groups(lane.stream)
         pipe.xlen(self.keys.dead)
         replies = pipe.execute(raise_on_error=False)
         queue = self.keys.queue
-        for k in range(self.keys.num_lanes):
-            length, pending, groups = replies[3 * k: 3 * k + 3]
+        for position, lane in enumerate(self.lanes):
+            length, pending, groups = replies[3 * position: 3 * position + 3]
+            labels = (queue, str(lane.priority), lane.model or "")
             if isinstance(length, int):
-                self.lane_length.labels(queue, str(k)).set(length)
+                self.lane_length.labels(*labels).set(length)
             if isinstance(pending, dict):
-                self.lane_pending.labels(queue, str(k)).set(int(pending.get("pending", 0)))
+                self.lane_pending.labels(*labels).set(int(pending.get("pending", 0)))
             lag = _group_lag(groups)
             if lag is not None:
-                self.lane_lag.labels(queue, str(k)).set(lag)
+                self.lane_lag.labels(*labels).set(lag)
         if isinstance(replies[-1], int):
             self.dead_letters.labels(queue).set(replies[-1])
+
+    def name_model(self, model: str) -> None:
+        """The model as the engine names it, once built (the endpoint is up before the model loads)."""
+        self._info_labels["model"] = model
+        self._info.info(self._info_labels)
 
     def serve(self, port: int, addr: str) -> None:
         """Serve ``/metrics`` on ``addr:port`` from a daemon thread (call once)."""

@@ -6,7 +6,7 @@ grammar compiles in a child process for up to ``[engine.structured_output] compi
 everything else to the light lane, which therefore only ever waits for small prompts. Each result
 comes back to the engine thread through its inbox as ``Prepared``.
 
-Imports the worker's messages and the engine's torch-free prompt types; never torch or Redis.
+Imports the worker's messages and the engine's torch-free front (engine.engine); never torch or Redis.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from engine.engine import Engine
 from worker.convert import engine_prompt
-from worker.messages import Admit, EngineLike, Incoming, Prepared
+from worker.messages import Admit, Incoming, Prepared
 
 HEAVY_PROMPT_CHARS = 64 * 1024  # prompts longer than this (text, or all messages' content) take the heavy lane
 NUM_HEAVY_THREADS = 2  # a large prompt and a grammar compile may run side by side
@@ -34,7 +35,7 @@ class Preparation:
         inbox: the engine thread's inbox, which receives every ``Prepared``.
     """
 
-    def __init__(self, engine: EngineLike, inbox: queue.Queue[Incoming]) -> None:
+    def __init__(self, engine: Engine, inbox: queue.Queue[Incoming]) -> None:
         self._engine = engine
         self._inbox = inbox
         self._light = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-prepare")

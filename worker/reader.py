@@ -1,6 +1,7 @@
-"""The reader thread: takes entries from the lanes (most urgent first, only as many as the engine
-can admit soon), reclaims dead consumers' entries, triages everything into the two queues, and
-aborts cancelled requests (at admission, and while they run: the one cancellation poll).
+"""The reader thread: takes entries from the lanes it serves (the shared lanes and those of every
+name of its model: most urgent first, only as many as the engine can admit soon), reclaims dead
+consumers' entries from them, triages everything into the two queues, and aborts cancelled requests
+(at admission, and while they run: the one cancellation poll).
 
 Entries that come back after their worker died (reclaimed, or left by an earlier process under
 this name) are suspects: each runs alone, so a request that kills workers takes no innocent one
@@ -51,7 +52,8 @@ class Reader:
         load: shared counters (backpressure, the engine's live ids).
         inbox: admits and aborts for the engine thread.
         outbox: immediate answers and dead letters for the writer.
-        model_names: the names a request's ``model`` may give (served and configured).
+        model_names: the names a request's ``model`` may give (served and configured): the reader reads
+            their lanes besides the shared ones, and so only ever takes requests it can serve.
         health: records the reader's failing Redis calls (and decides when it gives up).
     """
 
@@ -61,9 +63,13 @@ class Reader:
         self._client, self._keys, self._config, self._load = client, keys, config, load
         self._health = health
         self._inbox, self._outbox = inbox, outbox
+        self._model_names = model_names
+        lanes = keys.lanes_for(model_names)
+        # Stream -> priority lane of every stream this worker reads, most urgent first (docs/design.md, "Redis keys").
+        self._stream_to_lane = {lane.stream: lane.priority for lane in lanes}
         # NOTE: reclaim keeps the heartbeat's pace: it looks once per beat, and claims only entries idle
         # for half a beat (longer than two reclaimers racing, shorter than any dead worker's silence).
-        self._reclaimer = Reclaimer(client, keys, config.name, config.stale_after_s,
+        self._reclaimer = Reclaimer(client, keys, lanes, config.name, config.stale_after_s,
                                     min_idle_ms=int(config.heartbeat_interval_s * 500))
         self._own = OwnDelivery(client, config.name)
         self._intake = IntakePolicy(keys, model_names, config.name, config.max_request_bytes)
@@ -74,7 +80,7 @@ class Reader:
         self._needs_pending_check = False  # a connection failed: a reply may have been lost on the way
         # Lanes whose entries already delivered to this consumer name are still to be taken (a
         # restart under the same --name), with the id to list after (None: from the start).
-        self._backlog: dict[str, str | None] = dict.fromkeys(keys.lanes)
+        self._backlog: dict[str, str | None] = dict.fromkeys(self._stream_to_lane)
         # NOTE: entries whose worker died holding them, held here (pending for this worker, counts
         # unchanged) until each runs alone.
         self._suspects: deque[Pending] = deque()
@@ -83,13 +89,16 @@ class Reader:
         self.drained = threading.Event()  # set in burst mode when every lane came back empty
 
     def _ensure_groups(self) -> None:
-        """Create the consumer group on every lane (MKSTREAM, from id 0) if missing."""
-        for stream in self._keys.lanes:
+        """Create the consumer group on every lane read (MKSTREAM, from id 0) if missing, and register
+        the model names (so stats list their lanes)."""
+        for stream in self._stream_to_lane:
             try:
                 self._client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
+        if self._model_names:
+            self._client.sadd(self._keys.models, *sorted(self._model_names))
         self._needs_groups = False
 
     def run(self, burst: bool) -> None:
@@ -196,20 +205,20 @@ class Reader:
             self._inbox.put(Abort(request_id, "cancelled"))
 
     def _read_lanes(self, count: int, block_ms: int | None) -> list[Entry]:
-        """Up to ``count`` new entries, lane 0 first; blocks only when every lane is empty."""
+        """Up to ``count`` new entries, lane 0 (of every model) first; blocks only when every lane is empty."""
         entries: list[Entry] = []
-        for stream in self._keys.lanes:
+        for stream in self._stream_to_lane:
             if len(entries) < count:
                 entries += self._xreadgroup({stream: ">"}, count - len(entries), None)
         if not entries and block_ms is not None:
-            entries = self._xreadgroup({s: ">" for s in self._keys.lanes}, count, block_ms)
+            entries = self._xreadgroup(dict.fromkeys(self._stream_to_lane, ">"), count, block_ms)
         return entries
 
     def _take_backlog(self, count: int) -> None:
         """The next page of entries an earlier process under this name left pending, most urgent lane
         first: suspects, since that process ended holding them (a page shorter than asked ends the lane)."""
         stream = next(iter(self._backlog))
-        page = list_pending(self._client, stream, self._keys.lanes.index(stream), self._config.name, count,
+        page = list_pending(self._client, stream, self._stream_to_lane[stream], self._config.name, count,
                             after=self._backlog[stream])
         if len(page) < count:
             del self._backlog[stream]
@@ -227,7 +236,7 @@ class Reader:
         self._needs_pending_check = False
         self._next_pending_check_s = time.monotonic() + self._config.pending_check_interval_s
         lost: list[Pending] = []
-        for lane, stream in enumerate(self._keys.lanes):
+        for stream, lane in self._stream_to_lane.items():
             held = self._load.held_ids(stream)
             after = None
             while True:
@@ -251,11 +260,11 @@ class Reader:
     def _xreadgroup(self, streams: dict[Any, Any], count: int, block_ms: int | None) -> list[Entry]:
         reply: Any = self._client.xreadgroup(CONSUMER_GROUP, self._config.name, streams, count=count,
                                              block=block_ms)
-        lanes = {stream: k for k, stream in enumerate(self._keys.lanes)}
         out = []
         for raw_stream, items in reply or []:
             stream = as_text(raw_stream)
-            out += [Entry(stream, as_text(eid), lanes[stream], dict(fields)) for eid, fields in items if fields]
+            out += [Entry(stream, as_text(eid), self._stream_to_lane[stream], dict(fields))
+                    for eid, fields in items if fields]
         return out
 
     def _take_reclaimed(self) -> tuple[int, int]:

@@ -1,4 +1,5 @@
-"""Reclaiming entries of dead consumers (stale or stopped heartbeat) and removing those consumers.
+"""Reclaiming entries of dead consumers (stale or stopped heartbeat) and removing those consumers,
+in the lanes this worker reads only: it never takes a request for a model it does not serve.
 
 Imports redis, producer.keys and worker.heartbeat; never the engine. Entries of a consumer with
 a fresh heartbeat are never taken, however long its generation runs. Claims move ownership only
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import redis
 
-from producer.keys import CONSUMER_GROUP, Keys
+from producer.keys import CONSUMER_GROUP, Keys, Lane
 from worker.heartbeat import Heartbeat, as_text, is_dead, read_heartbeats
 from worker.pending import Pending, list_pending
 
@@ -37,15 +39,18 @@ class Reclaimer:
     Args:
         client: Redis client.
         keys: key layout of the served queue.
+        lanes: the lanes this worker reads, most urgent first (:meth:`Keys.lanes_for`): the only ones it
+            reclaims from.
         consumer: this worker's consumer name.
         stale_after_s: heartbeat age after which a worker counts as dead.
         min_idle_ms: an entry must be idle this long to be claimed; guards two reclaimers racing.
     """
 
-    def __init__(self, client: redis.Redis, keys: Keys, consumer: str, stale_after_s: float,
+    def __init__(self, client: redis.Redis, keys: Keys, lanes: Sequence[Lane], consumer: str, stale_after_s: float,
                  min_idle_ms: int) -> None:
         self._client = client
         self._keys = keys
+        self._lanes = list(lanes)
         self._consumer = consumer
         self._stale_after_s = stale_after_s
         self._min_idle_ms = min_idle_ms
@@ -60,12 +65,12 @@ class Reclaimer:
         beats = read_heartbeats(self._client, self._keys)
         now_s = time.time()
         claimed: list[Pending] = []
-        for lane, stream in enumerate(self._keys.lanes):
-            for consumer in self._dead_consumers(stream, beats, now_s):
+        for lane in self._lanes:
+            for consumer in self._dead_consumers(lane.stream, beats, now_s):
                 if consumer["pending"] == 0:
-                    self._remove(stream, consumer["name"])
+                    self._remove(lane.stream, consumer["name"])
                 elif len(claimed) < limit:
-                    claimed += self._claim(stream, lane, consumer["name"], limit - len(claimed))
+                    claimed += self._claim(lane.stream, lane.priority, consumer["name"], limit - len(claimed))
         return claimed
 
     def _dead_consumers(self, stream: str, beats: dict[str, Heartbeat], now_s: float) -> list[dict[str, Any]]:

@@ -18,13 +18,12 @@ from engine.engine import Engine
 from engine.errors import EngineError
 from producer.connection import connect
 from worker.config import Settings
-from worker.echo_engine import EchoEngine, is_echo_model
 from worker.errors import StartupError
 from worker.health import RedisHealth
 from worker.heartbeat import STOPPED
 from worker.logs import setup_logging
 from worker.loop import EngineLoop
-from worker.messages import EngineLike, Incoming, Outgoing
+from worker.messages import Incoming, Outgoing
 from worker.metrics import WorkerMetrics
 from worker.reader import Reader
 from worker.state import Load
@@ -35,19 +34,16 @@ log = logging.getLogger("tokenmill.worker")
 IDLE_WAIT_S = 0.05  # engine thread: wait for commands this long when it has nothing to run
 
 
-def build_engine(settings: Settings) -> EngineLike:
-    """The echo engine for an echo model name, else the real engine (imports torch; slow).
+def build_engine(settings: Settings) -> Engine:
+    """The engine of ``settings.engine``: a model (imports torch; slow) or the echo model (no torch).
 
     Raises:
         StartupError: the model cannot be found or loaded, or the engine cannot be sized.
     """
-    if is_echo_model(settings.engine.model.name):
-        return EchoEngine(settings.engine)
     try:
-        engine: EngineLike = Engine.from_config(settings.engine)
+        return Engine.from_config(settings.engine)
     except EngineError as exc:
         raise StartupError(str(exc)) from exc
-    return engine
 
 
 def run_worker(settings: Settings, *, burst: bool = False) -> int:
@@ -71,31 +67,55 @@ class Worker:
         burst: exit once every lane is empty and nothing is in flight.
     """
 
-    def __init__(self, settings: Settings, engine: EngineLike | None = None, client: redis.Redis | None = None,
+    def __init__(self, settings: Settings, engine: Engine | None = None, client: redis.Redis | None = None,
                  *, handle_signals: bool = True, burst: bool = False) -> None:
         self.settings = settings
         self.name = settings.worker.name
         self._client = client if client is not None else connect(settings.redis)
-        self._engine = engine if engine is not None else build_engine(settings)
         self._handle_signals, self._burst = handle_signals, burst
         inbox: queue.Queue[Incoming] = queue.Queue()
         outbox: queue.Queue[Outgoing] = queue.Queue()
         self._load = load = Load()
-        keys, config, model = settings.queue.keys, settings.worker, self._engine.model_name
+        keys, config = settings.queue.keys, settings.worker
+        model = engine.model_name if engine is not None else settings.engine.model.name  # as the engine names it
         health = RedisHealth(config.redis_give_up_s)
+        served = settings.served_model_name
+        # NOTE: the names a request may give this worker's model by; it reads their lanes (docs/design.md).
+        model_names = frozenset({served, model, settings.engine.model.name})
         # NOTE: one registry per worker, so several workers can live in one process (tests).
         self.metrics = None
         if config.metrics_port is not None:
-            self.metrics = WorkerMetrics(self.name, model, keys, is_redis_healthy=lambda: health.is_healthy)
+            self.metrics = WorkerMetrics(self.name, model, keys, keys.lanes_for(model_names),
+                                         is_redis_healthy=lambda: health.is_healthy)
+            self._serve_metrics(self.metrics, config.metrics_port, config.metrics_host)
+        try:
+            self._engine = engine if engine is not None else build_engine(settings)
+        except BaseException:
+            if self.metrics is not None:
+                self.metrics.close()
+            raise
+        if self.metrics is not None:
+            self.metrics.name_model(self._engine.model_name)
         self._loop = EngineLoop(self._engine, inbox, outbox, load, self.name, self.metrics)
-        served = settings.served_model_name
-        self._reader = Reader(self._client, keys, config, load, inbox, outbox,
-                              frozenset({served, model, settings.engine.model.name}), health)
-        self._writer = Writer(self._client, settings.queue, config, load, outbox, model, served, health,
+        self._reader = Reader(self._client, keys, config, load, inbox, outbox, model_names, health)
+        self._writer = Writer(self._client, settings.queue, config, load, outbox, model, served, model_names, health,
                               self.metrics)
         self._stopping = threading.Event()
         self._forced = threading.Event()
         self._failed = threading.Event()  # a thread died: exit non-zero at once
+
+    @staticmethod
+    def _serve_metrics(metrics: WorkerMetrics, port: int, host: str) -> None:
+        """Bind the metrics endpoint now, before the model loads: a port in use fails the start at once.
+
+        Raises:
+            StartupError: the address cannot be bound (one line, what and why).
+        """
+        try:
+            metrics.serve(port, host)
+        except OSError as exc:
+            raise StartupError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc} "
+                               "(another process has the port? choose another with --metrics-port)") from None
 
     def stop(self, force: bool = False) -> None:
         """Begin a graceful drain; ``force`` (or a second call) stops at once, losing nothing."""
@@ -113,8 +133,6 @@ class Worker:
             Redis failed for ``redis_give_up_s``, or results could not be written before the end
             (their entries stay pending, for a reclaimer to run again).
         """
-        if self.metrics is not None and self.settings.worker.metrics_port is not None:
-            self.metrics.serve(self.settings.worker.metrics_port, self.settings.worker.metrics_host)
         if self._handle_signals:
             self._install_signal_handlers()
         threads = [self._supervised("tm-reader", lambda: self._reader.run(self._burst)),

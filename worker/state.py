@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.stats import EngineStats
+from engine.core.stats import EngineStats
 
 
 @dataclass

@@ -9,6 +9,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Collection
 
 import redis
 
@@ -40,13 +41,14 @@ class Writer:
         outbox: what to write.
         model_name: the model loaded, shown in the heartbeat.
         served_model_name: the name it is served under: in the heartbeat and stamped on every result.
+        model_names: every name whose lanes the worker reads, announced in the heartbeat (serve routes by it).
         health: records the writer's failing Redis calls (and decides when it gives up).
         metrics: counts written results; samples rate and lane depth each beat. None = no metrics.
     """
 
     def __init__(self, client: redis.Redis, queue_config: QueueConfig, config: WorkerConfig, load: Load,
                  outbox: queue.Queue[Outgoing], model_name: str, served_model_name: str,
-                 health: RedisHealth, metrics: WorkerMetrics | None = None) -> None:
+                 model_names: Collection[str], health: RedisHealth, metrics: WorkerMetrics | None = None) -> None:
         self._health = health
         self._metrics = metrics
         self._client, self._keys, self._config, self._load = client, queue_config.keys, config, load
@@ -54,7 +56,7 @@ class Writer:
         self._cancel_ttl_s = queue_config.result_ttl_s  # NOTE: a cancel mark is kept as long as a result
         self._results = ResultWriter(client, self._keys, queue_config.result_ttl_s, config.token_ttl_s)
         self._beat = Heartbeat(name=config.name, ts=time.time(), model=model_name,
-                               served_model_name=served_model_name)
+                               served_model_name=served_model_name, model_names=sorted(model_names))
         self._unwritten: list[Writable] = []  # items of a flush that failed, retried first
         self._stream_bytes: dict[str, int] = {}  # request id -> bytes of token deltas so far in this run
         self._backoff = Backoff()
@@ -65,12 +67,17 @@ class Writer:
         """Write the heartbeat now, with current stats."""
         now = time.monotonic()
         then, tokens_then = self._last_tokens
-        self._last_tokens = (now, self._load.num_tokens)
+        # NOTE: a rate over a fraction of the interval is noise (a beat right after another, as the one at stop,
+        # read ~10x): the rate moves only once half an interval has passed, and a stopped worker generates nothing.
+        if now - then >= self._config.heartbeat_interval_s / 2:
+            self._last_tokens = (now, self._load.num_tokens)
+            self._beat.tokens_per_s = (self._load.num_tokens - tokens_then) / (now - then)
+        if state == STOPPED:
+            self._beat.tokens_per_s = 0.0
         self._beat.ts, self._beat.state = time.time(), state
         self._beat.running, self._beat.waiting = self._load.num_running, self._load.num_waiting
         self._beat.num_finished = self._load.num_finished
         self._beat.prefix_hit_ratio, self._beat.num_cached_blocks = self._load.prefix_hit_ratio, self._load.num_cached_blocks
-        self._beat.tokens_per_s = (self._load.num_tokens - tokens_then) / max(now - then, 1e-6)
         write_heartbeat(self._client, self._keys, self._beat)
         if self._metrics is not None:
             self._metrics.observe_beat(self._client, self._beat.tokens_per_s)

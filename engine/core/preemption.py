@@ -1,12 +1,12 @@
 """Preemption policy of the scheduler: who yields device blocks, and hysteresis. It reads the
 scheduler's queues and blocks and changes nothing; the scheduler carries its decisions out.
 
-Standard library only. Rules (also in engine/scheduler.py):
+Standard library only. Rules (also in engine/core/scheduler.py):
 
 * PRIORITY / STARVATION (``victims_for_room``): a waiting or swapped request that cannot be placed
   may preempt unprotected running requests that are demoted (long-output limit) or strictly
   less urgent by effective priority; demoted ones go first, then the least urgent.
-* MEMORY (``memory_victim``): see the hysteresis rule in engine/scheduler.py; a victim
+* MEMORY (``memory_victim``): see the hysteresis rule in engine/core/scheduler.py; a victim
   is always demoted or less urgent than the request that needs the blocks, so memory
   preemption never ping-pongs between two requests.
 * The scheduler swaps a victim to the host pool when mode is "swap" and the host pool has
@@ -15,12 +15,12 @@ Standard library only. Rules (also in engine/scheduler.py):
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.request import Request
-from engine.request_queue import RequestQueues
-from engine.scheduler_policy import choose_victim, room_victims, urgency_key
-from engine.scheduler_step import StepPlan
+from engine.core.request import Request
+from engine.core.request_queue import RequestQueues
+from engine.core.scheduler_policy import choose_victim, room_victims, urgency_key
+from engine.core.step_plan import StepPlan
+from engine.kv.block_manager import BlockManager
 
 
 class PreemptionPolicy:

@@ -8,15 +8,24 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from engine.core.sampling_state import SamplingState
 from engine.errors import InvariantError
 from protocol.outcomes import ErrorCode, FinishReason
 from protocol.sampling import SamplingParams
-from engine.sampling_state import SamplingState
 
-if TYPE_CHECKING:
-    from engine.detokenizer import IncrementalDetokenizer
+
+class TextDecoder(Protocol):
+    """A request's incremental detokenizer, as the request holds it: the output processor makes and
+    drives it (engine/output/detokenizer.py); the core only keeps it on the request."""
+
+    text: str  # all final text so far
+    stop_matched: str | None  # the stop string that matched, once one has
+
+    def append(self, token_ids: list[int]) -> str: ...
+
+    def finish(self) -> str: ...
 
 
 class RequestStatus(enum.IntEnum):
@@ -84,7 +93,7 @@ class Request:
     group: ParallelGroup | None = None  # the n > 1 request this one is a sample of
     sample_index: int = 0  # which sample of its group
     # Output side: turns output_token_ids into text; set by the output processor on admission.
-    detokenizer: IncrementalDetokenizer | None = None
+    detokenizer: TextDecoder | None = None
     num_detokenized_tokens: int = 0  # output tokens already appended to the detokenizer
     num_reported_tokens: int = 0  # output tokens already handed out in a RequestOutput
     num_reported_chars: int = 0  # characters of final text already handed out as deltas

@@ -3,9 +3,9 @@ with each request's status. Standard library only."""
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
+from engine.core.request import Request, RequestStatus
 from engine.errors import InvariantError
-from engine.request import Request, RequestStatus
+from engine.kv.block_manager import BlockManager
 
 
 class RequestQueues:

@@ -20,7 +20,7 @@ class SamplingState:
 
     prompt_token_ids: list[int]  # the request's own list (not a copy)
     output_token_ids: list[int]  # the request's own list: it grows as tokens are sampled
-    matcher: Any = None  # grammar matcher (engine/grammar.py), built on the first structured step
+    matcher: Any = None  # grammar matcher (engine/sample/grammar.py), built on the first structured step
     num_matched_tokens: int = 0  # output tokens the matcher has consumed
-    penalty_slot: int | None = None  # row of the sampler's penalty table (engine/penalties.py)
+    penalty_slot: int | None = None  # row of the sampler's penalty table (engine/sample/penalties.py)
     num_counted_tokens: int = 0  # output tokens counted in that row

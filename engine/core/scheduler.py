@@ -18,19 +18,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from engine.block_manager import BlockManager
-from engine.clock import Clock
 from engine.config import SchedulerConfig
+from engine.core.clock import Clock
+from engine.core.preemption import PreemptionPolicy
+from engine.core.request import ParallelGroup, PreemptionCause, Request, RequestStatus, check_stop
+from engine.core.request_queue import RequestQueues
+from engine.core.scheduler_policy import UrgencyKey, is_decode, queue_key, urgency_key
+from engine.core.stats import EngineStats, SchedulerCounters
+from engine.core.step_io import ModelOutput, SchedulerOutput
+from engine.core.step_plan import StepPlan
 from engine.errors import InvariantError
-from engine.outputs import ModelOutput, SchedulerOutput
-from engine.preemption import PreemptionPolicy
-from engine.prefix_cache import PrefixCache, PrefixStats
-from engine.request import ParallelGroup, PreemptionCause, Request, RequestStatus, check_stop
+from engine.kv.block_manager import BlockManager
+from engine.kv.prefix_cache import PrefixCache, PrefixStats
 from protocol.outcomes import ErrorCode
-from engine.request_queue import RequestQueues
-from engine.scheduler_policy import UrgencyKey, is_decode, queue_key, urgency_key
-from engine.scheduler_step import StepPlan
-from engine.stats import EngineStats, SchedulerCounters
 
 
 class Scheduler:
@@ -46,7 +46,7 @@ class Scheduler:
         config: budgets and policy.
         block_manager: the KV block pools (owned by this scheduler from now on).
         clock: the only source of time.
-        eos_token_ids: the model's end-of-sequence ids (see :func:`engine.request.check_stop`).
+        eos_token_ids: the model's end-of-sequence ids (see :func:`engine.core.request.check_stop`).
         max_model_len: the model's context length; None = unbounded.
         prefix_cache: an index of cached full blocks over ``block_manager``'s device pool (new
             requests start after the blocks it already holds); None = every prompt is computed.
@@ -144,7 +144,7 @@ class Scheduler:
 
     def update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
         """Apply one executed step: advance computed tokens, append sampled tokens, and finish
-        the requests whose new token ends them (:func:`engine.request.check_stop`).
+        the requests whose new token ends them (:func:`engine.core.request.check_stop`).
 
         Chunks of requests finished since ``schedule()`` are skipped.
 

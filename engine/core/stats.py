@@ -1,15 +1,14 @@
 """Typed engine statistics: the scheduler's cumulative counters and one snapshot of the engine.
 
-Standard library only. The worker reads these fields (heartbeats, Prometheus); its echo engine
-fills the same snapshot.
+Standard library only. The worker reads these fields (heartbeats, Prometheus).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.prefix_cache import PrefixStats
-from engine.request import PreemptionCause
+from engine.core.request import PreemptionCause
+from engine.kv.prefix_cache import PrefixStats
 
 
 @dataclass

@@ -1,15 +1,14 @@
-"""Plain dataclasses where "decide" (scheduler) and "execute" (model runner) meet, and what
-the engine hands back to callers. Standard library and pydantic only."""
+"""Plain dataclasses where "decide" (scheduler) and "execute" (model runner) meet: what one step runs
+(SchedulerOutput of ScheduledChunks), what it returns (ModelOutput), and who runs it (StepRunner).
+Standard library and pydantic only. What the engine hands back is engine/output/request_output.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from protocol.outcomes import TokenLogprob
-from protocol.outcomes import ErrorCode, FinishReason
+from engine.core.sampling_state import SamplingState
 from protocol.sampling import SamplingParams
-from engine.sampling_state import SamplingState
 
 
 @dataclass
@@ -64,73 +63,3 @@ class StepRunner(Protocol):
     """Executes one step: the real ``ModelRunner``, or a scripted one in tests."""
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput: ...
-
-
-@dataclass
-class RequestMetrics:
-    """Timings of one request, in clock seconds (the engine's clock)."""
-
-    arrival_time_s: float
-    first_scheduled_time_s: float | None = None
-    first_token_time_s: float | None = None
-    finished_time_s: float | None = None
-    num_preemptions: int = 0
-    num_output_tokens: int = 0
-
-    @property
-    def queue_s(self) -> float | None:
-        if self.first_scheduled_time_s is None:
-            return None
-        return self.first_scheduled_time_s - self.arrival_time_s
-
-    @property
-    def ttft_s(self) -> float | None:
-        if self.first_token_time_s is None:
-            return None
-        return self.first_token_time_s - self.arrival_time_s
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Mean time per output token after the first."""
-        if self.finished_time_s is None or self.first_token_time_s is None or self.num_output_tokens < 2:
-            return None
-        return (self.finished_time_s - self.first_token_time_s) / (self.num_output_tokens - 1)
-
-    @property
-    def total_s(self) -> float | None:
-        if self.finished_time_s is None:
-            return None
-        return self.finished_time_s - self.arrival_time_s
-
-
-@dataclass
-class SampleOutput:
-    """One sample of an n > 1 request, once finished."""
-
-    index: int  # 0 .. n-1
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason | None
-    logprobs: list[dict[int, float]] | None = None
-    token_logprobs: list[TokenLogprob] | None = None  # OpenAI's shape, when logprobs were asked for
-
-
-@dataclass
-class RequestOutput:
-    """One request's progress in one engine step (streaming) or its final state."""
-
-    request_id: str
-    new_token_ids: list[int]  # tokens generated this step
-    text_delta: str  # text that became final this step (held back while a stop string may be forming)
-    token_ids: list[int]  # all generated tokens so far
-    text: str  # all generated text so far (stop string cut)
-    finished: bool
-    finish_reason: FinishReason | None  # set once finished
-    prompt_token_count: int
-    metrics: RequestMetrics
-    error: str | None = None  # human-readable reason when finish_reason is ERROR
-    error_code: ErrorCode | None = None  # machine-readable, when finish_reason is ERROR
-    logprobs: list[dict[int, float]] | None = None  # raw: per token, {token_id: logprob} (sampled first)
-    token_logprobs: list[TokenLogprob] | None = None  # OpenAI's shape; on final outputs that asked for logprobs
-    # n > 1: every sample, by index (the fields above are sample 0's); only final outputs carry them
-    samples: list[SampleOutput] | None = None

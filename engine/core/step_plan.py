@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
+from engine.core.request import Request
+from engine.core.scheduler_policy import is_decode
+from engine.core.step_io import ScheduledChunk, SchedulerOutput
 from engine.errors import InvariantError
-from engine.outputs import ScheduledChunk, SchedulerOutput
-from engine.request import Request
-from engine.scheduler_policy import is_decode
+from engine.kv.block_manager import BlockManager
 
 
 @dataclass

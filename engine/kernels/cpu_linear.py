@@ -5,7 +5,7 @@ bfloat16, AVX-512 panels for float32); handed a plain weight it re-lays it out o
 which triples the memory traffic of a decode step, where every weight is read once. Packing at
 load time measured 1.4-1.9x faster bfloat16 layers at 1-16 tokens and up to 2.7x faster float32
 LM heads on a 2-core Sapphire Rapids. On CPUs without AVX-512 layers use the engine's own panel
-kernel (engine/panel_linear) instead: oneDNN has no bfloat16 path there (torch falls back to a
+kernel (engine/kernels/panel_linear) instead: oneDNN has no bfloat16 path there (torch falls back to a
 scalar loop, 4-7x slower) and its float32 measured 1.05-1.7x slower at 1-64 rows (Zen 3). So do
 bfloat16 layers on CPUs that multiply bfloat16 pairs natively: with AMX the panel kernel
 multiplies on the tile unit and streams the weights 1.1-1.6x faster than oneDNN at 1-16 rows
@@ -31,8 +31,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine import panel_linear
-from engine.cpp_build import cpu_flags, cpu_vendor
+from engine.errors import ModelLoadError
+from engine.kernels import panel_linear
+from engine.kernels.cpp_build import cpu_flags, cpu_vendor
 
 logger = logging.getLogger(__name__)
 
@@ -182,33 +183,61 @@ def _prefers_panels(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and cpu_vendor() == "AuthenticAMD"
 
 
-def kernel_for(dtype: torch.dtype) -> LinearKernel | None:
-    """The kernel that packs ``dtype`` layers here (see :func:`_prefers_panels`), the other one
-    if the first cannot; None: layers stay plain ``nn.Linear``."""
+KERNELS = {"onednn": ONEDNN, "panels": PANELS}  # by the name ``[engine.execution] linear_kernel`` gives
+
+
+def kernel_for(dtype: torch.dtype, choice: str = "auto") -> LinearKernel | None:
+    """The kernel that packs ``dtype`` layers here.
+
+    Args:
+        choice: ``auto``: the faster one for this CPU (see :func:`_prefers_panels`), the other one if
+            the first cannot; ``onednn`` / ``panels``: that one; ``off``: none.
+
+    Returns:
+        The kernel; None: layers stay plain ``nn.Linear`` (``off``, or ``auto`` where neither packs).
+
+    Raises:
+        ModelLoadError: a kernel named by ``choice`` cannot pack ``dtype`` on this CPU and build.
+    """
+    if choice == "off":
+        return None
+    if choice != "auto":
+        kernel = KERNELS[choice]
+        if not packing_works(dtype, kernel):
+            raise ModelLoadError(f"linear_kernel = {choice!r} cannot pack {dtype} layers on this CPU/build; "
+                                 "use 'auto' or 'off'")
+        return kernel
     order = (PANELS, ONEDNN) if _prefers_panels(dtype) else (ONEDNN, PANELS)
     return next((kernel for kernel in order if packing_works(dtype, kernel)), None)
 
 
-def prebuild_kernel_for(dtype: torch.dtype) -> None:
-    """Start building the panel kernel now if ``dtype`` layers may use it (``engine.cpp_build``:
+def prebuild_kernel_for(dtype: torch.dtype, choice: str = "auto") -> None:
+    """Start building the panel kernel now if ``dtype`` layers may use it (``engine.kernels.cpp_build``:
     builds overlap the model's loading)."""
-    if dtype in (torch.float32, torch.bfloat16) and (_prefers_panels(dtype) or not packing_works(dtype, ONEDNN)):
+    if dtype not in (torch.float32, torch.bfloat16) or choice in ("off", "onednn"):
+        return
+    if choice == "panels" or _prefers_panels(dtype) or not packing_works(dtype, ONEDNN):
         panel_linear.build_in_background()
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace the ``nn.Linear`` layers of a float32 or bfloat16 CPU model in place.
+def pack_linears(model: nn.Module, choice: str = "auto") -> int:
+    """Replace the ``nn.Linear`` layers of a float32 or bfloat16 CPU model in place with packed ones
+    (:func:`kernel_for` picks the kernel; the choice is logged once, here).
 
     Returns:
-        How many layers were replaced (0 when oneDNN cannot pack this dtype here).
+        How many layers were replaced (0: ``off``, another dtype, or no kernel packs it here).
+
+    Raises:
+        ModelLoadError: ``choice`` names a kernel that cannot pack this model's dtype here.
     """
     weights = [m.weight for m in model.modules() if type(m) is nn.Linear]
     if not weights or weights[0].device.type != "cpu" or weights[0].dtype not in (torch.float32, torch.bfloat16):
         return 0
     dtype = weights[0].dtype
-    kernel = kernel_for(dtype)
+    kernel = kernel_for(dtype, choice)
     if kernel is None:
-        logger.info("no packed linear kernel for %s here; keeping plain linear layers", dtype)
+        logger.info("linear layers: plain nn.Linear for %s (linear_kernel=%s%s)", dtype, choice,
+                    "" if choice == "off" else ": no packed kernel here")
         return 0
     replaced = 0
     for parent in list(model.modules()):
@@ -217,7 +246,7 @@ def pack_linears(model: nn.Module) -> int:
             if type(child) is nn.Linear and child.weight.dtype == dtype:
                 setattr(parent, name, PackedLinear(child, kernel))
                 replaced += 1
-    logger.info("packed %d linear layers for %s (%s)", replaced, kernel.name, dtype)
+    logger.info("linear layers: %d packed for %s (%s, linear_kernel=%s)", replaced, kernel.name, dtype, choice)
     return replaced
 
 

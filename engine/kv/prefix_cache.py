@@ -10,7 +10,7 @@ an eviction never matches again::
     keys:     (ROOT, t0..t15) -> e1   (e1, t16..t31) -> e2       (partial blocks are never cached)
 
 Freed blocks whose content is indexed stay cached in their pool (least recently used first,
-see engine/block_pool.py) until the pool needs them. The index lives with one engine: the
+see engine/kv/block_pool.py) until the pool needs them. The index lives with one engine: the
 model, dtype and block size never change under it.
 """
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager
 from engine.errors import InvariantError
+from engine.kv.block_manager import BlockManager
 
 ROOT = 0  # the parent entry id of a sequence's first block
 _Key = tuple[int, tuple[int, ...]]

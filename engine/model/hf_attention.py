@@ -3,7 +3,7 @@ decoder runs over our block-table KV cache with no per-architecture code.
 
 The model sees one flattened "batch" of T tokens (``[1, T]``): decode tokens of many requests
 first, then prefill chunks. In every layer this function hands the layer's keys, values and
-queries to the step's attention backend (engine/attention): write the new keys/values into their
+queries to the step's attention backend (engine/kernels/attention): write the new keys/values into their
 cache slots, then attend each token over its own request's cached context.
 """
 
@@ -16,8 +16,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.kv_cache import KVCache
+from engine.kernels.attention import AttentionBackend, AttentionMetadata
+from engine.model.kv_cache import KVCache
 
 ATTN_IMPLEMENTATION = "tokenmill_paged"
 

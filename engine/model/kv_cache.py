@@ -66,7 +66,7 @@ class KVCache:
         self.spec = spec
         self.device = device
         # NOTE: one block more than the block manager hands out: the scratch block, where padding
-        # rows of static-shape decode steps write their keys and values (engine/static_decode.py).
+        # rows of static-shape decode steps write their keys and values (engine/model/static_decode.py).
         self.scratch_block_id = num_gpu_blocks
         shape = (spec.num_layers, 2, num_gpu_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim)
         host_shape = (spec.num_layers, 2, num_cpu_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionBackend
 from engine.config import SchedulerConfig
-from engine.kv_cache import KVCache, KVCacheSpec
-from engine.model_loader import LoadedModel
-from engine.model_runner import ModelRunner
-from engine.outputs import ScheduledChunk, SchedulerOutput
-from engine.sampler import Sampler
+from engine.core.step_io import ScheduledChunk, SchedulerOutput
+from engine.kernels.attention import AttentionBackend
+from engine.model.kv_cache import KVCache, KVCacheSpec
+from engine.model.model_loader import LoadedModel
+from engine.model.model_runner import ModelRunner
+from engine.sample.sampler import Sampler
 from protocol.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ transformers and cached as safetensors so the next load is fast) or a hub id alr
 local Hugging Face cache. With ``random_init`` it builds the model of a ``config.json`` (a
 directory holding one, or the file) with random weights on the device instead, so speed can be
 measured at any shape without a checkpoint; its tokenizer is the directory's if it has one, else
-none (token-id prompts only, engine/no_tokenizer.py). Knows nothing of Redis or the scheduler.
+none (token-id prompts only, engine/output/no_tokenizer.py). Knows nothing of Redis or the scheduler.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from engine.cpu_linear import pack_linears
 from engine.errors import ModelLoadError
-from engine.no_tokenizer import NoTokenizer
+from engine.kernels.cpu_linear import pack_linears
+from engine.output.no_tokenizer import NoTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -194,12 +194,14 @@ def load_model(
     max_model_len: int | None = None,
     cache_dir: str | None = None,
     random_init: bool = False,
+    linear_kernel: str = "auto",
 ) -> LoadedModel:
     """Load model and tokenizer, set to eval, on the device, with our attention function.
 
     Args:
         random_init: build ``model`` (a directory with ``config.json``, or a config ``.json`` file) with
             random weights instead of loading a checkpoint.
+        linear_kernel: how a CPU model's linear layers are packed (``[engine.execution] linear_kernel``).
 
     Raises:
         ModelLoadError: missing model, unsupported or non-decoder architecture.
@@ -215,7 +217,7 @@ def load_model(
     hf_model.to(torch_device).eval()
     hf_model.requires_grad_(False)
     if torch_device.type == "cpu":
-        pack_linears(hf_model)
+        pack_linears(hf_model, linear_kernel)
         _release_checkpoint_mapping(hf_model)
     return LoadedModel(
         model=hf_model,

@@ -5,21 +5,27 @@ then sampling from the logits of each sequence's last token. Knows nothing of qu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.kv_cache import KVCache
-from engine.model_loader import LoadedModel
-from engine.outputs import ModelOutput, ScheduledChunk, SchedulerOutput
-from engine.paged_attention import StepAttention
-from engine.sampler import Sampler, SamplingContext
-from engine.static_decode import StaticDecode
-from engine.step_inputs import StepInputs
+from engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput
+from engine.kernels.attention import AttentionBackend, AttentionMetadata
+from engine.model.hf_attention import StepAttention
+from engine.model.kv_cache import KVCache
+from engine.model.model_loader import LoadedModel
+from engine.model.static_decode import StaticDecode
+from engine.model.step_inputs import StepInputs
+from engine.sample.context import SamplingContext
+from engine.sample.sampler import Sampler
 
-if TYPE_CHECKING:
-    from engine.native_decoder import NativeDecoder
+
+class StepForward(Protocol):
+    """A stand-in for :meth:`ModelRunner.forward` that model setup may hand the runner: the CPU's native
+    decoder stack (engine/model/native_decoder), which is built from and checked against the runner."""
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
+                step: StepAttention) -> torch.Tensor: ...
 
 
 @dataclass
@@ -54,7 +60,7 @@ class ModelRunner:
         # Decode steps at static shapes (CUDA graphs); None: every step runs eagerly.
         self.static_decode: StaticDecode | None = None
         # On the CPU: the decoder layers in one C++ call (bitwise the eager forward); None: eager.
-        self.native_decoder: NativeDecoder | None = None
+        self.native_decoder: StepForward | None = None
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Swap out, swap in, run the forward, sample.
@@ -108,7 +114,7 @@ class ModelRunner:
         """Flatten chunks into model inputs and attention metadata: single-token chunks first,
         longest context first (the reference backend gathers less padding), then prefill chunks.
 
-        Host work is a few list operations per chunk and one host-to-device copy (engine/step_inputs.py).
+        Host work is a few list operations per chunk and one host-to-device copy (engine/model/step_inputs.py).
         """
         bs = self.block_size
         decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -c.start_position)

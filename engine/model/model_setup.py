@@ -1,5 +1,5 @@
 """Builds the engine's real parts from a config: loads the model, sizes the KV cache from bytes or
-free device memory (on CUDA after a profile of the largest steps, engine/memory_profile.py), and wires
+free device memory (on CUDA after a profile of the largest steps, engine/model/memory_profile.py), and wires
 scheduler, runner and limits. Imports torch (a loading helper)."""
 
 from __future__ import annotations
@@ -11,25 +11,26 @@ from typing import Any
 
 import torch
 
-from engine import cpu_linear, native_decoder
-from engine.attention import AttentionBackend, cpu_kernel, select_backend
-from engine.block_manager import BlockManager
-from engine.clock import Clock
 from engine.config import CacheConfig, EngineConfig
-from engine.engine import ModelLimits
+from engine.core.clock import Clock
+from engine.core.limits import ModelLimits
+from engine.core.scheduler import Scheduler
 from engine.errors import EngineError, ModelLoadError
-from engine.grammar import GrammarCompiler
-from engine.grammar_process import CompileLimits
-from engine.kv_cache import KVCache, KVCacheSpec
-from engine.memory_profile import StepProfile, cuda_peak_bytes, kv_pool_bytes, profile_steps
-from engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
-from engine.no_tokenizer import NoTokenizer
-from engine.model_runner import ModelRunner
-from engine.paged_attention import register
-from engine.sampler import Sampler
-from engine.prefix_cache import PrefixCache
-from engine.scheduler import Scheduler
-from engine.static_decode import StaticDecode, cuda_graph_runner, decode_buckets
+from engine.kernels import cpu_linear
+from engine.kernels.attention import AttentionBackend, cpu_kernel, select_backend
+from engine.kv.block_manager import BlockManager
+from engine.kv.prefix_cache import PrefixCache
+from engine.model import native_decoder
+from engine.model.hf_attention import register
+from engine.model.kv_cache import KVCache, KVCacheSpec
+from engine.model.memory_profile import StepProfile, cuda_peak_bytes, kv_pool_bytes, profile_steps
+from engine.model.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from engine.model.model_runner import ModelRunner
+from engine.model.static_decode import StaticDecode, cuda_graph_runner, decode_buckets
+from engine.output.no_tokenizer import NoTokenizer
+from engine.sample.grammar import GrammarCompiler
+from engine.sample.grammar_process import CompileLimits
+from engine.sample.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
     _prebuild_cpu_extensions(config)
     loaded = load_model(model_config.name, device=model_config.device, dtype=model_config.dtype,
                         attn_implementation=register(), max_model_len=model_config.max_model_len,
-                        cache_dir=model_config.cache_dir, random_init=model_config.random_init)
+                        cache_dir=model_config.cache_dir, random_init=model_config.random_init,
+                        linear_kernel=config.execution.linear_kernel)
     spec = kv_cache_spec(loaded, config.cache.block_size)
     backend = select_backend(config.execution.attention_backend, loaded.device)
     logger.info("attention backend: %s", backend.name)
@@ -122,13 +124,13 @@ def _prebuild_cpu_extensions(config: EngineConfig) -> None:
         cpu_kernel.build_in_background()
     if config.execution.compile == "auto":
         native_decoder.build_in_background()
-    cpu_linear.prebuild_kernel_for(resolve_dtype(config.model.dtype, device))
+    cpu_linear.prebuild_kernel_for(resolve_dtype(config.model.dtype, device), config.execution.linear_kernel)
 
 
 def capture_decode_steps(runner: ModelRunner, max_num_seqs: int, max_request_tokens: int) -> None:
     """Capture decode steps in CUDA graphs, one per batch bucket (where :func:`captures_decode_steps`).
 
-    NOTE: the CPU's counterpart is engine/native_decoder (every step, no buckets). Inductor was
+    NOTE: the CPU's counterpart is engine/model/native_decoder (every step, no buckets). Inductor was
     measured there first: 70-140 s per bucket to compile SmolLM2 on 2 cores for 10-25% faster
     steps, and with dynamic shapes its outputs drifted from eager (see ops/bench/README.md).
     """
@@ -158,7 +160,7 @@ def size_kv_cache(config: CacheConfig, spec: KVCacheSpec, device: torch.device,
 
     The device pool is ``kv_cache_memory`` when given; otherwise on CUDA a
     ``gpu_memory_utilization`` fraction of the memory free after the weights, less what the profiled
-    steps need beside the pool (:func:`engine.memory_profile.kv_pool_bytes`); on CPU 1 GiB.
+    steps need beside the pool (:func:`engine.model.memory_profile.kv_pool_bytes`); on CPU 1 GiB.
 
     Raises:
         EngineError: the budget does not hold a single block.

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.kv_cache import KVCache
-from engine.outputs import ScheduledChunk
-from engine.paged_attention import StepAttention
-from engine.step_inputs import StepInputs
+from engine.core.step_io import ScheduledChunk
+from engine.kernels.attention import AttentionBackend, AttentionMetadata
+from engine.model.hf_attention import StepAttention
+from engine.model.kv_cache import KVCache
+from engine.model.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class StaticDecode:
 
     def _fill(self, chunks: list[ScheduledChunk]) -> None:
         """Copy one step's inputs into the first rows of the buffers: one host-to-device copy (pinned
-        memory on CUDA, engine/step_inputs.py), then one device copy per buffer."""
+        memory on CUDA, engine/model/step_inputs.py), then one device copy per buffer."""
         bs = self.block_size
         num = len(chunks)
         positions = [c.start_position for c in chunks]

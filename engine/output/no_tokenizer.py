@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.prompts import PromptError
+from engine.output.prompts import PromptError
 from protocol.outcomes import ErrorCode
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from engine.clock import Clock
-from engine.detokenizer import IncrementalDetokenizer
-from engine.logprobs import TokenBytes, build_token_logprobs
-from engine.outputs import RequestMetrics, RequestOutput, SampleOutput
-from engine.request import FINISH_REASON, ParallelGroup, Request, RequestStatus
+from engine.core.clock import Clock
+from engine.core.request import FINISH_REASON, ParallelGroup, Request, RequestStatus, TextDecoder
+from engine.output.detokenizer import IncrementalDetokenizer
+from engine.output.logprobs import TokenBytes, build_token_logprobs
+from engine.output.request_output import RequestMetrics, RequestOutput, SampleOutput
 from protocol.outcomes import ErrorCode, FinishReason, TokenLogprob
 
 
@@ -114,7 +114,7 @@ class OutputProcessor:
         return dataclasses.replace(first, request_id=group.request_id, new_token_ids=list(first.token_ids),
                                    text_delta=first.text, metrics=metrics, samples=samples)
 
-    def _detokenizer(self, request: Request) -> IncrementalDetokenizer:
+    def _detokenizer(self, request: Request) -> TextDecoder:
         """The request's text decoder, made on first use (forked samples start without one)."""
         if request.detokenizer is None:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,

@@ -1,7 +1,7 @@
 """Structured output: compiles a request's ``response_format`` into an xgrammar grammar over the
 model's vocabulary, once per distinct spec (an LRU cache, thread-safe, meant to run on the worker's
 preparation threads, never on the engine thread; the compile itself runs in a child process under
-a time and memory limit: engine/grammar_process.py), and makes per-request matchers from it.
+a time and memory limit: engine/sample/grammar_process.py), and makes per-request matchers from it.
 
 xgrammar (and with it torch) is imported on first use, so importing this module costs nothing.
 """
@@ -9,18 +9,27 @@ xgrammar (and with it torch) is imported on first use, so importing this module 
 from __future__ import annotations
 
 import json
-import re
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Protocol
 
 from engine.errors import GrammarError
-from engine.grammar_process import CompileLimits, GrammarProcess
+from engine.sample.grammar_process import CompileLimits, GrammarProcess, compile_spec, describe_native_error
 from protocol.sampling import ResponseFormat
 
 DEFAULT_MAX_CACHED = 256
-# xgrammar's C++ errors start with "[time] /path/file.cc:line: " (and sometimes a failed check): drop that.
-_NATIVE_PREFIX = re.compile(r"^\[[\d:]+\] \S+: (Check failed: \(.*?\) is false: )?")
+
+
+class Grammars(Protocol):
+    """What the engine needs of structured output: :class:`GrammarCompiler`, or the echo model's
+    ``AnyGrammar`` (engine/echo.py), which accepts every spec."""
+
+    def compile(self, response_format: ResponseFormat) -> Any:
+        """Compile ``response_format`` (or find it compiled).
+
+        Raises:
+            GrammarError: the spec is invalid or cannot be compiled within the limits.
+        """
 
 
 class GrammarCompiler:
@@ -34,7 +43,7 @@ class GrammarCompiler:
         vocab_size: the width of the model's logits (may exceed the tokenizer's vocabulary).
         eos_token_ids: the ids that end a complete output.
         max_cached: compiled grammars kept; the least recently used one goes first.
-        limits: compile each spec in a child process under these limits (engine/grammar_process.py);
+        limits: compile each spec in a child process under these limits (engine/sample/grammar_process.py);
             None compiles in the calling thread, unbounded (tests of the grammars themselves).
     """
 
@@ -124,22 +133,3 @@ def _spec_of(response_format: ResponseFormat) -> tuple[str, str]:
     if kind == "json_schema" and response_format.json_schema is not None:
         return kind, json.dumps(response_format.json_schema.schema_)
     raise GrammarError(f"response_format {kind!r} needs no grammar")
-
-
-def compile_spec(compiler: Any, kind: str, spec: str) -> Any:
-    """``compiler`` (an ``xgrammar.GrammarCompiler``) applied to one (kind, text) of :func:`_spec_of`.
-
-    Raises:
-        RuntimeError: xgrammar refused the spec.
-    """
-    if kind == "regex":
-        return compiler.compile_regex(spec)
-    if kind == "grammar":
-        return compiler.compile_grammar(spec)
-    return compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
-
-
-def describe_native_error(kind: str, exc: Exception) -> str:
-    """xgrammar's error, without its C++ source location: what a user can act on."""
-    message = _NATIVE_PREFIX.sub("", str(exc).strip()).splitlines()[0]
-    return f"invalid response_format {kind}: {message}"

@@ -7,7 +7,9 @@ answered with a ``validation`` error. The compiled grammar comes back serialized
 (``CompiledGrammar.serialize_json``, milliseconds) and is rebuilt over the parent's tokenizer info.
 
 One child serves one engine, one compile at a time; it is started on first use, and a killed child
-is replaced by the next compile. Imports xgrammar only inside the child and on first use.
+is replaced by the next compile. The xgrammar calls themselves (``compile_spec``,
+``describe_native_error``) live here, for the child and for in-thread compiles (engine/sample/grammar.py)
+alike. Imports xgrammar only inside the child and on first use.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import re
 import resource
 import threading
 import time
@@ -26,6 +29,8 @@ from engine.errors import GrammarError
 
 logger = logging.getLogger(__name__)
 
+# xgrammar's C++ errors start with "[time] /path/file.cc:line: " (and sometimes a failed check): drop that.
+_NATIVE_PREFIX = re.compile(r"^\[[\d:]+\] \S+: (Check failed: \(.*?\) is false: )?")
 _START_TIMEOUT_S = 120.0  # the child imports xgrammar (and torch) and rebuilds the tokenizer info
 
 
@@ -116,8 +121,6 @@ def _serve(conn: Connection, tokenizer_info_json: str, memory_bytes: int) -> Non
 
     os.nice(19)  # NOTE: a long compile must not take a core from the engine's threads (preparation.py)
 
-    from engine.grammar import compile_spec, describe_native_error  # noqa: PLC0415
-
     info = xgrammar.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
     # NOTE: the limit counts from here: the child's own imports are not the spec's fault.
@@ -136,6 +139,26 @@ def _serve(conn: Connection, tokenizer_info_json: str, memory_bytes: int) -> Non
             is_memory = isinstance(exc, MemoryError) or "bad_alloc" in str(exc)
             conn.send((False, f"compiling the {kind} needed more than {memory_bytes >> 20} MiB of memory"
                        if is_memory else describe_native_error(kind, exc)))
+
+
+def compile_spec(compiler: Any, kind: str, spec: str) -> Any:
+    """``compiler`` (an ``xgrammar.GrammarCompiler``) applied to one (kind, text) of
+    :func:`engine.sample.grammar._spec_of`.
+
+    Raises:
+        RuntimeError: xgrammar refused the spec.
+    """
+    if kind == "regex":
+        return compiler.compile_regex(spec)
+    if kind == "grammar":
+        return compiler.compile_grammar(spec)
+    return compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
+
+
+def describe_native_error(kind: str, exc: Exception) -> str:
+    """xgrammar's error, without its C++ source location: what a user can act on."""
+    message = _NATIVE_PREFIX.sub("", str(exc).strip()).splitlines()[0]
+    return f"invalid response_format {kind}: {message}"
 
 
 def _address_space_bytes() -> int:

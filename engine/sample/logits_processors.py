@@ -4,18 +4,14 @@ penalties, structured-output masks and min_tokens. Imports torch (a sampler help
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from engine.core.sampling_state import SamplingState
 from engine.errors import InvariantError
-from engine.grammar import GrammarCompiler
-from engine.grammar_mask import GrammarMasks
-from engine.penalties import PenaltyTable, apply_penalties
-from engine.sampling_state import SamplingState
-
-if TYPE_CHECKING:
-    from engine.sampler import SamplingContext
+from engine.sample.context import SamplingContext
+from engine.sample.grammar import GrammarCompiler
+from engine.sample.grammar_mask import GrammarMasks
+from engine.sample.penalties import PenaltyTable, apply_penalties
 
 
 class LogitsProcessors:

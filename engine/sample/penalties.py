@@ -13,8 +13,8 @@ import weakref
 
 import torch
 
+from engine.core.sampling_state import SamplingState
 from protocol.sampling import SamplingParams
-from engine.sampling_state import SamplingState
 
 _MIN_SLOTS = 8
 

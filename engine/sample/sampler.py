@@ -1,5 +1,5 @@
 """Turns one step's logits into next tokens: penalties, structured-output masks and min_tokens
-(engine/logits_processors.py), then greedy, temperature, top-k, top-p, per-request seeds, and raw
+(engine/sample/logits_processors.py), then greedy, temperature, top-k, top-p, per-request seeds, and raw
 logprobs. Imports torch; nothing from the scheduler side."""
 
 from __future__ import annotations
@@ -10,27 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import SamplingError
-from engine.grammar import GrammarCompiler
-from engine.logits_processors import LogitsProcessors
-from protocol.sampling import SamplingParams
-from engine.sampling_state import SamplingState
+from engine.sample.context import SamplingContext
+from engine.sample.grammar import GrammarCompiler
+from engine.sample.logits_processors import LogitsProcessors
 
 _MASK_64 = (1 << 64) - 1
-
-
-@dataclass
-class SamplingContext:
-    """What the sampler needs to know about one row of the batch."""
-
-    params: SamplingParams  # the request's sampling parameters
-    num_output_tokens: int  # tokens generated so far == index of the token being sampled
-    eos_token_ids: frozenset[int]  # the model's EOS ids (possibly several)
-    state: SamplingState | None = None  # the request's penalty / grammar state (needed when it uses them)
-
-    @property
-    def is_min_tokens_active(self) -> bool:
-        """True while EOS and stop ids must be suppressed for this row."""
-        return self.params.is_min_tokens_active(self.num_output_tokens)
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""Paged-attention microbenchmark: the gather + SDPA path (engine/attention/reference.py) against
-the C++ CPU kernel (engine/attention/cpu_kernel.py), per call, measured in the same run.
+"""Paged-attention microbenchmark: the gather + SDPA path (engine/kernels/attention/reference.py) against
+the C++ CPU kernel (engine/kernels/attention/cpu_kernel.py), per call, measured in the same run.
 
     python ops/bench/attention.py              # all shapes (~1 min on 2 cores, after the build)
     python ops/bench/attention.py --quick      # fewer shapes and repeats, for development
@@ -10,7 +10,7 @@ SmolLM2-135M heads (9 query / 3 kv / head_dim 64) and 32/8/128 and 32/32/64; the
 of T = 1/16/64/512 tokens: today's two ``index_copy_`` calls against the C++ ``reshape_and_cache``.
 
 The reference is the engine's gather + SDPA path from before this kernel: for decodes
-engine/attention/reference.py's ReferenceBackend (rows sorted longest first, gathered in groups of
+engine/kernels/attention/reference.py's ReferenceBackend (rows sorted longest first, gathered in groups of
 a few MiB into reused buffers, one masked SDPA per group); for a prefill chunk SDPA ``is_causal``
 on the chunk's own keys/values when nothing is cached, else gather + masked SDPA over the prefix.
 Per-step metadata (block tables, masks) is built outside the timed calls, as the runner does.
@@ -49,7 +49,7 @@ class Shape:
 
     def __init__(self, torch: Any, heads: tuple[int, int, int], contexts: list[int], q_lens: list[int],
                  block_size: int, dtype: Any, seed: int) -> None:
-        from engine.attention.metadata import AttentionMetadata
+        from engine.kernels.attention.metadata import AttentionMetadata
 
         num_heads, num_kv_heads, head_dim = heads
         gen = torch.Generator().manual_seed(seed)
@@ -109,7 +109,7 @@ class Shape:
 def reference_call(shape: Shape) -> Callable[[int], Any]:
     """Today's per-layer gather + SDPA attention (after the cache write).
 
-    Decodes: engine/attention/reference.py's ReferenceBackend (rows grouped by context, gathered
+    Decodes: engine/kernels/attention/reference.py's ReferenceBackend (rows grouped by context, gathered
     into reused buffers, one masked SDPA per group: the engine's path before this kernel). A
     prefill chunk: SDPA ``is_causal`` on the chunk's own keys/values when nothing is cached, else
     its blocks gathered with index_select + SDPA under the prefix mask.
@@ -117,7 +117,7 @@ def reference_call(shape: Shape) -> Callable[[int], Any]:
     import torch
     import torch.nn.functional as F
 
-    from engine.attention.reference import ReferenceBackend
+    from engine.kernels.attention.reference import ReferenceBackend
 
     if shape.meta.num_decodes:
         backend = ReferenceBackend()
@@ -148,7 +148,7 @@ def reference_call(shape: Shape) -> Callable[[int], Any]:
 
 
 def kernel_call(shape: Shape) -> Callable[[int], Any]:
-    from engine.attention import cpu_kernel
+    from engine.kernels.attention import cpu_kernel
 
     meta = shape.meta
 
@@ -164,7 +164,7 @@ def cache_write_calls(shape: Shape) -> list[Callable[[int], Any]]:
     the shape's tokens at random distinct slots."""
     import torch
 
-    from engine.attention import cpu_kernel
+    from engine.kernels.attention import cpu_kernel
 
     num_blocks, block_size, num_kv_heads, head_dim = shape.pool.shape[2:]
     num_tokens = shape.key.shape[2]
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
 
-    from engine.attention import cpu_kernel
+    from engine.kernels.attention import cpu_kernel
 
     torch.set_num_threads(args.threads)
     if args.quick:

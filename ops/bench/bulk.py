@@ -127,7 +127,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from engine.model_loader import _materialize_gguf, default_cache_dir, resolve_model_path
+    from engine.model.model_loader import _materialize_gguf, default_cache_dir, resolve_model_path
 
     path = resolve_model_path(args.model)
     if isinstance(path, Path) and path.suffix == ".gguf":

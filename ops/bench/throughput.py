@@ -65,7 +65,7 @@ LABELS = {
 def resolve_model_dir(model: str) -> str:
     """The safetensors directory (or hub id) that every system loads: a GGUF alias is
     dequantized once by the engine's loader and cached."""
-    from engine.model_loader import _materialize_gguf, default_cache_dir, resolve_model_path
+    from engine.model.model_loader import _materialize_gguf, default_cache_dir, resolve_model_path
 
     path = resolve_model_path(model)
     if isinstance(path, Path) and path.suffix == ".gguf":
@@ -85,7 +85,7 @@ def _load_hf(args: argparse.Namespace, attn: str | None = None) -> tuple[Any, An
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if args.random_init:  # the engine's own random weights (same seed): every system runs the same model
-        from engine.model_loader import random_model
+        from engine.model.model_loader import random_model
 
         config = AutoConfig.from_pretrained(args.model_dir)
         model = random_model(config, getattr(torch, args.dtype), torch.device(args.device), attn or "sdpa")
@@ -97,7 +97,7 @@ def _load_hf(args: argparse.Namespace, attn: str | None = None) -> tuple[Any, An
 
 def _weights_bytes(model: Any) -> int:
     """Bytes of the model's weights, counting each once (tied embeddings) and counting linear
-    layers whose plain weight was replaced by a packed copy (engine.cpu_linear) by their size."""
+    layers whose plain weight was replaced by a packed copy (engine.kernels.cpu_linear) by their size."""
     total = 0
     seen: set[int] = set()
     for module in model.modules():
@@ -250,15 +250,15 @@ def _profiled(run: Any, torch: Any, engine: Any) -> tuple[list[int], list[Any], 
     # (file suffix, function name) -> cumulative seconds; parts may nest (attention is inside forward).
     parts = {
         "engine.step (total)": ("engine/engine.py", "step"),
-        "scheduler.schedule": ("engine/scheduler.py", "schedule"),
-        "scheduler.update": ("engine/scheduler.py", "update"),
-        "runner.execute (forward+sample)": ("engine/model_runner.py", "execute"),
-        "runner.prepare (inputs, block tables)": ("engine/model_runner.py", "prepare"),
-        "runner._forward (model forward)": ("engine/model_runner.py", "_forward"),
-        "paged attention (all layers)": ("engine/paged_attention.py", "paged_attention_forward"),
-        "sampler": ("engine/sampler.py", "__call__"),
-        "postprocess (detokenize, stop strings)": ("engine/postprocess.py", "detokenize"),
-        "outputs": ("engine/postprocess.py", "make_outputs"),
+        "scheduler.schedule": ("engine/core/scheduler.py", "schedule"),
+        "scheduler.update": ("engine/core/scheduler.py", "update"),
+        "runner.execute (forward+sample)": ("engine/model/model_runner.py", "execute"),
+        "runner.prepare (inputs, block tables)": ("engine/model/model_runner.py", "prepare"),
+        "runner._forward (model forward)": ("engine/model/model_runner.py", "_forward"),
+        "paged attention (all layers)": ("engine/model/hf_attention.py", "paged_attention_forward"),
+        "sampler": ("engine/sample/sampler.py", "__call__"),
+        "postprocess (detokenize, stop strings)": ("engine/output/output_processor.py", "detokenize"),
+        "outputs": ("engine/output/output_processor.py", "make_outputs"),
     }
     breakdown: dict[str, float] = {}
     linear_s = 0.0
@@ -605,7 +605,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="engine model alias, HF directory or GGUF file")
     parser.add_argument("--random-init", action="store_true", help="--model is a config folder: every system "
-                        "builds it with the engine's random weights (engine.model_loader.random_model)")
+                        "builds it with the engine's random weights (engine.model.model_loader.random_model)")
     parser.add_argument("--model-dir", default="", help="safetensors directory for the HF/vLLM peers (default: "
                         "the engine's dequantized cache of --model)")
     parser.add_argument("--num-requests", type=int, default=64)

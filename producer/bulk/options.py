@@ -27,6 +27,9 @@ class BulkOptions(BaseModel):
     system: str | None = Field(None, description="a system message before each plain prompt")
     cancel_on_interrupt: bool = Field(False, description="on Ctrl-C, cancel the requests this run queued")
     endpoint: str | None = Field(None, description="OpenAI input: the url every line must name (a batch's endpoint)")
+    served_models: frozenset[str] | None = Field(None, description="the models live workers serve: an item naming "
+                                                 "another is answered model_not_served, not queued; None: items "
+                                                 "wait in their model's lanes for a worker serving it")
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = None

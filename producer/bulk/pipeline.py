@@ -240,10 +240,11 @@ class BulkJob:
             return
         batch = list(self._to_send)
         self._to_send.clear()
-        requests = [self._build(flight) for flight in batch]
+        built = [(flight, self._build(flight)) for flight in batch]
+        sent = [(flight, request) for flight, request in built if not self._refuse_unserved(flight, request)]
         before_s = time.time()
-        first_submits = self.producer.submit_once(requests)
-        for flight, request, first_submit_s in zip(batch, requests, first_submits):
+        first_submits = self.producer.submit_once([request for _, request in sent])
+        for (flight, request), first_submit_s in zip(sent, first_submits):
             self._flights[request.id] = flight
             if first_submit_s >= before_s:
                 self._queued_here.add(request.id)
@@ -252,6 +253,17 @@ class BulkJob:
             else:
                 self.summary.num_adopted += 1
                 self._progress.adopt()
+
+    def _refuse_unserved(self, flight: Flight, request: GenerationRequest) -> bool:
+        """Answer, unsent, a request naming a model outside ``served_models`` (as a worker serving another
+        model would: ``model_not_served``); whether it was refused."""
+        served = self.options.served_models
+        if served is None or request.model is None or request.model in served:
+            return False
+        names = ", ".join(map(repr, sorted(served))) or "none"
+        message = f"no live worker serves model {request.model!r} (served: {names})"
+        self._settle(flight, GenerationResult.failure(request.id, ErrorCode.MODEL_NOT_SERVED, message))
+        return True
 
     def _wait(self) -> None:
         """One XREAD BLOCK on the job's reply stream; a fallback MGET when it stays quiet."""

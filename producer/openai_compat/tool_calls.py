@@ -4,7 +4,7 @@
 An answer is a call when it is, all of it, a JSON object ``{"name": <an offered function>,
 "arguments": {...}}`` (``"parameters"`` is read as ``"arguments"``, as Llama 3.1 writes it) or a
 JSON array of them: the format a forced call's schema produces and the tools preamble asks for
-(engine/prompts.py). Calls may also come in Hermes-style ``<tool_call>{...}</tool_call>`` blocks
+(engine/output/prompts.py). Calls may also come in Hermes-style ``<tool_call>{...}</tool_call>`` blocks
 (Qwen 2.5, Hermes and other templates that render tools ask for them); text outside the blocks is
 the content. Anything else, a call naming a function that was not offered included, is content:
 never dropped.

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import ReferenceBackend
 from engine.config import CacheConfig, SchedulerConfig
+from engine.core.step_io import ModelOutput
 from engine.errors import EngineError
-from engine.kv_cache import KVCacheSpec
-from engine.memory_profile import largest_step, profile_steps
-from engine.model_loader import load_model
-from engine.model_setup import kv_cache_spec, size_kv_cache
-from engine.outputs import ModelOutput
-from engine.paged_attention import register
+from engine.kernels.attention import ReferenceBackend
+from engine.model.hf_attention import register
+from engine.model.kv_cache import KVCacheSpec
+from engine.model.memory_profile import largest_step, profile_steps
+from engine.model.model_loader import load_model
+from engine.model.model_setup import kv_cache_spec, size_kv_cache
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""The CPU's native decoder stack (engine/native_decoder) against the eager forward it replaces:
+"""The CPU's native decoder stack (engine/model/native_decoder) against the eager forward it replaces:
 bitwise-equal logits on random mixed batches (decodes and prefill chunks over a cached prefix,
 random block tables, block sizes 1 / 4 / 16, GQA, biases), the same generated tokens through
 preemption, and the models and settings that must stay eager."""
@@ -14,10 +14,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from engine import Engine, SamplingParams, cpu_linear, native_decoder
-from engine.model_runner import ModelRunner
-from engine.native_decoder import NativeDecoder
-from engine.outputs import ScheduledChunk
+from engine import Engine, SamplingParams
+from engine.core.step_io import ScheduledChunk
+from engine.kernels import cpu_linear
+from engine.model import native_decoder
+from engine.model.model_runner import ModelRunner
+from engine.model.native_decoder import NativeDecoder
 from tests.e2e.parity_helpers import random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import VOCAB_SIZE, build_tokenizer
@@ -104,15 +106,13 @@ def test_native_logits_are_bitwise_the_eager_ones(model: str, dtype: str, block_
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("model", ["llama", "biased-llama"])
 def test_native_logits_are_bitwise_the_eager_ones_with_each_linear_kernel(
-        model: str, dtype: str, kernel: str, tiny_model_dirs: dict[str, Path], biased_llama: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        model: str, dtype: str, kernel: str, tiny_model_dirs: dict[str, Path], biased_llama: Path) -> None:
     """Whichever kernel this CPU picks above, both are checked here (the stack calls the same one)."""
-    chosen = {"onednn": cpu_linear.ONEDNN, "panels": cpu_linear.PANELS}[kernel]
+    chosen = cpu_linear.KERNELS[kernel]
     if not cpu_linear.packing_works(getattr(torch, dtype), chosen):
         pytest.skip(f"{kernel} cannot pack {dtype} here")
-    monkeypatch.setattr(cpu_linear, "kernel_for", lambda _: chosen)
     engine = build_engine(str(_model_path(model, tiny_model_dirs, biased_llama)), device="cpu", dtype=dtype,
-                          block_size=4, kv_cache_memory="4MiB")
+                          block_size=4, kv_cache_memory="4MiB", linear_kernel=kernel)
     runner = _runner(engine)
     native = runner.native_decoder
     assert isinstance(native, NativeDecoder) and runner.model.lm_head.kernel is chosen
@@ -153,7 +153,7 @@ def test_generation_through_preemption_is_the_same_native_and_eager(tiny_model_d
 def test_other_models_and_settings_run_eagerly(model: str, settings: dict[str, Any], reason: str | None,
                                                tiny_model_dirs: dict[str, Path],
                                                caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="engine.native_decoder"):
+    with caplog.at_level(logging.INFO, logger="engine.model.native_decoder"):
         engine = build_engine(str(tiny_model_dirs[model]), device="cpu", kv_cache_memory="4MiB", **settings)
     assert _runner(engine).native_decoder is None
     if reason is not None:
@@ -166,7 +166,7 @@ def test_without_the_built_extension_the_layers_run_eagerly(tiny_model_dirs: dic
                                                             monkeypatch: pytest.MonkeyPatch,
                                                             caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(native_decoder._EXTENSION, "is_available", lambda: False)  # no compiler, failed build
-    with caplog.at_level(logging.INFO, logger="engine.native_decoder"):
+    with caplog.at_level(logging.INFO, logger="engine.model.native_decoder"):
         engine = build_engine(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", kv_cache_memory="4MiB")
     assert _runner(engine).native_decoder is None
     assert any("could not be built" in r.message for r in caplog.records)
@@ -192,7 +192,7 @@ def test_a_stack_that_disagrees_on_the_probe_is_not_used(tiny_model_dirs: dict[s
         return forward(self, *args) * (1 + 1e-6)
 
     monkeypatch.setattr(NativeDecoder, "forward", off_by_a_little)
-    with caplog.at_level(logging.WARNING, logger="engine.native_decoder"):
+    with caplog.at_level(logging.WARNING, logger="engine.model.native_decoder"):
         engine = build_engine(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", kv_cache_memory="4MiB")
     assert _runner(engine).native_decoder is None
     assert any("differs from eager" in r.message for r in caplog.records)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.model_loader import random_model
-from engine.model_runner import ModelRunner
-from engine.static_decode import CapturedStep
+from engine.model.model_loader import random_model
+from engine.model.model_runner import ModelRunner
+from engine.model.static_decode import CapturedStep
 from ops.gpu.models import export_smollm2_files
 from tests.e2e.parity_helpers import DEVICES, NEAR_TIE, attention_backend, first_divergence, hf_greedy, random_prompts, top2_gap
 from tests.engine_helpers import build_engine

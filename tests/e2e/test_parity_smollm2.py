@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
-from engine.model_runner import ModelRunner
+from engine.model.model_runner import ModelRunner
 from tests.engine_helpers import build_engine
 from tests.e2e.parity_helpers import DEVICES, NEAR_TIE, attention_backend, first_divergence, hf_greedy, load_reference, top2_gap
 

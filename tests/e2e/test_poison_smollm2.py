@@ -15,8 +15,8 @@ import pytest
 import redis
 
 from engine import Engine, EngineConfig
-from engine.outputs import ModelOutput, SchedulerOutput
-from engine.prompts import TextPrompt
+from engine.core.step_io import ModelOutput, SchedulerOutput
+from engine.output.prompts import TextPrompt
 from producer.schema import GenerationRequest, encode_request
 from protocol.sampling import MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MIN_REPETITION_PENALTY
 from tests.worker_helpers import make_settings, running_worker, wait_result

@@ -12,9 +12,9 @@ from pydantic import ValidationError
 
 from engine import EngineConfig, SamplingParams
 from engine.errors import ModelLoadError
-from engine.model_loader import load_model, random_model
-from engine.no_tokenizer import NoTokenizer
-from engine.paged_attention import register
+from engine.model.hf_attention import register
+from engine.model.model_loader import load_model, random_model
+from engine.output.no_tokenizer import NoTokenizer
 from protocol.sampling import ResponseFormat
 from tests.e2e.parity_helpers import hf_greedy, random_prompts
 from tests.engine_helpers import build_engine

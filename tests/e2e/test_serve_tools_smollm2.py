@@ -14,8 +14,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from engine.model_loader import resolve_model_path
-from engine.prompts import ChatPrompt, renders_tools, tokenize_prompt
+from engine.model.model_loader import resolve_model_path
+from engine.output.prompts import ChatPrompt, renders_tools, tokenize_prompt
 from producer.common import build_request
 from producer.keys import Keys
 from producer.openai_compat import parse_body

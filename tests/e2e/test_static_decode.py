@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
-from engine.attention import cpu_kernel
-from engine.model_runner import ModelRunner
-from engine.outputs import ModelOutput, SchedulerOutput
-from engine.static_decode import CapturedStep, StaticDecode, decode_buckets
+from engine.core.step_io import ModelOutput, SchedulerOutput
+from engine.kernels.attention import cpu_kernel
+from engine.model.model_runner import ModelRunner
+from engine.model.static_decode import CapturedStep, StaticDecode, decode_buckets
 from tests.e2e.parity_helpers import hf_greedy, load_reference, random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import VOCAB_SIZE

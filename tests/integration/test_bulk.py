@@ -74,15 +74,15 @@ def test_plain_lines_ask_for_samples_and_logprobs(tmp_path: Path, redis_url: str
     for line in lines.values():
         assert line["model"] == "house-echo" and line["text"] == "hey"
         assert [(s["index"], s["text"]) for s in line["samples"]] == [(0, "hey"), (1, "hey")]
-        assert line["usage"]["completion_tokens"] == 6
-    assert [t["token"] for t in lines["two"]["token_logprobs"]] == ["h", "e", "y"]
-    assert [t["token"] for t in lines["two"]["samples"][1]["token_logprobs"]] == ["h", "e", "y"]
+        assert line["usage"]["completion_tokens"] == 8  # two samples of "hey", each ending with EOS
+    assert [t["token"] for t in lines["two"]["token_logprobs"]] == ["h", "e", "y", "</s>"]
+    assert [t["token"] for t in lines["two"]["samples"][1]["token_logprobs"]] == ["h", "e", "y", "</s>"]
     [many] = read_jsonl(summary.errors_path)
     assert many["id"] == "many" and "params.n" in many["error"]["message"]
 
 
 def test_plain_prompts_are_user_messages_unless_raw(tmp_path: Path, producer: Producer, echo_worker: None) -> None:
-    """The echo engine answers chat with the messages' contents, one per line: the system message shows."""
+    """The echo model answers chat with the messages' contents, one per line: the system message shows."""
     source = tmp_path / "in.jsonl"
     source.write_text(json.dumps({"id": "a", "prompt": "hey", "max_tokens": 32}) + "\n")
     bulk.run(source, tmp_path / "chat.jsonl", producer=producer, system="Be brief.")

@@ -108,7 +108,9 @@ def test_an_interrupted_run_leaves_a_valid_parquet_file_to_resume(tmp_path: Path
     job.stopping.set()
     runner.join(timeout=30)
     assert job.summary.is_interrupted and pq.read_table(out).num_rows == 0  # valid, nothing finished yet
-    with running_worker(make_settings(redis_url, key_prefix)):
+    # NOTE: paced, so the queued requests are still running when the resumed run adopts them (a result
+    # already there when it starts is recovered instead)
+    with running_worker(make_settings(redis_url, key_prefix, model="echo:step_delay_s=0.1")):
         summary = bulk.run(source, out, producer=producer)
     assert summary.is_complete and summary.num_adopted == 5 and summary.num_submitted == 0
     assert sorted(pq.read_table(out).column("id").to_pylist()) == [f"q{i}" for i in range(5)]

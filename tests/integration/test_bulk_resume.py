@@ -61,7 +61,7 @@ def _num_duplicates(worker: Worker) -> float:
 
 
 def _paced_echo(redis_url: str, prefix: str) -> Any:
-    return make_settings(redis_url, prefix, model="echo:tokens_per_step=1,step_delay_s=0.01", metrics_port=_free_port())
+    return make_settings(redis_url, prefix, model="echo:step_delay_s=0.01", metrics_port=_free_port())
 
 
 def _free_port() -> int:

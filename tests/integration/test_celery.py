@@ -124,7 +124,7 @@ def test_chord_of_twenty_and_result_as_next_prompt(redis_url: str, redis_client:
                                                    key_prefix: str) -> None:
     app, generate = make_celery(redis_url, key_prefix)
     collect = app.tasks["test.collect"]
-    settings = make_settings(redis_url, key_prefix, model="echo:tokens_per_step=1,step_delay_s=0.005")
+    settings = make_settings(redis_url, key_prefix, model="echo:step_delay_s=0.005")
     with running_worker(settings), celery_worker(app):
         texts = chord(generate.s(f"prompt {i}", max_tokens=64) for i in range(20))(collect.s()).get(timeout=60)
         relayed = chain(generate.s({"messages": [{"role": "user", "content": "hi"}]}, max_tokens=64),

@@ -99,7 +99,9 @@ def test_status_table_and_json(cli: list[str], echo_worker: None, producer: Prod
     outcome = runner.invoke(app, [*cli, "status", "--json"])
     assert outcome.exit_code == 0, outcome.output
     stats = json.loads(outcome.stdout)
-    assert stats["num_live_workers"] == 1 and len(stats["lanes"]) == 3
+    assert stats["num_live_workers"] == 1 and stats["models"] == ["echo"]
+    assert [(lane["lane"], lane["model"]) for lane in stats["lanes"]] == [(k, model) for k in range(3)
+                                                                          for model in (None, "echo")]
     outcome = runner.invoke(app, [*cli, "status"], env={"COLUMNS": "200"})
     assert outcome.exit_code == 0
     assert "dead letters: 0" in outcome.stdout and "echo" in outcome.stdout and "tok/s" in outcome.stdout

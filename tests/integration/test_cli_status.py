@@ -44,7 +44,7 @@ def test_long_names_show_whole_at_80_columns(redis_url: str, key_prefix: str, re
     assert details.startswith("state running (live)  model " + LONG_MODEL) and "tok/s 1234.5" in details
     assert f"queue {keys.base}" in lines
     assert "…" not in outcome.stdout
-    assert "┃ lane ┃ depth ┃ pending ┃ lag ┃" in outcome.stdout  # the lanes still fit: a table
+    assert "┃ lane ┃ model ┃ depth ┃ pending ┃ lag ┃" in outcome.stdout  # the lanes still fit: a table
 
 
 def test_rows_that_fit_are_a_table(redis_url: str, key_prefix: str, redis_client: redis.Redis) -> None:

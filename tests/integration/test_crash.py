@@ -18,7 +18,7 @@ NUM_REQUESTS = 200
 
 def _start_worker(redis_url: str, prefix: str, name: str, *extra: str) -> subprocess.Popen[bytes]:
     return start_worker_process(redis_url, prefix, name, "--max-waiting", "16", *extra,
-                                model="echo:tokens_per_step=1,step_delay_s=0.004",
+                                model="echo:step_delay_s=0.004",
                                 env={"TOKENMILL_ENGINE__SCHEDULER__MAX_NUM_SEQS": "16"})
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import redis
@@ -15,6 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from producer import Producer  # noqa: E402
 from tests.worker_helpers import make_settings, running_worker  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -39,7 +44,7 @@ def scrape(port: int) -> dict[str, float]:
 def test_scrape_during_a_run_shows_the_work(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
     port = free_port()
     settings = make_settings(redis_url, key_prefix, metrics_port=port, engine={"model": {"max_model_len": 64}},
-                             model="echo:tokens_per_step=2,step_delay_s=0.002")
+                             model="echo:step_delay_s=0.002")
     with running_worker(settings) as worker, Producer(redis_url, prefix=key_prefix) as producer:
         ok_ids = [producer.submit(prompt=f"hello {i}", max_tokens=8, priority="high") for i in range(10)]
         bad_id = producer.submit(prompt="x" * 200, max_tokens=4)
@@ -52,13 +57,14 @@ def test_scrape_during_a_run_shows_the_work(redis_url: str, redis_client: redis.
     assert samples["tokenmill_requests_total{status=error}"] == 1
     assert samples["tokenmill_generation_tokens_total"] == sum(len(r.token_ids) for r in results) > 0
     assert samples["tokenmill_prompt_tokens_total"] > 0
-    for name in ("queue", "ttft", "e2e"):
-        assert samples[f"tokenmill_request_{name}_seconds_count"] == 10
+    for name, count in (("queue", 10), ("ttft", 10), ("e2e", 11)):  # the refused request took time too
+        assert samples[f"tokenmill_request_{name}_seconds_count"] == count
         assert samples[f"tokenmill_request_{name}_seconds_sum"] > 0
     assert samples["tokenmill_request_tpot_seconds_count"] == 10
-    assert samples["tokenmill_lane_length{lane=0,queue=default}"] == 0  # answered entries are deleted
-    assert samples["tokenmill_lane_pending{lane=0,queue=default}"] == 0
-    assert samples["tokenmill_lane_lag{lane=0,queue=default}"] == 0
+    for model in ("", "echo"):  # the shared lanes, and those of the model the worker serves
+        assert samples[f"tokenmill_lane_length{{lane=0,model={model},queue=default}}"] == 0  # answered: deleted
+        assert samples[f"tokenmill_lane_pending{{lane=0,model={model},queue=default}}"] == 0
+        assert samples[f"tokenmill_lane_lag{{lane=0,model={model},queue=default}}"] == 0
     assert samples["tokenmill_dead_letters{queue=default}"] == 0
     for name in ("running", "waiting", "swapped"):
         assert f"tokenmill_requests_{name}" in samples
@@ -101,3 +107,21 @@ def test_metrics_bind_the_configured_address_only(redis_url: str, key_prefix: st
     with running_worker(make_settings(redis_url, key_prefix, metrics_port=port)) as worker:
         scrape_when_up(port)
         assert worker.metrics is not None and worker.metrics.bound_address == ("127.0.0.1", port)
+
+
+def test_a_busy_metrics_port_fails_the_start_in_one_line_before_the_model_loads(redis_url: str,
+                                                                                  key_prefix: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # NOTE: a real model: the start must fail before loading it (the README promises one line)
+        done = subprocess.run(
+            [sys.executable, "-m", "cli", "--redis-url", redis_url, "--prefix", key_prefix, "worker",
+             "--model", "smollm2-135m", "--device", "cpu", "--metrics-port", str(port)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    *before, error = done.stderr.strip().splitlines()
+    assert done.returncode == 1, done.stderr
+    assert error.startswith(f"error: cannot serve metrics on 127.0.0.1:{port}"), done.stderr
+    assert before == [line for line in before if "connected to Redis" in line], "the model never started loading"
+    assert "Traceback" not in done.stderr + done.stdout

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import redis
 
+from engine.engine import Engine
 from producer.keys import CONSUMER_GROUP
 from protocol.sampling import SamplingParams
 from tests.worker_helpers import enqueue, make_settings, running_worker, wait_result
-from worker.echo_engine import EchoEngine
 from worker.messages import Entry
 from worker.reader import Reader
 
@@ -106,16 +106,16 @@ def cutter(redis_url: str) -> Iterator[ReplyCutter]:
 
 @pytest.fixture
 def additions(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """How often each request id was added to an echo engine."""
+    """How often each request id was added to the engine."""
     counts: Counter[str] = Counter()
-    original = EchoEngine.add_request
+    original = Engine.add_request
 
-    def counting(self: EchoEngine, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def counting(self: Engine, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                  priority: int = 0, arrival_time: float | None = None) -> None:
         counts[request_id] += 1
         original(self, request_id, prompt_token_ids, params, priority, arrival_time)
 
-    monkeypatch.setattr(EchoEngine, "add_request", counting)
+    monkeypatch.setattr(Engine, "add_request", counting)
     return counts
 
 
@@ -150,7 +150,7 @@ def test_entries_stranded_by_a_lost_reply_are_answered_after_the_reconnect(
 def test_the_periodic_check_takes_back_lost_entries_and_never_reruns_held_ones(
         redis_url: str, redis_client: redis.Redis, key_prefix: str, additions: Counter[str],
         dispatches: Counter[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    settings = make_settings(redis_url, key_prefix, model="echo:tokens_per_step=1,step_delay_s=0.01",
+    settings = make_settings(redis_url, key_prefix, model="echo:step_delay_s=0.01",
                              pending_check_interval_s=0.05)
     keys, name = settings.queue.keys, settings.worker.name
     redis_client.xgroup_create(keys.lane(0), CONSUMER_GROUP, id="0", mkstream=True)

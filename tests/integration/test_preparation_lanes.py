@@ -8,18 +8,18 @@ from typing import Any
 
 import redis
 
-from engine.prompts import Prompt, TextPrompt
+from engine.engine import Engine
+from engine.output.prompts import Prompt, TextPrompt
 from protocol.sampling import SamplingParams
 from tests.worker_helpers import enqueue, make_settings, running_worker, wait_result
-from worker.echo_engine import EchoEngine
 from worker.preparation import HEAVY_PROMPT_CHARS
 
 
-class BlockingPreparation(EchoEngine):
-    """The echo engine, whose preparation of heavy requests waits until the test releases it."""
+class BlockingPreparation(Engine):
+    """The echo model's engine, whose preparation of heavy requests waits until the test releases it."""
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.release = threading.Event()
         self.heavy_started = threading.Event()
 
@@ -41,7 +41,7 @@ def test_small_requests_pass_a_large_prompt_and_a_grammar_in_preparation(
         redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
     settings = make_settings(redis_url, key_prefix, engine={"model": {"max_model_len": 2 * HEAVY_PROMPT_CHARS}})
     keys = settings.queue.keys
-    engine = BlockingPreparation(settings.engine)
+    engine = BlockingPreparation.from_config(settings.engine)
     with running_worker(settings, engine=engine):
         large = enqueue(redis_client, keys, lane=0, prompt="x" * (HEAVY_PROMPT_CHARS + 1),
                         params={"max_tokens": 4})

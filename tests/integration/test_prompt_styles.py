@@ -104,16 +104,17 @@ def test_the_cli_sends_what_the_producer_sends(redis_url: str, key_prefix: str, 
                                                                       from_python.items()}
 
 
-def _bulk_requests(producer: Producer, tmp_path: Path, lines: list[dict[str, Any]],
+def _bulk_requests(producer: Producer, tmp_path: Path, lines: list[dict[str, Any]], *, model: str | None = None,
                    **options: Any) -> list[tuple[str | None, Any]]:
-    """The requests a bulk job queues for ``lines`` (no worker: the job is stopped once they are queued)."""
+    """The requests a bulk job queues for ``lines`` naming ``model`` (no worker: the job is stopped once they
+    are queued)."""
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
     job = BulkJob(producer, source, tmp_path / f"out-{len(list(tmp_path.iterdir()))}.jsonl",
                   BulkOptions.model_validate(options))
     runner = threading.Thread(target=job.run)
     runner.start()
-    lane = producer.keys.lane(2)  # bulk's default priority: low
+    lane = producer.keys.lane(2, model)  # bulk's default priority: low
     while producer.client.xlen(lane) < len(lines) and runner.is_alive():
         runner.join(0.01)
     job.stopping.set()
@@ -130,7 +131,8 @@ def test_bulk_sends_what_the_producer_sends(producer: Producer, tmp_path: Path) 
     assert _bulk_requests(producer, tmp_path, plain, raw=True) == [("Hi", None), (None, USER_HI)]
     openai = [{"custom_id": "c", "url": "/v1/chat/completions", "body": {"model": "m", "messages": USER_HI}},
               {"custom_id": "d", "url": "/v1/completions", "body": {"model": "m", "prompt": "Hi"}}]
-    assert _bulk_requests(producer, tmp_path, openai) == [(None, USER_HI), ("Hi", None)]  # as the HTTP API takes them
+    # as the HTTP API takes them; in the lanes of the model they name
+    assert _bulk_requests(producer, tmp_path, openai, model="m") == [(None, USER_HI), ("Hi", None)]
 
 
 def test_bulk_refuses_a_system_message_with_raw(producer: Producer, tmp_path: Path) -> None:

@@ -15,8 +15,8 @@ from producer.schema import decode_result
 from tests.worker_helpers import enqueue, start_worker_process
 
 MAX_DELIVERIES = 3
-# NOTE: the echo engine's test hook: a step that runs a prompt containing POISON exits the process
-MODEL = "echo:crash_on=POISON,tokens_per_step=1,step_delay_s=0.01"
+# NOTE: the echo model's test hook: a step that runs a prompt containing POISON exits the process
+MODEL = "echo:crash_on=POISON,step_delay_s=0.01"
 FAST = {"TOKENMILL_WORKER__HEARTBEAT_INTERVAL_S": "0.1", "TOKENMILL_WORKER__STALE_AFTER_S": "0.5",
         "TOKENMILL_WORKER__MAX_DELIVERIES": str(MAX_DELIVERIES)}
 

@@ -36,7 +36,7 @@ def test_raw_client_submits_and_reads_results(redis_url: str, redis_client: redi
             assert popped is not None, "no result in time"
             result = msgpack.unpackb(redis_client.get(f"{base}:res:{request_id}"), raw=False)
             assert (result["id"], result["status"], result["text"]) == (request_id, "ok", f"raw {lane}")
-            assert result["metadata"] == {"lane": lane} and result["usage"]["completion_tokens"] == 5
+            assert result["metadata"] == {"lane": lane} and result["usage"]["completion_tokens"] == 6  # and EOS
     finally:
         worker.terminate()
         assert worker.wait(timeout=10) == 0

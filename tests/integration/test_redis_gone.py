@@ -80,7 +80,7 @@ def test_on_sigterm_results_that_cannot_be_written_make_a_non_zero_exit(private_
     client.xgroup_create(keys.lane(0), CONSUMER_GROUP, id="0", mkstream=True)
     ids = [enqueue(client, keys, prompt=f"unwritten {i} " * 2) for i in range(3)]
     client.config_set("maxmemory-policy", "noeviction")
-    settings = make_settings(private_redis_url, prefix, model="echo:tokens_per_step=1,step_delay_s=0.05",
+    settings = make_settings(private_redis_url, prefix, model="echo:step_delay_s=0.05",
                              drain_timeout_s=1.0)
     with worker_logs(as_json=True) as logs:
         worker = Worker(settings, handle_signals=False)

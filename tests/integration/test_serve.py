@@ -19,9 +19,9 @@ from producer import Producer
 from producer.keys import Keys
 from producer.schema import decode_request
 from tests.serve_helpers import running_server
-from tests.worker_helpers import make_settings, running_worker
+from tests.worker_helpers import announce, make_settings, running_worker
 
-SLOW_ECHO = "echo:tokens_per_step=1,step_delay_s=0.02"
+SLOW_ECHO = "echo:step_delay_s=0.02"
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_chat_and_models(client: openai.OpenAI) -> None:
     [choice] = reply.choices
     assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", "Name three rivers.",
                                                                                   "stop")
-    assert reply.usage is not None and reply.usage.completion_tokens == len("Name three rivers.")
+    assert reply.usage is not None and reply.usage.completion_tokens == len("Name three rivers.") + 1  # and EOS
 
 
 def test_completions_come_back_as_text_completions(client: openai.OpenAI) -> None:
@@ -69,19 +69,21 @@ def test_streaming_chunks_then_usage_then_done(redis_url: str, key_prefix: str, 
     assert "".join(texts) == "stream me" and len(texts) > 1, "one chunk per token as the worker writes it"
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
-    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 9
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
     assert "".join(c.choices[0].text for c in completion_chunks) == "abc"
     assert all(c.object == "text_completion" for c in completion_chunks)
 
 
 def test_errors_come_in_openai_shape(client: openai.OpenAI, base_url: str) -> None:
-    with pytest.raises(openai.NotFoundError) as unknown:
-        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
-    assert unknown.value.code == "model_not_found" and "gpt-4o" in unknown.value.message
-    with pytest.raises(openai.BadRequestError) as tools:
+    with pytest.raises(openai.InternalServerError) as unknown:  # no live worker serves it: 503 at once
+        client.with_options(max_retries=0).chat.completions.create(model="gpt-4o",
+                                                                   messages=[{"role": "user", "content": "hi"}])
+    assert unknown.value.status_code == 503 and unknown.value.code == "model_not_available"
+    assert "gpt-4o" in unknown.value.message and "'echo'" in unknown.value.message
+    with pytest.raises(openai.BadRequestError) as tools:  # only function tools are supported
         client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "hi"}],
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
-    assert tools.value.param == "tools"
+                                       tools=[{"type": "retrieval"}])  # type: ignore[list-item]
+    assert tools.value.param == "tools[0]"
     with pytest.raises(urllib.error.HTTPError) as not_json:
         urllib.request.urlopen(_post(f"{base_url}/chat/completions", b"{not json"), timeout=10)
     assert not_json.value.code == 400
@@ -107,15 +109,15 @@ def test_n_choices_logprobs_and_the_served_model_name(redis_url: str, key_prefix
             client.chat.completions.create(model="echo", messages=question, n=17)
     assert chat.model == "house-echo" and completion.model == "house-echo"
     assert [(c.index, c.message.content) for c in chat.choices] == [(0, "Hi you"), (1, "Hi you"), (2, "Hi you")]
-    assert chat.usage is not None and chat.usage.completion_tokens == 3 * len("Hi you"), "every choice's tokens"
+    assert chat.usage is not None and chat.usage.completion_tokens == 3 * (len("Hi you") + 1), "every choice's tokens"
     for choice in chat.choices:
         assert choice.logprobs is not None and choice.logprobs.content is not None
-        assert "".join(t.token for t in choice.logprobs.content) == "Hi you"
+        assert "".join(t.token for t in choice.logprobs.content) == "Hi you</s>"  # EOS is a token of the output
         assert all(t.logprob == 0.0 and [a.token for a in t.top_logprobs] == [t.token] for t in choice.logprobs.content)
     assert [c.text for c in completion.choices] == ["abc", "abc"]
     logprobs = completion.choices[1].logprobs
-    assert logprobs is not None and logprobs.tokens == ["a", "b", "c"] and logprobs.text_offset == [0, 1, 2]
-    assert logprobs.top_logprobs == [{"a": 0.0}, {"b": 0.0}, {"c": 0.0}]
+    assert logprobs is not None and logprobs.tokens == ["a", "b", "c", "</s>"] and logprobs.text_offset == [0, 1, 2, 3]
+    assert logprobs.top_logprobs == [{"a": 0.0}, {"b": 0.0}, {"c": 0.0}, {"</s>": 0.0}]
     assert streamed_n.value.param == "n"
     assert too_many.value.code == "validation" and "params.n" in too_many.value.message
 
@@ -130,15 +132,17 @@ def test_api_keys(redis_url: str, key_prefix: str) -> None:
 
 
 def _queued(client: redis.Redis, keys: Keys, lane: int) -> list[tuple[str, float | None]]:
-    entries = client.xrange(keys.lane(lane))
+    entries = client.xrange(keys.lane(lane, "echo"))
     return [(r.id, r.deadline) for r in (decode_request(fields) for _, fields in entries)]
 
 
 def test_a_disconnect_cancels_the_request_and_the_timeout_is_its_deadline(
         base_url: str, redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
-    """No worker yet: the client gives up after 1 s. The SDK's timeout became the request's deadline;
-    a longer X-Tokenmill-Timeout keeps the request alive, and then the disconnect cancels it."""
+    """No worker reads yet (one announces echo): the client gives up after 1 s. The SDK's timeout became
+    the request's deadline; a longer X-Tokenmill-Timeout keeps the request alive, and then the disconnect
+    cancels it."""
     keys = Keys(prefix=key_prefix)
+    announce(redis_client, keys, "busy", "echo")
     with openai.OpenAI(base_url=base_url, api_key="none", timeout=1.0, max_retries=0) as client:
         for timeout_header in ({}, {"X-Tokenmill-Timeout": "30"}):
             with pytest.raises(openai.APITimeoutError):

@@ -104,12 +104,12 @@ def test_a_completions_batch_names_the_serving_model_and_reports_bad_lines(base_
                           for file_id in (done.output_file_id, done.error_file_id))
     assert sorted(output) == ["two", "unnamed"] and sorted(errors) == ["chat", "elsewhere", "zero"]
     assert done.model == "house-echo", "the served name the results give, not the lines' name"
-    assert done.usage is not None and done.usage.output_tokens == 2 * len("two") + len("unnamed")
+    assert done.usage is not None and done.usage.output_tokens == 2 * len("two.") + len("unnamed."), "each with EOS"
     two = output["two"]["response"]["body"]
     assert two["object"] == "text_completion" and two["model"] == "house-echo"
     assert [(c["index"], c["text"]) for c in two["choices"]] == [(0, "two"), (1, "two")]
-    assert all(c["logprobs"]["tokens"] == ["t", "w", "o"] for c in two["choices"])
-    assert two["usage"]["completion_tokens"] == 6
+    assert all(c["logprobs"]["tokens"] == ["t", "w", "o", "</s>"] for c in two["choices"])
+    assert two["usage"]["completion_tokens"] == 8
     assert output["unnamed"]["response"]["body"]["model"] == "house-echo"
     assert errors["zero"]["error"]["code"] == "validation" and "n" in errors["zero"]["error"]["message"]
     assert "endpoint" in errors["chat"]["error"]["message"]
@@ -118,7 +118,7 @@ def test_a_completions_batch_names_the_serving_model_and_reports_bad_lines(base_
 
 
 def test_cancel_a_running_batch(base_url: str, redis_url: str, key_prefix: str) -> None:
-    settings = make_settings(redis_url, key_prefix, model="echo:tokens_per_step=1,step_delay_s=0.02",
+    settings = make_settings(redis_url, key_prefix, model="echo:step_delay_s=0.02",
                              engine={"scheduler": {"max_num_seqs": 2}})
     with running_worker(settings), openai.OpenAI(base_url=base_url, api_key="x") as client:
         uploaded = client.files.create(file=("in.jsonl", _batch_input(max_tokens=10)), purpose="batch")

@@ -12,14 +12,13 @@ from typing import Any
 import openai
 import pytest
 
-from engine.prompts import ChatPrompt, Prompt
+from engine.engine import Engine
+from engine.output.prompts import ChatPrompt, Prompt
 from protocol.sampling import SamplingParams
 from tests.serve_helpers import running_server
 from tests.worker_helpers import make_settings, running_worker
-from engine.config import EngineConfig
-from worker.echo_engine import EchoEngine
 
-SLOW_ECHO = "echo:tokens_per_step=1,step_delay_s=0.005"
+SLOW_ECHO = "echo:step_delay_s=0.005"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -27,11 +26,11 @@ NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "o
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 
 
-class RecordingEcho(EchoEngine):
-    """The echo engine, keeping what the worker handed it: prompts and sampling parameters."""
+class RecordingEcho(Engine):
+    """The echo model's engine, keeping what the worker handed it: prompts and sampling parameters."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.prompts: list[Prompt] = []
         self.params: list[SamplingParams] = []
 
@@ -39,16 +38,16 @@ class RecordingEcho(EchoEngine):
         self.prompts.append(prompt)
         return super().tokenize(prompt)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
-        self.params.append(params)
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        self.params.append(params or SamplingParams())
         super().add_request(request_id, prompt_token_ids, params, priority, arrival_time)
 
 
 @pytest.fixture
 def echo(redis_url: str, key_prefix: str) -> Iterator[tuple[openai.OpenAI, RecordingEcho]]:
     settings = make_settings(redis_url, key_prefix, model=SLOW_ECHO)
-    engine = RecordingEcho(settings.engine)
+    engine = RecordingEcho.from_config(settings.engine)
     with running_server(redis_url, key_prefix) as url, running_worker(settings, engine=engine), \
             openai.OpenAI(base_url=url, api_key="none", max_retries=0) as client:
         yield client, engine

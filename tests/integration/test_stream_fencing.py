@@ -17,7 +17,7 @@ from producer.keys import Keys
 from tests.worker_helpers import start_worker_process, wait_result
 
 NUM_STREAMS = 10
-MODEL = "echo:tokens_per_step=1,step_delay_s=0.02"
+MODEL = "echo:step_delay_s=0.02"
 FAST = {"TOKENMILL_WORKER__HEARTBEAT_INTERVAL_S": "0.1", "TOKENMILL_WORKER__STALE_AFTER_S": "0.5"}
 
 

@@ -31,9 +31,10 @@ import pytest
 import redis
 from packaging.requirements import Requirement
 
-from engine import native_decoder, panel_linear
-from engine.attention import cpu_kernel
-from engine.cpp_build import CppExtension
+from engine.kernels import panel_linear
+from engine.kernels.attention import cpu_kernel
+from engine.kernels.cpp_build import CppExtension
+from engine.model import native_decoder
 from producer.keys import Keys
 from producer.schema import decode_result
 from tests.tiny_models import save_tiny_model
@@ -48,8 +49,9 @@ EXTENSIONS: dict[str, CppExtension] = {"attention": cpu_kernel._EXTENSION, "deco
 # sources are, and whether each builds and loads (all three build side by side).
 PROBE = """
 import json, torch, engine
-from engine import cpu_linear, native_decoder, panel_linear
-from engine.attention import cpu_kernel
+from engine.kernels import cpu_linear, panel_linear
+from engine.kernels.attention import cpu_kernel
+from engine.model import native_decoder
 extensions = {"attention": cpu_kernel._EXTENSION, "decoder_stack": native_decoder._EXTENSION,
               "panel_linear": panel_linear._EXTENSION}
 for extension in extensions.values():

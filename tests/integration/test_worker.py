@@ -1,4 +1,4 @@
-"""The worker end to end with the echo engine: round trip, reply streams, token streams, lanes,
+"""The worker end to end with the echo model: round trip, reply streams, token streams, lanes,
 cancellation and deadlines."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from producer.client import Producer
 from producer.schema import decode_result
 from tests.worker_helpers import enqueue, make_settings, running_worker, wait_result
 
-SLOW = "echo:tokens_per_step=1,step_delay_s=0.01"
+SLOW = "echo:step_delay_s=0.01"
 
 
 def test_round_trip_through_producer(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
@@ -20,7 +20,7 @@ def test_round_trip_through_producer(redis_url: str, redis_client: redis.Redis, 
         first = producer.submit(prompt="abc", metadata={"k": 1}, logprobs=1)
         result = producer.result(first, timeout=5)
         assert (result.status, result.text, result.metadata) == ("ok", "abc", {"k": 1})
-        assert result.usage.prompt_tokens == 3 and result.usage.completion_tokens == 3
+        assert result.usage.prompt_tokens == 3 and result.usage.completion_tokens == 4  # the echo, then EOS
         assert result.worker == settings.worker.name and result.logprobs is not None
         assert result.timings.total is not None and result.timings.total >= result.timings.queued  # type: ignore[operator]
         ids = producer.submit_many([{"prompt": f"p{i}"} for i in range(20)])
@@ -43,14 +43,15 @@ def test_reply_to_stream_gets_each_result_once(redis_url: str, redis_client: red
 
 
 def test_token_stream_has_deltas_then_end(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
-    settings = make_settings(redis_url, key_prefix, model="echo:tokens_per_step=2")
+    settings = make_settings(redis_url, key_prefix)
     keys = settings.queue.keys
     with running_worker(settings), Producer(client=redis_client, prefix=key_prefix) as producer:
         rid = producer.submit(prompt="streaming!", stream_tokens=True)
         assert "".join(producer.stream(rid, timeout=5)) == "streaming!"
         wait_result(redis_client, keys, rid)
     entries = [f for _, f in redis_client.xrange(keys.tokens(rid))]
-    assert len(entries) == 6 and entries[-1] == {b"end": b"1", b"status": b"ok"}
+    # one delta per step (one byte each; EOS adds no text), then the end
+    assert len(entries) == len("streaming!") + 1 and entries[-1] == {b"end": b"1", b"status": b"ok"}
     assert redis_client.ttl(keys.tokens(rid)) > 0
 
 

@@ -28,7 +28,8 @@ def test_every_bad_input_gets_its_error_code(redis_url: str, redis_client: redis
     with running_worker(settings):
         codes = {rid: wait_result(redis_client, keys, rid).error.code  # type: ignore[union-attr]
                  for rid in ("bad-version", "no-prompt", "bad-params", long_id, other_model)}
-        assert wait_result(redis_client, keys, enqueue(redis_client, keys, prompt="fine")).text == "fine"
+        fine = enqueue(redis_client, keys, prompt="fine", params={"max_tokens": 8})  # 4 + 8 fit in 64
+        assert wait_result(redis_client, keys, fine).text == "fine"
     assert codes == {"bad-version": "unknown_version", "no-prompt": "validation", "bad-params": "validation",
                      long_id: "prompt_too_long", other_model: "model_not_served"}
     [(_, dead)] = redis_client.xrange(keys.dead)
@@ -71,7 +72,7 @@ def test_retry_then_dead_letter_after_max_deliveries(redis_url: str, redis_clien
 
 def test_live_workers_long_generation_is_never_reclaimed(redis_url: str, redis_client: redis.Redis,
                                                          key_prefix: str) -> None:
-    slow = make_settings(redis_url, key_prefix, model="echo:tokens_per_step=1,step_delay_s=0.01")
+    slow = make_settings(redis_url, key_prefix, model="echo:step_delay_s=0.01")
     other = make_settings(redis_url, key_prefix)
     keys = slow.queue.keys
     with running_worker(slow):

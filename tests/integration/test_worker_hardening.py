@@ -16,6 +16,8 @@ import msgpack
 import pytest
 import redis
 
+from engine.engine import Engine
+from engine.output.prompts import Prompt
 from producer.keys import CONSUMER_GROUP, Keys
 from producer.schema import decode_result
 from tests.worker_helpers import (
@@ -26,9 +28,7 @@ from tests.worker_helpers import (
     wait_result,
     worker_logs,
 )
-from worker.echo_engine import EchoEngine
 from worker.heartbeat import read_heartbeats
-from worker.messages import Prompt
 from worker.runtime import Worker
 from worker.writer import Writer
 
@@ -269,13 +269,13 @@ def test_prompts_are_tokenized_off_the_engine_thread(redis_url: str, redis_clien
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Tokenizing a long prompt takes ~1 s per MB: on the engine thread it stalled every running request."""
     threads: list[str] = []
-    original = EchoEngine.tokenize
+    original = Engine.tokenize
 
-    def recording(self: EchoEngine, prompt: Prompt) -> list[int]:
+    def recording(self: Engine, prompt: Prompt) -> list[int]:
         threads.append(threading.current_thread().name)
         return original(self, prompt)
 
-    monkeypatch.setattr(EchoEngine, "tokenize", recording)
+    monkeypatch.setattr(Engine, "tokenize", recording)
     settings = make_settings(redis_url, key_prefix)
     with running_worker(settings):
         assert wait_result(redis_client, settings.queue.keys, enqueue(redis_client, settings.queue.keys)).ok

@@ -17,14 +17,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.block_manager import BlockManager
-from engine.clock import FakeClock
 from engine.config import SchedulerConfig
-from engine.prefix_cache import PrefixCache
-from engine.outputs import ModelOutput, SchedulerOutput
-from engine.request import ParallelGroup, Request, RequestStatus
+from engine.core.clock import FakeClock
+from engine.core.request import ParallelGroup, Request, RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.core.step_io import ModelOutput, SchedulerOutput
+from engine.kv.block_manager import BlockManager
+from engine.kv.prefix_cache import PrefixCache
 from protocol.sampling import SamplingParams
-from engine.scheduler import Scheduler
 
 Slot = tuple[int, int] | None  # (position, chain hash of the tokens up to it) whose KV a slot holds
 ROOT_CHAIN = 0

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata, CpuKernelBackend, ReferenceBackend, cpu_kernel
-from engine.attention.reference import paged_attention
-from engine.kv_cache import lazy_zeros
+from engine.kernels.attention import AttentionBackend, AttentionMetadata, CpuKernelBackend, ReferenceBackend, cpu_kernel
+from engine.kernels.attention.reference import paged_attention
+from engine.model.kv_cache import lazy_zeros
 from tests.triton_interpreter import HAS_TRITON, triton_module
 from tests.unit.test_attention_kernel import make_batch
 

@@ -1,5 +1,5 @@
-"""The C++ CPU paged-attention kernel (engine/attention/cpu_kernel.py) against the plain-torch
-reference (engine/attention/reference.py): random pools with shuffled block tables, ragged
+"""The C++ CPU paged-attention kernel (engine/kernels/attention/cpu_kernel.py) against the plain-torch
+reference (engine/kernels/attention/reference.py): random pools with shuffled block tables, ragged
 contexts, GQA/MQA, mixed decode / chunked-prefill / first-chunk batches, three dtypes, and the
 strided per-layer pool views the engine passes. Skipped when the kernel cannot be built here.
 """
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.attention import cpu_kernel, reference
+from engine.kernels.attention import cpu_kernel, reference
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # (query heads, kv heads, head_dim): GQA groups 1, 3, 4, MQA, and a head_dim that is not a
@@ -25,7 +25,7 @@ HEADS = [(4, 4, 32), (9, 3, 64), (8, 2, 128), (6, 1, 64), (4, 2, 40)]
 def _kernel() -> None:
     if not cpu_kernel.is_available():
         pytest.skip("the C++ paged-attention kernel is unavailable here (no C++ compiler or the build failed; "
-                    "engine.attention.cpu_kernel logged why)")
+                    "engine.kernels.attention.cpu_kernel logged why)")
 
 
 @pytest.fixture

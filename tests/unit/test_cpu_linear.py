@@ -1,4 +1,4 @@
-"""The packed CPU linear layers (engine/cpu_linear.py) against the plain ``nn.Linear`` path they
+"""The packed CPU linear layers (engine/kernels/cpu_linear.py) against the plain ``nn.Linear`` path they
 replace: single layers, fused sibling groups in any call order, and a whole model's logits."""
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from engine import cpu_linear
-from engine.cpu_linear import (
-    PANELS, ONEDNN, FusedSiblings, LinearKernel, PackedLinear, SiblingSlice, pack_linears, packing_works,
-)
+from engine.errors import ModelLoadError
+from engine.kernels import cpu_linear
+from engine.kernels.cpu_linear import PANELS, ONEDNN, FusedSiblings, LinearKernel, PackedLinear, SiblingSlice, pack_linears, packing_works
 from tests.tiny_models import tiny_config
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -100,6 +99,33 @@ def test_the_kernel_choice_follows_the_cpu_and_falls_back(monkeypatch: pytest.Mo
     works[PANELS, torch.float32] = works[PANELS, torch.bfloat16] = False  # not built here
     assert cpu_linear.kernel_for(torch.float32) is ONEDNN
     assert cpu_linear.kernel_for(torch.bfloat16) is None
+
+
+def test_linear_kernel_setting_names_the_kernel_or_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    works = {(ONEDNN, torch.float32): True, (ONEDNN, torch.bfloat16): False, (PANELS, torch.float32): True,
+             (PANELS, torch.bfloat16): True}
+    monkeypatch.setattr(cpu_linear, "packing_works", lambda dtype, kernel=ONEDNN: works[kernel, dtype])
+    monkeypatch.setattr(cpu_linear, "_prefers_panels", lambda _: False)
+    assert cpu_linear.kernel_for(torch.float32, "panels") is PANELS  # against the CPU's own order
+    assert cpu_linear.kernel_for(torch.float32, "onednn") is ONEDNN
+    assert cpu_linear.kernel_for(torch.float32, "off") is None
+    with pytest.raises(ModelLoadError, match="linear_kernel = 'onednn' cannot pack torch.bfloat16"):
+        cpu_linear.kernel_for(torch.bfloat16, "onednn")  # a named kernel that cannot is an error, never a fallback
+
+
+@pytest.mark.parametrize("choice", ["off", "onednn", "panels"])
+def test_each_linear_kernel_keeps_the_plain_models_logits(choice: str) -> None:
+    if choice != "off":
+        _needs_packing(torch.float32, cpu_linear.KERNELS[choice])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=300, eos_token_id=2)).eval()
+    packed = copy.deepcopy(model)
+    assert pack_linears(packed, choice) == (0 if choice == "off" else 2 * 7 + 1)
+    kernels = {m.kernel.name for m in packed.modules() if isinstance(m, PackedLinear)}
+    assert kernels == (set() if choice == "off" else {choice})
+    ids = torch.randint(0, 300, (2, 9))
+    with torch.inference_mode():
+        assert _close(packed(ids).logits, model(ids).logits, torch.float32)
 
 
 @pytest.mark.parametrize(("capability", "vendor", "flags", "panels_for"), [

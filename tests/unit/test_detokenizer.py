@@ -1,4 +1,4 @@
-"""Unit tests of engine.detokenizer with real tokenizers built in code (byte-level BPE and
+"""Unit tests of engine.output.detokenizer with real tokenizers built in code (byte-level BPE and
 SentencePiece-style Metaspace): streaming equals full decode, U+FFFD hold-back, stop strings."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from tokenizers import ByteLevelBPETokenizer, SentencePieceBPETokenizer
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.output.detokenizer import IncrementalDetokenizer
 
 CORPUS = [
     "héllo wörld 日本語 🙂 the quick brown fox jumps over the lazy dog",

@@ -1,5 +1,6 @@
 """The echo model is the real engine over an echo runner (issue 27): stop strings, stop ids,
-min_tokens, max_tokens, n, logprobs, priorities and preemption behave as they do on a model, and
+min_tokens, max_tokens, n, logprobs, priorities and preemption behave as they do on a model, tools
+and response formats are taken without changing the echo, ``crash_on`` exits the process, and
 building it loads no torch."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.echo import EOS_TOKEN_ID, EchoOptions
+from engine.output.prompts import ChatPrompt
 from protocol.outcomes import FinishReason
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,11 +59,32 @@ def test_a_small_kv_budget_preempts_and_every_request_still_finishes_whole() -> 
     assert engine.stats().counters.num_preemptions > 0
 
 
+def test_tools_and_a_response_format_leave_the_echo_as_the_messages_say() -> None:
+    engine = _echo()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    prompt = ChatPrompt([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], tools)
+    assert engine.tokenize(prompt) == list(b"be brief\nhi"), "no tools preamble"
+    call = '{"name": "f", "arguments": {}}'
+    assert _one(engine, call, response_format={"type": "json_object"})[:2] == (FinishReason.STOP, call)
+
+
 def test_options_and_no_torch() -> None:
-    assert EchoOptions.parse("echo:step_delay_s=0.5").step_delay_s == 0.5
-    with pytest.raises(ValueError, match="unknown echo option"):
-        EchoOptions.parse("echo:speed=3")
+    assert EchoOptions.parse("echo:step_delay_s=0.5") == EchoOptions(step_delay_s=0.5)
+    assert EchoOptions.parse("echo:crash_on=BOOM,step_delay_s=0.01") == EchoOptions(0.01, "BOOM")
+    for bad in ("echo:speed=3", "echo:tokens_per_step=1", "echo:crash_on="):
+        with pytest.raises(ValueError, match="unknown echo option"):
+            EchoOptions.parse(bad)
     code = ("import sys; from engine import Engine, EngineConfig; e = Engine.from_config(EngineConfig(model='echo')); "
             "e.generate(['hi'], progress=False); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_crash_on_exits_the_process_in_a_step_that_runs_the_prompt() -> None:
+    code = ("from engine import Engine, EngineConfig; import sys; "
+            "e = Engine.from_config(EngineConfig(model='echo:crash_on=BOOM')); "
+            "print(e.generate(['calm'], progress=False)[0].text, flush=True); e.generate([sys.argv[1]], progress=False)")
+    calm = subprocess.run([sys.executable, "-c", code, "all calm"], cwd=ROOT, capture_output=True, text=True)
+    boom = subprocess.run([sys.executable, "-c", code, "a BOOM here"], cwd=ROOT, capture_output=True, text=True)
+    assert (calm.returncode, calm.stdout) == (0, "calm\n")
+    assert (boom.returncode, boom.stdout) == (1, "calm\n")

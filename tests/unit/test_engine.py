@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.clock import FakeClock
-from engine.engine import Engine, ModelLimits
-from engine.outputs import RequestOutput
-from engine.postprocess import OutputProcessor
+from engine.core.clock import FakeClock
+from engine.core.limits import ModelLimits
+from engine.engine import Engine
+from engine.output.output_processor import OutputProcessor
+from engine.output.request_output import RequestOutput
 from protocol.outcomes import ErrorCode, FinishReason
 from protocol.sampling import SamplingParams
 from tests.unit.scheduler_helpers import ScriptedModelRunner, assert_no_leaks, make_scheduler, scripted_continuation

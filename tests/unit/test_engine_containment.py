@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
+from engine.core.step_io import ModelOutput, SchedulerOutput
 from engine.engine import Engine
-from engine.outputs import ModelOutput, RequestOutput, SchedulerOutput
+from engine.output.request_output import RequestOutput
 from protocol.outcomes import ErrorCode, FinishReason
 from protocol.sampling import SamplingParams
 from tests.unit.scheduler_helpers import ScriptedModelRunner, assert_no_leaks

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from engine.errors import GrammarError
-from engine.grammar import GrammarCompiler
-from engine.grammar_process import CompileLimits
+from engine.sample.grammar import GrammarCompiler
+from engine.sample.grammar_process import CompileLimits
 from protocol.sampling import MAX_SPEC_CHARS, ResponseFormat
 from tests.tiny_models import build_tokenizer
 

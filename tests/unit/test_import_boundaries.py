@@ -1,8 +1,9 @@
 """The dependency rule of docs/design.md, enforced: engine never imports Redis/Celery/msgpack or the
-other packages; the pure scheduler core never imports torch; the producer never imports torch,
-the engine, the worker, the server or the cli; the server (serve/) is a producer: never torch, the
-engine or the worker; the cli imports the worker and the server only inside its commands; nothing
-imports the worker or the cli."""
+other packages; inside engine, each folder imports only the folders below it, and the torch-free
+folders load without torch; the producer never imports torch, the engine, the worker, the server or
+the cli; the server (serve/) is a producer: never torch, the engine or the worker; the cli imports
+the worker and the server only inside its commands; nothing imports the worker or the cli; and no
+two modules import each other, however indirectly."""
 
 from __future__ import annotations
 
@@ -15,11 +16,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Modules of engine/ that must load without torch or transformers (STYLE.md).
-PURE_ENGINE_MODULES = [
-    "request", "scheduler", "block_manager", "outputs", "config", "clock", "errors",
-    "detokenizer", "postprocess", "prompts",
-]
+ENGINE = ROOT / "engine"
+# Folders of engine/ whose every module loads without torch or transformers (STYLE.md), as do the
+# modules directly in engine/ (the engine's front: only Engine.from_config loads a model).
+PURE_ENGINE_FOLDERS = ["core", "kv", "output"]
+# The engine's folders and the folders each may import (the layers, bottom up). Any folder may also
+# import engine/errors.py and engine/config.py, which import no other engine module; none imports
+# the front (engine/__init__.py, engine.py, offline.py, echo.py).
+ENGINE_LAYERS: dict[str, set[str]] = {
+    "kv": set(),  # block ids and reference counts
+    "core": {"kv"},  # requests, scheduler, step plan and step I/O, stats
+    "output": {"core"},  # prompts, detokenizer, output processor, request outputs
+    "sample": {"core"},  # sampler, logits processors, grammars (torch)
+    "kernels": set(),  # attention backends, linear kernels, the C++ builder (torch)
+    "model": {"core", "kv", "output", "sample", "kernels"},  # runner, loader, KV tensors, setup (torch)
+}
+ENGINE_FOUNDATIONS = {"engine.errors", "engine.config"}
+MAX_ENGINE_TOP_LEVEL_MODULES = 12
+# Packages whose modules must not import each other in a cycle.
+CYCLE_CHECKED_PACKAGES = ["protocol", "engine", "worker", "producer", "serve", "cli"]
 FORBIDDEN = {
     # the vocabulary every part speaks: pydantic and msgpack only
     "protocol": {"torch", "transformers", "redis", "celery", "engine", "producer", "worker", "cli", "serve",
@@ -75,9 +90,120 @@ def _loaded_modules_after(statement: str) -> set[str]:
     return set(out.stdout.split())
 
 
-def test_pure_engine_core_loads_without_torch() -> None:
-    modules = _loaded_modules_after("; ".join(f"import engine.{name}" for name in PURE_ENGINE_MODULES))
-    assert "torch" not in modules and "transformers" not in modules
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules_of(packages: list[str]) -> dict[str, Path]:
+    return {_module_name(path): path for package in packages for path in sorted((ROOT / package).rglob("*.py"))}
+
+
+def _imported_modules(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The known modules a module imports anywhere in it: at module level, under ``TYPE_CHECKING``
+    and inside functions. ``from package import name`` counts as importing the submodule when
+    ``name`` is one, else the package. Importing ``a.b`` is not counted as importing ``a``, though
+    Python runs ``a/__init__.py`` first: package __init__ modules here only re-export."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    imported: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names if alias.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            for alias in node.names:
+                if f"{base}.{alias.name}" in known:
+                    imported.add(f"{base}.{alias.name}")
+                elif base in known:
+                    imported.add(base)
+    return imported
+
+
+def _import_graph(packages: list[str]) -> dict[str, set[str]]:
+    known = _modules_of(packages)
+    return {name: _imported_modules(name, path, known) - {name} for name, path in known.items()}
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (its modules, the first repeated at the end), or None: a depth-first walk."""
+    done: set[str] = set()
+    for root in sorted(graph):
+        if root in done:
+            continue
+        path, children = [root], [iter(sorted(graph[root]))]
+        while children:
+            child = next(children[-1], None)
+            if child is None:
+                children.pop()
+                done.add(path.pop())
+            elif child in path:
+                return path[path.index(child):] + [child]
+            elif child not in done:
+                path.append(child)
+                children.append(iter(sorted(graph.get(child, set()))))
+    return None
+
+
+def test_no_import_cycles() -> None:
+    """Module-level, ``TYPE_CHECKING`` and function-local imports alike: a cycle through any of them
+    means two parts each need the other, which moving the shared piece down (or handing the
+    collaborator in) undoes."""
+    cycle = _find_cycle(_import_graph(CYCLE_CHECKED_PACKAGES))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def _engine_folder(module: str) -> str | None:
+    """The engine folder a module lives in (``engine.core.scheduler`` -> ``core``); None for the
+    modules directly in engine/."""
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and (ENGINE / parts[1]).is_dir()):
+        return parts[1]
+    return None
+
+
+def test_every_engine_folder_has_a_layer() -> None:
+    folders = {path.parent.name for path in ENGINE.glob("*/__init__.py")}
+    assert folders == set(ENGINE_LAYERS), "give each engine folder its place in ENGINE_LAYERS"
+
+
+def test_engine_folders_import_only_the_layers_below() -> None:
+    offenders = []
+    for module, imported in sorted(_import_graph(["engine"]).items()):
+        folder = _engine_folder(module)
+        if folder is None:
+            if module in ENGINE_FOUNDATIONS and imported:
+                offenders.append(f"{module} imports {sorted(imported)}")
+            continue
+        for other in sorted(imported):
+            other_folder = _engine_folder(other)
+            if other in ENGINE_FOUNDATIONS or other_folder == folder or other_folder in ENGINE_LAYERS[folder]:
+                continue
+            offenders.append(f"{module} ({folder}/) imports {other}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_engine_holds_few_modules_directly() -> None:
+    """engine/ shows the step's parts as folders; only its front and foundations sit at the top."""
+    top_level = sorted(path.name for path in ENGINE.glob("*.py"))
+    assert len(top_level) <= MAX_ENGINE_TOP_LEVEL_MODULES, top_level
+
+
+def test_torch_free_engine_folders_load_without_torch() -> None:
+    """Every module of the torch-free folders, and every module directly in engine/, by directory:
+    a new module there is covered without being listed."""
+    modules = sorted(_module_name(path) for folder in PURE_ENGINE_FOLDERS for path in (ENGINE / folder).rglob("*.py"))
+    modules += sorted(_module_name(path) for path in ENGINE.glob("*.py"))
+    assert "engine.core.scheduler" in modules and "engine.output.output_processor" in modules
+    loaded = _loaded_modules_after("; ".join(f"import {name}" for name in modules))
+    assert not {"torch", "transformers"} & loaded
 
 
 def test_the_vocabulary_loads_nothing_but_pydantic_and_msgpack() -> None:

@@ -1,4 +1,4 @@
-"""OpenAI-shaped logprobs (engine/logprobs.py): token text and exact bytes for byte-level and
+"""OpenAI-shaped logprobs (engine/output/logprobs.py): token text and exact bytes for byte-level and
 SentencePiece vocabularies, the chosen token plus the top alternatives in order."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from engine.logprobs import TokenBytes, build_token_logprobs
+from engine.output.logprobs import TokenBytes, build_token_logprobs
 from tests.tiny_models import build_tokenizer
 
 TEXT = "héllo wörld, 日本語 🙂 ḁ"  # the last character is rare: its three bytes are three tokens

@@ -1,4 +1,4 @@
-"""The sizing arithmetic of the KV pool on CUDA (engine/memory_profile.py): the largest step the
+"""The sizing arithmetic of the KV pool on CUDA (engine/model/memory_profile.py): the largest step the
 scheduler can make, and the pool left once the profiled steps' memory is set aside."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import SchedulerConfig
-from engine.memory_profile import StepProfile, kv_pool_bytes, largest_step
+from engine.model.memory_profile import StepProfile, kv_pool_bytes, largest_step
 
 GIB = 1 << 30
 

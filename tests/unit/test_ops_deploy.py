@@ -104,7 +104,9 @@ def test_keda_watches_the_configmap_queue_lanes(tmp_path: Path, monkeypatch: pyt
     (deployment,) = _documents("deployment.yaml")
     assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     streams = {trigger["metadata"]["stream"] for trigger in scaled["spec"]["triggers"]}
-    assert streams == set(settings.queue.keys.lanes)
+    # the shared lanes and those of the name the worker is served under (what OpenAI clients name)
+    keys = settings.queue.keys
+    assert streams == {lane.stream for lane in keys.lanes_for([settings.served_model_name])}
     assert {t["authenticationRef"]["name"] for t in scaled["spec"]["triggers"]} == {authentication["metadata"]["name"]}
 
 

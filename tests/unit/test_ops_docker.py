@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from engine.model_loader import MODEL_ALIASES
+from engine.model.model_loader import MODEL_ALIASES
 from tests.ops_helpers import (
     PYPROJECT,
     ROOT,
@@ -82,7 +82,7 @@ def test_the_install_has_the_serve_extra_and_the_compilers(name: str) -> None:
     (extras,) = re.findall(r'pip install "\.\[([a-z,]+)\]"', runs)
     assert {"engine", "serve"} <= set(extras.split(",")) <= set(PYPROJECT["project"]["optional-dependencies"])
     packages = _apt_packages(name)
-    assert {"g++", "ninja-build"} <= packages  # engine/cpp_build.py: the C++ CPU kernels
+    assert {"g++", "ninja-build"} <= packages  # engine/kernels/cpp_build.py: the C++ CPU kernels
     if name == "Dockerfile.cuda":  # Triton compiles its launchers (C, including Python.h) at run time
         (base,) = _instructions(name, "FROM")
         assert "-devel" in base or {"gcc", "python3-dev"} <= packages, (base, packages)

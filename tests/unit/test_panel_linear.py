@@ -1,4 +1,4 @@
-"""The panel linear kernel (engine/panel_linear) against references, on every bfloat16 path that
+"""The panel linear kernel (engine/kernels/panel_linear) against references, on every bfloat16 path that
 runs here (panel_linear.BFLOAT16_PATHS; the CPU's own choice is one of them). bfloat16: a float32
 reference that adds the products in the kernel's order; bfloat16 x bfloat16 products are exact in
 float32, so a fused multiply-add per k equals a float32 add of the product, and the widening path
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import panel_linear
+from engine.kernels import panel_linear
 
 pytestmark = pytest.mark.skipif(not panel_linear.is_available(), reason="the C++ kernel could not be built here")
 PATHS = pytest.mark.parametrize("path", panel_linear.BFLOAT16_PATHS)

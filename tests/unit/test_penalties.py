@@ -1,4 +1,4 @@
-"""Penalties (engine/penalties.py) against Hugging Face's logits processor and a per-token reference
+"""Penalties (engine/sample/penalties.py) against Hugging Face's logits processor and a per-token reference
 of OpenAI's presence / frequency penalties; the device table of counts; the sampler using them."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from engine.penalties import PenaltyTable, apply_penalties
-from engine.sampler import Sampler, SamplingContext
+from engine.core.sampling_state import SamplingState
+from engine.sample.context import SamplingContext
+from engine.sample.penalties import PenaltyTable, apply_penalties
+from engine.sample.sampler import Sampler
 from protocol.sampling import SamplingParams
-from engine.sampling_state import SamplingState
 
 VOCAB_SIZE = 50
 

@@ -5,8 +5,8 @@ of the partial last one) while drawing what separate requests with seeds seed + 
 
 from __future__ import annotations
 
-from engine.request import ParallelGroup, Request, RequestStatus
-from engine.scheduler import Scheduler
+from engine.core.request import ParallelGroup, Request, RequestStatus
+from engine.core.scheduler import Scheduler
 from tests.unit.scheduler_helpers import (
     ScriptedModelRunner,
     assert_no_leaks,

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from engine.prompts import ChatPrompt, PromptError, TextPrompt, tokenize_prompt
+from engine.output.prompts import ChatPrompt, PromptError, TextPrompt, tokenize_prompt
 
 
 class _BaseModelTokenizer:

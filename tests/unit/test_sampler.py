@@ -1,4 +1,4 @@
-"""Unit tests of engine.sampler: greedy, temperature, top-k/top-p, min_tokens, seeds, logprobs."""
+"""Unit tests of engine.sample.sampler: greedy, temperature, top-k/top-p, min_tokens, seeds, logprobs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingContext, greedy_token_ids, mix_seed
+from engine.sample.context import SamplingContext
+from engine.sample.sampler import Sampler, greedy_token_ids, mix_seed
 from protocol.sampling import SamplingParams
 
 VOCAB_SIZE = 32

@@ -11,9 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from engine.core.sampling_state import SamplingState
 from engine.errors import SamplingError
-from engine.sampler import Sampler, SamplingContext
-from engine.sampling_state import SamplingState
+from engine.sample.context import SamplingContext
+from engine.sample.sampler import Sampler
 from protocol.sampling import (
     GREEDY_TEMPERATURE,
     MAX_REPETITION_PENALTY,

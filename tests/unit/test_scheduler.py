@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.outputs import ModelOutput, SchedulerOutput
-from engine.request import PreemptionCause, RequestStatus
+from engine.core.request import PreemptionCause, RequestStatus
+from engine.core.step_io import ModelOutput, SchedulerOutput
 from tests.unit.scheduler_helpers import (
     KVMismatch,
     ScriptedModelRunner,
@@ -261,6 +261,6 @@ def test_scheduler_modules_do_not_import_torch() -> None:
     import sys
     from pathlib import Path
 
-    code = ("import sys, engine.scheduler, engine.block_manager; "
+    code = ("import sys, engine.core.scheduler, engine.kv.block_manager; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.request import PreemptionCause, Request, RequestStatus
-from engine.scheduler_policy import choose_victim, effective_priority, queue_key, urgency_key
+from engine.core.request import PreemptionCause, Request, RequestStatus
+from engine.core.scheduler_policy import choose_victim, effective_priority, queue_key, urgency_key
 from tests.unit.scheduler_helpers import (
     assert_no_leaks,
     make_request,

@@ -12,7 +12,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.request import Request
+from engine.core.request import Request
 from tests.unit.scheduler_helpers import (
     ScriptedModelRunner,
     assert_no_leaks,

@@ -1,11 +1,11 @@
-"""A step's integer inputs packed into one tensor and uploaded in one copy (engine/step_inputs.py)."""
+"""A step's integer inputs packed into one tensor and uploaded in one copy (engine/model/step_inputs.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.step_inputs import StepInputs
+from engine.model.step_inputs import StepInputs
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])]

@@ -10,12 +10,13 @@ from typing import Any
 import pytest
 import torch
 
+from engine.core.sampling_state import SamplingState
 from engine.errors import GrammarError, InvariantError
-from engine.grammar import GrammarCompiler
+from engine.sample.context import SamplingContext
+from engine.sample.grammar import GrammarCompiler
+from engine.sample.sampler import Sampler
 from protocol.sampling import ResponseFormat
-from engine.sampler import Sampler, SamplingContext
 from protocol.sampling import SamplingParams
-from engine.sampling_state import SamplingState
 from tests.tiny_models import build_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["happy", "sad"]}, "n": {"type": "integer"}},

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine.prompts import ChatPrompt, renders_tools, tokenize_prompt, tools_preamble
+from engine.output.prompts import ChatPrompt, renders_tools, tokenize_prompt, tools_preamble
 from producer.openai_compat.tool_calls import ToolCall, parse_answer
 from producer.schema import GenerationRequest
 from tests.tiny_models import CHAT_TEMPLATE, build_tokenizer

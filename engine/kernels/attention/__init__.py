@@ -16,9 +16,9 @@ from typing import Literal, Protocol
 
 import torch
 
-from engine.attention import cpu_kernel
-from engine.attention.metadata import AttentionMetadata
-from engine.attention.reference import ReferenceBackend
+from engine.kernels.attention import cpu_kernel
+from engine.kernels.attention.metadata import AttentionMetadata
+from engine.kernels.attention.reference import ReferenceBackend
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class AttentionBackend(Protocol):
 
 
 class CpuKernelBackend:
-    """The C++ kernel (``engine/attention/csrc``): no gather, no padding, one call per layer."""
+    """The C++ kernel (``engine/kernels/attention/csrc``): no gather, no padding, one call per layer."""
 
     name = "cpu"
 
@@ -87,7 +87,7 @@ def _unavailable_reason(name: str, device: torch.device) -> str | None:
 
 
 def _triton_backend() -> AttentionBackend:
-    from engine.attention.triton_paged import TritonBackend  # noqa: PLC0415 - imports triton
+    from engine.kernels.attention.triton_paged import TritonBackend  # noqa: PLC0415 - imports triton
 
     return TritonBackend()
 

@@ -1,6 +1,6 @@
 """The reference attention backend, gather + SDPA: the oracle every kernel is tested against.
 
-``paged_attention`` is the unified op (see engine/attention/metadata.py) in plain torch: each
+``paged_attention`` is the unified op (see engine/kernels/attention/metadata.py) in plain torch: each
 sequence's context blocks are gathered and attended with SDPA under a causal mask offset by the
 cached prefix, one sequence at a time. ``ReferenceBackend`` batches the decode rows.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.metadata import AttentionMetadata
+from engine.kernels.attention.metadata import AttentionMetadata
 
 
 def paged_attention(

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.metadata import AttentionMetadata
+from engine.kernels.attention.metadata import AttentionMetadata
 
 TILE_N = 32  # context positions per inner step
 MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows on the GPU
@@ -237,7 +237,7 @@ def paged_attention(
     num_sms: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged context (the unified op of
-    ``engine.attention.metadata``), on the query's device.
+    ``engine.kernels.attention.metadata``), on the query's device.
 
     Args:
         query: ``[T, heads, head_dim]``, head_dim contiguous.

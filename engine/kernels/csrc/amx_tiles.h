@@ -1,6 +1,6 @@
 // The AMX tile unit's process permission and tile configuration, shared by the engine's C++ CPU
-// kernels (engine/panel_linear, engine/attention). Header-only: each kernel's build includes it
-// and engine/cpp_build.py keys the build on its contents. Defines TOKENMILL_AMX where the build
+// kernels (engine/kernels/panel_linear, engine/kernels/attention). Header-only: each kernel's build includes it
+// and engine/kernels/cpp_build.py keys the build on its contents. Defines TOKENMILL_AMX where the build
 // targets AMX-BF16 (-march=native on such a CPU); elsewhere it declares nothing.
 //
 // Each kernel configures its thread's tiles before a call's (or work item's) tile code and

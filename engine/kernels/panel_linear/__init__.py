@@ -10,7 +10,7 @@ order. With AMX, bfloat16 layers multiply on the tile unit instead (float32 sums
 streams the weights 1.1-1.6x faster than torch's oneDNN inner product at 1-16 rows on a Sapphire
 Rapids; with AVX512-BF16 but no AMX, by VDPBF16PS dot products on AMD (Zen 4), while Intel's, at
 half the FMA rate there, lose to the widening FMAs (see :func:`bfloat16_path`).
-engine/cpu_linear.py decides where it is used. Builds on first use like the other C++ parts;
+engine/kernels/cpu_linear.py decides where it is used. Builds on first use like the other C++ parts;
 imports torch.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cpp_build import AMX_TILES_HEADER, CppExtension
+from engine.kernels.cpp_build import AMX_TILES_HEADER, CppExtension
 
 # -march=native: the cache key includes the CPU's flags. -ffp-contract=fast: a * b + c in the
 # micro-kernel becomes one fused multiply-add.

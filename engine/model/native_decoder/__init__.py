@@ -11,7 +11,7 @@ path's; the embedding, the rotary tables, the final norm and the LM head stay th
 modules. With it on, greedy sampling uses :func:`greedy_token_ids`, a one-pass C++ row scan.
 
 It applies to models whose decoder layer is exactly Llama's (``llama``, ``mistral``, ``qwen2``
-configs, their q/k/v and gate/up layers packed by engine/cpu_linear.py) with the C++ attention
+configs, their q/k/v and gate/up layers packed by engine/kernels/cpu_linear.py) with the C++ attention
 backend; every other model runs eagerly. Before it is used, one probe step runs both ways and
 must agree bit for bit; otherwise the engine logs why and stays eager. ``compile = "off"`` keeps
 the eager path. Imports torch.
@@ -26,16 +26,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.cpp_build import CppExtension
-from engine.cpu_linear import PANELS, PackedLinear, SiblingSlice
-from engine.kv_cache import KVCache
-from engine.outputs import ScheduledChunk
-from engine.paged_attention import StepAttention
-from engine.sampler import greedy_token_ids as torch_greedy_token_ids
+from engine.core.step_io import ScheduledChunk
+from engine.kernels.cpp_build import CppExtension
+from engine.kernels.cpu_linear import PANELS, PackedLinear, SiblingSlice
+from engine.model.hf_attention import StepAttention
+from engine.model.kv_cache import KVCache
+from engine.sample.sampler import greedy_token_ids as torch_greedy_token_ids
 from protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
+    from engine.model.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class NativeDecoder:
 
 
 def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
-    """:func:`engine.sampler.greedy_token_ids` (first index of each row's maximum, NaN counting as
+    """:func:`engine.sample.sampler.greedy_token_ids` (first index of each row's maximum, NaN counting as
     the maximum), one C++ pass per row for CPU float32/bfloat16 rows (torch's ``max`` over
     bfloat16 rows measured ~2 ms for 64 x 49,152 on 2 cores); any other tensor goes to torch."""
     if (logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and logits.dim() == 2

@@ -5,7 +5,7 @@
 // query_start_loc[s] .. query_start_loc[s+1]-1, the last positions of its seq_lens[s]-long
 // context; each attends causally to the keys at positions <= its own, found through
 // block_tables. Decodes (1 token), chunked prefill over a cached prefix and first chunks are all
-// the same op. Python side: engine/attention/cpu_kernel.py.
+// the same op. Python side: engine/kernels/attention/cpu_kernel.py.
 //
 // Work decomposition. Query tokens of a sequence are cut into tiles; a tile's "rows" are its
 // (token, head-in-group) pairs, so all query heads sharing a kv head are processed together and
@@ -276,7 +276,7 @@ inline void score_dots_bf16(const uint16_t* q, const uint16_t* const* keys, int6
 #if defined(TOKENMILL_BF16_DOTS) && defined(TOKENMILL_AMX)
 #define TOKENMILL_AMX_TILES 1
 // All eight tiles as 16 rows x 64 bytes: this thread's configuration for tile chunks, loaded at
-// the start of each item and released at its end (engine/csrc/amx_tiles.h).
+// the start of each item and released at its end (engine/kernels/csrc/amx_tiles.h).
 void configure_tiles() { tokenmill_amx::configure({16, 16, 16, 16, 16, 16, 16, 16}); }
 #endif
 

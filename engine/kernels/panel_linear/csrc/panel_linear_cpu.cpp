@@ -6,7 +6,7 @@
 // down: torch's oneDNN inner product streams the weights 1.1-1.6x slower at 1-16 rows on a Sapphire
 // Rapids), on AMD by VDPBF16PS dot products, on Intel without a usable tile unit widened into float32
 // FMAs (oneDNN's dot products measured 1.2-1.7x slower there; dot_products_pay says why).
-// Python side: engine/panel_linear/__init__.py; engine/cpu_linear.py decides where it is used.
+// Python side: engine/kernels/panel_linear/__init__.py; engine/kernels/cpu_linear.py decides where it is used.
 //
 // The weight is packed once into panels of kPanel output features: [panels][K][kPanel] (the last
 // panel zero-padded), so a micro-kernel streams one panel front to back. A bfloat16 panel row is
@@ -339,7 +339,7 @@ constexpr int64_t kPrefetchAhead = 32 * kTileStep;  // elements: weights fetched
 constexpr int64_t kGroupBytes = 512 << 10;
 
 // This thread's tiles for a block of rows0 + rows1 input rows (rows1 = 0: one 16-row block),
-// configured per call and released at its end (engine/csrc/amx_tiles.h): 0-1 the accumulators of
+// configured per call and released at its end (engine/kernels/csrc/amx_tiles.h): 0-1 the accumulators of
 // rows 0-15 (left and right panel halves), 2-3 those of rows 16-31, 4-5 the two blocks' input
 // rows, 6-7 the panel's two weight tiles.
 void configure_tiles(int rows0, int rows1) {

@@ -12,7 +12,7 @@
 
 // at::vec at the width this file is compiled for (-march=native), in a private namespace so its
 // inline functions are never confused with libtorch's own copies. (The attention kernel's source
-// has the same block: each extension is one self-contained file, the unit engine/cpp_build.py
+// has the same block: each extension is one self-contained file, the unit engine/kernels/cpp_build.py
 // hashes to decide a rebuild, so they share no header.)
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define CPU_CAPABILITY_AVX512
@@ -77,7 +77,7 @@ Tensor packed_linear(const Tensor& x, const Tensor& packed_weight, const OptTens
                  std::optional<std::string_view>(""));
 }
 
-// tokenmill_panel::linear: engine/panel_linear's kernel (float32 and bfloat16 on CPUs without AVX-512).
+// tokenmill_panel::linear: engine/kernels/panel_linear's kernel (float32 and bfloat16 on CPUs without AVX-512).
 Tensor panel_linear(const Tensor& x, const Tensor& packed_weight, const OptTensor& bias, int64_t out_features) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("tokenmill_panel::linear", "")

@@ -1,0 +1,80 @@
+"""The models live workers serve, from their heartbeats, read at most once a second: what ``/v1/models``
+lists, and what a completion naming a model is checked against before it is queued (503 at once when
+no live worker serves it, rather than a wait in lanes nobody reads until the client's timeout).
+
+Imports redis and producer; never torch, the engine or the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis
+import redis.asyncio
+
+from producer.keys import Keys
+from protocol.heartbeat import Heartbeat, decode_heartbeat
+from serve.errors import APIError
+
+CACHE_S = 1.0  # a burst of requests reads the workers hash once; a worker that starts is seen this late
+
+
+class LiveModels:
+    """The live workers' heartbeats, cached for :data:`CACHE_S`.
+
+    Args:
+        client: the serve process's Redis client.
+        keys: key layout of the queue.
+        stale_after_s: heartbeat age after which a worker is gone (``[worker] stale_after_s``, as the
+            workers' reclaim judges it).
+    """
+
+    def __init__(self, client: redis.asyncio.Redis, keys: Keys, stale_after_s: float) -> None:
+        self._client, self._keys, self._stale_after_s = client, keys, stale_after_s
+        self._beats: list[Heartbeat] = []
+        self._expires_s = 0.0  # monotonic time the cached beats go stale
+        self._lock = asyncio.Lock()  # NOTE: one read per expiry, however many requests wait for it
+
+    async def heartbeats(self) -> list[Heartbeat]:
+        """Heartbeats of the live workers (stale, stopped and undecodable ones left out).
+
+        Raises:
+            redis.RedisError: the workers hash could not be read.
+        """
+        async with self._lock:
+            if time.monotonic() >= self._expires_s:
+                self._beats = await self._read()
+                self._expires_s = time.monotonic() + CACHE_S
+            return self._beats
+
+    async def names(self) -> frozenset[str]:
+        """Every model name whose lanes a live worker reads (its served name, aliases and paths)."""
+        return frozenset(name for beat in await self.heartbeats() for name in beat.model_names)
+
+    async def require(self, model: str) -> None:
+        """Return when a live worker serves ``model``.
+
+        Raises:
+            APIError: 503 ``model_not_available`` naming the models that are served; 503
+                ``queue_unavailable`` when Redis cannot be read.
+        """
+        try:
+            served = await self.names()
+        except redis.RedisError as exc:
+            raise APIError(503, f"the queue cannot be reached: {exc}", type_="server_error",
+                           code="queue_unavailable") from exc
+        if model not in served:
+            names = ", ".join(map(repr, sorted(served))) or "none (no live worker)"
+            raise APIError(503, f"no live worker serves model {model!r}; served now: {names}", param="model",
+                           code="model_not_available", is_final=True)
+
+    async def _read(self) -> list[Heartbeat]:
+        now_s = time.time()
+        beats = []
+        for raw_name, raw in (await self._client.hgetall(self._keys.workers)).items():
+            name = raw_name.decode(errors="backslashreplace") if isinstance(raw_name, bytes) else str(raw_name)
+            beat = decode_heartbeat(name, raw)
+            if beat is not None and not beat.is_stale(now_s, self._stale_after_s):
+                beats.append(beat)
+        return beats
