@@ -34,12 +34,16 @@ demo: run
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(BIN)/mypy
+	$(BIN)/ruff check .
 
 test-fast: install
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 typecheck: install
 	$(BIN)/mypy
+
+lint: install
+	$(BIN)/ruff check .
 
 bench: install
 	$(BIN)/python ops/bench/throughput.py

@@ -1,6 +1,7 @@
 """The ``tokenmill`` typer app with every command registered (the console script's entry point)."""
 
-from cli import bulk, client, redis_server, serve_command, worker_commands  # noqa: F401 - importing registers the commands
+# NOTE: importing each command module registers its commands on ``app``.
+from cli import bulk, client, redis_server, serve_command, worker_commands  # noqa: F401 - see NOTE
 from cli.common import app
 
 __all__ = ["app"]

@@ -19,8 +19,8 @@ from cli.tables import print_line, print_rows
 from producer import dead_letters
 from producer.common import build_request
 from producer.errors import ResultTimeout, SchemaError
-from protocol.heartbeat import STALE_AFTER_S
 from producer.schema import GenerationRequest, GenerationResult, SamplingParams
+from protocol.heartbeat import STALE_AFTER_S
 
 EXIT_NOT_READY = 2  # result: not landed (yet), or the wait ran out
 LANE_COLUMNS = ("lane", "model", "depth", "pending", "lag")  # model: "-" for the shared lanes
@@ -96,7 +96,8 @@ def _build_request(ctx: typer.Context, options: dict[str, Any]) -> GenerationReq
 def submit(
     ctx: typer.Context,
     prompt: Annotated[str | None, typer.Argument(help="the prompt; '-' or nothing reads stdin")] = None,
-    messages: Annotated[str | None, typer.Option(help='chat messages as JSON: [{"role": "user", "content": ...}]')] = None,
+    messages: Annotated[str | None, typer.Option(
+        help='chat messages as JSON: [{"role": "user", "content": ...}]')] = None,
     system: Annotated[str | None, typer.Option(help="a system message before the prompt")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="send the prompt as raw text, without the chat template")] = False,
     model: Annotated[str | None, typer.Option(help="the model the request is for: it waits in that model's lanes, "

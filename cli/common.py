@@ -53,7 +53,8 @@ def main(
     redis_url: Annotated[str | None, typer.Option(
         "--redis-url", help="redis://, rediss:// or unix:// URL (else REDIS_URL, else the embedded Redis)")] = None,
     prefix: Annotated[str | None, typer.Option(help="key prefix (default tokenmill)")] = None,
-    queue: Annotated[str | None, typer.Option(help="queue name (default: default); also taken after the command")] = None,
+    queue: Annotated[str | None, typer.Option(
+        help="queue name (default: default); also taken after the command")] = None,
     lanes: Annotated[int | None, typer.Option(help="priority lanes (default 3)")] = None,
 ) -> None:
     """The global options, kept for the command that runs."""

@@ -31,8 +31,8 @@ def worker(
 ) -> None:
     """Serve one queue: read requests, run them on the engine, write results."""
     from worker.config import Settings  # noqa: PLC0415 - keeps --help and the client commands light
-    from worker.errors import StartupError  # noqa: PLC0415
-    from worker.runtime import run_worker  # noqa: PLC0415
+    from worker.errors import StartupError  # noqa: PLC0415 - as above
+    from worker.runtime import run_worker  # noqa: PLC0415 - as above: loads the engine
 
     with_queue(ctx, queue)
     state: CliState = ctx.obj

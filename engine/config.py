@@ -53,7 +53,8 @@ class SchedulerConfig(_Frozen):
     )
     min_resident_steps: int = Field(4, ge=0, description="a resumed request is not preempted again for this many steps")
     preemption_mode: Literal["swap", "recompute"] = "swap"
-    enable_priority_preemption: bool = Field(True, description="an urgent waiting request may preempt a less urgent one")
+    enable_priority_preemption: bool = Field(
+        True, description="an urgent waiting request may preempt a less urgent one")
     watermark_blocks: int = Field(0, ge=0, description="device blocks kept free at admission to spare decodes")
 
     @model_validator(mode="after")

@@ -18,8 +18,8 @@ from producer.common import Deadline, SubmitOptions
 from producer.config import ProducerConfig, QueueConfig, RedisConfig
 from producer.connection import aconnect
 from producer.keys import DONE_TTL_S
-from protocol.heartbeat import STALE_AFTER_S
 from producer.schema import GenerationRequest, GenerationResult
+from protocol.heartbeat import STALE_AFTER_S
 
 
 class AsyncProducer:
@@ -41,7 +41,7 @@ class AsyncProducer:
     def from_config(cls, config: ProducerConfig, *, client: redis.asyncio.Redis | None = None) -> AsyncProducer:
         """A producer for ``config``; ``client`` as in the constructor."""
         producer = cls.__new__(cls)
-        producer._setup(config, client)
+        producer._setup(config, client)  # noqa: SLF001 - this class's own set-up, on the instance it just made
         return producer
 
     def _setup(self, config: ProducerConfig, client: redis.asyncio.Redis | None) -> None:
@@ -144,13 +144,10 @@ class AsyncProducer:
             yield result
         offset = 0
         while pending:
-            if deadline.is_expired:
-                raise common.timeout_error(list(pending), timeout)
-            batch = common.rotate(list(pending), offset)
-            key_to_id = common.done_keys(self.keys, batch)
+            key_to_id = common.next_batch(self.keys, pending, offset, deadline, timeout)
             popped = await self._blpop(list(key_to_id), deadline)
             if popped is None:
-                offset += len(batch)
+                offset += len(key_to_id)
                 for result in await self._collect(pending):
                     yield result
                 continue
@@ -158,7 +155,7 @@ class AsyncProducer:
             raw = await self._take(self.keys.result(request_id), self.keys.done(request_id), popped[1])
             if raw is not None and common.take_pending(pending, request_id):
                 yield common.finish(raw, raise_on_error=False)
-            for result in await self._collect(pending, [i for i in batch if i in pending]):
+            for result in await self._collect(pending, [i for i in key_to_id.values() if i in pending]):
                 yield result
 
     async def cancel(self, request_id: str) -> None:

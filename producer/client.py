@@ -18,8 +18,8 @@ from producer.common import Deadline, SubmitOptions
 from producer.config import ProducerConfig, QueueConfig, RedisConfig
 from producer.connection import connect
 from producer.keys import DONE_TTL_S, Lane
-from protocol.heartbeat import STALE_AFTER_S
 from producer.schema import GenerationRequest, GenerationResult
+from protocol.heartbeat import STALE_AFTER_S
 
 
 class Producer:
@@ -48,7 +48,7 @@ class Producer:
     def from_config(cls, config: ProducerConfig, *, client: redis.Redis | None = None) -> Producer:
         """A producer for ``config``; ``client`` as in the constructor."""
         producer = cls.__new__(cls)
-        producer._setup(config, client)
+        producer._setup(config, client)  # noqa: SLF001 - this class's own set-up, on the instance it just made
         return producer
 
     def _setup(self, config: ProducerConfig, client: redis.Redis | None) -> None:
@@ -214,20 +214,17 @@ class Producer:
         yield from self._collect(pending)
         offset = 0
         while pending:
-            if deadline.is_expired:
-                raise common.timeout_error(list(pending), timeout)
-            batch = common.rotate(list(pending), offset)
-            key_to_id = common.done_keys(self.keys, batch)
+            key_to_id = common.next_batch(self.keys, pending, offset, deadline, timeout)
             popped = self._blpop(list(key_to_id), deadline)
             if popped is None:
-                offset += len(batch)
+                offset += len(key_to_id)
                 yield from self._collect(pending)
                 continue
             request_id = key_to_id[popped[0].decode()]
             raw = self._take(self.keys.result(request_id), self.keys.done(request_id), popped[1])
             if raw is not None and common.take_pending(pending, request_id):
                 yield common.finish(raw, raise_on_error=False)
-            yield from self._collect(pending, [i for i in batch if i in pending])
+            yield from self._collect(pending, [i for i in key_to_id.values() if i in pending])
 
     def cancel(self, request_id: str) -> None:
         """Ask the workers to cancel ``request_id``; its result will say ``cancelled``.

@@ -11,14 +11,12 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal, TypedDict
 
-import msgpack
 import redis
 from pydantic import ValidationError
 
 from producer.config import MAX_BLOCK_S
 from producer.errors import JobFailed, ResultTimeout, SchemaError, SubmitUncertain
 from producer.keys import CONSUMER_GROUP, Keys, Lane
-from protocol.heartbeat import decode_heartbeat
 from producer.schema import (
     ErrorCode,
     GenerationRequest,
@@ -33,6 +31,7 @@ from producer.schema import (
     encode_request,
     peek_request_id,
 )
+from protocol.heartbeat import decode_heartbeat
 
 # Longest single blocking command; a wait longer than this is a loop of such slices, each
 # followed by a re-check of the result keys (so a lost wake-up costs at most one slice).
@@ -359,6 +358,18 @@ def take_pending(pending: dict[str, None], request_id: str) -> bool:
 def done_keys(keys: Keys, request_ids: Sequence[str]) -> dict[str, str]:
     """Done-list key to request id."""
     return {keys.done(request_id): request_id for request_id in request_ids}
+
+
+def next_batch(keys: Keys, pending: dict[str, None], offset: int, deadline: Deadline,
+               timeout_s: float | None) -> dict[str, str]:
+    """Done-list key to request id of the next batch of ``pending`` to BLPOP on (see :func:`rotate`).
+
+    Raises:
+        ResultTimeout: ``deadline`` has passed with results still pending.
+    """
+    if deadline.is_expired:
+        raise timeout_error(list(pending), timeout_s)
+    return done_keys(keys, rotate(list(pending), offset))
 
 
 def all_lanes(keys: Keys, registered: Iterable[bytes | str]) -> list[Lane]:

@@ -83,7 +83,8 @@ class RedisConfig(_Frozen):
     connect_retries: int = Field(default=5, ge=0, description="extra connect attempts after the first fails")
     retry_backoff_s: float = Field(default=0.2, gt=0, description="first backoff; doubles per attempt")
     max_backoff_s: float = Field(default=5.0, gt=0, description="cap of one backoff")
-    health_check_interval_s: int = Field(default=30, ge=0, description="PING idle pooled connections this often; 0 = off")
+    health_check_interval_s: int = Field(
+        default=30, ge=0, description="PING idle pooled connections this often; 0 = off")
 
     @field_validator("url")
     @classmethod
@@ -173,7 +174,8 @@ class FileSettings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         refused = sorted(_REFUSED_URL_ENVS & {name.upper() for name in os.environ})
         if refused:
-            raise ConfigError(f"{', '.join(refused)} is not read: set {REDIS_URL_ENV}, the one env name of the Redis URL")
+            raise ConfigError(
+                f"{', '.join(refused)} is not read: set {REDIS_URL_ENV}, the one env name of the Redis URL")
         url = os.environ.get(REDIS_URL_ENV)
         redis_url = InitSettingsSource(settings_cls, {"redis": {"url": url}} if url else {})
         return init_settings, redis_url, env_settings, TomlConfigSettingsSource(settings_cls)

@@ -74,6 +74,22 @@ def _backoff_s(config: RedisConfig, attempt: int) -> float:
     return float(min(config.retry_backoff_s * 2**attempt, config.max_backoff_s))
 
 
+def _after_failed_ping(config: RedisConfig, url: str, attempt: int, exc: Exception) -> float | None:
+    """What follows failed PING number ``attempt`` (from 0): the seconds to wait before the next
+    one (logged), or None after the last.
+
+    Raises:
+        RedisUnavailable: the server refused the credentials (no retry can help).
+    """
+    if isinstance(exc, redis.AuthenticationError):
+        raise RedisUnavailable(f"Redis at {redact_url(url)} refused the credentials: {exc}") from exc
+    if attempt + 1 >= 1 + config.connect_retries:
+        return None
+    delay_s = _backoff_s(config, attempt)
+    logger.warning("Redis at %s not answering (%s); retry in %.2f s", redact_url(url), exc, delay_s)
+    return delay_s
+
+
 def connect(config: RedisConfig | None = None) -> redis.Redis:
     """A connected (PINGed) sync client; bytes in, bytes out.
 
@@ -95,13 +111,10 @@ def connect(config: RedisConfig | None = None) -> redis.Redis:
         for attempt in range(attempts):
             try:
                 probe.ping()
-            except redis.AuthenticationError as exc:
-                raise RedisUnavailable(f"Redis at {redact_url(url)} refused the credentials: {exc}") from exc
             except _RETRYABLE as exc:
                 last_error = exc
-                if attempt + 1 < attempts:
-                    delay_s = _backoff_s(config, attempt)
-                    logger.warning("Redis at %s not answering (%s); retry in %.2f s", redact_url(url), exc, delay_s)
+                delay_s = _after_failed_ping(config, url, attempt, exc)
+                if delay_s is not None:
                     time.sleep(delay_s)
             else:
                 logger.info("connected to Redis at %s", redact_url(url))
@@ -122,13 +135,10 @@ async def aconnect(config: RedisConfig | None = None) -> redis.asyncio.Redis:
         for attempt in range(attempts):
             try:
                 await probe.ping()
-            except redis.AuthenticationError as exc:
-                raise RedisUnavailable(f"Redis at {redact_url(url)} refused the credentials: {exc}") from exc
             except _RETRYABLE as exc:
                 last_error = exc
-                if attempt + 1 < attempts:
-                    delay_s = _backoff_s(config, attempt)
-                    logger.warning("Redis at %s not answering (%s); retry in %.2f s", redact_url(url), exc, delay_s)
+                delay_s = _after_failed_ping(config, url, attempt, exc)
+                if delay_s is not None:
                     await asyncio.sleep(delay_s)
             else:
                 logger.info("connected to Redis at %s", redact_url(url))

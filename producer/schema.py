@@ -439,7 +439,8 @@ def _unpack_fields(fields: dict[Any, Any]) -> Any:
     try:
         data = _unpack(payload)
     except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
-        raise SchemaError(ErrorCode.UNDECODABLE.value, f"'d' is not valid msgpack ({type(exc).__name__}: {exc})") from None
+        raise SchemaError(ErrorCode.UNDECODABLE.value,
+                          f"'d' is not valid msgpack ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict):
         raise SchemaError(ErrorCode.UNDECODABLE.value, f"'d' must decode to a mapping, got {type(data).__name__}")
     return data

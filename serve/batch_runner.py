@@ -95,7 +95,7 @@ class BatchRunner:
             await self._execute(batch_id, scratch)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - one batch failing must not take the server down
+        except Exception as exc:  # one batch failing must not take the server down
             log.exception("batch %s failed", batch_id)
             await self._finish(batch_id, "failed", errors={"object": "list", "data": [
                 {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}", "param": None, "line": None}]})

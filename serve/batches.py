@@ -19,7 +19,7 @@ from serve.batch_runner import BatchRunner
 from serve.batch_store import BatchStore
 from serve.body import json_object
 from serve.context import account_of
-from serve.errors import APIError, first_invalid, not_found
+from serve.errors import APIError, first_invalid, found_or_404
 from serve.files import store_of
 from serve.listing import list_object
 
@@ -48,10 +48,7 @@ def _runner(request: Request) -> BatchRunner:
 
 
 async def _batch(request: Request, batch_id: str) -> dict[str, Any]:
-    batch = await _store(request).get(batch_id, account_of(request))
-    if batch is None:
-        raise not_found("batch", batch_id)
-    return batch
+    return found_or_404(await _store(request).get(batch_id, account_of(request)), "batch", batch_id)
 
 
 @router.post("/v1/batches")
@@ -67,9 +64,7 @@ async def create_batch(request: Request) -> dict[str, Any]:
     if body.completion_window != "24h":
         raise APIError(400, "completion_window must be 24h", param="completion_window")
     account = account_of(request)
-    input_file = await store_of(request).get(body.input_file_id, account)
-    if input_file is None:
-        raise not_found("file", body.input_file_id)
+    input_file = found_or_404(await store_of(request).get(body.input_file_id, account), "file", body.input_file_id)
     if input_file["purpose"] != "batch":
         raise APIError(400, "the input file's purpose must be 'batch'", param="input_file_id")
     runner = _runner(request)

@@ -50,6 +50,17 @@ def not_found(what: str, object_id: str) -> APIError:
     return APIError(404, f"No {what} found with id {object_id!r}.", code=f"{what}_not_found")
 
 
+def found_or_404(found: dict[str, Any] | None, what: str, object_id: str) -> dict[str, Any]:
+    """``found``, the object a store returned for ``object_id``.
+
+    Raises:
+        APIError: 404 (:func:`not_found`) when it is None: no such ``what``, or another account's.
+    """
+    if found is None:
+        raise not_found(what, object_id)
+    return found
+
+
 def first_invalid(errors: Sequence[Any], *, skip: int = 0) -> APIError:
     """A 400 naming the first of pydantic's ``errors``: its message, and its location as ``param``
     (less ``skip`` leading parts, e.g. FastAPI's ``body``)."""

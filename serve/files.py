@@ -28,7 +28,7 @@ from starlette.datastructures import UploadFile
 
 from producer.keys import Keys
 from serve.context import account_of
-from serve.errors import APIError, not_found
+from serve.errors import APIError, found_or_404, not_found
 from serve.listing import account_objects, list_object
 from serve.stray_keys import absent_if_stray
 
@@ -175,18 +175,13 @@ async def list_files(request: Request, purpose: str | None = None,
 
 @router.get("/v1/files/{file_id}")
 async def retrieve_file(file_id: str, request: Request) -> dict[str, Any]:
-    meta = await store_of(request).get(file_id, account_of(request))
-    if meta is None:
-        raise not_found("file", file_id)
-    return meta
+    return found_or_404(await store_of(request).get(file_id, account_of(request)), "file", file_id)
 
 
 @router.get("/v1/files/{file_id}/content")
 async def file_content(file_id: str, request: Request) -> Response:
     store = store_of(request)
-    meta = await store.get(file_id, account_of(request))
-    if meta is None:
-        raise not_found("file", file_id)
+    meta = found_or_404(await store.get(file_id, account_of(request)), "file", file_id)
     return StreamingResponse(store.read(file_id), media_type="application/octet-stream",
                              headers={"Content-Length": str(meta["bytes"])})
 

@@ -8,6 +8,7 @@ Imports prometheus_client and starlette (through fastapi); never torch, the engi
 from __future__ import annotations
 
 import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 

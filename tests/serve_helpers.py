@@ -22,15 +22,9 @@ import uvicorn
 
 from producer.config import ServeSettings
 from serve.app import server_config
+from tests.worker_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @contextmanager
@@ -114,3 +108,19 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, str], Any]:
     headers = {key.lower(): value for key, value in response.getheaders()}
     body = json.loads(raw) if headers.get("content-type", "").startswith("application/json") else raw
     return response.status, headers, body
+
+
+def run_openai_batch(client: Any, lines: list[dict[str, Any]], timeout_s: float,
+                     poll_s: float) -> list[dict[str, Any]]:
+    """A chat-completions Batch through an ``openai.OpenAI`` client: upload ``lines`` as JSONL,
+    create the batch, poll it every ``poll_s`` until it ends (failing past ``timeout_s``), check it
+    completed, download its output. Returns the output lines, parsed."""
+    upload = client.files.create(file=("in.jsonl", "\n".join(map(json.dumps, lines)).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + timeout_s
+    while batch.status not in ("completed", "failed", "cancelled", "expired"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(poll_s)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed" and batch.output_file_id is not None, batch
+    return [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]

@@ -4,8 +4,8 @@
 interpreted kernel can only call interpreted library functions (``tl.max``, ``tl.sum``): so the
 variable must be set before triton is first imported, which ``transformers.masking_utils`` does
 (through ``torch._dynamo``). :func:`enable_interpreter_without_cuda` sets it from the suite's root
-conftest, before any test module is collected; on a machine with CUDA it is left alone, so the kernels stay compiled for the
-CUDA cases and the interpreter's cases are skipped there.
+conftest, before any test module is collected; on a machine with CUDA it is left alone, so the kernels stay
+compiled for the CUDA cases and the interpreter's cases are skipped there.
 """
 
 from __future__ import annotations

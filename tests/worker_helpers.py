@@ -5,12 +5,13 @@ from __future__ import annotations
 import io
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,8 @@ from typing import Any
 import redis
 
 from producer.keys import Keys
-from protocol.heartbeat import Heartbeat, encode_heartbeat
 from producer.schema import ErrorCode, GenerationRequest, GenerationResult, decode_result, encode_request, encode_result
+from protocol.heartbeat import Heartbeat, encode_heartbeat
 from worker.config import Settings
 from worker.logs import setup_logging
 from worker.runtime import Worker
@@ -144,6 +145,22 @@ def wait_result(client: redis.Redis, keys: Keys, request_id: str, timeout_s: flo
             return decode_result(raw)
         time.sleep(0.01)
     raise AssertionError(f"no result for {request_id} within {timeout_s} s")
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> None:
+    """Poll ``condition`` every ``poll_s`` until it holds; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not reached within {timeout_s} s"
+        time.sleep(poll_s)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a metrics or HTTP server)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def start_worker_process(redis_url: str, prefix: str, name: str, *args: str, model: str = "echo",

@@ -1,6 +1,7 @@
 """The worker process's settings: ``WorkerConfig`` and the root ``Settings`` (sections ``[queue]``,
 ``[redis]``, ``[worker]``, ``[engine]``; flags > env > TOML file > defaults, see
 :class:`producer.config.FileSettings`). Pydantic only; never imports redis or torch.
+NOTE: measurements behind these choices: ops/bench/README.md, "Figures behind the kernels' comments".
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ class WorkerConfig(BaseModel):
     redis_give_up_s: float = Field(300.0, gt=0, description="exit non-zero once every Redis call of a thread "
                                    "failed for this long")
     token_ttl_s: float = Field(3600.0, gt=0, description="lifetime of a token stream after its last entry")
-    # NOTE: every poll wakes the reader thread and Redis; at 20 Hz those wake-ups cost ~8% of a
-    # 2-core CPU engine's throughput (ops/bench/bulk.py). 4 Hz keeps cancels under ~0.25 s.
+    # NOTE: every poll wakes the reader thread and Redis; at 20 Hz those wake-ups cost a CPU engine
+    # on few cores a visible share of its throughput (ops/bench/bulk.py). 4 Hz keeps cancels under
+    # ~0.25 s.
     cancel_poll_s: float = Field(0.25, gt=0, le=5, description="cancellation check period (one ZMSCORE)")
     metrics_port: int | None = Field(None, ge=1, le=65535, description="serve Prometheus metrics on this port")
     metrics_host: str = Field("127.0.0.1", min_length=1, description="address the metrics endpoint binds; "
@@ -74,7 +76,8 @@ class WorkerConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> WorkerConfig:
         if self.stale_after_s < 2 * self.heartbeat_interval_s:
-            raise ValueError("stale_after_s must be at least 2 x heartbeat_interval_s (a live worker must not look dead)")
+            raise ValueError(
+                "stale_after_s must be at least 2 x heartbeat_interval_s (a live worker must not look dead)")
         return self
 
 

@@ -6,6 +6,7 @@ Pure functions over producer.schema; no Redis, no engine, no threads.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from producer.errors import SchemaError
 from producer.keys import Keys
 from producer.schema import (

@@ -129,7 +129,7 @@ class EngineLoop:
             return
         try:
             self._engine.add_request(request.id, prepared.prompt_token_ids, request.params, priority=admit.entry.lane)
-        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the engine thread
+        except Exception as exc:  # one request's failure must not stop the engine thread
             log.exception("admission failed", extra={"event": "error", "request_id": request.id})
             self._finish_early(admit, ErrorCode.INTERNAL, f"admission failed: {type(exc).__name__}: {exc}")
             return
@@ -163,7 +163,7 @@ class EngineLoop:
             return
         try:
             result = build_result(output, live.admit, self._worker_name, live.abort_status)
-        except Exception as exc:  # noqa: BLE001 - answer this request with why, keep serving the others
+        except Exception as exc:  # answer this request with why, keep serving the others
             log.exception("result failed", extra={"event": "error", "request_id": output.request_id})
             result = GenerationResult.failure(request.id, ErrorCode.INTERNAL,
                                               f"the result could not be built: {type(exc).__name__}: {exc}",

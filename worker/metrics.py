@@ -33,7 +33,8 @@ _ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = 
     ("tokenmill_recomputed_tokens", "computed tokens whose KV was dropped by recompute preemption",
      lambda s: s.counters.num_recomputed_tokens),
     ("tokenmill_engine_steps", "engine scheduler steps", lambda s: s.counters.num_steps),
-    ("tokenmill_prefix_query_tokens", "prompt tokens looked up in the prefix cache", lambda s: s.prefix.num_query_tokens),
+    ("tokenmill_prefix_query_tokens", "prompt tokens looked up in the prefix cache",
+     lambda s: s.prefix.num_query_tokens),
     ("tokenmill_prefix_hit_tokens", "prompt tokens found in the prefix cache (not computed again)",
      lambda s: s.prefix.num_hit_tokens),
 )
@@ -60,7 +61,7 @@ class _EngineCollector:
         self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415 - optional extra
 
         stats = self._metrics.engine_stats
         for name, text, gauge in _ENGINE_GAUGES:
@@ -88,7 +89,13 @@ class WorkerMetrics:
 
     def __init__(self, worker: str, model: str, keys: Keys, lanes: Sequence[Lane],
                  is_redis_healthy: Callable[[], bool]) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info  # noqa: PLC0415
+        from prometheus_client import (  # noqa: PLC0415 - optional extra
+            CollectorRegistry,
+            Counter,
+            Gauge,
+            Histogram,
+            Info,
+        )
 
         self.keys = keys
         self.lanes = list(lanes)
@@ -189,7 +196,7 @@ class WorkerMetrics:
 
     def serve(self, port: int, addr: str) -> None:
         """Serve ``/metrics`` on ``addr:port`` from a daemon thread (call once)."""
-        from prometheus_client import start_http_server  # noqa: PLC0415
+        from prometheus_client import start_http_server  # noqa: PLC0415 - optional extra
 
         self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
 

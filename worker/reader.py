@@ -24,8 +24,8 @@ import redis
 
 from producer.keys import CONSUMER_GROUP, Keys
 from producer.schema import ErrorCode, GenerationResult, peek_request_id
-from worker.config import WorkerConfig
 from worker.backoff import Backoff
+from worker.config import WorkerConfig
 from worker.health import RedisHealth
 from worker.heartbeat import as_text
 from worker.intake import IntakePolicy, answer, triage
@@ -331,7 +331,7 @@ class Reader:
         """:func:`triage`, turning any failure into a dead letter that says why (never a lost entry)."""
         try:
             return triage(entry, now_s, self._intake)
-        except Exception as exc:  # noqa: BLE001 - one entry's problem must not stop the reader
+        except Exception as exc:  # one entry's problem must not stop the reader
             log.exception("triage failed", extra={"event": "triage_failed", "entry_id": entry.entry_id})
             return DeadLetter(entry, reason=f"{ErrorCode.INTERNAL.value}: triage failed: {type(exc).__name__}: {exc}")
 

@@ -77,7 +77,8 @@ class Writer:
         self._beat.ts, self._beat.state = time.time(), state
         self._beat.running, self._beat.waiting = self._load.num_running, self._load.num_waiting
         self._beat.num_finished = self._load.num_finished
-        self._beat.prefix_hit_ratio, self._beat.num_cached_blocks = self._load.prefix_hit_ratio, self._load.num_cached_blocks
+        self._beat.prefix_hit_ratio = self._load.prefix_hit_ratio
+        self._beat.num_cached_blocks = self._load.num_cached_blocks
         write_heartbeat(self._client, self._keys, self._beat)
         if self._metrics is not None:
             self._metrics.observe_beat(self._client, self._beat.tokens_per_s)

@@ -268,7 +268,8 @@ class Scheduler:
             self._preempt(victim, PreemptionCause.MEMORY, plan)
             if victim is request:
                 return
-        for source, destination in self.block_manager.copy_on_write(request.request_id, request.num_computed_tokens) or []:
+        copy_pairs = self.block_manager.copy_on_write(request.request_id, request.num_computed_tokens) or []
+        for source, destination in copy_pairs:
             plan.copies[request.request_id] = (request.num_computed_tokens, source, destination)
         # NOTE: a prefill chunk shrinks to the free slots instead of preempting anyone.
         self._note_inflight_prefix(request, plan)

@@ -8,6 +8,7 @@ next to the sources, so an install in a read-only site-packages builds too. Buil
 compiler and ninja on the machine that runs the engine; the sources ship as package data
 (pyproject.toml). Failure is not fatal: :meth:`CppExtension.is_available` logs why once, at
 WARNING, and callers use their plain-torch path. Imports torch.
+NOTE: measurements behind these choices: ops/bench/README.md, "Figures behind the kernels' comments".
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ _toolchain_lock = threading.Lock()
 
 @functools.cache
 def _missing_toolchain(compiler: str) -> str | None:
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # noqa: PLC0415 - imports setuptools (~0.1 s): only builds need it
 
     missing = [f"no C++ compiler ({compiler!r} is not on PATH)"] if shutil.which(compiler) is None else []
     if not cpp_extension.is_ninja_available():
@@ -142,7 +143,7 @@ class CppExtension:
         its builder is killed, blocking every later load forever. An flock (released by the kernel
         when its holder dies) is held around the whole build; whoever holds it may remove that file.
         """
-        from torch.utils import cpp_extension
+        from torch.utils import cpp_extension  # noqa: PLC0415 - imports setuptools (~0.1 s): only builds need it
 
         absent = [str(path) for path in (self.source, *self.headers) if not path.is_file()]
         if absent:
@@ -171,8 +172,8 @@ class CppExtension:
     def build_in_background(self) -> None:
         """Start building and loading now, on a daemon thread; :meth:`is_available` waits for it.
 
-        On a machine's first start each build takes 10-30 s of one core; started early, builds run
-        side by side and overlap the model's loading.
+        On a machine's first start each build keeps one core busy for a while; started early,
+        builds run side by side and overlap the model's loading.
         """
         if self._loaded is None:
             threading.Thread(target=self.is_available, name=f"build-{self.name}", daemon=True).start()

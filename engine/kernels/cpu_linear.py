@@ -2,24 +2,24 @@
 
 A loading helper (may import torch). oneDNN multiplies in a blocked weight layout (AMX tiles for
 bfloat16, AVX-512 panels for float32); handed a plain weight it re-lays it out on every call,
-which triples the memory traffic of a decode step, where every weight is read once. Packing at
-load time measured 1.4-1.9x faster bfloat16 layers at 1-16 tokens and up to 2.7x faster float32
-LM heads on a 2-core Sapphire Rapids. On CPUs without AVX-512 layers use the engine's own panel
-kernel (engine/kernels/panel_linear) instead: oneDNN has no bfloat16 path there (torch falls back to a
-scalar loop, 4-7x slower) and its float32 measured 1.05-1.7x slower at 1-64 rows (Zen 3). So do
-bfloat16 layers on CPUs that multiply bfloat16 pairs natively: with AMX the panel kernel
-multiplies on the tile unit and streams the weights 1.1-1.6x faster than oneDNN at 1-16 rows
-(Sapphire Rapids); with AVX512-BF16 alone it multiplies by VDPBF16PS dot products on AMD (Zen 4)
-and by widening FMAs on Intel (Emerald Rapids with its tile unit hidden). And float32 on AMD's
-AVX-512 CPUs, where oneDNN's inner product is slower at decode sizes (Zen 4).
-NOTE: where oneDNN packs float32, MKL's plain GEMV is ~1.3x faster at one or two tokens (28 vs
-37 ms for SmolLM2's 30 layers), but keeping both weights would double the
-model's memory; the packed weight alone is kept. Results differ from the plain path only in
-float rounding.
+which triples the memory traffic of a decode step, where every weight is read once: so weights
+are packed once, at load time. On CPUs without AVX-512 layers use the engine's own panel kernel
+(engine/kernels/panel_linear) instead: oneDNN has no bfloat16 path there (torch falls back to a
+scalar loop, several times slower than float32) and its float32 is slower than the panels at
+decode sizes. So do bfloat16 layers on CPUs that multiply bfloat16 pairs natively: with AMX the
+panel kernel multiplies on the tile unit and streams the weights faster than oneDNN at decode
+sizes; with AVX512-BF16 alone it multiplies by VDPBF16PS dot products on AMD and by widening FMAs
+on Intel (whose VDPBF16PS issues at half the FMA rate). And float32 on AMD's AVX-512 CPUs, where
+oneDNN's inner product is slower at decode sizes.
+NOTE: where oneDNN packs float32, MKL's plain GEMV is faster at one or two tokens, but keeping
+both weights would double the model's memory; the packed weight alone is kept. Results differ
+from the plain path only in float rounding.
 
 Sibling projections that read the same input (an attention's q/k/v, an MLP's gate/up) share one
 packed weight: one call instead of three or two, which at decode sizes is dominated by per-call
-cost (measured: q/k/v of SmolLM2's 30 layers at one token 5.1 -> 3.4 ms in float32).
+cost.
+NOTE: measurements behind these choices: ops/bench/README.md (its per-machine sections and
+"Figures behind the kernels' comments").
 """
 
 from __future__ import annotations
@@ -47,12 +47,19 @@ class LinearKernel:
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
 
 
+# NOTE: oneDNN's packed linear has no public torch API: these private ATen ops are the ones torch's
+# own inductor packs and runs its CPU linears with.
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # noqa: SLF001 - see NOTE
     return out
 
 
-ONEDNN = LinearKernel("onednn", lambda weight: torch.ops.mkldnn._reorder_linear_weight(weight, None), _onednn_linear)
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, None)  # noqa: SLF001 - see NOTE
+    return packed
+
+
+ONEDNN = LinearKernel("onednn", _onednn_pack, _onednn_linear)
 PANELS = LinearKernel("panels", panel_linear.pack_weight, panel_linear.linear)
 
 
@@ -161,11 +168,10 @@ def packing_works(dtype: torch.dtype, kernel: LinearKernel = ONEDNN) -> bool:
 def _bfloat16_native(dtype: torch.dtype) -> bool:
     """Whether ``dtype`` is bfloat16 on an AVX-512 CPU that multiplies bfloat16 natively (AVX512-BF16,
     AMX). There the panel kernel leads (panel_linear.bfloat16_path): on the AMX tile unit it streams
-    the weights near the memory's read rate at 1-64 rows, where oneDNN's inner product measured
-    1.1-2x slower (Sapphire Rapids); by VDPBF16PS dot products on AMD (Zen 4: 1.0-1.8x); on Intel
-    without a usable tile unit it widens into float32 FMAs, where oneDNN's dot products issue at
-    half their rate (Emerald Rapids: the widening 1.2-1.7x faster at 1-256 rows). Reads the CPU's
-    flags; builds nothing."""
+    the weights near the memory's read rate at decode sizes, where oneDNN's inner product is
+    slower; by VDPBF16PS dot products on AMD; on Intel without a usable tile unit it widens into
+    float32 FMAs, where oneDNN's dot products issue at half their rate. Reads the CPU's flags;
+    builds nothing."""
     flags = cpu_flags().split()
     return (dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() == "AVX512"
             and ("amx_bf16" in flags or "avx512_bf16" in flags))
@@ -173,11 +179,10 @@ def _bfloat16_native(dtype: torch.dtype) -> bool:
 
 def _prefers_panels(dtype: torch.dtype) -> bool:
     """Whether the panel kernel goes first for ``dtype`` (builds nothing): wherever ATen does not
-    run AVX-512 (there oneDNN has no bfloat16 path and its float32 measured slower at decode sizes),
+    run AVX-512 (there oneDNN has no bfloat16 path and its float32 is slower at decode sizes),
     for bfloat16 where the CPU multiplies it natively (:func:`_bfloat16_native`), and for float32 on
-    AMD's AVX-512 CPUs (Zen 4 and later): there oneDNN's inner product measured 1.25-1.8x slower per
-    call at 1-4 rows and decode steps at batch 1 and 4 ran 1.4x faster on the panels, level at 16
-    and 64."""
+    AMD's AVX-512 CPUs (Zen 4 and later): there oneDNN's inner product is slower per call at a few
+    rows, and decode steps at small batches are faster on the panels, level at large ones."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512" or _bfloat16_native(dtype):
         return True
     return dtype == torch.float32 and cpu_vendor() == "AuthenticAMD"

@@ -180,12 +180,7 @@ class BlockManager:
         """
         if not self.can_swap_out(request_id):
             return None
-        gpu_block_ids = self._gpu_tables.pop(request_id)
-        cpu_block_ids = self._cpu.take(len(gpu_block_ids))
-        assert cpu_block_ids is not None  # can_swap_out checked the room
-        self._gpu.release(gpu_block_ids)
-        self._cpu_tables[request_id] = cpu_block_ids
-        return list(zip(gpu_block_ids, cpu_block_ids))
+        return self._move_table(request_id, self._gpu_tables, self._gpu, self._cpu_tables, self._cpu)
 
     def can_swap_in(self, request_id: str, num_reserved_blocks: int = 0) -> bool:
         """Whether the request's host blocks fit in free device blocks, leaving some reserved."""
@@ -201,12 +196,21 @@ class BlockManager:
         """
         if not self.can_swap_in(request_id):
             return None
-        cpu_block_ids = self._cpu_tables.pop(request_id)
-        gpu_block_ids = self._gpu.take(len(cpu_block_ids))
-        assert gpu_block_ids is not None  # can_swap_in checked the room
-        self._cpu.release(cpu_block_ids)
-        self._gpu_tables[request_id] = gpu_block_ids
-        return list(zip(cpu_block_ids, gpu_block_ids))
+        return self._move_table(request_id, self._cpu_tables, self._cpu, self._gpu_tables, self._gpu)
+
+    @staticmethod
+    def _move_table(request_id: str, source_tables: dict[str, list[int]], source_pool: BlockPool,
+                    destination_tables: dict[str, list[int]], destination_pool: BlockPool) -> list[tuple[int, int]]:
+        """Move the request's table from one pool to the other: ``(source, destination)`` block pairs.
+
+        The caller has checked (``can_swap_out`` / ``can_swap_in``) that the destination has room.
+        """
+        source_block_ids = source_tables.pop(request_id)
+        destination_block_ids = destination_pool.take(len(source_block_ids))
+        assert destination_block_ids is not None  # the caller checked the room
+        source_pool.release(source_block_ids)
+        destination_tables[request_id] = destination_block_ids
+        return list(zip(source_block_ids, destination_block_ids))
 
     def free(self, request_id: str) -> None:
         """Release whatever the request owns in either pool (a no-op if it owns nothing)."""

@@ -164,7 +164,8 @@ def _release_checkpoint_mapping(model: Any) -> None:
 
 
 def _max_model_len(config: Any, requested: int | None) -> int:
-    limits = [getattr(config, name) for name in ("max_position_embeddings", "n_positions") if getattr(config, name, None)]
+    limits = [getattr(config, name) for name in ("max_position_embeddings", "n_positions")
+              if getattr(config, name, None)]
     # NOTE: the paged attention attends over the whole context; a sliding-window model is exact
     # only while sequences fit the window, so the window caps the length.
     window = getattr(config, "sliding_window", None)

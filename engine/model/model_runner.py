@@ -141,7 +141,8 @@ class ModelRunner:
         inputs.add("sample_indices", [query_start[i + 1] - 1 for i, c in enumerate(ordered) if c.needs_sample])
         inputs.add("seq_lens", seq_lens)
         inputs.add("query_start", query_start)
-        inputs.add("tables", [b for c in ordered for b in c.block_ids[:width] + [0] * (width - len(c.block_ids[:width]))])
+        inputs.add("tables", [b for c in ordered
+                              for b in c.block_ids[:width] + [0] * (width - len(c.block_ids[:width]))])
         on_device = inputs.upload(self.device)
         meta = AttentionMetadata(
             slot_mapping=on_device["slots"],

@@ -1,6 +1,7 @@
 """Builds the engine's real parts from a config: loads the model, sizes the KV cache from bytes or
 free device memory (on CUDA after a profile of the largest steps, engine/model/memory_profile.py), and wires
-scheduler, runner and limits. Imports torch (a loading helper)."""
+scheduler, runner and limits. Imports torch (a loading helper).
+NOTE: measurements behind these choices: ops/bench/README.md, "Figures behind the kernels' comments"."""
 
 from __future__ import annotations
 
@@ -131,8 +132,8 @@ def capture_decode_steps(runner: ModelRunner, max_num_seqs: int, max_request_tok
     """Capture decode steps in CUDA graphs, one per batch bucket (where :func:`captures_decode_steps`).
 
     NOTE: the CPU's counterpart is engine/model/native_decoder (every step, no buckets). Inductor was
-    measured there first: 70-140 s per bucket to compile SmolLM2 on 2 cores for 10-25% faster
-    steps, and with dynamic shapes its outputs drifted from eager (see ops/bench/README.md).
+    tried there first: a long compile per bucket bought modestly faster steps, and with dynamic
+    shapes its outputs drifted from eager.
     """
     block_size = runner.block_size
     static = StaticDecode(runner.forward, runner.kv_cache, runner.backend, decode_buckets(max_num_seqs),

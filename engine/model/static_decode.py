@@ -126,7 +126,8 @@ class StaticDecode:
             seq_lens_host=[], query_start_host=list(range(bucket + 1)),
         )
         step = StepAttention(self._kv_cache, meta, self._backend)
-        input_ids, positions, keep = self._input_ids[:, :bucket], self._positions[:, :bucket], self._logits_to_keep[:bucket]
+        input_ids, positions = self._input_ids[:, :bucket], self._positions[:, :bucket]
+        keep = self._logits_to_keep[:bucket]
         return lambda: self._forward(input_ids, positions, keep, step)
 
     def _fill(self, chunks: list[ScheduledChunk]) -> None:

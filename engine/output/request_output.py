@@ -21,15 +21,11 @@ class RequestMetrics:
 
     @property
     def queue_s(self) -> float | None:
-        if self.first_scheduled_time_s is None:
-            return None
-        return self.first_scheduled_time_s - self.arrival_time_s
+        return self._since_arrival_s(self.first_scheduled_time_s)
 
     @property
     def ttft_s(self) -> float | None:
-        if self.first_token_time_s is None:
-            return None
-        return self.first_token_time_s - self.arrival_time_s
+        return self._since_arrival_s(self.first_token_time_s)
 
     @property
     def tpot_s(self) -> float | None:
@@ -40,9 +36,11 @@ class RequestMetrics:
 
     @property
     def total_s(self) -> float | None:
-        if self.finished_time_s is None:
-            return None
-        return self.finished_time_s - self.arrival_time_s
+        return self._since_arrival_s(self.finished_time_s)
+
+    def _since_arrival_s(self, time_s: float | None) -> float | None:
+        """Seconds from arrival to ``time_s``; None while that moment has not come."""
+        return None if time_s is None else time_s - self.arrival_time_s
 
 
 @dataclass

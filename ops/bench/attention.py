@@ -35,7 +35,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from ops.bench.common import machine_info, print_table, write_json  # noqa: E402
+from ops.bench.common import machine_info, print_table, write_json
 
 HEAD_CONFIGS = {"9/3/64": (9, 3, 64), "32/8/128": (32, 8, 128), "32/32/64": (32, 32, 64)}
 DECODE_BATCHES = (1, 4, 16, 64)
@@ -126,7 +126,7 @@ def reference_call(shape: Shape) -> Callable[[int], Any]:
             return backend.attend(shape.query, *shape.layer(i), shape.meta, shape.scale)
 
         return decodes
-    (context,), (q_len,), (ids,) = shape.contexts, shape.q_lens, shape.block_ids
+    (context,), (_q_len,), (ids,) = shape.contexts, shape.q_lens, shape.block_ids
     q = shape.query.transpose(0, 1).unsqueeze(0)  # [1, heads, T, head_dim]
     block_ids = torch.tensor(ids)
 

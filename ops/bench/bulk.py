@@ -29,8 +29,8 @@ REPO_ROOT = _HERE.parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(REPO_ROOT))
 
-from ops.bench.common import fmt, machine_info, print_table, write_json  # noqa: E402
-from ops.bench.workload import SYSTEM_PROMPT, WorkItem, build_workload, describe  # noqa: E402
+from ops.bench.common import fmt, machine_info, print_table, write_json
+from ops.bench.workload import SYSTEM_PROMPT, WorkItem, build_workload, describe
 
 
 def engine_config(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -144,10 +144,12 @@ def main() -> None:
     after = run_offline(items, config)
     offline_tps = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
     rows = [
-        ["engine offline (before)", fmt(before["output_tokens"], 0), fmt(before["wall_s"]), fmt(before["tokens_per_s"]), ""],
+        ["engine offline (before)", fmt(before["output_tokens"], 0), fmt(before["wall_s"]),
+         fmt(before["tokens_per_s"]), ""],
         ["tokenmill bulk (end to end)", fmt(bulk["output_tokens"], 0), fmt(bulk["wall_s"]), fmt(bulk["tokens_per_s"]),
          f"{bulk['tokens_per_s'] / offline_tps:.2f}x"],
-        ["engine offline (after)", fmt(after["output_tokens"], 0), fmt(after["wall_s"]), fmt(after["tokens_per_s"]), ""],
+        ["engine offline (after)", fmt(after["output_tokens"], 0), fmt(after["wall_s"]),
+         fmt(after["tokens_per_s"]), ""],
     ]
     print_table("bulk vs offline engine (ratio against the mean of both offline runs)",
                 ["system", "output tokens", "wall s", "tokens/s", "vs offline"], rows)

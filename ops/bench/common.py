@@ -124,6 +124,15 @@ def vllm_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(max(1, kv_cache_gib))}
 
 
+def child_python_and_env(system: str, threads: int, vllm_venv: str,
+                         kv_cache_memory: str) -> tuple[str | None, dict[str, str]]:
+    """The interpreter (None: this one) and environment of ``system``'s child process: vLLM runs in
+    the virtualenv ``vllm_venv`` under :func:`vllm_env`, every other system under :func:`child_env`."""
+    if system != "vllm":
+        return None, child_env(threads)
+    return str(Path(vllm_venv) / "bin" / "python"), vllm_env(threads, gib(kv_cache_memory))
+
+
 def gib(size: str) -> int:
     """A size such as ``"4GiB"`` in whole GiB (the parent process only: it imports the engine's config)."""
     from engine.config import parse_bytes

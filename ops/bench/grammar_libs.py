@@ -23,7 +23,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from ops.bench.common import machine_info, print_table, write_json  # noqa: E402
+from ops.bench.common import machine_info, print_table, write_json
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -26,11 +26,11 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from ops.bench.common import current_rss_bytes, mib, percentile, print_table  # noqa: E402
-from producer.client import Producer  # noqa: E402
-from producer.schema import GenerationRequest, encode_request  # noqa: E402
-from worker.config import Settings  # noqa: E402
-from worker.runtime import Worker  # noqa: E402
+from ops.bench.common import current_rss_bytes, mib, percentile, print_table
+from producer.client import Producer
+from producer.schema import GenerationRequest, encode_request
+from worker.config import Settings
+from worker.runtime import Worker
 
 SLOW_REGEX = "(" + "|".join(f"[a-z]{{{i}}}x" for i in range(1, 300)) + ")"  # ~27 s to compile over SmolLM2
 HUGE_REGEX = "|".join(f"word{i}" for i in range(300_000))  # 3.5 MB: refused by the size limit
@@ -85,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         ["idle", f"{p50_idle:.3f}", f"{percentile(idle, 90):.3f}", f"{max(idle):.3f}"],
         ["hostile in preparation", f"{p50_loaded:.3f}", f"{percentile(loaded, 90):.3f}", f"{max(loaded):.3f}"],
     ])
-    print(f"ratio p50 loaded / idle: {p50_loaded / p50_idle:.2f}x   (p90 {percentile(loaded, 90) / percentile(idle, 90):.2f}x)")
+    print(f"ratio p50 loaded / idle: {p50_loaded / p50_idle:.2f}x   "
+          f"(p90 {percentile(loaded, 90) / percentile(idle, 90):.2f}x)")
     for name, answer in zip(["slow regex", "3.9 MB prompt", "3.5 MB regex (raw)"], answers):
-        print(f"{name}: {answer.status} {answer.error.code + ': ' + answer.error.message[:100] if answer.error else ''}")
+        error = answer.error.code + ": " + answer.error.message[:100] if answer.error else ""
+        print(f"{name}: {answer.status} {error}")
     print(f"worker process RSS: {mib(rss_before)} before the hostile requests, {mib(rss_after)} after")
     return 0
 

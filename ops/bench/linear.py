@@ -31,7 +31,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from ops.bench.common import fmt, machine_info, print_table, write_json  # noqa: E402
+from ops.bench.common import fmt, machine_info, print_table, write_json
 
 LAYERS = {"qkv 576->960": (576, 960), "o 576->576": (576, 576), "gate_up 576->3072": (576, 3072),
           "down 1536->576": (1536, 576), "lm_head 576->49152": (576, 49152)}
@@ -43,7 +43,7 @@ PLAIN_BF16_MAX_ROWS = 16
 def time_calls(calls: dict[str, Callable[[int], Any]], copies: int, rounds: int) -> dict[str, float]:
     """Median seconds per call of each kernel; each round calls every kernel once per weight copy."""
     samples: dict[str, list[float]] = {name: [] for name in calls}
-    for name, call in calls.items():  # warm-up: first-call allocations and dispatch
+    for call in calls.values():  # warm-up: first-call allocations and dispatch
         call(0)
     for _ in range(rounds):
         for name, call in calls.items():
@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.nn import functional
 
-    from engine.kernels import cpu_linear
-    from engine.kernels import panel_linear
+    from engine.kernels import cpu_linear, panel_linear
 
     torch.set_num_threads(args.threads)
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
@@ -105,9 +104,10 @@ def main(argv: list[str] | None = None) -> int:
             for rows in rows_list:
                 x = torch.randn(rows, k_in, generator=gen).to(dtype)
                 calls: dict[str, Callable[[int], Any]] = {
-                    name: (lambda i, k=k, p=packed[name]: k.run(x, p[i], None, n_out)) for name, k in usable.items()}
+                    name: (lambda i, k=k, p=packed[name], x=x, n_out=n_out: k.run(x, p[i], None, n_out))
+                    for name, k in usable.items()}
                 if dtype == torch.float32 or rows <= PLAIN_BF16_MAX_ROWS:
-                    calls["plain"] = lambda i: functional.linear(x, weights[i])
+                    calls["plain"] = lambda i, x=x, w=weights: functional.linear(x, w[i])
                 seconds = time_calls(calls, copies, rounds)
                 row: dict[str, Any] = {"dtype": dtype_name, "layer": layer, "rows": rows,
                                        **{f"{name}_ms": 1e3 * s for name, s in seconds.items()}}

@@ -31,11 +31,17 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from ops.bench.common import (  # noqa: E402
+from ops.bench.common import (
     add_child_arguments,
-    child_env, fmt, gib, machine_info, percentile, print_table, run_child, vllm_env, write_json,
+    child_python_and_env,
+    fmt,
+    machine_info,
+    percentile,
+    print_table,
+    run_child,
+    write_json,
 )
-from ops.bench.workload import DOCUMENT_SENTENCES, INSTRUCTIONS, QUESTIONS  # noqa: E402
+from ops.bench.workload import DOCUMENT_SENTENCES, INSTRUCTIONS, QUESTIONS
 
 SYSTEMS = ("cache_on", "cache_off", "vllm", "n8", "independent_off", "independent_on")
 LABELS = {
@@ -59,7 +65,8 @@ def _few_shot(tokenizer: Any, num_tokens: int) -> list[int]:
     ids: list[int] = []
     while len(ids) < num_tokens:
         document = " ".join(rng.sample(DOCUMENT_SENTENCES, 3))
-        parts.append(f"\nText: {document}\nTask: {rng.choice(INSTRUCTIONS)}\nAnswer: {rng.choice(DOCUMENT_SENTENCES)}\n")
+        parts.append(f"\nText: {document}\nTask: {rng.choice(INSTRUCTIONS)}\n"
+                     f"Answer: {rng.choice(DOCUMENT_SENTENCES)}\n")
         ids = tokenizer("".join(parts), add_special_tokens=False)["input_ids"]
     return [int(t) for t in ids[:num_tokens]]
 
@@ -188,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     shared = shared_prefix_prompts(tokenizer, args.num_requests, args.prefix_tokens, args.seed)
     sampled = distinct_prompts(tokenizer, args.num_sampled_prompts, args.sampled_prompt_tokens, args.seed + 1)
     print(f"part 1: {len(shared)} requests, a {args.prefix_tokens}-token shared prefix + 20..100 unique tokens, "
-          f"{args.output_tokens} output tokens; part 2: {len(sampled)} prompts of {len(sampled[0])} tokens x n={SAMPLES}; "
+          f"{args.output_tokens} output tokens; "
+          f"part 2: {len(sampled)} prompts of {len(sampled[0])} tokens x n={SAMPLES}; "
           f"model {args.model} {args.dtype}, {args.threads} threads")
     chosen = args.systems.split(",") if args.systems else SYSTEMS
     systems = [s for s in SYSTEMS if s in chosen and (s != "vllm" or args.vllm_venv)]
@@ -200,10 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             result_file = Path(tmp) / f"{system}.json"
             argv = [str(Path(__file__).resolve()), "--child", system, "--workload-file", str(workload_file),
                     "--result-file", str(result_file), *_shared_argv(args)]
-            python, env = None, child_env(args.threads)
-            if system == "vllm":
-                python, env = str(Path(args.vllm_venv) / "bin" / "python"), vllm_env(args.threads,
-                                                                                      gib(args.kv_cache_memory))
+            python, env = child_python_and_env(system, args.threads, args.vllm_venv, args.kv_cache_memory)
             print(f"running {LABELS[system]} ...", flush=True)
             results[system] = run_child(argv, result_file, timeout_s=args.child_timeout, python=python, env=env)
             if "error" in results[system]:

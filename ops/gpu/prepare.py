@@ -27,7 +27,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
-from ops.gpu.models import SMOLLM2_FILES, export_smollm2_files  # noqa: E402
+from ops.gpu.models import SMOLLM2_FILES, export_smollm2_files
 
 WHEELS = REPO_ROOT / ".whl"
 CARRY_LIMIT = 64 << 20

@@ -19,7 +19,7 @@ def import_pyarrow(purpose: str, error: type[BulkError] = BulkError) -> tuple[An
     """
     try:
         import pyarrow  # noqa: PLC0415 - optional extra
-        import pyarrow.parquet  # noqa: PLC0415
+        import pyarrow.parquet  # noqa: PLC0415 - optional extra
     except ImportError as exc:
         raise error(f"{purpose} needs pyarrow: {INSTALL_HINT}") from exc
     return pyarrow, pyarrow.parquet

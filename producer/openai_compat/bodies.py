@@ -15,7 +15,6 @@ from typing import Any, Literal
 from producer.openai_compat.errors import BodyError as BodyError  # re-exported: bulk input imports it from here
 from producer.openai_compat.tools import ToolPlan, tool_plan
 
-
 Endpoint = Literal["chat", "completions"]
 ENDPOINTS: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint

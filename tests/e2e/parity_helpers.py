@@ -6,10 +6,9 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
-
-import pytest
 
 NEAR_TIE = 1e-4  # a float32 divergence is accepted only where the reference's top two logits are this close
 
@@ -64,7 +63,19 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def random_prompts(vocab_size: int, num_prompts: int, seed: int, min_len: int = 3, max_len: int = 120) -> list[list[int]]:
+def assert_parity(got: list[int], want: list[int], prompt: list[int], reference: torch.nn.Module) -> None:
+    """``got`` equals the reference's greedy ``want``, or first differs where the reference's top two
+    logits are a near-tie (a float32 rounding can pick either)."""
+    at = first_divergence(got, want)
+    if at is None:
+        return
+    assert at < min(len(got), len(want)), f"lengths differ without a token divergence: {got} vs {want}"
+    gap = top2_gap(reference, prompt + want[:at])
+    assert gap < NEAR_TIE, f"diverged at token {at} where the reference is decisive (top-2 gap {gap:.2e})"
+
+
+def random_prompts(vocab_size: int, num_prompts: int, seed: int, min_len: int = 3,
+                   max_len: int = 120) -> list[list[int]]:
     """Token-id prompts of mixed lengths, avoiding the first few (special) ids."""
     rng = random.Random(seed)
     return [

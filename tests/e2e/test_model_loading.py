@@ -33,7 +33,8 @@ def test_encoder_decoder_model_is_refused(tmp_path: Path) -> None:
 
 
 def test_model_without_causal_lm_head_is_refused(tmp_path: Path) -> None:
-    ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32).save_pretrained(tmp_path)
+    config = ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    config.save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="decoder-only"):
         load_model(str(tmp_path), attn_implementation=register())
 

@@ -6,7 +6,6 @@ is seeded seed + i, so every path must return the very same texts."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from producer import Producer, bulk
-from tests.serve_helpers import running_server
+from tests.serve_helpers import run_openai_batch, running_server
 from tests.worker_helpers import make_settings, running_worker
 
 pytestmark = pytest.mark.e2e
@@ -64,14 +63,6 @@ def test_every_path_returns_each_sample_as_the_decode_of_its_tokens(
 
 def _run_batch(client: openai.OpenAI, model: str) -> dict[str, Any]:
     line = {"custom_id": "b0", "method": "POST", "url": "/v1/chat/completions", "body": _chat_body(model)}
-    upload = client.files.create(file=("in.jsonl", json.dumps(line).encode()), purpose="batch")
-    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
-    deadline = time.monotonic() + 120
-    while batch.status not in ("completed", "failed", "cancelled", "expired"):
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.2)
-        batch = client.batches.retrieve(batch.id)
-    assert batch.status == "completed" and batch.output_file_id is not None, batch
-    [output] = [json.loads(text) for text in client.files.content(batch.output_file_id).text.splitlines()]
+    [output] = run_openai_batch(client, [line], timeout_s=120, poll_s=0.2)
     body: dict[str, Any] = output["response"]["body"]
     return body

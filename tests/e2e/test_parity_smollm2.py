@@ -10,8 +10,8 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.model.model_runner import ModelRunner
+from tests.e2e.parity_helpers import DEVICES, assert_parity, attention_backend, hf_greedy, load_reference
 from tests.engine_helpers import build_engine
-from tests.e2e.parity_helpers import DEVICES, NEAR_TIE, attention_backend, first_divergence, hf_greedy, load_reference, top2_gap
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -65,15 +65,6 @@ def engine_and_reference(
     return engine, reference, prompts, expected, device
 
 
-def _assert_parity(got: list[int], want: list[int], prompt: list[int], reference: torch.nn.Module) -> None:
-    at = first_divergence(got, want)
-    if at is None:
-        return
-    assert at < min(len(got), len(want)), f"lengths differ without a token divergence: {got} vs {want}"
-    gap = top2_gap(reference, prompt + want[:at])
-    assert gap < NEAR_TIE, f"diverged at token {at} where the reference is decisive (top-2 gap {gap:.2e})"
-
-
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_smollm2_greedy_matches_hf_generate(scenario: str, engine_and_reference: Any) -> None:
     base_engine, reference, prompts, expected, device = engine_and_reference
@@ -90,7 +81,7 @@ def test_smollm2_greedy_matches_hf_generate(scenario: str, engine_and_reference:
         assert (runner.native_decoder is None) == eager, scenario
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
     for out, prompt, want in zip(outputs, prompts, expected):
-        _assert_parity(out.token_ids, want, prompt, reference)
+        assert_parity(out.token_ids, want, prompt, reference)
     stats = engine.stats()
     if "preemption" in scenario:
         assert stats.counters.num_preemptions > 0, stats

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from engine import SamplingParams
-from tests.engine_helpers import build_engine
 from tests.e2e.parity_helpers import BACKENDS, DEVICES, attention_backend, hf_greedy, load_reference, random_prompts
+from tests.engine_helpers import build_engine
 from tests.tiny_models import FAMILIES, VOCAB_SIZE
 
 pytestmark = pytest.mark.e2e

@@ -80,7 +80,8 @@ def engines() -> list[Engine]:
 @pytest.fixture
 def workers(redis_url: str, key_prefix: str, engines: list[Engine]) -> Iterator[list[Worker]]:
     settings = [make_settings(redis_url, key_prefix, model="smollm2-135m") for _ in engines]
-    with running_worker(settings[0], engine=engines[0]) as first, running_worker(settings[1], engine=engines[1]) as second:
+    with running_worker(settings[0], engine=engines[0]) as first, \
+            running_worker(settings[1], engine=engines[1]) as second:
         yield [first, second]
 
 
@@ -122,4 +123,4 @@ def test_numeric_edges_and_a_poison_request_among_good_ones(redis_client: redis.
     assert failed.status == "error" and failed.error is not None and failed.error.code == "internal"
     assert "index -1 is out of bounds" in failed.error.message
     assert redis_client.xlen(keys.dead) == 0
-    assert all(not worker._failed.is_set() for worker in workers)  # noqa: SLF001 - both engine threads alive
+    assert all(not worker._failed.is_set() for worker in workers)  # both engine threads alive

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from engine import SamplingParams
-from tests.engine_helpers import build_engine
 from producer import Producer
+from tests.engine_helpers import build_engine
 from tests.worker_helpers import make_settings, running_worker
 from worker.runtime import Worker
 
@@ -71,8 +71,9 @@ def test_prompt_too_long_is_an_error_result_and_worker_keeps_serving(worker: Wor
 
 def test_structured_output_logprobs_and_penalties_through_the_queue(worker: Worker, producer: Producer) -> None:
     schema = {"type": "object", "properties": {"mood": {"enum": ["happy", "sad"]}}, "required": ["mood"]}
+    json_schema = {"type": "json_schema", "json_schema": {"name": "m", "schema": schema}}
     structured = producer.submit(prompt="The quick brown fox", max_tokens=24, logprobs=2, repetition_penalty=1.2,
-                                 response_format={"type": "json_schema", "json_schema": {"name": "m", "schema": schema}})
+                                 response_format=json_schema)
     invalid = producer.submit(prompt="The quick brown fox", response_format={"type": "regex", "regex": "a("})
     result = producer.result(structured, timeout=120)
     assert result.status == "ok" and json.loads(result.text)["mood"] in ("happy", "sad"), result

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from producer import Producer
-from tests.serve_helpers import free_port
+from tests.worker_helpers import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -4,14 +4,12 @@ served name."""
 
 from __future__ import annotations
 
-import json
-import time
 from typing import Any
 
 import openai
 import pytest
 
-from tests.serve_helpers import running_server
+from tests.serve_helpers import run_openai_batch, running_server
 from tests.worker_helpers import make_settings, running_worker
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -58,12 +56,4 @@ def _run_batch(client: openai.OpenAI) -> list[dict[str, Any]]:
               "body": {"model": "smollm2-135m", "max_tokens": 24, "temperature": 0,
                        "messages": [{"role": "user", "content": questions[i % 2]}]}}
              for i in range(20)]
-    upload = client.files.create(file=("in.jsonl", "\n".join(map(json.dumps, lines)).encode()), purpose="batch")
-    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
-    deadline = time.monotonic() + 300
-    while batch.status not in ("completed", "failed", "cancelled", "expired"):
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.5)
-        batch = client.batches.retrieve(batch.id)
-    assert batch.status == "completed" and batch.output_file_id is not None, batch
-    return [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    return run_openai_batch(client, lines, timeout_s=300, poll_s=0.5)

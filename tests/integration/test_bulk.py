@@ -19,7 +19,6 @@ from tests.integration.bulk_helpers import NUM_ITEMS, item_ids, read_jsonl, writ
 from tests.integration.conftest import FakeWorker
 from tests.worker_helpers import make_settings, running_worker
 
-
 SUFFIXES = {"jsonl": "jsonl", "openai": "jsonl", "csv": "csv", "parquet": "parquet"}
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import pytest
 
 from producer import Producer, bulk
 from tests.integration.bulk_helpers import NUM_ITEMS, item_ids, read_jsonl, write_input
-from tests.worker_helpers import make_settings, running_worker
+from tests.worker_helpers import free_port, make_settings, running_worker
 from worker.runtime import Worker
 
 pytest.importorskip("prometheus_client")
@@ -61,14 +60,7 @@ def _num_duplicates(worker: Worker) -> float:
 
 
 def _paced_echo(redis_url: str, prefix: str) -> Any:
-    return make_settings(redis_url, prefix, model="echo:step_delay_s=0.01", metrics_port=_free_port())
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    return make_settings(redis_url, prefix, model="echo:step_delay_s=0.01", metrics_port=free_port())
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL])

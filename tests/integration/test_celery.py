@@ -13,15 +13,15 @@ from typing import Any
 import pytest
 import redis
 
-celery = pytest.importorskip("celery")
+pytest.importorskip("celery")
 
-from celery import Celery, chain, chord  # noqa: E402
-from celery.contrib.testing.worker import start_worker  # noqa: E402
+from celery import Celery, chain, chord
+from celery.contrib.testing.worker import start_worker
 
-from producer import Producer, ProducerConfig, QueueConfig, RedisConfig  # noqa: E402
-from producer.celery import JSON_ONLY, register_tasks  # noqa: E402
-from producer.errors import JobFailed  # noqa: E402
-from tests.worker_helpers import make_settings, running_worker  # noqa: E402
+from producer import Producer, ProducerConfig, QueueConfig, RedisConfig
+from producer.celery import JSON_ONLY, register_tasks
+from producer.errors import JobFailed
+from tests.worker_helpers import make_settings, running_worker
 
 # celery's redis backend calls redis-py's deprecated setex on every state change.
 pytestmark = pytest.mark.filterwarnings("ignore:Call to deprecated setex:DeprecationWarning")

@@ -16,8 +16,8 @@ import msgpack
 import pytest
 
 from producer import Producer
-from protocol.heartbeat import STALE_AFTER_S
 from producer.schema import GenerationResult, encode_result
+from protocol.heartbeat import STALE_AFTER_S
 from tests.worker_helpers import ROOT, make_settings, running_worker
 
 DOWN_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1
@@ -142,7 +142,8 @@ def test_status_judges_staleness_as_the_workers_do(redis_url: str, key_prefix: s
 
     assert WorkerConfig().stale_after_s == STALE_AFTER_S
     with Producer(redis_url, prefix=key_prefix) as producer:
-        producer.client.hset(producer.keys.workers, "w-old", msgpack.packb({"ts": time.time() - 20, "state": "running"}))
+        producer.client.hset(producer.keys.workers, "w-old",
+                             msgpack.packb({"ts": time.time() - 20, "state": "running"}))
     common = ["--redis-url", redis_url, "--prefix", key_prefix]
     assert json.loads(tokenmill(*common, "status", "--json").stdout)["num_live_workers"] == 0  # 20 s > 15 s
     path = tmp_path / "deploy.toml"

@@ -22,8 +22,20 @@ def _start_worker(redis_url: str, prefix: str, name: str, *extra: str) -> subpro
                                 env={"TOKENMILL_ENGINE__SCHEDULER__MAX_NUM_SEQS": "16"})
 
 
-def _fill(client: redis.Redis, keys: Keys, reply: str) -> list[str]:
-    return [enqueue(client, keys, i % 3, prompt=f"request {i:03d} " * 2, reply_to=reply) for i in range(NUM_REQUESTS)]
+def _signal_mid_run(redis_url: str, client: redis.Redis, prefix: str, name: str,
+                    sig: signal.Signals) -> tuple[Keys, str, list[str], subprocess.Popen[bytes]]:
+    """Queue ``NUM_REQUESTS``, start worker ``name`` and send it ``sig`` once 30 results are in.
+
+    Returns:
+        The keys, the reply stream, the request ids and the signalled worker.
+    """
+    keys = Keys(prefix)
+    reply = keys.reply("crash")
+    ids = [enqueue(client, keys, i % 3, prompt=f"request {i:03d} " * 2, reply_to=reply) for i in range(NUM_REQUESTS)]
+    worker = _start_worker(redis_url, prefix, name)
+    _wait_for_results(client, keys, ids, at_least=30, timeout_s=20)
+    worker.send_signal(sig)
+    return keys, reply, ids, worker
 
 
 def _wait_for_results(client: redis.Redis, keys: Keys, ids: list[str], at_least: int, timeout_s: float) -> None:
@@ -43,12 +55,7 @@ def _assert_exactly_once(client: redis.Redis, keys: Keys, ids: list[str], reply:
 
 
 def test_sigkill_mid_run_then_second_worker(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
-    keys = Keys(key_prefix)
-    reply = keys.reply("crash")
-    ids = _fill(redis_client, keys, reply)
-    first = _start_worker(redis_url, key_prefix, "victim")
-    _wait_for_results(redis_client, keys, ids, at_least=30, timeout_s=20)
-    first.send_signal(signal.SIGKILL)
+    keys, reply, ids, first = _signal_mid_run(redis_url, redis_client, key_prefix, "victim", signal.SIGKILL)
     first.wait(timeout=5)
     assert read_heartbeats(redis_client, keys)["victim"].state == "running"
     second = _start_worker(redis_url, key_prefix, "rescuer")  # reclaims once the victim's heartbeat is stale
@@ -60,12 +67,7 @@ def test_sigkill_mid_run_then_second_worker(redis_url: str, redis_client: redis.
 
 
 def test_sigterm_drains_and_exits_zero(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
-    keys = Keys(key_prefix)
-    reply = keys.reply("crash")
-    ids = _fill(redis_client, keys, reply)
-    first = _start_worker(redis_url, key_prefix, "leaver")
-    _wait_for_results(redis_client, keys, ids, at_least=30, timeout_s=20)
-    first.send_signal(signal.SIGTERM)
+    keys, reply, ids, first = _signal_mid_run(redis_url, redis_client, key_prefix, "leaver", signal.SIGTERM)
     assert first.wait(timeout=10) == 0
     assert read_heartbeats(redis_client, keys)["leaver"].state == "stopped"
     started = time.monotonic()

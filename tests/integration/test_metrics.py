@@ -14,19 +14,12 @@ import redis
 
 pytest.importorskip("prometheus_client")
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 
-from producer import Producer  # noqa: E402
-from tests.worker_helpers import make_settings, running_worker  # noqa: E402
+from producer import Producer
+from tests.worker_helpers import free_port, make_settings, running_worker
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -9,9 +9,17 @@ import msgpack
 import pytest
 import redis
 
-from producer import (JobFailed, Producer, ProducerConfig, QueueConfig, RedisConfig, RedisUnavailable, ResultTimeout,
-                      SchemaError)
-from producer import common
+from producer import (
+    JobFailed,
+    Producer,
+    ProducerConfig,
+    QueueConfig,
+    RedisConfig,
+    RedisUnavailable,
+    ResultTimeout,
+    SchemaError,
+    common,
+)
 from producer.common import WAIT_SLICE_S
 from producer.keys import CONSUMER_GROUP, Keys
 from producer.schema import GenerationRequest, decode_request
@@ -70,7 +78,8 @@ def test_submit_many_is_pipelined_and_keeps_order(redis_url: str, key_prefix: st
     client = redis.Redis.from_url(redis_url, connection_class=CountingConnection)
     client.ping()
     sends.clear()
-    producer = Producer.from_config(ProducerConfig(queue=QueueConfig(prefix=key_prefix), submit_chunk_size=500), client=client)
+    config = ProducerConfig(queue=QueueConfig(prefix=key_prefix), submit_chunk_size=500)
+    producer = Producer.from_config(config, client=client)
     items: list[GenerationRequest | dict[str, object]] = [
         {"prompt": f"p{i}", "priority": i % 3} for i in range(1199)
     ]

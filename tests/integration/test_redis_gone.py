@@ -6,31 +6,22 @@ write: it tries for ``drain_timeout_s``, then exits 1 with their count, their en
 from __future__ import annotations
 
 import json
-import socket
 import threading
-import time
 import uuid
-from collections.abc import Callable
 
 import redis
 
 from producer.keys import CONSUMER_GROUP, Keys
-from tests.worker_helpers import enqueue, make_settings, running_worker, wait_result, worker_logs
+from tests.worker_helpers import (
+    enqueue,
+    free_port,
+    make_settings,
+    running_worker,
+    wait_result,
+    wait_until,
+    worker_logs,
+)
 from worker.runtime import Worker
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not reached within {timeout_s} s"
-        time.sleep(0.01)
 
 
 def _events(logs: str) -> list[dict[str, object]]:
@@ -47,7 +38,7 @@ def _run(worker: Worker) -> tuple[threading.Thread, list[int]]:
 def test_with_redis_gone_for_good_the_worker_reports_unhealthy_then_exits_non_zero(private_redis_url: str) -> None:
     client = redis.Redis.from_url(private_redis_url)
     prefix = f"gone-{uuid.uuid4().hex[:6]}"
-    settings = make_settings(private_redis_url, prefix, redis_give_up_s=4.0, metrics_port=_free_port())
+    settings = make_settings(private_redis_url, prefix, redis_give_up_s=4.0, metrics_port=free_port())
     keys = settings.queue.keys
     with worker_logs(as_json=True) as logs:
         worker = Worker(settings, handle_signals=False)
@@ -64,7 +55,7 @@ def test_with_redis_gone_for_good_the_worker_reports_unhealthy_then_exits_non_ze
             client.shutdown(nosave=True)
         except redis.ConnectionError:
             pass  # NOTE: the server closes this connection as it goes
-        _wait_until(lambda: healthy() == 0.0, timeout_s=10)
+        wait_until(lambda: healthy() == 0.0, timeout_s=10)
         thread.join(timeout=30)
     assert not thread.is_alive() and codes == [1]
     events = [line["event"] for line in _events(logs.getvalue())]
@@ -85,9 +76,9 @@ def test_on_sigterm_results_that_cannot_be_written_make_a_non_zero_exit(private_
     with worker_logs(as_json=True) as logs:
         worker = Worker(settings, handle_signals=False)
         thread, codes = _run(worker)
-        _wait_until(lambda: client.xpending(keys.lane(0), CONSUMER_GROUP)["pending"] == 3, timeout_s=10)
+        wait_until(lambda: client.xpending(keys.lane(0), CONSUMER_GROUP)["pending"] == 3, timeout_s=10)
         client.config_set("maxmemory", "1")  # NOTE: every write is refused (OOM) from now on
-        _wait_until(lambda: worker._load.num_finished == 3, timeout_s=20)
+        wait_until(lambda: worker._load.num_finished == 3, timeout_s=20)
         worker.stop()
         thread.join(timeout=30)
     client.config_set("maxmemory", "0")

@@ -175,7 +175,8 @@ def test_a_stream_closed_early_cancels_the_generation(base_url: str, redis_url: 
     body: dict[str, Any] = {"model": "echo", "prompt": "z" * 400, "max_tokens": 400, "stream": True}
     with running_worker(make_settings(redis_url, key_prefix, model=SLOW_ECHO)), \
             Producer(redis_url, prefix=key_prefix) as producer:
-        with urllib.request.urlopen(_post(f"{base_url}/completions", json.dumps(body).encode()), timeout=10) as response:
+        request = _post(f"{base_url}/completions", json.dumps(body).encode())
+        with urllib.request.urlopen(request, timeout=10) as response:
             first = next(line for line in response if line.startswith(b"data: "))
         request_id = json.loads(first.removeprefix(b"data: "))["id"].removeprefix("cmpl-")
         result = producer.result(request_id, timeout=10)

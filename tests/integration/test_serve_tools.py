@@ -76,7 +76,8 @@ def test_an_answer_that_is_a_call_comes_back_as_tool_calls(echo: tuple[openai.Op
 def test_a_required_call_reaches_the_worker_as_the_schema_of_the_calls(
         echo: tuple[openai.OpenAI, RecordingEcho]) -> None:
     client, engine = echo
-    named = _ask(client, CALL, tools=[WEATHER, NOW], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    named = _ask(client, CALL, tools=[WEATHER, NOW],
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
     required = _ask(client, f"[{CALL}, " + '{"name": "now", "arguments": {}}]', tools=[WEATHER, NOW],
                     tool_choice="required")
     assert [c.function.name for c in named.choices[0].message.tool_calls or []] == ["get_weather"]

@@ -47,7 +47,8 @@ def _deliver_to_ghost(client: redis.Redis, keys: Keys, times: int) -> None:
     time.sleep(0.6)  # past stale_after_s: the ghost counts as dead
 
 
-def test_retry_then_dead_letter_after_max_deliveries(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
+def test_retry_then_dead_letter_after_max_deliveries(redis_url: str, redis_client: redis.Redis,
+                                                     key_prefix: str) -> None:
     settings = make_settings(redis_url, key_prefix, max_deliveries=2)
     keys = settings.queue.keys
     retried = enqueue(redis_client, keys, prompt="again")

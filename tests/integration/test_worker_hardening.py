@@ -9,7 +9,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
@@ -26,6 +26,7 @@ from tests.worker_helpers import (
     running_worker,
     start_worker_process,
     wait_result,
+    wait_until,
     worker_logs,
 )
 from worker.heartbeat import read_heartbeats
@@ -173,17 +174,17 @@ def test_a_killed_workers_thousand_entries_are_all_answered_promptly(
     ids = [enqueue(redis_client, keys, prompt=f"k{i}") for i in range(1000)]
     stale_after_s = 2.0
     env = {"TOKENMILL_WORKER__STALE_AFTER_S": str(stale_after_s), "TOKENMILL_WORKER__HEARTBEAT_INTERVAL_S": "0.5"}
-    holder = start_worker_process(redis_url, key_prefix, "holder", "--max-waiting", "1000", model="echo:step_delay_s=60",
-                                  env={**env, "TOKENMILL_WORKER__READ_COUNT": "1000"})
+    holder = start_worker_process(redis_url, key_prefix, "holder", "--max-waiting", "1000",
+                                  model="echo:step_delay_s=60", env={**env, "TOKENMILL_WORKER__READ_COUNT": "1000"})
     try:
-        _wait_until(lambda: redis_client.xpending(keys.lane(0), CONSUMER_GROUP)["pending"] == 1000, timeout_s=30)
+        wait_until(lambda: redis_client.xpending(keys.lane(0), CONSUMER_GROUP)["pending"] == 1000, timeout_s=30)
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=5)
     killed_s = time.monotonic()
     rescuer = start_worker_process(redis_url, key_prefix, "rescuer", "--max-waiting", "32", env=env)
     try:
-        _wait_until(lambda: sum(redis_client.exists(keys.result(rid)) for rid in ids) == 1000, timeout_s=60)
+        wait_until(lambda: sum(redis_client.exists(keys.result(rid)) for rid in ids) == 1000, timeout_s=60)
         elapsed_s = time.monotonic() - killed_s
     finally:
         rescuer.send_signal(signal.SIGTERM)
@@ -202,19 +203,12 @@ def _time_to_answer(redis_url: str, key_prefix: str, num_requests: int) -> float
     ids = [enqueue(client, keys, prompt=f"g{i}") for i in range(num_requests)]
     started_s = time.monotonic()
     with running_worker(make_settings(redis_url, prefix, max_waiting=32)):
-        _wait_until(lambda: sum(client.exists(keys.result(rid)) for rid in ids) == num_requests, timeout_s=60)
+        wait_until(lambda: sum(client.exists(keys.result(rid)) for rid in ids) == num_requests, timeout_s=60)
     elapsed_s = time.monotonic() - started_s
     for key in client.scan_iter(match=f"{prefix}:*", count=1000):
         client.delete(key)
     client.close()
     return elapsed_s
-
-
-def _wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not reached within {timeout_s} s"
-        time.sleep(0.05)
 
 
 def test_results_wait_out_redis_oom_and_reads_pause(private_redis_url: str, tmp_path: Path) -> None:
@@ -229,7 +223,7 @@ def test_results_wait_out_redis_oom_and_reads_pause(private_redis_url: str, tmp_
     settings = make_settings(private_redis_url, prefix, max_waiting=8, read_count=8)
     with running_worker(settings):
         # NOTE: XGROUP CREATE is refused under OOM too: let the worker create its groups first.
-        _wait_until(lambda: bool(client.exists(keys.lane(2))) and bool(client.xinfo_groups(keys.lane(2))), 10)
+        wait_until(lambda: bool(client.exists(keys.lane(2))) and bool(client.xinfo_groups(keys.lane(2))), 10)
         used = int(client.info("memory")["used_memory"])
         client.config_set("maxmemory", str(used))
         time.sleep(2.0)
@@ -316,7 +310,7 @@ def test_an_entry_without_an_id_is_dead_lettered(redis_url: str, redis_client: r
     entry: RawEntry = {"d": _packed({"prompt": "who am I"}), "v": 1}
     redis_client.xadd(keys.lane(0), entry)  # type: ignore[arg-type]
     with running_worker(settings):
-        _wait_until(lambda: redis_client.xlen(keys.dead) == 1, timeout_s=10)
+        wait_until(lambda: redis_client.xlen(keys.dead) == 1, timeout_s=10)
         assert wait_result(redis_client, keys, enqueue(redis_client, keys, prompt="after")).ok
     [(_, dead)] = redis_client.xrange(keys.dead)
     assert dead[b"reason"] == b"validation: the request has no id to answer it under"

@@ -12,7 +12,16 @@ from transformers import AutoModelForCausalLM
 
 from engine.errors import ModelLoadError
 from engine.kernels import cpu_linear
-from engine.kernels.cpu_linear import PANELS, ONEDNN, FusedSiblings, LinearKernel, PackedLinear, SiblingSlice, pack_linears, packing_works
+from engine.kernels.cpu_linear import (
+    ONEDNN,
+    PANELS,
+    FusedSiblings,
+    LinearKernel,
+    PackedLinear,
+    SiblingSlice,
+    pack_linears,
+    packing_works,
+)
 from tests.tiny_models import tiny_config
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -137,7 +146,8 @@ def test_each_linear_kernel_keeps_the_plain_models_logits(choice: str) -> None:
     ("AVX512", "AuthenticAMD", "avx512f avx512_bf16", {torch.float32, torch.bfloat16}),  # Zen 4: VDPBF16PS
 ])
 def test_the_panel_kernel_leads_where_it_measured_faster_than_onednn(
-        capability: str, vendor: str, flags: str, panels_for: set[torch.dtype], monkeypatch: pytest.MonkeyPatch) -> None:
+        capability: str, vendor: str, flags: str, panels_for: set[torch.dtype],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(cpu_linear, "cpu_flags", lambda: flags)

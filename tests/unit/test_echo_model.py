@@ -83,7 +83,8 @@ def test_options_and_no_torch() -> None:
 def test_crash_on_exits_the_process_in_a_step_that_runs_the_prompt() -> None:
     code = ("from engine import Engine, EngineConfig; import sys; "
             "e = Engine.from_config(EngineConfig(model='echo:crash_on=BOOM')); "
-            "print(e.generate(['calm'], progress=False)[0].text, flush=True); e.generate([sys.argv[1]], progress=False)")
+            "print(e.generate(['calm'], progress=False)[0].text, flush=True); "
+            "e.generate([sys.argv[1]], progress=False)")
     calm = subprocess.run([sys.executable, "-c", code, "all calm"], cwd=ROOT, capture_output=True, text=True)
     boom = subprocess.run([sys.executable, "-c", code, "a BOOM here"], cwd=ROOT, capture_output=True, text=True)
     assert (calm.returncode, calm.stdout) == (0, "calm\n")

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from producer.common import build_request
+from producer.errors import SchemaError
 from producer.keys import Keys
 from producer.openai_compat import BodyError, completion_object, parse_body, result_error
 from producer.openai_compat.objects import chunk_object
-from producer.errors import SchemaError
 from producer.schema import GenerationResult, Sample, TokenLogprob, TopLogprob, Usage
 
 CHAT: dict[str, Any] = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]}

@@ -8,9 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from producer import ProducerConfig, RedisConfig, SchemaError
-from producer.config import ClientSettings
 from producer.common import Deadline, build_request, rotate
-from producer.config import MAX_BLOCK_S
+from producer.config import MAX_BLOCK_S, ClientSettings
 from producer.connection import redact_url, resolve_url
 from producer.keys import Keys
 

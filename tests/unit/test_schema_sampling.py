@@ -9,7 +9,6 @@ import msgpack
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from protocol.sampling import SamplingParams as EngineSamplingParams
 from producer.errors import SchemaError
 from producer.schema import (
     GenerationRequest,
@@ -22,6 +21,7 @@ from producer.schema import (
     encode_request,
     encode_result,
 )
+from protocol.sampling import SamplingParams as EngineSamplingParams
 
 SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["a", "b"]}}, "required": ["mood"]}
 JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "m", "schema": SCHEMA, "strict": True}}

@@ -15,8 +15,7 @@ from engine.errors import GrammarError, InvariantError
 from engine.sample.context import SamplingContext
 from engine.sample.grammar import GrammarCompiler
 from engine.sample.sampler import Sampler
-from protocol.sampling import ResponseFormat
-from protocol.sampling import SamplingParams
+from protocol.sampling import ResponseFormat, SamplingParams
 from tests.tiny_models import build_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["happy", "sad"]}, "n": {"type": "integer"}},

@@ -21,7 +21,8 @@ WEATHER = {"type": "function", "function": {
 NOW = {"type": "function", "function": {"name": "now"}}
 CALLED = [{"role": "user", "content": "Weather in Paris and the time?"},
           {"role": "assistant", "content": "", "tool_calls": [
-              {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+              {"id": "call_1", "type": "function",
+               "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
               {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
           {"role": "tool", "tool_call_id": "call_1", "content": "22 C"},
           {"role": "tool", "tool_call_id": "call_2", "content": "noon"}]

@@ -61,7 +61,7 @@ AutoModelForCausalLM.from_pretrained(sys.argv[1])
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.tiny_models import save_tiny_model  # noqa: PLC0415 - torch only for this test
+    from tests.tiny_models import save_tiny_model  # torch only for this test
 
     return save_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 

@@ -31,16 +31,9 @@ build_directory = _EXTENSION.build_directory
 build_in_background = _EXTENSION.build_in_background
 
 
-def _fake_paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Shape-only version of the op for torch.compile tracing (fake / meta tensors)."""
+def _fake_paged_attention(query: torch.Tensor, *_context: object) -> torch.Tensor:
+    """Shape-only version of the op for torch.compile tracing (fake / meta tensors): the output
+    has the query's shape, whatever the context (the other arguments of :func:`paged_attention`)."""
     return query.new_empty(query.shape)
 
 

@@ -3,6 +3,7 @@
 ``paged_attention`` is the unified op (see engine/kernels/attention/metadata.py) in plain torch: each
 sequence's context blocks are gathered and attended with SDPA under a causal mask offset by the
 cached prefix, one sequence at a time. ``ReferenceBackend`` batches the decode rows.
+NOTE: measurements behind these choices: ops/bench/README.md, "Figures behind the kernels' comments".
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class ReferenceBackend:
 
     NOTE: on CPU a group's keys and values stay under ``cpu_chunk_bytes`` (a few MiB), so they are
     still in cache when SDPA reads them back; rows come longest first, so a group gathers only
-    the blocks its longest row needs (one big gather measured ~20% slower on a 2-core EPYC).
+    the blocks its longest row needs (one big gather was slower).
     """
 
     name = "reference"

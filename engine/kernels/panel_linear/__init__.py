@@ -1,17 +1,19 @@
 """Linear layers packed in panels (``csrc/panel_linear_cpu.cpp``): float32 and bfloat16 for CPUs
 without AVX-512, and bfloat16 on CPUs that multiply bfloat16 pairs natively (AVX512-BF16, AMX).
 
-There oneDNN has no bfloat16 path (torch's bfloat16 matmul is a scalar loop: ~14 GFLOPS on 2 Zen 3
-cores, a seventh of oneDNN's float32, so a bfloat16 model ran several times slower than float32),
-and torch's oneDNN float32 inner product measured 1.05-1.7x slower than this kernel at 1-64 rows
-on SmolLM2's shapes. The kernel streams each panel of 2 x vector-width output features front to
-back, widens bfloat16 weights to float32 in registers, and adds one fused multiply-add per k in
-order. With AMX, bfloat16 layers multiply on the tile unit instead (float32 sums in k order), which
-streams the weights 1.1-1.6x faster than torch's oneDNN inner product at 1-16 rows on a Sapphire
-Rapids; with AVX512-BF16 but no AMX, by VDPBF16PS dot products on AMD (Zen 4), while Intel's, at
-half the FMA rate there, lose to the widening FMAs (see :func:`bfloat16_path`).
+There oneDNN has no bfloat16 path (torch's bfloat16 matmul is a scalar loop, a fraction of
+oneDNN's float32 rate, so a bfloat16 model ran several times slower than float32), and torch's
+oneDNN float32 inner product is slower than this kernel at decode sizes on SmolLM2's shapes. The
+kernel streams each panel of 2 x vector-width output features front to back, widens bfloat16
+weights to float32 in registers, and adds one fused multiply-add per k in order. With AMX,
+bfloat16 layers multiply on the tile unit instead (float32 sums in k order), which streams the
+weights faster than torch's oneDNN inner product at decode sizes; with AVX512-BF16 but no AMX, by
+VDPBF16PS dot products on AMD, while Intel's, at half the FMA rate there, lose to the widening
+FMAs (see :func:`bfloat16_path`).
 engine/kernels/cpu_linear.py decides where it is used. Builds on first use like the other C++ parts;
 imports torch.
+NOTE: measurements behind these choices: ops/bench/README.md (its per-machine sections and
+"Figures behind the kernels' comments").
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ configs, their q/k/v and gate/up layers packed by engine/kernels/cpu_linear.py) 
 backend; every other model runs eagerly. Before it is used, one probe step runs both ways and
 must agree bit for bit; otherwise the engine logs why and stays eager. ``compile = "off"`` keeps
 the eager path. Imports torch.
+NOTE: measurements behind these choices: ops/bench/README.md (its per-machine sections and
+"Figures behind the kernels' comments").
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ class NativeDecoder:
 def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
     """:func:`engine.sample.sampler.greedy_token_ids` (first index of each row's maximum, NaN counting as
     the maximum), one C++ pass per row for CPU float32/bfloat16 rows (torch's ``max`` over
-    bfloat16 rows measured ~2 ms for 64 x 49,152 on 2 cores); any other tensor goes to torch."""
+    bfloat16 rows is a visible part of a large batch's step); any other tensor goes to torch."""
     if (logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and logits.dim() == 2
             and logits.stride(1) == 1 and logits.shape[1] > 0):
         token_ids: torch.Tensor = torch.ops.tokenmill_native.greedy_token_ids(logits)

@@ -33,8 +33,8 @@
 // instead (Workspace::chunk_tiles): tiles of 16 vectors of rows, chunks of kTileKeyChunk keys whose
 // K rows are transposed into pairs and V rows interleaved in key pairs (TDPBF16PS's B layout),
 // S = Q.K^T and P.V as tile products, the softmax as for few rows. P is rounded to bfloat16 for
-// P.V (as SDPA's bfloat16 path does). Measured: prefill 512 tokens over 1,000 cached 7.5 -> 4.1
-// ms per call, level with SDPA's AMX path (ops/bench/attention.py --quick --dtype bfloat16).
+// P.V (as SDPA's bfloat16 path does). That brings bfloat16 prefill level with SDPA's own AMX path
+// (ops/bench/attention.py --quick --dtype bfloat16).
 //
 // Vectorisation. The register-blocked micro-kernels use GCC/Clang native vector types
 // (vector_size), because GCC keeps arrays of at::vec::Vectorized in memory (measured: every
@@ -49,14 +49,16 @@
 // Accumulation is float32 (float64 for float64 inputs); bfloat16/float16 K/V rows of many-row
 // (prefill) tiles are widened into a per-thread chunk buffer first, where each row serves many
 // queries. Few-row (decode) tiles read them straight from the pool: V rows are widened in
-// registers as P.V loads them (a widened copy was written and read back for one use: 10-15%
-// faster bfloat16 decode calls), and with AVX512-BF16 K rows of bfloat16 are scored with
+// registers as P.V loads them (a widened copy was written and read back for one use, which made
+// bfloat16 decode calls slower), and with AVX512-BF16 K rows of bfloat16 are scored with
 // VDPBF16PS (exact pair products, float32 sums; the query stays unscaled bfloat16 and the scale
-// multiplies the scores): measured 10-20% faster bfloat16 decode calls (ops/bench/attention.py,
-// alternating old and new builds). Softmax exponentials use at::vec's exp_u20 (as torch's
-// own CPU flash attention does): float32 relative error <= 3.8e-7 measured over [-104, 0], vs
-// 8.3e-8 for exp(), 3-9% faster overall; for float64 it is the exact exp().
+// multiplies the scores), which makes bfloat16 decode calls faster than widening them first.
+// Softmax exponentials use at::vec's exp_u20 (as torch's own CPU flash attention does), faster
+// than exp(): float32 relative error <= 3.8e-7 over [-104, 0], vs 8.3e-8 for exp(); for float64
+// it is the exact exp().
 // Needs GCC >= 12 or Clang (__builtin_shufflevector).
+// Measurements behind these choices: ops/bench/README.md (its per-machine sections and "Figures
+// behind the kernels' comments").
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define CPU_CAPABILITY_AVX512
@@ -98,17 +100,17 @@ using torch::stable::Tensor;
 
 constexpr int64_t kKeyChunk = 32;       // key positions scored and soft-maxed together
 // ... on the AMX tile unit: longer chunks spread each row's softmax bookkeeping and the K/V
-// re-layout over more keys (prefill 512 over 1,000 cached: 7.1 ms at 32, 5.1 at 128).
+// re-layout over more keys (long prefills ran faster at 128 than at 32 or 64).
 constexpr int64_t kTileKeyChunk = 128;
 constexpr int64_t kMaxKeyChunk = std::max(kKeyChunk, kTileKeyChunk);
 constexpr int64_t kMaxDotRows = 8;      // tiles with at most this many rows use dot-product scoring
 // Never split a key range into pieces shorter than this. At 256, a lone decode over 257-511 keys
-// made two uneven items, one per thread; at 64 its pieces balance: batch-1 decode calls over
-// 180-500 keys ran 16-29% faster (float32 and bfloat16), other shapes within noise (Zen 3).
+// made two uneven items, one per thread; at 64 its pieces balance, and batch-1 decode calls over a
+// few hundred keys run faster (other shapes unchanged).
 constexpr int64_t kMinPartition = 64;
 // Prefetch the next key chunk (into L2) if its K + V fit in this: 32 keys of 8 kv heads x 128
-// (float32). With the L2 hint, bfloat16 decodes of such heads ran 1.1-1.35x faster than with the
-// earlier 64 KB limit (float32 level; Zen 4, ops/bench/README.md).
+// (float32). With the L2 hint, bfloat16 decodes of such heads run faster than with the earlier
+// 64 KB limit (float32 level).
 constexpr int64_t kPrefetchBytes = 256 << 10;
 // Calls with less work than this (query rows x keys x head_dim) run on the calling thread: waking
 // the thread pool costs more (tens of microseconds, far more on a busy machine).
@@ -882,9 +884,9 @@ class PagedAttention {
   }
 
   // Into L2 (prefetcht1), not L1: a float32 chunk's K + V (48 KB for 3 kv heads x 64) is more than
-  // a Zen 4's 32 KB L1, so fetching the next chunk into L1 evicted the current one; decode calls
-  // with the pool in memory ran 1.3-1.9x faster on a Zen 4 with the L2 hint (bfloat16 and float32,
-  // batch 1-64); on a Sapphire Rapids (48 KB L1) the hint measured within 5%.
+  // a 32 KB L1 (a Zen 4's), so fetching the next chunk into L1 evicted the current one; with the L2
+  // hint decode calls with the pool in memory run much faster there, and about the same on a CPU
+  // with a 48 KB L1.
   void prefetch(const scalar_t* const* rows, int64_t n, int64_t head_stride, int64_t kv_begin, int64_t kv_end) const {
     const int64_t bytes = head_dim_ * int64_t(sizeof(scalar_t));
     for (int64_t j = 0; j < n; ++j) {
@@ -956,10 +958,10 @@ class PagedAttention {
       const int64_t ahead_n = ahead != nullptr ? std::min(chunk, ahead->key_end - ahead_begin) : 0;
       const int64_t ahead_heads = ahead != nullptr ? ahead->kv_end - ahead->kv_begin : 0;
       if (ahead_n > 0) locate(tiles_[ahead->tile], ahead_begin, ahead_n, raw_keys[1 - cur], raw_values[1 - cur]);
-      // NOTE: with prefetches into L1, a bigger chunk (many kv heads x long rows) measured slower
+      // NOTE: with prefetches into L1, a bigger chunk (many kv heads x long rows) ran slower
       // than none: the burst stalled the core on fill buffers while the hardware prefetcher already
       // streamed the contiguous per-slot spans. The prefetches are spread over the chunk's heads
-      // (measured 8% faster bfloat16 decodes than one burst).
+      // (faster bfloat16 decodes than one burst).
       const bool prefetch_ahead =
           ahead_n > 0 && 2 * chunk * ahead_heads * head_dim_ * int64_t(sizeof(scalar_t)) <= kPrefetchBytes;
       for (int64_t h = 0; h < heads; ++h) {
@@ -1161,7 +1163,7 @@ void reshape_and_cache(Tensor key, Tensor value, Tensor key_cache, Tensor value_
     return dst[kv] + slot / block_size * dst_stride[kv][0] + slot % block_size * dst_stride[kv][1];
   };
   // The destination slots are scattered over the pool, so nearly every store misses the cache:
-  // prefetching (for writing) the slots a few tokens ahead overlaps those misses (~2x measured).
+  // prefetching (for writing) the slots a few tokens ahead overlaps those misses.
   constexpr int64_t kAhead = 4;
   const auto copy_rows = [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {

@@ -1,12 +1,13 @@
 // Linear layers (y = x W^T + b) for float32 and bfloat16 on CPUs without AVX-512. There oneDNN
-// has no bfloat16 path at all (torch's bfloat16 GEMM falls back to a scalar loop: ~14 GFLOPS on
-// 2 Zen 3 cores, a 7th of oneDNN's float32), and torch's oneDNN float32 inner product measured
-// 1.05-1.7x slower than this kernel at 1-64 rows on SmolLM2's shapes (Zen 3, ops/bench/README.md).
-// And bfloat16 on CPUs with AVX512-BF16: with AMX multiplied on the tile unit (the section further
-// down: torch's oneDNN inner product streams the weights 1.1-1.6x slower at 1-16 rows on a Sapphire
-// Rapids), on AMD by VDPBF16PS dot products, on Intel without a usable tile unit widened into float32
-// FMAs (oneDNN's dot products measured 1.2-1.7x slower there; dot_products_pay says why).
+// has no bfloat16 path at all (torch's bfloat16 GEMM falls back to a scalar loop, a fraction of
+// oneDNN's float32 rate), and torch's oneDNN float32 inner product is slower than this kernel at
+// decode sizes on SmolLM2's shapes. And bfloat16 on CPUs with AVX512-BF16: with AMX multiplied on
+// the tile unit (the section further down: torch's oneDNN inner product streams the weights more
+// slowly at decode sizes), on AMD by VDPBF16PS dot products, on Intel without a usable tile unit
+// widened into float32 FMAs (oneDNN's dot products are slower there; dot_products_pay says why).
 // Python side: engine/kernels/panel_linear/__init__.py; engine/kernels/cpu_linear.py decides where it is used.
+// Measurements behind these choices: ops/bench/README.md (its per-machine sections and "Figures
+// behind the kernels' comments").
 //
 // The weight is packed once into panels of kPanel output features: [panels][K][kPanel] (the last
 // panel zero-padded), so a micro-kernel streams one panel front to back. A bfloat16 panel row is
@@ -71,8 +72,7 @@ constexpr int64_t kSerialWork = int64_t(1) << 17;
 // than kSerialWork, else on torch's threads, each claiming its next block of a few panels through an
 // atomic counter until none are left. Fixed halves (parallel_for's split) left one thread waiting at
 // the end of most calls on a shared 2-vCPU machine, whose cores are not always both ours; blocks
-// measured 3-9% less time for a decode step's linear layers at 1-64 rows (Zen 3, float32 and
-// bfloat16, alternating builds; ops/bench/README.md).
+// take less time for a decode step's linear layers.
 template <typename F>
 void for_panel_blocks(int64_t panels, int64_t work, const F& run_panels) {
   if (work < kSerialWork) {
@@ -177,10 +177,8 @@ inline void store_row(bits_t<T>* out, fvec lo, fvec hi, const fvec bias[2], int6
 
 // Micro-tiles stream their panel front to back, one row of kRowBytes per step, and fetch the row
 // kAheadBytes on into L1 themselves: the L2 streamer stops at each 4 KB page (a float32 panel row is
-// 128 bytes: every 32 k), and its restarts left the FMAs waiting on memory. Measured on an Emerald
-// Rapids, against no fetching in the same run: SmolLM2's layers at 4-64 rows 1.05-1.45x faster (float32
-// and bfloat16, every path), at 1 row up to 1.5x (bfloat16); 2 KB ahead gained a little less, 1 KB
-// about half.
+// 128 bytes: every 32 k), and its restarts left the FMAs waiting on memory. Fetching 4 KB ahead
+// beat no fetching on every path and dtype; 2 KB ahead gained a little less, 1 KB about half.
 constexpr int64_t kAheadBytes = 4096;
 template <int64_t kRowBytes>
 inline void fetch_ahead(const void* row) {
@@ -277,7 +275,7 @@ struct PairLayout {
 };
 // AMX: each half one contiguous B tile. VDPBF16PS: each pair's two halves side by side, so the
 // micro-tile reads one stream front to back (the two streams 1 KB apart of the tile arrangement
-// measured 1.1-2.3x slower at 1-16 rows on a Zen 4: its prefetchers follow them poorly).
+// are slower at decode sizes on a Zen 4: its prefetchers follow them poorly).
 constexpr PairLayout kTileLayout{32, kTileRows * 32};
 constexpr PairLayout kDotLayout{64, 32};
 
@@ -323,7 +321,7 @@ void pair_tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K,
         acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
       }
       // After the products: before the loads, GCC 12 (-std=c++20 -march=znver4) kept half the
-      // accumulators on the stack (2.0-2.4x slower at 16-256 rows on a Zen 4).
+      // accumulators on the stack, a store and a reload around every VDPBF16PS.
       fetch_ahead<kDotLayout.row * 2>(step + q * kDotLayout.row);
     }
   }
@@ -436,9 +434,8 @@ enum class Bf16Path : int64_t {
 #if TOKENMILL_PAIRS
 // Whether VDPBF16PS multiplies bfloat16 faster than widening it into float32 FMAs: on AMD's CPUs
 // (Zen 4: one dot product per cycle, twice the work of its one 512-bit FMA), not on Intel's, where it
-// issues once every two cycles against two FMAs per cycle (measured on an Emerald Rapids whose tile
-// unit the hypervisor hides): there the widening micro-tile measured 1.2-1.6x faster from 16 rows
-// on SmolLM2's layers and 2-12% slower at 1-4 (alternating in one process).
+// issues once every two cycles against two FMAs per cycle: there the widening micro-tile is faster
+// at all but the smallest row counts, and only slightly slower at those.
 bool dot_products_pay() {
   static const bool pay = [] {
     __builtin_cpu_init();

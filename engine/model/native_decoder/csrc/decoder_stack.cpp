@@ -9,6 +9,8 @@
 // MLP's silu(gate) * up. Each computes every element as the eager operators do, each operation
 // rounded to the tensor's dtype, so they too are bitwise the eager result. That needs no
 // contraction of a * b + c into a fused multiply-add: this file is compiled with -ffp-contract=off.
+// Measurements behind these choices: ops/bench/README.md (its per-machine sections and "Figures
+// behind the kernels' comments").
 
 // at::vec at the width this file is compiled for (-march=native), in a private namespace so its
 // inline functions are never confused with libtorch's own copies. (The attention kernel's source
@@ -57,8 +59,8 @@ int64_t row_grain(int64_t row_elements) { return std::max<int64_t>(1, at::intern
 
 // f(begin', end') over [begin, end) on torch's intra-op threads (through its stable C shim). Not
 // at::parallel_for: its parallel path is inline OpenMP code, which this file (no -fopenmp) compiles
-// away, so every loop here ran on the calling thread (5% of a bfloat16 decode step at batch 64 on a
-// Zen 4, while the other thread waited). f must not throw.
+// away, so every loop here ran on the calling thread while the other thread waited. f must not
+// throw.
 template <typename F>
 void parallel_rows(int64_t begin, int64_t end, int64_t grain, const F& f) {
   const auto call = [](int64_t b, int64_t e, void* context) { (*static_cast<const F*>(context))(b, e); };
@@ -103,9 +105,9 @@ Tensor paged_attention(const Tensor& query, const Tensor& key_cache, const Tenso
   return op.call(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale);
 }
 
-// The fused loops below run bfloat16 and float16 vectorised (the scalar conversions of the
-// RMSNorm's were 2-3% of a bfloat16 decode step at batch 64 on a Zen 4, the rotary's 4%), with the
-// same roundings; the scalar loops finish each range.
+// The fused loops below run bfloat16 and float16 vectorised (the RMSNorm's and the rotary's scalar
+// conversions were a visible share of a bfloat16 decode step at large batches), with the same
+// roundings; the scalar loops finish each range.
 template <typename T>
 constexpr bool kReduced = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
 
