@@ -30,6 +30,7 @@ DOC_PORT = "8000"  # the port the README's server examples use; the test substit
 SKIPPED = {
     "make run": "builds a virtualenv and runs the demo (the demo has its own test)",
     "make test": "runs the whole suite, this test included",
+    "make lint": "ruff over the checkout: make test runs it, so CI does",
     ".venv/bin/pytest": "runs the suite, this test included",
     "tokenmill --config configs/gpu.toml": "needs a GPU and a model under /models",
 }
