@@ -23,7 +23,7 @@ from engine.core.clock import Clock
 from engine.core.preemption import PreemptionPolicy
 from engine.core.request import ParallelGroup, PreemptionCause, Request, RequestStatus, check_stop
 from engine.core.request_queue import RequestQueues
-from engine.core.scheduler_policy import UrgencyKey, is_decode, queue_key, urgency_key
+from engine.core.scheduler_policy import UrgencyKey, admission_key, is_decode, urgency_key
 from engine.core.stats import EngineStats, SchedulerCounters
 from engine.core.step_io import ModelOutput, SchedulerOutput
 from engine.core.step_plan import StepPlan
@@ -38,7 +38,7 @@ class Scheduler:
     then applies the step's sampled tokens and decides who stopped.
 
     Order each step: running decodes, then running (chunked) prefills, then swapped and
-    waiting requests merged by ``queue_key`` (a swapped request resumes before a new admission
+    waiting requests merged by ``admission_key`` (a swapped request resumes before a new admission
     of equal effective priority). Admission stops at the first request that cannot be placed
     (head-of-line), so nothing less urgent takes the room a more urgent request waits for.
 
@@ -127,7 +127,7 @@ class Scheduler:
         for request in self._policy.requests_to_demote():
             request.is_demoted = True
         self._schedule_running(plan)
-        for request in sorted(self._queues.swapped + self._queues.waiting, key=self._queue_key(plan)):
+        for request in sorted(self._queues.swapped + self._queues.waiting, key=self._admission_key):
             if request.request_id in plan.preempted_request_ids:
                 break  # memory is short: admit nothing behind a request just preempted
             if request.status is RequestStatus.SWAPPED:
@@ -469,5 +469,5 @@ class Scheduler:
     def _urgency_key(self, plan: StepPlan) -> Callable[[Request], UrgencyKey]:
         return lambda r: urgency_key(r, plan.now_s, self.config.aging_interval_s)
 
-    def _queue_key(self, plan: StepPlan) -> Callable[[Request], tuple[int, int, float, int]]:
-        return lambda r: queue_key(r, plan.now_s, self.config.aging_interval_s)
+    def _admission_key(self, request: Request) -> tuple[int, int, float, int]:
+        return admission_key(request, self.config.aging_interval_s)

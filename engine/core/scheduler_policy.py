@@ -62,15 +62,19 @@ def urgency_key(request: Request, now_s: float, aging_interval_s: float) -> Urge
     return (effective_priority(request, now_s, aging_interval_s), request.arrival_time_s, request.seq_no)
 
 
-def queue_key(request: Request, now_s: float, aging_interval_s: float) -> tuple[int, int, float, int]:
-    """Order of swapped and waiting requests for (re)admission.
+def admission_key(request: Request, aging_interval_s: float) -> tuple[int, int, float, int]:
+    """Order of swapped and waiting requests for (re)admission: by effective priority, then a swapped
+    request before a new (or recompute-preempted) one, then arrival and seq_no.
 
-    Like :func:`urgency_key`, but at equal effective priority a swapped request resumes
-    before a new (or recompute-preempted) request is admitted.
+    NOTE: effective priority is ``priority + floor(waiting_since_s / I) - floor(now_s / I)``, and the last
+    term is the same for every request (the shared grid above), so the order needs no clock: the key is
+    computed once per request, not re-aged per request each step (a sort over thousands of waiting
+    requests in offline ``generate`` spent most of a step there).
     """
-    priority, arrival_time_s, seq_no = urgency_key(request, now_s, aging_interval_s)
-    is_waiting = int(request.status is not RequestStatus.SWAPPED)
-    return (priority, is_waiting, arrival_time_s, seq_no)
+    level = request.priority
+    if aging_interval_s > 0.0:
+        level += math.floor(request.waiting_since_s / aging_interval_s)
+    return (level, int(request.status is not RequestStatus.SWAPPED), request.arrival_time_s, request.seq_no)
 
 
 def choose_victim(requests: Iterable[Request], now_s: float, aging_interval_s: float) -> Request | None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from engine.core.request import PreemptionCause, Request, RequestStatus
-from engine.core.scheduler_policy import choose_victim, effective_priority, queue_key, urgency_key
+from engine.core.scheduler_policy import admission_key, choose_victim, effective_priority, urgency_key
 from tests.unit.scheduler_helpers import (
     assert_no_leaks,
     make_request,
@@ -34,7 +37,7 @@ def test_policy_keys_are_a_total_order_and_swapped_resume_before_equal_new_admis
     urgent = make_request("u", priority=0, arrival_time_s=9.0)
     for seq_no, request in enumerate((waiting, swapped, urgent)):
         request.seq_no = seq_no
-    ordered = sorted([waiting, swapped, urgent], key=lambda r: queue_key(r, 0.0, 0.0))
+    ordered = sorted([waiting, swapped, urgent], key=lambda r: admission_key(r, 0.0))
     assert [r.request_id for r in ordered] == ["u", "s", "w"]
     assert len({urgency_key(r, 0.0, 0.0) for r in ordered}) == 3
 
@@ -167,3 +170,23 @@ def test_memory_preemption_still_progresses_when_everyone_is_protected() -> None
     assert scheduler.stats().counters.cause_to_num_preemptions[PreemptionCause.MEMORY] > 0
     assert run.outputs == reference_outputs(requests)
     assert_no_leaks(scheduler)
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.floats(0, 500), st.floats(0, 500), st.booleans()), min_size=2,
+                max_size=30),
+       st.floats(0, 1000), st.sampled_from([0.0, 7.0, 30.0]))
+def test_the_admission_order_is_effective_priority_order_at_any_clock_time(
+        specs: list[tuple[int, float, float, bool]], later_s: float, aging_interval_s: float) -> None:
+    requests = []
+    for seq_no, (priority, arrival_s, waited_s, is_swapped) in enumerate(specs):
+        request = make_request(f"r{seq_no}", priority=priority, arrival_time_s=arrival_s)
+        request.seq_no, request.waiting_since_s = seq_no, arrival_s + waited_s
+        request.status = RequestStatus.SWAPPED if is_swapped else RequestStatus.WAITING
+        requests.append(request)
+    now_s = max(r.waiting_since_s for r in requests) + later_s
+
+    def aged(r: Request) -> tuple[int, int, float, int]:
+        return (effective_priority(r, now_s, aging_interval_s), int(r.status is not RequestStatus.SWAPPED),
+                r.arrival_time_s, r.seq_no)
+
+    assert sorted(requests, key=lambda r: admission_key(r, aging_interval_s)) == sorted(requests, key=aged)
