@@ -24,6 +24,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.clock import Clock
+from engine.core.limits import ModelLimits
 from engine.core.scheduler import Scheduler
 from engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput
 from engine.kv.block_manager import BlockManager
@@ -163,9 +164,8 @@ class EchoParts:
     scheduler: Scheduler
     runner: EchoRunner
     tokenizer: ByteTokenizer
+    limits: ModelLimits
     grammars: AnyGrammar
-    max_model_len: int
-    block_size: int
 
 
 def build_echo_parts(config: EngineConfig, clock: Clock) -> EchoParts:
@@ -190,4 +190,8 @@ def build_echo_parts(config: EngineConfig, clock: Clock) -> EchoParts:
     prefix_cache = PrefixCache(block_manager) if config.cache.enable_prefix_caching else None
     scheduler = Scheduler(config.scheduler, block_manager, clock, frozenset({EOS_TOKEN_ID}), max_model_len,
                           prefix_cache)
-    return EchoParts(scheduler, EchoRunner(options), ByteTokenizer(), AnyGrammar(), max_model_len, block_size)
+    num_tokens = num_gpu_blocks * block_size
+    limits = ModelLimits(model_name=ECHO_MODEL, source=ECHO_MODEL, vocab_size=VOCAB_SIZE,
+                         max_request_tokens=min(max_model_len, num_tokens), is_cache_bound=num_tokens < max_model_len,
+                         kv_block_bytes=block_size)  # NOTE: one byte per token
+    return EchoParts(scheduler, EchoRunner(options), ByteTokenizer(), limits, AnyGrammar())

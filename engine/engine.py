@@ -21,7 +21,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.stats import EngineStats
 from engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput, StepRunner
-from engine.echo import ECHO_MODEL, VOCAB_SIZE, build_echo_parts, is_echo_model
+from engine.echo import EchoParts, build_echo_parts, is_echo_model
 from engine.errors import GrammarError
 from engine.offline import GenerationOutput, run_offline
 from engine.output.output_processor import OutputProcessor
@@ -31,6 +31,7 @@ from protocol.outcomes import ErrorCode
 from protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.model.model_setup import EngineParts
     from engine.sample.grammar import Grammars
 
 logger = logging.getLogger(__name__)
@@ -72,22 +73,13 @@ class Engine:
         no torch, no weights)."""
         clock = clock or MonotonicClock()
         if is_echo_model(config.model.name):
-            return cls._echo(config, clock)
-        from engine.model.model_setup import build_engine_parts  # noqa: PLC0415 - torch only for real engines
+            parts: EchoParts | EngineParts = build_echo_parts(config, clock)
+        else:
+            from engine.model.model_setup import build_engine_parts  # noqa: PLC0415 - torch only for real engines
 
-        parts = build_engine_parts(config, clock)
+            parts = build_engine_parts(config, clock)
         return cls(parts.scheduler, parts.runner, OutputProcessor(parts.tokenizer, clock), parts.tokenizer,
                    parts.limits, clock, parts.grammars)
-
-    @classmethod
-    def _echo(cls, config: EngineConfig, clock: Clock) -> Self:
-        parts = build_echo_parts(config, clock)
-        num_tokens = parts.scheduler.block_manager.num_gpu_blocks * parts.block_size
-        limits = ModelLimits(model_name=ECHO_MODEL, source=ECHO_MODEL, vocab_size=VOCAB_SIZE,
-                             max_request_tokens=min(parts.max_model_len, num_tokens),
-                             is_cache_bound=num_tokens < parts.max_model_len, kv_block_bytes=parts.block_size)
-        return cls(parts.scheduler, parts.runner, OutputProcessor(parts.tokenizer, clock), parts.tokenizer, limits,
-                   clock, parts.grammars)
 
     @property
     def model_name(self) -> str:
