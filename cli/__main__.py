@@ -1,5 +1,5 @@
-"""``python -m cli``: the tokenmill command line (same as the ``tokenmill`` console script)."""
+"""``python -m tokenmill.cli``: the tokenmill command line (same as the ``tokenmill`` console script)."""
 
-from cli.app import app
+from tokenmill.cli.app import app
 
 app()

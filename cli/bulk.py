@@ -13,10 +13,18 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from cli.common import QueueOption, app, fail, open_producer, validation_exit, warn_without_workers, with_queue
-from producer import bulk
-from producer.bulk.report import render_summary
-from producer.errors import ProducerError
+from tokenmill.cli.common import (
+    QueueOption,
+    app,
+    fail,
+    open_producer,
+    validation_exit,
+    warn_without_workers,
+    with_queue,
+)
+from tokenmill.producer import bulk
+from tokenmill.producer.bulk.report import render_summary
+from tokenmill.producer.errors import ProducerError
 
 EXIT_INTERRUPTED = 130
 EXIT_INCOMPLETE = 3  # some records failed or were invalid, in this run or an earlier one (see the errors file)

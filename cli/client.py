@@ -14,13 +14,21 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from cli.common import QueueOption, app, client_settings, fail, open_producer, warn_without_workers, with_queue
-from cli.tables import print_line, print_rows
-from producer import dead_letters
-from producer.common import build_request
-from producer.errors import ResultTimeout, SchemaError
-from producer.schema import GenerationRequest, GenerationResult, SamplingParams
-from protocol.heartbeat import STALE_AFTER_S
+from tokenmill.cli.common import (
+    QueueOption,
+    app,
+    client_settings,
+    fail,
+    open_producer,
+    warn_without_workers,
+    with_queue,
+)
+from tokenmill.cli.tables import print_line, print_rows
+from tokenmill.producer import dead_letters
+from tokenmill.producer.common import build_request
+from tokenmill.producer.errors import ResultTimeout, SchemaError
+from tokenmill.producer.schema import GenerationRequest, GenerationResult, SamplingParams
+from tokenmill.protocol.heartbeat import STALE_AFTER_S
 
 EXIT_NOT_READY = 2  # result: not landed (yet), or the wait ran out
 LANE_COLUMNS = ("lane", "model", "depth", "pending", "lag")  # model: "-" for the shared lanes

@@ -17,10 +17,10 @@ import typer
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from producer.client import Producer
-from producer.config import ClientSettings
-from producer.errors import ProducerError
-from producer.version import package_version
+from tokenmill.producer.client import Producer
+from tokenmill.producer.config import ClientSettings
+from tokenmill.producer.errors import ProducerError
+from tokenmill.producer.version import package_version
 
 T = TypeVar("T")
 
@@ -140,7 +140,7 @@ def check_deployment_settings(state: CliState) -> None:
     ``worker.config`` is pydantic only (it loads the engine's config models, never torch: measured
     with ``python -X importtime``, ~60 ms), imported here so ``--help`` and ``tokenmill redis`` pay nothing.
     """
-    from worker.config import Settings  # noqa: PLC0415 - the worker's schema; loads no torch
+    from tokenmill.worker.config import Settings  # noqa: PLC0415 - the worker's schema; loads no torch
 
     or_exit(lambda: Settings.load(state.config_file, state.overrides), Settings)
 

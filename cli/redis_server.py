@@ -8,9 +8,9 @@ from typing import Annotated
 
 import typer
 
-from cli.common import app, fail
-from producer import embedded
-from producer.errors import RedisUnavailable
+from tokenmill.cli.common import app, fail
+from tokenmill.producer import embedded
+from tokenmill.producer.errors import RedisUnavailable
 
 redis_app = typer.Typer(help="Start, inspect or stop the embedded Redis (unix socket, persisted).",
                         no_args_is_help=True)

@@ -10,8 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
-from cli.common import CliState, QueueOption, app, fail, or_exit, with_queue
-from producer.config import ServeSettings
+from tokenmill.cli.common import CliState, QueueOption, app, fail, or_exit, with_queue
+from tokenmill.producer.config import ServeSettings
 
 
 @app.command()
@@ -26,7 +26,7 @@ def serve(
 ) -> None:
     """Serve the OpenAI API (chat, completions, streaming, models, files, batches) over the queue."""
     try:
-        from serve.app import run_server  # noqa: PLC0415 - keeps --help and the other commands light
+        from tokenmill.serve.app import run_server  # noqa: PLC0415 - keeps --help and the other commands light
     except ImportError as exc:
         raise fail(f"error: tokenmill serve needs the serve extra: pip install 'tokenmill[serve]' ({exc})") from None
     with_queue(ctx, queue)

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from cli.common import CliState, QueueOption, app, client_settings, fail, or_exit, with_queue
+from tokenmill.cli.common import CliState, QueueOption, app, client_settings, fail, or_exit, with_queue
 
 
 @app.command()
@@ -30,9 +30,9 @@ def worker(
     queue: QueueOption = None,
 ) -> None:
     """Serve one queue: read requests, run them on the engine, write results."""
-    from worker.config import Settings  # noqa: PLC0415 - keeps --help and the client commands light
-    from worker.errors import StartupError  # noqa: PLC0415 - as above
-    from worker.runtime import run_worker  # noqa: PLC0415 - as above: loads the engine
+    from tokenmill.worker.config import Settings  # noqa: PLC0415 - keeps --help and the client commands light
+    from tokenmill.worker.errors import StartupError  # noqa: PLC0415 - as above
+    from tokenmill.worker.runtime import run_worker  # noqa: PLC0415 - as above: loads the engine
 
     with_queue(ctx, queue)
     state: CliState = ctx.obj
@@ -60,7 +60,7 @@ def demo(
     timeout: Annotated[float, typer.Option(help="seconds to wait for all results")] = 600.0,
 ) -> None:
     """Run a worker on a demo queue and send it a few chat prompts (embedded Redis if none is set)."""
-    from worker.demo import run_demo  # noqa: PLC0415 - keeps --help and the client commands light
+    from tokenmill.worker.demo import run_demo  # noqa: PLC0415 - keeps --help and the client commands light
 
     settings = client_settings(ctx)
     report = or_exit(lambda: run_demo(Console(highlight=False), redis_url=settings.redis.url, model=model,

@@ -5,15 +5,15 @@ Importing it needs no torch: only ``Engine.from_config`` loads a model.
 
 from __future__ import annotations
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.core.stats import EngineStats
-from engine.engine import Engine
-from engine.errors import EngineError, InvariantError, ModelLoadError
-from engine.offline import GenerationOutput
-from engine.output.prompts import ChatPrompt, Prompt, PromptError, TextPrompt, TokensPrompt
-from engine.output.request_output import RequestMetrics, RequestOutput
-from protocol.outcomes import ErrorCode, FinishReason
-from protocol.sampling import SamplingParams
+from tokenmill.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.engine.core.stats import EngineStats
+from tokenmill.engine.engine import Engine
+from tokenmill.engine.errors import EngineError, InvariantError, ModelLoadError
+from tokenmill.engine.offline import GenerationOutput
+from tokenmill.engine.output.prompts import ChatPrompt, Prompt, PromptError, TextPrompt, TokensPrompt
+from tokenmill.engine.output.request_output import RequestMetrics, RequestOutput
+from tokenmill.protocol.outcomes import ErrorCode, FinishReason
+from tokenmill.protocol.sampling import SamplingParams
 
 __all__ = [
     "CacheConfig",

@@ -22,14 +22,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.core.clock import Clock
-from engine.core.limits import ModelLimits
-from engine.core.scheduler import Scheduler
-from engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput
-from engine.kv.block_manager import BlockManager
-from engine.kv.prefix_cache import PrefixCache
-from protocol.sampling import ResponseFormat
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.core.clock import Clock
+from tokenmill.engine.core.limits import ModelLimits
+from tokenmill.engine.core.scheduler import Scheduler
+from tokenmill.engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput
+from tokenmill.engine.kv.block_manager import BlockManager
+from tokenmill.engine.kv.prefix_cache import PrefixCache
+from tokenmill.protocol.sampling import ResponseFormat
 
 ECHO_MODEL = "echo"
 EOS_TOKEN_ID = 256

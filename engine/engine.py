@@ -14,25 +14,25 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Self
 
-from engine.config import EngineConfig
-from engine.core.clock import Clock, MonotonicClock
-from engine.core.limits import ModelLimits
-from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler
-from engine.core.stats import EngineStats
-from engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput, StepRunner
-from engine.echo import EchoParts, build_echo_parts, is_echo_model
-from engine.errors import GrammarError
-from engine.offline import GenerationOutput, run_offline
-from engine.output.output_processor import OutputProcessor
-from engine.output.prompts import Prompt, PromptError, tokenize_prompt
-from engine.output.request_output import RequestOutput
-from protocol.outcomes import ErrorCode
-from protocol.sampling import SamplingParams
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.core.clock import Clock, MonotonicClock
+from tokenmill.engine.core.limits import ModelLimits
+from tokenmill.engine.core.request import Request, RequestStatus
+from tokenmill.engine.core.scheduler import Scheduler
+from tokenmill.engine.core.stats import EngineStats
+from tokenmill.engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput, StepRunner
+from tokenmill.engine.echo import EchoParts, build_echo_parts, is_echo_model
+from tokenmill.engine.errors import GrammarError
+from tokenmill.engine.offline import GenerationOutput, run_offline
+from tokenmill.engine.output.output_processor import OutputProcessor
+from tokenmill.engine.output.prompts import Prompt, PromptError, tokenize_prompt
+from tokenmill.engine.output.request_output import RequestOutput
+from tokenmill.protocol.outcomes import ErrorCode
+from tokenmill.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.model.model_setup import EngineParts
-    from engine.sample.grammar import Grammars
+    from tokenmill.engine.model.model_setup import EngineParts
+    from tokenmill.engine.sample.grammar import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class Engine:
         if is_echo_model(config.model.name):
             parts: EchoParts | EngineParts = build_echo_parts(config, clock)
         else:
-            from engine.model.model_setup import build_engine_parts  # noqa: PLC0415 - torch only for real engines
+            from tokenmill.engine.model.model_setup import build_engine_parts  # noqa: PLC0415 - torch only for real engines
 
             parts = build_engine_parts(config, clock)
         return cls(parts.scheduler, parts.runner, OutputProcessor(parts.tokenizer, clock), parts.tokenizer,

@@ -10,11 +10,11 @@ from typing import Protocol
 
 from tqdm.auto import tqdm
 
-from engine.core.clock import Clock
-from engine.output.prompts import Prompt, PromptError, PromptLike, as_prompt
-from engine.output.request_output import RequestMetrics, RequestOutput, SampleOutput
-from protocol.outcomes import FinishReason, TokenLogprob
-from protocol.sampling import SamplingParams
+from tokenmill.engine.core.clock import Clock
+from tokenmill.engine.output.prompts import Prompt, PromptError, PromptLike, as_prompt
+from tokenmill.engine.output.request_output import RequestMetrics, RequestOutput, SampleOutput
+from tokenmill.protocol.outcomes import FinishReason, TokenLogprob
+from tokenmill.protocol.sampling import SamplingParams
 
 _batch_numbers = itertools.count()  # keeps request ids of successive generate() calls distinct
 

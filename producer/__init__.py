@@ -3,14 +3,21 @@
 Never imports torch, transformers, the engine or the worker.
 """
 
-from producer.aio import AsyncProducer
-from producer.client import Producer
-from producer.common import SubmitOptions
-from producer.config import ProducerConfig, QueueConfig, RedisConfig
-from producer.connection import aconnect, connect
-from producer.errors import JobFailed, ProducerError, RedisUnavailable, ResultTimeout, SchemaError, SubmitUncertain
-from producer.keys import Keys
-from producer.schema import GenerationRequest, GenerationResult, Message, SamplingParams
+from tokenmill.producer.aio import AsyncProducer
+from tokenmill.producer.client import Producer
+from tokenmill.producer.common import SubmitOptions
+from tokenmill.producer.config import ProducerConfig, QueueConfig, RedisConfig
+from tokenmill.producer.connection import aconnect, connect
+from tokenmill.producer.errors import (
+    JobFailed,
+    ProducerError,
+    RedisUnavailable,
+    ResultTimeout,
+    SchemaError,
+    SubmitUncertain,
+)
+from tokenmill.producer.keys import Keys
+from tokenmill.producer.schema import GenerationRequest, GenerationResult, Message, SamplingParams
 
 __all__ = [
     "AsyncProducer",

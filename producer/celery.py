@@ -20,10 +20,10 @@ from typing import Any, Literal, cast
 
 from celery import Celery
 
-from producer.client import Producer
-from producer.config import ProducerConfig
-from producer.errors import JobFailed, ResultTimeout, SchemaError
-from producer.schema import ErrorCode, GenerationResult, SamplingParams
+from tokenmill.producer.client import Producer
+from tokenmill.producer.config import ProducerConfig
+from tokenmill.producer.errors import JobFailed, ResultTimeout, SchemaError
+from tokenmill.producer.schema import ErrorCode, GenerationResult, SamplingParams
 
 Mode = Literal["recheck", "blocking"]
 TASK_NAME = "tokenmill.generate"

@@ -13,13 +13,13 @@ from typing import Any, cast
 import redis
 from typing_extensions import Unpack
 
-from producer import common
-from producer.common import Deadline, SubmitOptions
-from producer.config import ProducerConfig, QueueConfig, RedisConfig
-from producer.connection import connect
-from producer.keys import DONE_TTL_S, Lane
-from producer.schema import GenerationRequest, GenerationResult
-from protocol.heartbeat import STALE_AFTER_S
+from tokenmill.producer import common
+from tokenmill.producer.common import Deadline, SubmitOptions
+from tokenmill.producer.config import ProducerConfig, QueueConfig, RedisConfig
+from tokenmill.producer.connection import connect
+from tokenmill.producer.keys import DONE_TTL_S, Lane
+from tokenmill.producer.schema import GenerationRequest, GenerationResult
+from tokenmill.protocol.heartbeat import STALE_AFTER_S
 
 
 class Producer:

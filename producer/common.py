@@ -14,10 +14,10 @@ from typing import Any, Literal, TypedDict
 import redis
 from pydantic import ValidationError
 
-from producer.config import MAX_BLOCK_S
-from producer.errors import JobFailed, ResultTimeout, SchemaError, SubmitUncertain
-from producer.keys import CONSUMER_GROUP, Keys, Lane
-from producer.schema import (
+from tokenmill.producer.config import MAX_BLOCK_S
+from tokenmill.producer.errors import JobFailed, ResultTimeout, SchemaError, SubmitUncertain
+from tokenmill.producer.keys import CONSUMER_GROUP, Keys, Lane
+from tokenmill.producer.schema import (
     ErrorCode,
     GenerationRequest,
     GenerationResult,
@@ -31,7 +31,7 @@ from producer.schema import (
     encode_request,
     peek_request_id,
 )
-from protocol.heartbeat import decode_heartbeat
+from tokenmill.protocol.heartbeat import decode_heartbeat
 
 # Longest single blocking command; a wait longer than this is a loop of such slices, each
 # followed by a re-check of the result keys (so a lost wake-up costs at most one slice).

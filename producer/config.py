@@ -25,9 +25,9 @@ from pydantic_settings import (
 )
 from typing_extensions import Self
 
-from producer.errors import ConfigError
-from producer.keys import DEFAULT_NUM_LANES, DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
-from protocol.heartbeat import STALE_AFTER_S
+from tokenmill.producer.errors import ConfigError
+from tokenmill.producer.keys import DEFAULT_NUM_LANES, DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
+from tokenmill.protocol.heartbeat import STALE_AFTER_S
 
 URL_SCHEMES = ("redis", "rediss", "unix")
 # NOTE: the producer never blocks in one command for longer than this, so a socket timeout

@@ -16,9 +16,9 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 import redis.asyncio
 
-from producer import embedded
-from producer.config import RedisConfig
-from producer.errors import RedisUnavailable
+from tokenmill.producer import embedded
+from tokenmill.producer.config import RedisConfig
+from tokenmill.producer.errors import RedisUnavailable
 
 logger = logging.getLogger("tokenmill.connection")
 

@@ -11,8 +11,8 @@ from typing import Any, cast
 
 import redis
 
-from producer.keys import Keys
-from producer.schema import ErrorCode, decode_result, peek_request_id
+from tokenmill.producer.keys import Keys
+from tokenmill.producer.schema import ErrorCode, decode_result, peek_request_id
 
 # Fields the worker adds when it dead-letters an entry; the rest are the original entry's.
 _DEAD_FIELDS = (b"reason", b"stream", b"entry_id")

@@ -20,7 +20,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from producer.errors import RedisUnavailable
+from tokenmill.producer.errors import RedisUnavailable
 
 logger = logging.getLogger("tokenmill.embedded")
 

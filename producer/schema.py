@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from producer.errors import SchemaError
-from protocol.outcomes import ErrorCode, FinishReason, TokenLogprob, TopLogprob
-from protocol.sampling import (
+from tokenmill.producer.errors import SchemaError
+from tokenmill.protocol.outcomes import ErrorCode, FinishReason, TokenLogprob, TopLogprob
+from tokenmill.protocol.sampling import (
     INT32_END,
     MAX_SAMPLES,
     JsonSchemaSpec,
@@ -27,10 +27,10 @@ from protocol.sampling import (
     TokenId,
     WireModel,
 )
-from protocol.values import check_metadata, is_utf8, safe_text, version_of
+from tokenmill.protocol.values import check_metadata, is_utf8, safe_text, version_of
 
 if TYPE_CHECKING:
-    from producer.keys import Keys
+    from tokenmill.producer.keys import Keys
 
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})

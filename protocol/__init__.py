@@ -3,9 +3,9 @@ reasons, error codes, token logprobs, worker heartbeats. Pydantic and msgpack on
 the worker, the producer, serve and the CLI can all import it (it imports none of them).
 """
 
-from protocol.heartbeat import STALE_AFTER_S, Heartbeat
-from protocol.outcomes import ErrorCode, FinishReason, TokenLogprob, TopLogprob
-from protocol.sampling import MAX_SAMPLES, JsonSchemaSpec, ResponseFormat, SamplingParams
+from tokenmill.protocol.heartbeat import STALE_AFTER_S, Heartbeat
+from tokenmill.protocol.outcomes import ErrorCode, FinishReason, TokenLogprob, TopLogprob
+from tokenmill.protocol.sampling import MAX_SAMPLES, JsonSchemaSpec, ResponseFormat, SamplingParams
 
 __all__ = [
     "MAX_SAMPLES",

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from protocol.values import check_metadata, require_utf8
+from tokenmill.protocol.values import check_metadata, require_utf8
 
 INT32_END = 2**31  # token ids and counts stay below this
 MAX_SAMPLES = 16  # most samples (n) of one request

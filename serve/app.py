@@ -15,19 +15,19 @@ from collections.abc import AsyncIterator
 import uvicorn
 from fastapi import FastAPI
 
-from producer.aio import AsyncProducer
-from producer.client import Producer
-from producer.config import ServeSettings
-from serve import batches, completions, files, models, ops
-from serve.batch_runner import BatchRunner
-from serve.batch_store import BatchStore
-from serve.context import ServeState
-from serve.errors import install_handlers
-from serve.files import FileStore
-from serve.guard import Guard
-from serve.live_models import LiveModels
-from serve.metrics import MetricsMiddleware, ServeMetrics
-from serve.protocol import with_header_timeout
+from tokenmill.producer.aio import AsyncProducer
+from tokenmill.producer.client import Producer
+from tokenmill.producer.config import ServeSettings
+from tokenmill.serve import batches, completions, files, models, ops
+from tokenmill.serve.batch_runner import BatchRunner
+from tokenmill.serve.batch_store import BatchStore
+from tokenmill.serve.context import ServeState
+from tokenmill.serve.errors import install_handlers
+from tokenmill.serve.files import FileStore
+from tokenmill.serve.guard import Guard
+from tokenmill.serve.live_models import LiveModels
+from tokenmill.serve.metrics import MetricsMiddleware, ServeMetrics
+from tokenmill.serve.protocol import with_header_timeout
 
 
 def create_app(settings: ServeSettings) -> FastAPI:

@@ -22,13 +22,13 @@ from typing import Any
 
 import redis
 
-from producer.bulk import BulkJob, BulkOptions
-from producer.client import Producer
-from producer.config import ServeConfig
-from serve.batch_store import ACTIVE, BatchStore
-from serve.batch_usage import requested_model, summarize_output
-from serve.files import FileGone, FileStore, path_chunks
-from serve.live_models import LiveModels
+from tokenmill.producer.bulk import BulkJob, BulkOptions
+from tokenmill.producer.client import Producer
+from tokenmill.producer.config import ServeConfig
+from tokenmill.serve.batch_store import ACTIVE, BatchStore
+from tokenmill.serve.batch_usage import requested_model, summarize_output
+from tokenmill.serve.files import FileGone, FileStore, path_chunks
+from tokenmill.serve.live_models import LiveModels
 
 log = logging.getLogger("tokenmill.serve")
 

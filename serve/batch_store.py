@@ -17,9 +17,9 @@ from typing import Any, cast
 
 import redis.asyncio
 
-from producer.keys import Keys
-from serve.listing import account_objects
-from serve.stray_keys import absent_if_stray
+from tokenmill.producer.keys import Keys
+from tokenmill.serve.listing import account_objects
+from tokenmill.serve.stray_keys import absent_if_stray
 
 ACTIVE = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
 _INTERNAL = ("account", "owner", "owner_ts")

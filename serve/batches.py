@@ -14,14 +14,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from producer.openai_compat import ENDPOINTS
-from serve.batch_runner import BatchRunner
-from serve.batch_store import BatchStore
-from serve.body import json_object
-from serve.context import account_of
-from serve.errors import APIError, first_invalid, found_or_404
-from serve.files import store_of
-from serve.listing import list_object
+from tokenmill.producer.openai_compat import ENDPOINTS
+from tokenmill.serve.batch_runner import BatchRunner
+from tokenmill.serve.batch_store import BatchStore
+from tokenmill.serve.body import json_object
+from tokenmill.serve.context import account_of
+from tokenmill.serve.errors import APIError, first_invalid, found_or_404
+from tokenmill.serve.files import store_of
+from tokenmill.serve.listing import list_object
 
 router = APIRouter()
 

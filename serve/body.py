@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import Request
 
-from serve.errors import APIError
+from tokenmill.serve.errors import APIError
 
 # NOTE: json.loads runs at roughly 100-300 MB/s: below this a parse takes about a millisecond, less
 # than the hand-off to a thread costs; above it, it would hold every other client up.

@@ -18,15 +18,22 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from producer.common import build_request
-from producer.errors import ResultTimeout
-from producer.openai_compat import BodyError, Endpoint, ParsedBody, completion_object, parse_body, result_error
-from producer.openai_compat.objects import chunk_object, tool_call_deltas, usage_chunk
-from producer.openai_compat.tool_calls import ParsedAnswer, ToolCallStream
-from producer.schema import GenerationResult
-from serve.body import json_object
-from serve.context import CallContext, call_context, state_of
-from serve.errors import APIError
+from tokenmill.producer.common import build_request
+from tokenmill.producer.errors import ResultTimeout
+from tokenmill.producer.openai_compat import (
+    BodyError,
+    Endpoint,
+    ParsedBody,
+    completion_object,
+    parse_body,
+    result_error,
+)
+from tokenmill.producer.openai_compat.objects import chunk_object, tool_call_deltas, usage_chunk
+from tokenmill.producer.openai_compat.tool_calls import ParsedAnswer, ToolCallStream
+from tokenmill.producer.schema import GenerationResult
+from tokenmill.serve.body import json_object
+from tokenmill.serve.context import CallContext, call_context, state_of
+from tokenmill.serve.errors import APIError
 
 T = TypeVar("T")
 STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the logs do

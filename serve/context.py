@@ -13,10 +13,10 @@ from typing import Any
 
 from fastapi import Request
 
-from producer.aio import AsyncProducer
-from producer.config import ServeConfig
-from serve.errors import APIError
-from serve.live_models import LiveModels
+from tokenmill.producer.aio import AsyncProducer
+from tokenmill.producer.config import ServeConfig
+from tokenmill.serve.errors import APIError
+from tokenmill.serve.live_models import LiveModels
 
 PRIORITY_HEADER = "X-Tokenmill-Priority"
 # Client timeouts, in seconds: ours, then the one the openai SDK sends with every request.

@@ -16,8 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from producer.errors import ProducerError, SchemaError, SubmitUncertain
-from producer.openai_compat import BodyError, error_object
+from tokenmill.producer.errors import ProducerError, SchemaError, SubmitUncertain
+from tokenmill.producer.openai_compat import BodyError, error_object
 
 REQUEST_ID_HEADER = "X-Request-Id"
 log = logging.getLogger("tokenmill.serve")

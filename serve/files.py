@@ -26,11 +26,11 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.datastructures import UploadFile
 
-from producer.keys import Keys
-from serve.context import account_of
-from serve.errors import APIError, found_or_404, not_found
-from serve.listing import account_objects, list_object
-from serve.stray_keys import absent_if_stray
+from tokenmill.producer.keys import Keys
+from tokenmill.serve.context import account_of
+from tokenmill.serve.errors import APIError, found_or_404, not_found
+from tokenmill.serve.listing import account_objects, list_object
+from tokenmill.serve.stray_keys import absent_if_stray
 
 PURPOSES = frozenset({"batch", "batch_output", "assistants", "fine-tune", "vision", "user_data", "evals"})
 CHUNK_BYTES = 1 << 20  # one hash field of a file's bytes; what one Redis round trip carries

@@ -24,9 +24,9 @@ import hmac
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from producer.config import ServeConfig
-from producer.schema import new_request_id
-from serve.errors import REQUEST_ID_HEADER, APIError
+from tokenmill.producer.config import ServeConfig
+from tokenmill.producer.schema import new_request_id
+from tokenmill.serve.errors import REQUEST_ID_HEADER, APIError
 
 PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"})  # probes and scrapers carry no API key
 UPLOAD_PATH = "/v1/files"

@@ -13,9 +13,9 @@ import time
 import redis
 import redis.asyncio
 
-from producer.keys import Keys
-from protocol.heartbeat import Heartbeat, decode_heartbeat
-from serve.errors import APIError
+from tokenmill.producer.keys import Keys
+from tokenmill.protocol.heartbeat import Heartbeat, decode_heartbeat
+from tokenmill.serve.errors import APIError
 
 CACHE_S = 1.0  # a burst of requests reads the workers hash once; a worker that starts is seen this late
 

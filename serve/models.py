@@ -9,8 +9,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from serve.context import state_of
-from serve.errors import not_found
+from tokenmill.serve.context import state_of
+from tokenmill.serve.errors import not_found
 
 router = APIRouter()
 

@@ -15,9 +15,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from serve.context import state_of
-from serve.errors import APIError
-from serve.metrics import ServeMetrics
+from tokenmill.serve.context import state_of
+from tokenmill.serve.errors import APIError
+from tokenmill.serve.metrics import ServeMetrics
 
 HEALTH_TIMEOUT_S = 2.0  # a PING slower than this counts as no answer (a stalled Redis)
 router = APIRouter()

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer.embedded import server_binary
 from tests.triton_interpreter import enable_interpreter_without_cuda
+from tokenmill.producer.embedded import server_binary
 
 # NOTE: before any test module imports triton (transformers does, through torch._dynamo): see there.
 enable_interpreter_without_cuda()

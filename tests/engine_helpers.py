@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine import CacheConfig, Engine, EngineConfig, ModelConfig, SchedulerConfig
-from engine.config import ExecutionConfig
+from tokenmill.engine import CacheConfig, Engine, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.engine.config import ExecutionConfig
 
 _SECTION_OF = {name: section for section, model in (("model", ModelConfig), ("cache", CacheConfig),
                                                      ("scheduler", SchedulerConfig), ("execution", ExecutionConfig))

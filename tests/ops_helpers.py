@@ -18,9 +18,9 @@ import typer
 from pydantic import BaseModel
 from typer.testing import CliRunner
 
-from cli.app import app
-from producer.config import ClientSettings, FileSettings, ServeSettings
-from worker.config import Settings
+from tokenmill.cli.app import app
+from tokenmill.producer.config import ClientSettings, FileSettings, ServeSettings
+from tokenmill.worker.config import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT: dict[str, Any] = tomllib.loads((ROOT / "pyproject.toml").read_text())

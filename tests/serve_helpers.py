@@ -20,9 +20,9 @@ from typing import Any
 
 import uvicorn
 
-from producer.config import ServeSettings
-from serve.app import server_config
 from tests.worker_helpers import free_port
+from tokenmill.producer.config import ServeSettings
+from tokenmill.serve.app import server_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,15 +54,15 @@ def running_server(redis_url: str, prefix: str, **serve: Any) -> Iterator[str]:
 
 @contextmanager
 def serve_process(redis_url: str, prefix: str, **serve: Any) -> Iterator[tuple[int, int]]:
-    """``tokenmill serve`` as a process of its own (``python -m cli serve``); yields its port and pid.
+    """``tokenmill serve`` as a process of its own (``python -m tokenmill.cli serve``); yields its port and pid.
 
     Args:
         **serve: ``[serve]`` settings, passed as ``TOKENMILL_SERVE__<KEY>`` env values.
     """
     port = free_port()
     env = {**os.environ, **{f"TOKENMILL_SERVE__{key.upper()}": str(value) for key, value in serve.items()}}
-    process = subprocess.Popen([sys.executable, "-m", "cli", "--redis-url", redis_url, "--prefix", prefix, "serve",
-                                "--port", str(port), "--log-level", "warning"], cwd=ROOT, env=env)
+    process = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "--redis-url", redis_url, "--prefix", prefix,
+                                "serve", "--port", str(port), "--log-level", "warning"], cwd=ROOT, env=env)
     try:
         deadline = time.monotonic() + 60
         while not _answers(f"http://127.0.0.1:{port}/health"):

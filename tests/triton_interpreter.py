@@ -42,7 +42,7 @@ def triton_module(device: str) -> ModuleType:
             pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (see tests/triton_interpreter.py)")
         os.environ["TRITON_INTERPRET"] = "1"
         _widen_bfloat16_dots()
-    return importlib.import_module("engine.kernels.attention.triton_paged")
+    return importlib.import_module("tokenmill.engine.kernels.attention.triton_paged")
 
 
 def _library_is_interpreted() -> bool:

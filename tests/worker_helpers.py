@@ -18,12 +18,19 @@ from typing import Any
 
 import redis
 
-from producer.keys import Keys
-from producer.schema import ErrorCode, GenerationRequest, GenerationResult, decode_result, encode_request, encode_result
-from protocol.heartbeat import Heartbeat, encode_heartbeat
-from worker.config import Settings
-from worker.logs import setup_logging
-from worker.runtime import Worker
+from tokenmill.producer.keys import Keys
+from tokenmill.producer.schema import (
+    ErrorCode,
+    GenerationRequest,
+    GenerationResult,
+    decode_result,
+    encode_request,
+    encode_result,
+)
+from tokenmill.protocol.heartbeat import Heartbeat, encode_heartbeat
+from tokenmill.worker.config import Settings
+from tokenmill.worker.logs import setup_logging
+from tokenmill.worker.runtime import Worker
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST_WORKER = {"block_ms": 100, "heartbeat_interval_s": 0.1, "stale_after_s": 0.5, "cancel_poll_s": 0.01,
@@ -165,7 +172,7 @@ def free_port() -> int:
 
 def start_worker_process(redis_url: str, prefix: str, name: str, *args: str, model: str = "echo",
                          env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """``python -m cli worker --model echo`` as a real process on the test's prefix, with fast intervals.
+    """``python -m tokenmill.cli worker --model echo`` as a real process on the test's prefix, with fast intervals.
 
     It logs warnings and worse only: stderr is a pipe nobody reads while the test runs, and a
     full pipe would block the worker.
@@ -177,7 +184,7 @@ def start_worker_process(redis_url: str, prefix: str, name: str, *args: str, mod
     """
     defaults = {"TOKENMILL_WORKER__HEARTBEAT_INTERVAL_S": "0.2", "TOKENMILL_WORKER__STALE_AFTER_S": "1.0",
                 "TOKENMILL_WORKER__BLOCK_MS": "200", "TOKENMILL_WORKER__LOG_LEVEL": "WARNING"}
-    command = [sys.executable, "-m", "cli", "--redis-url", redis_url, "--prefix", prefix, "worker", "--model", model,
-               "--name", name, *args]
+    command = [sys.executable, "-m", "tokenmill.cli", "--redis-url", redis_url, "--prefix", prefix, "worker",
+               "--model", model, "--name", name, *args]
     return subprocess.Popen(command, cwd=ROOT, env={**os.environ, **defaults, **(env or {})},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -14,10 +14,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from engine.config import EngineConfig
-from engine.echo import ECHO_MODEL, EchoOptions, is_echo_model
-from producer.config import FileSettings, Name, QueueConfig, RedisConfig, ServeConfig
-from protocol.heartbeat import STALE_AFTER_S
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.echo import ECHO_MODEL, EchoOptions, is_echo_model
+from tokenmill.producer.config import FileSettings, Name, QueueConfig, RedisConfig, ServeConfig
+from tokenmill.protocol.heartbeat import STALE_AFTER_S
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]  # any case on input
 

@@ -7,9 +7,9 @@ translate is the envelope: prompts in, results out.
 
 from __future__ import annotations
 
-from engine.output.prompts import ChatPrompt, Prompt, TextPrompt, TokensPrompt
-from engine.output.request_output import RequestOutput
-from producer.schema import (
+from tokenmill.engine.output.prompts import ChatPrompt, Prompt, TextPrompt, TokensPrompt
+from tokenmill.engine.output.request_output import RequestOutput
+from tokenmill.producer.schema import (
     ErrorCode,
     ErrorInfo,
     FinishReason,
@@ -20,7 +20,7 @@ from producer.schema import (
     Usage,
     WireFinishReason,
 )
-from worker.messages import Admit
+from tokenmill.worker.messages import Admit
 
 
 def engine_prompt(request: GenerationRequest) -> Prompt:

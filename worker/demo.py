@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 from rich.console import Console
 
-from producer.client import Producer
-from producer.config import RedisConfig
-from producer.connection import resolve_url
-from worker.config import Settings
-from worker.runtime import Worker
+from tokenmill.producer.client import Producer
+from tokenmill.producer.config import RedisConfig
+from tokenmill.producer.connection import resolve_url
+from tokenmill.worker.config import Settings
+from tokenmill.worker.runtime import Worker
 
 DEMO_QUEUE = "demo"
 DEMO_PROMPTS: tuple[str, ...] = (

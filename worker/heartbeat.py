@@ -10,8 +10,8 @@ from typing import Any
 
 import redis
 
-from producer.keys import Keys
-from protocol.heartbeat import RUNNING, STOPPED, Heartbeat, decode_heartbeat, encode_heartbeat, is_dead
+from tokenmill.producer.keys import Keys
+from tokenmill.protocol.heartbeat import RUNNING, STOPPED, Heartbeat, decode_heartbeat, encode_heartbeat, is_dead
 
 __all__ = ["RUNNING", "STOPPED", "Heartbeat", "as_text", "forget_old", "is_dead", "read_heartbeats", "write_heartbeat"]
 FORGET_AFTER_S = 86_400.0  # a silent worker's heartbeat stays visible (as stale) this long, then is deleted

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from producer.errors import SchemaError
-from producer.keys import Keys
-from producer.schema import (
+from tokenmill.producer.errors import SchemaError
+from tokenmill.producer.keys import Keys
+from tokenmill.producer.schema import (
     ErrorCode,
     GenerationRequest,
     GenerationResult,
@@ -18,7 +18,7 @@ from producer.schema import (
     peek_reply_to,
     peek_request_id,
 )
-from worker.messages import Admit, DeadLetter, Entry, Finish
+from tokenmill.worker.messages import Admit, DeadLetter, Entry, Finish
 
 
 @dataclass(frozen=True)

@@ -11,15 +11,15 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-from engine.engine import Engine
-from engine.output.prompts import PromptError
-from engine.output.request_output import RequestOutput
-from producer.schema import ErrorCode, GenerationResult
-from worker.convert import build_result
-from worker.messages import Abort, Admit, Entry, Finish, Incoming, Outgoing, Prepared, TokenDelta
-from worker.metrics import WorkerMetrics
-from worker.preparation import Preparation
-from worker.state import Load
+from tokenmill.engine.engine import Engine
+from tokenmill.engine.output.prompts import PromptError
+from tokenmill.engine.output.request_output import RequestOutput
+from tokenmill.producer.schema import ErrorCode, GenerationResult
+from tokenmill.worker.convert import build_result
+from tokenmill.worker.messages import Abort, Admit, Entry, Finish, Incoming, Outgoing, Prepared, TokenDelta
+from tokenmill.worker.metrics import WorkerMetrics
+from tokenmill.worker.preparation import Preparation
+from tokenmill.worker.state import Load
 
 log = logging.getLogger("tokenmill.worker")
 

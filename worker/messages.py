@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from producer.schema import GenerationRequest, GenerationResult
+from tokenmill.producer.schema import GenerationRequest, GenerationResult
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.core.stats import EngineStats
-from producer.keys import CONSUMER_GROUP, Keys, Lane
-from producer.schema import GenerationResult
+from tokenmill.engine.core.stats import EngineStats
+from tokenmill.producer.keys import CONSUMER_GROUP, Keys, Lane
+from tokenmill.producer.schema import GenerationResult
 
 if TYPE_CHECKING:
     import redis

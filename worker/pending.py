@@ -13,9 +13,9 @@ from typing import Any
 
 import redis
 
-from producer.keys import CONSUMER_GROUP
-from worker.heartbeat import as_text
-from worker.messages import Entry
+from tokenmill.producer.keys import CONSUMER_GROUP
+from tokenmill.worker.heartbeat import as_text
+from tokenmill.worker.messages import Entry
 
 # NOTE: XCLAIM with min-idle 0 takes an entry from whoever holds it; the ownership check and the
 # claim must be one step, so a worker never takes back what a reclaimer took from it. A delivery

@@ -18,9 +18,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.engine import Engine
-from worker.convert import engine_prompt
-from worker.messages import Admit, Incoming, Prepared
+from tokenmill.engine.engine import Engine
+from tokenmill.worker.convert import engine_prompt
+from tokenmill.worker.messages import Admit, Incoming, Prepared
 
 HEAVY_PROMPT_CHARS = 64 * 1024  # prompts longer than this (text, or all messages' content) take the heavy lane
 NUM_HEAVY_THREADS = 2  # a large prompt and a grammar compile may run side by side

@@ -22,17 +22,17 @@ from typing import Any
 
 import redis
 
-from producer.keys import CONSUMER_GROUP, Keys
-from producer.schema import ErrorCode, GenerationResult, peek_request_id
-from worker.backoff import Backoff
-from worker.config import WorkerConfig
-from worker.health import RedisHealth
-from worker.heartbeat import as_text
-from worker.intake import IntakePolicy, answer, triage
-from worker.messages import Abort, Admit, DeadLetter, Entry, Finish, Incoming, Outgoing
-from worker.pending import OwnDelivery, Pending, list_pending
-from worker.reclaim import Reclaimer
-from worker.state import Load
+from tokenmill.producer.keys import CONSUMER_GROUP, Keys
+from tokenmill.producer.schema import ErrorCode, GenerationResult, peek_request_id
+from tokenmill.worker.backoff import Backoff
+from tokenmill.worker.config import WorkerConfig
+from tokenmill.worker.health import RedisHealth
+from tokenmill.worker.heartbeat import as_text
+from tokenmill.worker.intake import IntakePolicy, answer, triage
+from tokenmill.worker.messages import Abort, Admit, DeadLetter, Entry, Finish, Incoming, Outgoing
+from tokenmill.worker.pending import OwnDelivery, Pending, list_pending
+from tokenmill.worker.reclaim import Reclaimer
+from tokenmill.worker.state import Load
 
 log = logging.getLogger("tokenmill.worker")
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import redis
 
-from producer.keys import CONSUMER_GROUP, Keys, Lane
-from worker.heartbeat import Heartbeat, as_text, is_dead, read_heartbeats
-from worker.pending import Pending, list_pending
+from tokenmill.producer.keys import CONSUMER_GROUP, Keys, Lane
+from tokenmill.worker.heartbeat import Heartbeat, as_text, is_dead, read_heartbeats
+from tokenmill.worker.pending import Pending, list_pending
 
 log = logging.getLogger("tokenmill.worker")
 

@@ -11,9 +11,9 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from producer.keys import CONSUMER_GROUP, DONE_TTL_S, Keys
-from producer.schema import SCHEMA_VERSION, ErrorCode, GenerationResult, encode_result
-from worker.messages import DeadLetter, Finish
+from tokenmill.producer.keys import CONSUMER_GROUP, DONE_TTL_S, Keys
+from tokenmill.producer.schema import SCHEMA_VERSION, ErrorCode, GenerationResult, encode_result
+from tokenmill.worker.messages import DeadLetter, Finish
 
 # NOTE: one script, so "stored + notified + replied + acked" is a single atomic step. The
 # result is stored only if absent (SET NX); only the call that stored it notifies (done list,

@@ -14,20 +14,20 @@ from types import FrameType
 
 import redis
 
-from engine.engine import Engine
-from engine.errors import EngineError
-from producer.connection import connect
-from worker.config import Settings
-from worker.errors import StartupError
-from worker.health import RedisHealth
-from worker.heartbeat import STOPPED
-from worker.logs import setup_logging
-from worker.loop import EngineLoop
-from worker.messages import Incoming, Outgoing
-from worker.metrics import WorkerMetrics
-from worker.reader import Reader
-from worker.state import Load
-from worker.writer import Writer
+from tokenmill.engine.engine import Engine
+from tokenmill.engine.errors import EngineError
+from tokenmill.producer.connection import connect
+from tokenmill.worker.config import Settings
+from tokenmill.worker.errors import StartupError
+from tokenmill.worker.health import RedisHealth
+from tokenmill.worker.heartbeat import STOPPED
+from tokenmill.worker.logs import setup_logging
+from tokenmill.worker.loop import EngineLoop
+from tokenmill.worker.messages import Incoming, Outgoing
+from tokenmill.worker.metrics import WorkerMetrics
+from tokenmill.worker.reader import Reader
+from tokenmill.worker.state import Load
+from tokenmill.worker.writer import Writer
 
 log = logging.getLogger("tokenmill.worker")
 

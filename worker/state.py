@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.core.stats import EngineStats
+from tokenmill.engine.core.stats import EngineStats
 
 
 @dataclass

@@ -13,15 +13,15 @@ from collections.abc import Collection
 
 import redis
 
-from producer.config import QueueConfig
-from worker.backoff import Backoff
-from worker.config import WorkerConfig
-from worker.health import RedisHealth
-from worker.heartbeat import RUNNING, STOPPED, Heartbeat, forget_old, write_heartbeat
-from worker.messages import DeadLetter, Finish, Outgoing, TokenDelta
-from worker.metrics import WorkerMetrics
-from worker.results import PositionedDelta, ResultWriter, Writable
-from worker.state import Load
+from tokenmill.producer.config import QueueConfig
+from tokenmill.worker.backoff import Backoff
+from tokenmill.worker.config import WorkerConfig
+from tokenmill.worker.health import RedisHealth
+from tokenmill.worker.heartbeat import RUNNING, STOPPED, Heartbeat, forget_old, write_heartbeat
+from tokenmill.worker.messages import DeadLetter, Finish, Outgoing, TokenDelta
+from tokenmill.worker.metrics import WorkerMetrics
+from tokenmill.worker.results import PositionedDelta, ResultWriter, Writable
+from tokenmill.worker.state import Load
 
 log = logging.getLogger("tokenmill.worker")
 

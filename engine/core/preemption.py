@@ -15,12 +15,12 @@ Standard library only. Rules (also in engine/core/scheduler.py):
 
 from __future__ import annotations
 
-from engine.config import SchedulerConfig
-from engine.core.request import Request
-from engine.core.request_queue import RequestQueues
-from engine.core.scheduler_policy import choose_victim, room_victims, urgency_key
-from engine.core.step_plan import StepPlan
-from engine.kv.block_manager import BlockManager
+from tokenmill.engine.config import SchedulerConfig
+from tokenmill.engine.core.request import Request
+from tokenmill.engine.core.request_queue import RequestQueues
+from tokenmill.engine.core.scheduler_policy import choose_victim, room_victims, urgency_key
+from tokenmill.engine.core.step_plan import StepPlan
+from tokenmill.engine.kv.block_manager import BlockManager
 
 
 class PreemptionPolicy:

@@ -10,10 +10,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.core.sampling_state import SamplingState
-from engine.errors import InvariantError
-from protocol.outcomes import ErrorCode, FinishReason
-from protocol.sampling import SamplingParams
+from tokenmill.engine.core.sampling_state import SamplingState
+from tokenmill.engine.errors import InvariantError
+from tokenmill.protocol.outcomes import ErrorCode, FinishReason
+from tokenmill.protocol.sampling import SamplingParams
 
 
 class TextDecoder(Protocol):

@@ -3,9 +3,9 @@ with each request's status. Standard library only."""
 
 from __future__ import annotations
 
-from engine.core.request import Request, RequestStatus
-from engine.errors import InvariantError
-from engine.kv.block_manager import BlockManager
+from tokenmill.engine.core.request import Request, RequestStatus
+from tokenmill.engine.errors import InvariantError
+from tokenmill.engine.kv.block_manager import BlockManager
 
 
 class RequestQueues:

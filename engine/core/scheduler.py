@@ -18,19 +18,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from engine.config import SchedulerConfig
-from engine.core.clock import Clock
-from engine.core.preemption import PreemptionPolicy
-from engine.core.request import ParallelGroup, PreemptionCause, Request, RequestStatus, check_stop
-from engine.core.request_queue import RequestQueues
-from engine.core.scheduler_policy import UrgencyKey, admission_key, is_decode, urgency_key
-from engine.core.stats import EngineStats, SchedulerCounters
-from engine.core.step_io import ModelOutput, SchedulerOutput
-from engine.core.step_plan import StepPlan
-from engine.errors import InvariantError
-from engine.kv.block_manager import BlockManager
-from engine.kv.prefix_cache import PrefixCache, PrefixStats
-from protocol.outcomes import ErrorCode
+from tokenmill.engine.config import SchedulerConfig
+from tokenmill.engine.core.clock import Clock
+from tokenmill.engine.core.preemption import PreemptionPolicy
+from tokenmill.engine.core.request import ParallelGroup, PreemptionCause, Request, RequestStatus, check_stop
+from tokenmill.engine.core.request_queue import RequestQueues
+from tokenmill.engine.core.scheduler_policy import UrgencyKey, admission_key, is_decode, urgency_key
+from tokenmill.engine.core.stats import EngineStats, SchedulerCounters
+from tokenmill.engine.core.step_io import ModelOutput, SchedulerOutput
+from tokenmill.engine.core.step_plan import StepPlan
+from tokenmill.engine.errors import InvariantError
+from tokenmill.engine.kv.block_manager import BlockManager
+from tokenmill.engine.kv.prefix_cache import PrefixCache, PrefixStats
+from tokenmill.protocol.outcomes import ErrorCode
 
 
 class Scheduler:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from engine.core.request import Request, RequestStatus
+from tokenmill.engine.core.request import Request, RequestStatus
 
 UrgencyKey = tuple[int, float, int]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.request import PreemptionCause
-from engine.kv.prefix_cache import PrefixStats
+from tokenmill.engine.core.request import PreemptionCause
+from tokenmill.engine.kv.prefix_cache import PrefixStats
 
 
 @dataclass

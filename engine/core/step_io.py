@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.core.sampling_state import SamplingState
-from protocol.sampling import SamplingParams
+from tokenmill.engine.core.sampling_state import SamplingState
+from tokenmill.protocol.sampling import SamplingParams
 
 
 @dataclass

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config import SchedulerConfig
-from engine.core.request import Request
-from engine.core.scheduler_policy import is_decode
-from engine.core.step_io import ScheduledChunk, SchedulerOutput
-from engine.errors import InvariantError
-from engine.kv.block_manager import BlockManager
+from tokenmill.engine.config import SchedulerConfig
+from tokenmill.engine.core.request import Request
+from tokenmill.engine.core.scheduler_policy import is_decode
+from tokenmill.engine.core.step_io import ScheduledChunk, SchedulerOutput
+from tokenmill.engine.errors import InvariantError
+from tokenmill.engine.kv.block_manager import BlockManager
 
 
 @dataclass

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.errors import ModelLoadError
-from engine.kernels import panel_linear
-from engine.kernels.cpp_build import cpu_flags, cpu_vendor
+from tokenmill.engine.errors import ModelLoadError
+from tokenmill.engine.kernels import panel_linear
+from tokenmill.engine.kernels.cpp_build import cpu_flags, cpu_vendor
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ Owns block ids and reference counts only (no tensors). Standard library only; ne
 
 from __future__ import annotations
 
-from engine.errors import InvariantError
-from engine.kv.block_pool import BlockPool
+from tokenmill.engine.errors import InvariantError
+from tokenmill.engine.kv.block_pool import BlockPool
 
 # A block table maps token positions to blocks of ``block_size`` slots:
 #

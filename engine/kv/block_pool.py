@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Protocol
 
-from engine.errors import InvariantError
+from tokenmill.engine.errors import InvariantError
 
 
 class BlockIndex(Protocol):

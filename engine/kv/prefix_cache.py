@@ -19,8 +19,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from engine.errors import InvariantError
-from engine.kv.block_manager import BlockManager
+from tokenmill.engine.errors import InvariantError
+from tokenmill.engine.kv.block_manager import BlockManager
 
 ROOT = 0  # the parent entry id of a sequence's first block
 _Key = tuple[int, tuple[int, ...]]

@@ -16,8 +16,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from engine.kernels.attention import AttentionBackend, AttentionMetadata
-from engine.model.kv_cache import KVCache
+from tokenmill.engine.kernels.attention import AttentionBackend, AttentionMetadata
+from tokenmill.engine.model.kv_cache import KVCache
 
 ATTN_IMPLEMENTATION = "tokenmill_paged"
 

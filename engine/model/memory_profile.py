@@ -22,14 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import SchedulerConfig
-from engine.core.step_io import ScheduledChunk, SchedulerOutput
-from engine.kernels.attention import AttentionBackend
-from engine.model.kv_cache import KVCache, KVCacheSpec
-from engine.model.model_loader import LoadedModel
-from engine.model.model_runner import ModelRunner
-from engine.sample.sampler import Sampler
-from protocol.sampling import SamplingParams
+from tokenmill.engine.config import SchedulerConfig
+from tokenmill.engine.core.step_io import ScheduledChunk, SchedulerOutput
+from tokenmill.engine.kernels.attention import AttentionBackend
+from tokenmill.engine.model.kv_cache import KVCache, KVCacheSpec
+from tokenmill.engine.model.model_loader import LoadedModel
+from tokenmill.engine.model.model_runner import ModelRunner
+from tokenmill.engine.sample.sampler import Sampler
+from tokenmill.protocol.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 

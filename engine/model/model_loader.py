@@ -23,9 +23,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from engine.errors import ModelLoadError
-from engine.kernels.cpu_linear import pack_linears
-from engine.output.no_tokenizer import NoTokenizer
+from tokenmill.engine.errors import ModelLoadError
+from tokenmill.engine.kernels.cpu_linear import pack_linears
+from tokenmill.engine.output.no_tokenizer import NoTokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -9,15 +9,15 @@ from typing import Protocol
 
 import torch
 
-from engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput
-from engine.kernels.attention import AttentionBackend, AttentionMetadata
-from engine.model.hf_attention import StepAttention
-from engine.model.kv_cache import KVCache
-from engine.model.model_loader import LoadedModel
-from engine.model.static_decode import StaticDecode
-from engine.model.step_inputs import StepInputs
-from engine.sample.context import SamplingContext
-from engine.sample.sampler import Sampler
+from tokenmill.engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput
+from tokenmill.engine.kernels.attention import AttentionBackend, AttentionMetadata
+from tokenmill.engine.model.hf_attention import StepAttention
+from tokenmill.engine.model.kv_cache import KVCache
+from tokenmill.engine.model.model_loader import LoadedModel
+from tokenmill.engine.model.static_decode import StaticDecode
+from tokenmill.engine.model.step_inputs import StepInputs
+from tokenmill.engine.sample.context import SamplingContext
+from tokenmill.engine.sample.sampler import Sampler
 
 
 class StepForward(Protocol):
@@ -42,14 +42,24 @@ class PreparedBatch:
 class ModelRunner:
     """Runs the model over the paged KV cache.
 
+    Which forward a step runs is fixed here, at construction: a runner built with neither fast path
+    is the plain reference (:meth:`forward`, eager), and the fast paths are checked against one
+    (engine/model/model_setup.py builds the reference first, then the engine's runner with what it chose).
+
     Args:
         loaded: the model, on its device, registered with the paged attention implementation.
         kv_cache: the device and host pools.
         sampler: picks the next token of each sequence.
         backend: the attention backend every layer uses.
+        native_decoder: on the CPU, the decoder layers in one C++ call (bitwise the eager forward),
+            run in place of :meth:`forward`; None: eager.
+        static_decode: decode steps at static shapes (CUDA graphs), run when a step fits a bucket;
+            None: every step runs through the forward.
     """
 
-    def __init__(self, loaded: LoadedModel, kv_cache: KVCache, sampler: Sampler, backend: AttentionBackend) -> None:
+    def __init__(self, loaded: LoadedModel, kv_cache: KVCache, sampler: Sampler, backend: AttentionBackend, *,
+                 native_decoder: StepForward | None = None, static_decode: StaticDecode | None = None) -> None:
+        self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
         self.eos_token_ids = loaded.eos_token_ids
@@ -57,10 +67,8 @@ class ModelRunner:
         self.sampler = sampler
         self.backend = backend
         self.block_size = kv_cache.spec.block_size
-        # Decode steps at static shapes (CUDA graphs); None: every step runs eagerly.
-        self.static_decode: StaticDecode | None = None
-        # On the CPU: the decoder layers in one C++ call (bitwise the eager forward); None: eager.
-        self.native_decoder: StepForward | None = None
+        self.static_decode = static_decode
+        self.native_decoder = native_decoder
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Swap out, swap in, run the forward, sample.

@@ -12,26 +12,26 @@ from typing import Any
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig
-from engine.core.clock import Clock
-from engine.core.limits import ModelLimits
-from engine.core.scheduler import Scheduler
-from engine.errors import EngineError, ModelLoadError
-from engine.kernels import cpu_linear
-from engine.kernels.attention import AttentionBackend, cpu_kernel, select_backend
-from engine.kv.block_manager import BlockManager
-from engine.kv.prefix_cache import PrefixCache
-from engine.model import native_decoder
-from engine.model.hf_attention import register
-from engine.model.kv_cache import KVCache, KVCacheSpec
-from engine.model.memory_profile import StepProfile, cuda_peak_bytes, kv_pool_bytes, profile_steps
-from engine.model.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
-from engine.model.model_runner import ModelRunner
-from engine.model.static_decode import StaticDecode, cuda_graph_runner, decode_buckets
-from engine.output.no_tokenizer import NoTokenizer
-from engine.sample.grammar import GrammarCompiler
-from engine.sample.grammar_process import CompileLimits
-from engine.sample.sampler import Sampler
+from tokenmill.engine.config import CacheConfig, EngineConfig
+from tokenmill.engine.core.clock import Clock
+from tokenmill.engine.core.limits import ModelLimits
+from tokenmill.engine.core.scheduler import Scheduler
+from tokenmill.engine.errors import EngineError, ModelLoadError
+from tokenmill.engine.kernels import cpu_linear
+from tokenmill.engine.kernels.attention import AttentionBackend, cpu_kernel, select_backend
+from tokenmill.engine.kv.block_manager import BlockManager
+from tokenmill.engine.kv.prefix_cache import PrefixCache
+from tokenmill.engine.model import native_decoder
+from tokenmill.engine.model.hf_attention import register
+from tokenmill.engine.model.kv_cache import KVCache, KVCacheSpec
+from tokenmill.engine.model.memory_profile import StepProfile, cuda_peak_bytes, kv_pool_bytes, profile_steps
+from tokenmill.engine.model.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from tokenmill.engine.model.model_runner import ModelRunner
+from tokenmill.engine.model.static_decode import StaticDecode, cuda_graph_runner, decode_buckets
+from tokenmill.engine.output.no_tokenizer import NoTokenizer
+from tokenmill.engine.sample.grammar import GrammarCompiler
+from tokenmill.engine.sample.grammar_process import CompileLimits
+from tokenmill.engine.sample.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -94,16 +94,30 @@ def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
     )
     grammars = None if isinstance(loaded.tokenizer, NoTokenizer) else \
         GrammarCompiler(loaded.tokenizer, limits.vocab_size, loaded.eos_token_ids, limits=_compile_limits(config))
-    runner = ModelRunner(loaded, kv_cache, Sampler(grammars), backend)
-    if config.execution.compile == "auto" and runner.device.type == "cpu":
-        runner.native_decoder = native_decoder.native_decoder_for(runner)
-        if runner.native_decoder is not None:
-            runner.sampler.argmax = native_decoder.greedy_token_ids
-    elif captures_decode_steps(config, runner.device, backend):
-        capture_decode_steps(runner, config.scheduler.max_num_seqs, max_request_tokens)
-    else:
-        logger.info("decode steps run eagerly (compile=%s, backend %s)", config.execution.compile, backend.name)
+    reference = ModelRunner(loaded, kv_cache, Sampler(grammars), backend)
+    runner = with_fast_paths(reference, grammars, config, max_request_tokens)
     return EngineParts(scheduler, runner, loaded.tokenizer, limits, grammars)
+
+
+def with_fast_paths(reference: ModelRunner, grammars: GrammarCompiler | None, config: EngineConfig,
+                    max_request_tokens: int) -> ModelRunner:
+    """The engine's runner: the reference runner's parts with the fast paths ``[engine.execution]``
+    allows and this machine supports, each checked against (or captured from) the reference's eager
+    forward; the reference itself when there are none. Logs the choice once."""
+    decoder, static = None, None
+    if config.execution.compile == "auto" and reference.device.type == "cpu":
+        decoder = native_decoder.native_decoder_for(reference)
+    elif captures_decode_steps(config, reference.device, reference.backend):
+        static = capture_decode_steps(reference, config.scheduler.max_num_seqs, max_request_tokens)
+    # NOTE: the linear layers' packing is chosen (and logged) as the model loads: engine/kernels/cpu_linear.py.
+    logger.info("fast paths: forward=%s, decode steps=%s, attention=%s",
+                "native C++ decoder stack" if decoder is not None else "eager",
+                "CUDA graphs" if static is not None else "as any step", reference.backend.name)
+    if decoder is None and static is None:
+        return reference
+    sampler = Sampler(grammars, argmax=native_decoder.greedy_token_ids if decoder is not None else None)
+    return ModelRunner(reference.loaded, reference.kv_cache, sampler, reference.backend,
+                       native_decoder=decoder, static_decode=static)
 
 
 def captures_decode_steps(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> bool:
@@ -128,7 +142,7 @@ def _prebuild_cpu_extensions(config: EngineConfig) -> None:
     cpu_linear.prebuild_kernel_for(resolve_dtype(config.model.dtype, device), config.execution.linear_kernel)
 
 
-def capture_decode_steps(runner: ModelRunner, max_num_seqs: int, max_request_tokens: int) -> None:
+def capture_decode_steps(runner: ModelRunner, max_num_seqs: int, max_request_tokens: int) -> StaticDecode:
     """Capture decode steps in CUDA graphs, one per batch bucket (where :func:`captures_decode_steps`).
 
     NOTE: the CPU's counterpart is engine/model/native_decoder (every step, no buckets). Inductor was
@@ -139,7 +153,7 @@ def capture_decode_steps(runner: ModelRunner, max_num_seqs: int, max_request_tok
     static = StaticDecode(runner.forward, runner.kv_cache, runner.backend, decode_buckets(max_num_seqs),
                           max_blocks_per_seq=(max_request_tokens + block_size - 1) // block_size)
     static.prepare_runners(cuda_graph_runner(torch.cuda.graph_pool_handle()), "capturing CUDA graphs")
-    runner.static_decode = static
+    return static
 
 
 def kv_cache_spec(loaded: LoadedModel, block_size: int) -> KVCacheSpec:

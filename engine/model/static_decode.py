@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from engine.core.step_io import ScheduledChunk
-from engine.kernels.attention import AttentionBackend, AttentionMetadata
-from engine.model.hf_attention import StepAttention
-from engine.model.kv_cache import KVCache
-from engine.model.step_inputs import StepInputs
+from tokenmill.engine.core.step_io import ScheduledChunk
+from tokenmill.engine.kernels.attention import AttentionBackend, AttentionMetadata
+from tokenmill.engine.model.hf_attention import StepAttention
+from tokenmill.engine.model.kv_cache import KVCache
+from tokenmill.engine.model.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 

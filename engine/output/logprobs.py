@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from protocol.outcomes import TokenLogprob, TopLogprob
+from tokenmill.protocol.outcomes import TokenLogprob, TopLogprob
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback pieces
 

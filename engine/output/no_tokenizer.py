@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.output.prompts import PromptError
-from protocol.outcomes import ErrorCode
+from tokenmill.engine.output.prompts import PromptError
+from tokenmill.protocol.outcomes import ErrorCode
 
 
 class NoTokenizer:

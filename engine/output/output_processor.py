@@ -7,12 +7,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from engine.core.clock import Clock
-from engine.core.request import FINISH_REASON, ParallelGroup, Request, RequestStatus, TextDecoder
-from engine.output.detokenizer import IncrementalDetokenizer
-from engine.output.logprobs import TokenBytes, build_token_logprobs
-from engine.output.request_output import RequestMetrics, RequestOutput, SampleOutput
-from protocol.outcomes import ErrorCode, FinishReason, TokenLogprob
+from tokenmill.engine.core.clock import Clock
+from tokenmill.engine.core.request import FINISH_REASON, ParallelGroup, Request, RequestStatus, TextDecoder
+from tokenmill.engine.output.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.output.logprobs import TokenBytes, build_token_logprobs
+from tokenmill.engine.output.request_output import RequestMetrics, RequestOutput, SampleOutput
+from tokenmill.protocol.outcomes import ErrorCode, FinishReason, TokenLogprob
 
 
 class OutputProcessor:

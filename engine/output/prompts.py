@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.outcomes import ErrorCode
+from tokenmill.protocol.outcomes import ErrorCode
 
 
 @dataclass(frozen=True)

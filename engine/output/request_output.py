@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.outcomes import ErrorCode, FinishReason, TokenLogprob
+from tokenmill.protocol.outcomes import ErrorCode, FinishReason, TokenLogprob
 
 
 @dataclass

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.core.sampling_state import SamplingState
-from protocol.sampling import SamplingParams
+from tokenmill.engine.core.sampling_state import SamplingState
+from tokenmill.protocol.sampling import SamplingParams
 
 
 @dataclass

@@ -13,9 +13,9 @@ import threading
 from collections import OrderedDict
 from typing import Any, Protocol
 
-from engine.errors import GrammarError
-from engine.sample.grammar_process import CompileLimits, GrammarProcess, compile_spec, describe_native_error
-from protocol.sampling import ResponseFormat
+from tokenmill.engine.errors import GrammarError
+from tokenmill.engine.sample.grammar_process import CompileLimits, GrammarProcess, compile_spec, describe_native_error
+from tokenmill.protocol.sampling import ResponseFormat
 
 DEFAULT_MAX_CACHED = 256
 

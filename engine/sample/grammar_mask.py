@@ -9,10 +9,10 @@ from typing import Any, Literal
 
 import torch
 
-from engine.core.sampling_state import SamplingState
-from engine.errors import InvariantError
-from engine.sample.grammar import GrammarCompiler
-from protocol.sampling import SamplingParams
+from tokenmill.engine.core.sampling_state import SamplingState
+from tokenmill.engine.errors import InvariantError
+from tokenmill.engine.sample.grammar import GrammarCompiler
+from tokenmill.protocol.sampling import SamplingParams
 
 # dtypes xgrammar's C++ CPU kernel takes; others (float64 in tests) use its torch implementation.
 _CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

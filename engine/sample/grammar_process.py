@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.errors import GrammarError
+from tokenmill.engine.errors import GrammarError
 
 logger = logging.getLogger(__name__)
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.core.sampling_state import SamplingState
-from engine.errors import InvariantError
-from engine.sample.context import SamplingContext
-from engine.sample.grammar import GrammarCompiler
-from engine.sample.grammar_mask import GrammarMasks
-from engine.sample.penalties import PenaltyTable, apply_penalties
+from tokenmill.engine.core.sampling_state import SamplingState
+from tokenmill.engine.errors import InvariantError
+from tokenmill.engine.sample.context import SamplingContext
+from tokenmill.engine.sample.grammar import GrammarCompiler
+from tokenmill.engine.sample.grammar_mask import GrammarMasks
+from tokenmill.engine.sample.penalties import PenaltyTable, apply_penalties
 
 
 class LogitsProcessors:

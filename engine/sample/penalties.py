@@ -13,8 +13,8 @@ import weakref
 
 import torch
 
-from engine.core.sampling_state import SamplingState
-from protocol.sampling import SamplingParams
+from tokenmill.engine.core.sampling_state import SamplingState
+from tokenmill.protocol.sampling import SamplingParams
 
 _MIN_SLOTS = 8
 

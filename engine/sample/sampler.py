@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.errors import SamplingError
-from engine.sample.context import SamplingContext
-from engine.sample.grammar import GrammarCompiler
-from engine.sample.logits_processors import LogitsProcessors
+from tokenmill.engine.errors import SamplingError
+from tokenmill.engine.sample.context import SamplingContext
+from tokenmill.engine.sample.grammar import GrammarCompiler
+from tokenmill.engine.sample.logits_processors import LogitsProcessors
 
 _MASK_64 = (1 << 64) - 1
 
@@ -61,12 +61,14 @@ class Sampler:
 
     Args:
         grammars: compiles structured-output grammars; None = the engine admits no structured requests.
+        argmax: the greedy choice (:func:`greedy_token_ids`; the CPU's native decoder brings a
+            one-pass C++ version with the same results).
     """
 
-    def __init__(self, grammars: GrammarCompiler | None = None) -> None:
+    def __init__(self, grammars: GrammarCompiler | None = None,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.processors = LogitsProcessors(grammars)
-        # The greedy choice; the CPU's captured step swaps in its one-pass C++ version (same results).
-        self.argmax: Callable[[torch.Tensor], torch.Tensor] = greedy_token_ids
+        self.argmax = argmax or greedy_token_ids
         self._generators: dict[torch.device, torch.Generator] = {}  # seeded rows' draws, reseeded per row
 
     def __call__(self, logits: torch.Tensor, contexts: list[SamplingContext]) -> SamplerOutput:

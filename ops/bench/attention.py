@@ -49,7 +49,7 @@ class Shape:
 
     def __init__(self, torch: Any, heads: tuple[int, int, int], contexts: list[int], q_lens: list[int],
                  block_size: int, dtype: Any, seed: int) -> None:
-        from engine.kernels.attention.metadata import AttentionMetadata
+        from tokenmill.engine.kernels.attention.metadata import AttentionMetadata
 
         num_heads, num_kv_heads, head_dim = heads
         gen = torch.Generator().manual_seed(seed)
@@ -117,7 +117,7 @@ def reference_call(shape: Shape) -> Callable[[int], Any]:
     import torch
     import torch.nn.functional as F
 
-    from engine.kernels.attention.reference import ReferenceBackend
+    from tokenmill.engine.kernels.attention.reference import ReferenceBackend
 
     if shape.meta.num_decodes:
         backend = ReferenceBackend()
@@ -148,7 +148,7 @@ def reference_call(shape: Shape) -> Callable[[int], Any]:
 
 
 def kernel_call(shape: Shape) -> Callable[[int], Any]:
-    from engine.kernels.attention import cpu_kernel
+    from tokenmill.engine.kernels.attention import cpu_kernel
 
     meta = shape.meta
 
@@ -164,7 +164,7 @@ def cache_write_calls(shape: Shape) -> list[Callable[[int], Any]]:
     the shape's tokens at random distinct slots."""
     import torch
 
-    from engine.kernels.attention import cpu_kernel
+    from tokenmill.engine.kernels.attention import cpu_kernel
 
     num_blocks, block_size, num_kv_heads, head_dim = shape.pool.shape[2:]
     num_tokens = shape.key.shape[2]
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
 
-    from engine.kernels.attention import cpu_kernel
+    from tokenmill.engine.kernels.attention import cpu_kernel
 
     torch.set_num_threads(args.threads)
     if args.quick:

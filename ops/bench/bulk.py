@@ -42,7 +42,7 @@ def engine_config(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 def run_offline(items: list[WorkItem], config: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Engine.generate over the workload's token ids; returns tokens/s and wall time."""
-    from engine import Engine, EngineConfig, SamplingParams
+    from tokenmill.engine import Engine, EngineConfig, SamplingParams
 
     engine = Engine.from_config(EngineConfig.model_validate(config))
     params = [SamplingParams(max_tokens=item.max_tokens, ignore_eos=True) for item in items]
@@ -69,7 +69,7 @@ def start_worker(args: argparse.Namespace, redis_url: str, prefix: str, queue: s
     env.update({f"TOKENMILL_ENGINE__{section.upper()}__{key.upper()}": str(value)
                 for section, values in engine_config(args).items() for key, value in values.items()})
     env["TOKENMILL_WORKER__MAX_WAITING"] = str(args.max_num_seqs)
-    cmd = [sys.executable, "-m", "cli", "--redis-url", redis_url, "--prefix", prefix, "--queue", queue,
+    cmd = [sys.executable, "-m", "tokenmill.cli", "--redis-url", redis_url, "--prefix", prefix, "--queue", queue,
            "worker", "--log-json"]
     return subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -85,8 +85,7 @@ def wait_for_worker(producer: Any, timeout_s: float = 300.0) -> None:
 
 def run_bulk(items: list[WorkItem], args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
     """Start a worker, wait until it heartbeats (model loaded), then time the bulk job."""
-    import producer.bulk
-    from producer import Producer
+    from tokenmill.producer import Producer, bulk
 
     prefix, queue = f"bench-{uuid.uuid4().hex[:8]}", "bulk"
     worker = start_worker(args, redis_url, prefix, queue)
@@ -96,7 +95,7 @@ def run_bulk(items: list[WorkItem], args: argparse.Namespace, redis_url: str) ->
             wait_for_worker(client)
             write_input(items, workdir / "input.jsonl")
             start = time.perf_counter()
-            summary = producer.bulk.run(workdir / "input.jsonl", workdir / "output.jsonl", producer=client,
+            summary = bulk.run(workdir / "input.jsonl", workdir / "output.jsonl", producer=client,
                                         max_in_flight=args.max_in_flight, priority="low")
             wall_s = time.perf_counter() - start
             for key in client.client.scan_iter(match=f"{prefix}:*", count=1000):
@@ -127,7 +126,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from engine.model.model_loader import _materialize_gguf, default_cache_dir, resolve_model_path
+    from tokenmill.engine.model.model_loader import _materialize_gguf, default_cache_dir, resolve_model_path
 
     path = resolve_model_path(args.model)
     if isinstance(path, Path) and path.suffix == ".gguf":

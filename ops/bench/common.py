@@ -135,7 +135,7 @@ def child_python_and_env(system: str, threads: int, vllm_venv: str,
 
 def gib(size: str) -> int:
     """A size such as ``"4GiB"`` in whole GiB (the parent process only: it imports the engine's config)."""
-    from engine.config import parse_bytes
+    from tokenmill.engine.config import parse_bytes
 
     return round(parse_bytes(size) / 2**30)
 

@@ -27,10 +27,10 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
 from ops.bench.common import current_rss_bytes, mib, percentile, print_table
-from producer.client import Producer
-from producer.schema import GenerationRequest, encode_request
-from worker.config import Settings
-from worker.runtime import Worker
+from tokenmill.producer.client import Producer
+from tokenmill.producer.schema import GenerationRequest, encode_request
+from tokenmill.worker.config import Settings
+from tokenmill.worker.runtime import Worker
 
 SLOW_REGEX = "(" + "|".join(f"[a-z]{{{i}}}x" for i in range(1, 300)) + ")"  # ~27 s to compile over SmolLM2
 HUGE_REGEX = "|".join(f"word{i}" for i in range(300_000))  # 3.5 MB: refused by the size limit

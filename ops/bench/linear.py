@@ -58,8 +58,8 @@ def _other_bfloat16_paths() -> dict[str, Any]:
     """The panel kernel on each bfloat16 path other than this CPU's that runs here, by path name."""
     import torch
 
-    from engine.kernels import panel_linear
-    from engine.kernels.cpu_linear import LinearKernel, packing_works
+    from tokenmill.engine.kernels import panel_linear
+    from tokenmill.engine.kernels.cpu_linear import LinearKernel, packing_works
 
     kernels = {path: LinearKernel(path, lambda w, path=path: panel_linear.pack_weight(w, path), panel_linear.linear)
                for path in panel_linear.BFLOAT16_PATHS if path != panel_linear.bfloat16_path()}
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.nn import functional
 
-    from engine.kernels import cpu_linear, panel_linear
+    from tokenmill.engine.kernels import cpu_linear, panel_linear
 
     torch.set_num_threads(args.threads)
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]

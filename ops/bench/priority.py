@@ -24,10 +24,10 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from engine.core.request import PreemptionCause
-from engine.core.stats import EngineStats
 from ops.bench.common import fmt, machine_info, mib, percentile, print_table, write_json
 from ops.bench.workload import build_workload
+from tokenmill.engine.core.request import PreemptionCause
+from tokenmill.engine.core.stats import EngineStats
 
 HIGH, LOW = 0, 1
 
@@ -65,7 +65,7 @@ def build_schedule(tokenizer: Any, args: argparse.Namespace) -> list[Arrival]:
 
 def run_mode(mode: str, schedule: list[Arrival], args: argparse.Namespace) -> dict[str, Any]:
     """Run the schedule on a fresh engine; ``mode`` is ``priority`` or ``fifo``."""
-    from engine import Engine, EngineConfig, SamplingParams
+    from tokenmill.engine import Engine, EngineConfig, SamplingParams
 
     config = EngineConfig.model_validate({
         "model": {"name": args.model, "device": "cpu", "dtype": "float32", "num_threads": args.threads},
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from engine.model.model_loader import _materialize_gguf, default_cache_dir, resolve_model_path
+    from tokenmill.engine.model.model_loader import _materialize_gguf, default_cache_dir, resolve_model_path
 
     path = resolve_model_path(args.model)
     if isinstance(path, Path) and path.suffix == ".gguf":

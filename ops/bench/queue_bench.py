@@ -84,12 +84,12 @@ def _latency_stats(samples_s: list[float]) -> dict[str, float]:
 
 
 def bench_tokenmill(url: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    from producer.client import Producer
+    from tokenmill.producer.client import Producer
 
     prefix, queue_name = f"tmbench-{os.getpid()}-{secrets.token_hex(3)}", "bench"
     # NOTE: the echo model's steps run no forward pass, so the worker's intake (backpressure
     # high-water mark) is sized like a GPU worker's (configs/gpu.toml), not the CPU default of 32.
-    cmd = [sys.executable, "-m", "cli", "--prefix", prefix, "--queue", queue_name, "--redis-url", url,
+    cmd = [sys.executable, "-m", "tokenmill.cli", "--prefix", prefix, "--queue", queue_name, "--redis-url", url,
            "worker", "--model", "echo", "--log-text", "--log-level", "WARNING", "--max-waiting", str(args.max_waiting)]
     proc = spawn(cmd, log_dir / "tokenmill-worker.log")
     producer = Producer(url, prefix=prefix, queue=queue_name)
@@ -105,7 +105,7 @@ def bench_tokenmill(url: str, args: argparse.Namespace, log_dir: Path) -> dict[s
             result = producer.result(producer.submit(prompt=PROMPT, max_tokens=MAX_TOKENS), timeout=30)
             latencies.append(time.perf_counter() - start)
             assert result.status == "ok", result
-        return {"system": "tokenmill", "worker": "1 process: python -m cli worker --model echo",
+        return {"system": "tokenmill", "worker": "1 process: python -m tokenmill.cli worker --model echo",
                 **throughput, **drain, "latency": _latency_stats(latencies)}
     finally:
         stop(proc)

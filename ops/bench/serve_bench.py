@@ -68,7 +68,7 @@ def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     """A private redis-server on a unix socket; returns it and its URL."""
     import redis
 
-    from producer.embedded import server_binary
+    from tokenmill.producer.embedded import server_binary
 
     socket_path = tmp / "redis.sock"
     proc = subprocess.Popen([str(server_binary()), "--port", "0", "--unixsocket", str(socket_path), "--save", "",
@@ -170,12 +170,12 @@ def bench_first_token(producer: Any, client: Any, num: int) -> dict[str, Any]:
 def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     import openai
 
-    from producer.client import Producer
+    from tokenmill.producer.client import Producer
 
     redis_proc, url = start_redis(tmp)
     prefix, port = f"tmbench-serve-{secrets.token_hex(3)}", _free_port()
     base_url = f"http://127.0.0.1:{port}/v1"
-    cli = [sys.executable, "-m", "cli", "--prefix", prefix, "--redis-url", url]
+    cli = [sys.executable, "-m", "tokenmill.cli", "--prefix", prefix, "--redis-url", url]
     worker_cmd = [*cli, "worker", "--log-text", "--log-level", "WARNING", "--model"]
     procs: list[subprocess.Popen[bytes]] = [redis_proc]
     producer = Producer(url, prefix=prefix)

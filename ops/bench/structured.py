@@ -44,7 +44,7 @@ SCHEMA: dict[str, Any] = {
 
 def build_params(num_rows: int, structured: bool, max_tokens: int) -> list[Any]:
     """Sampled rows (seeded); with ``structured``, every other row follows SCHEMA."""
-    from engine import SamplingParams
+    from tokenmill.engine import SamplingParams
 
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     return [SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i, response_format=fmt)
@@ -100,7 +100,7 @@ class Timed:
 
 
 def build_engine(model: str, rows: int, threads: int) -> Any:
-    from engine import Engine, EngineConfig
+    from tokenmill.engine import Engine, EngineConfig
 
     return Engine.from_config(EngineConfig.model_validate({
         "model": {"name": model, "device": "cpu", "num_threads": threads},
@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
-    from engine import ChatPrompt
+    from tokenmill.engine import ChatPrompt
 
     engines = [Timed(build_engine(args.model, args.rows, args.threads)) for _ in range(2)]
     prompt_ids = [engines[0].engine.tokenize(

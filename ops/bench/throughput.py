@@ -73,7 +73,7 @@ LABELS = {
 def resolve_model_dir(model: str) -> str:
     """The safetensors directory (or hub id) that every system loads: a GGUF alias is
     dequantized once by the engine's loader and cached."""
-    from engine.model.model_loader import _materialize_gguf, default_cache_dir, resolve_model_path
+    from tokenmill.engine.model.model_loader import _materialize_gguf, default_cache_dir, resolve_model_path
 
     path = resolve_model_path(model)
     if isinstance(path, Path) and path.suffix == ".gguf":
@@ -93,7 +93,7 @@ def _load_hf(args: argparse.Namespace, attn: str | None = None) -> tuple[Any, An
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if args.random_init:  # the engine's own random weights (same seed): every system runs the same model
-        from engine.model.model_loader import random_model
+        from tokenmill.engine.model.model_loader import random_model
 
         config = AutoConfig.from_pretrained(args.model_dir)
         model = random_model(config, getattr(torch, args.dtype), torch.device(args.device), attn or "sdpa")
@@ -185,7 +185,7 @@ def decode_step_ms(generate: Any, vocab_size: int) -> dict[str, float]:
 
 def run_tokenmill(items: list[WorkItem], args: argparse.Namespace, compile_mode: str = "auto") -> dict[str, Any]:
     torch = _setup_torch(args.threads)
-    from engine import Engine, EngineConfig, SamplingParams
+    from tokenmill.engine import Engine, EngineConfig, SamplingParams
 
     config = EngineConfig.model_validate({
         "model": {"name": args.model, "device": args.device, "dtype": args.dtype, "num_threads": args.threads,

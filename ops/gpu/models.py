@@ -35,7 +35,7 @@ TINY_SMOLLM2: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_h
 def export_smollm2_files(dest: Path) -> Path:
     """SmolLM2's config and tokenizer files in ``dest``, from the installed ``smollm2-135m`` alias: copied
     from the engine's dequantized cache when it is there, else read from the GGUF's metadata (seconds)."""
-    from engine.model.model_loader import _gguf_cache_path, default_cache_dir, resolve_model_path
+    from tokenmill.engine.model.model_loader import _gguf_cache_path, default_cache_dir, resolve_model_path
 
     gguf = resolve_model_path("smollm2-135m")
     assert isinstance(gguf, Path)

@@ -46,7 +46,7 @@ class DecodeTiming:
 
 def engine_for(name: str, device: str, dtype: str, scheduler: dict[str, Any], **model: Any) -> Any:
     """A random-weight engine of ``name`` (a config folder), its KV pool sized from free memory."""
-    from engine import Engine, EngineConfig
+    from tokenmill.engine import Engine, EngineConfig
 
     return Engine.from_config(EngineConfig.model_validate({
         "model": {"name": name, "random_init": True, "device": device, "dtype": dtype, **model},
@@ -59,7 +59,7 @@ def time_decode(engine: Any, batch: int, context: int, steps: int, seed: int = 0
     (the prefills), then time ``steps`` decode steps one by one; the requests finish after them."""
     import torch
 
-    from engine import SamplingParams
+    from tokenmill.engine import SamplingParams
 
     rng = random.Random(seed)
     vocab = engine.limits.vocab_size
@@ -97,7 +97,7 @@ def time_decode(engine: Any, batch: int, context: int, steps: int, seed: int = 0
 
 def time_prefill(engine: Any, num_tokens: int, seed: int = 1) -> float:
     """Seconds of one step that prefills a single ``num_tokens``-token prompt (after one such step untimed)."""
-    from engine import SamplingParams
+    from tokenmill.engine import SamplingParams
 
     rng = random.Random(seed)
     seconds = []

@@ -9,12 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from producer.bulk.errors import BulkError, BulkInputError
-from producer.bulk.options import BulkOptions
-from producer.bulk.pipeline import BulkJob
-from producer.bulk.report import BulkSummary
-from producer.client import Producer
-from producer.config import ProducerConfig
+from tokenmill.producer.bulk.errors import BulkError, BulkInputError
+from tokenmill.producer.bulk.options import BulkOptions
+from tokenmill.producer.bulk.pipeline import BulkJob
+from tokenmill.producer.bulk.report import BulkSummary
+from tokenmill.producer.client import Producer
+from tokenmill.producer.config import ProducerConfig
 
 
 def run(input_path: str | Path, output_path: str | Path, *, producer: Producer | None = None,

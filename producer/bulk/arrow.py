@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from producer.bulk.errors import BulkError
+from tokenmill.producer.bulk.errors import BulkError
 
 INSTALL_HINT = "pip install 'tokenmill[parquet]'"
 

@@ -15,11 +15,11 @@ from typing import Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
 
-from producer.bulk.arrow import import_pyarrow
-from producer.bulk.errors import BulkInputError
-from producer.openai_compat.bodies import ENDPOINTS, BodyError, Endpoint, parse_body
-from producer.schema import SamplingParams
-from protocol.values import is_utf8
+from tokenmill.producer.bulk.arrow import import_pyarrow
+from tokenmill.producer.bulk.errors import BulkInputError
+from tokenmill.producer.openai_compat.bodies import ENDPOINTS, BodyError, Endpoint, parse_body
+from tokenmill.producer.schema import SamplingParams
+from tokenmill.protocol.values import is_utf8
 
 InputFormat = Literal["jsonl", "openai", "csv", "parquet"]
 FORMATS: tuple[str, ...] = ("auto", "jsonl", "openai", "csv", "parquet")

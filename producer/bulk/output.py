@@ -15,11 +15,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Literal
 
-from producer.bulk.errors import BulkError
-from producer.bulk.items import BulkItem, InvalidItem
-from producer.openai_compat.objects import completion_object, result_error
-from producer.schema import GenerationResult
-from protocol.values import is_utf8
+from tokenmill.producer.bulk.errors import BulkError
+from tokenmill.producer.bulk.items import BulkItem, InvalidItem
+from tokenmill.producer.openai_compat.objects import completion_object, result_error
+from tokenmill.producer.schema import GenerationResult
+from tokenmill.protocol.values import is_utf8
 
 OutputFormat = Literal["plain", "openai"]
 FSYNC_INTERVAL_S = 2.0

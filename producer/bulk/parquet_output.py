@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from producer.bulk.arrow import import_pyarrow
-from producer.bulk.errors import BulkError
-from producer.bulk.output import DoneSet, json_text, repair_and_scan
+from tokenmill.producer.bulk.arrow import import_pyarrow
+from tokenmill.producer.bulk.errors import BulkError
+from tokenmill.producer.bulk.output import DoneSet, json_text, repair_and_scan
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JOURNAL_SUFFIX = ".partial.jsonl"

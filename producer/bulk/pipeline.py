@@ -16,17 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from producer import common
-from producer.bulk.errors import BulkError
-from producer.bulk.items import BulkItem, InvalidItem, Parsed, count_records, detect_format, read_items
-from producer.bulk.options import BulkOptions, job_id_of, request_id_of
-from producer.bulk.output import DoneSet, LineWriter, OutputFormat, invalid_line, repair_and_scan, result_line
-from producer.bulk.parquet_output import ParquetOutput, is_parquet_output
-from producer.bulk.report import BulkProgress, BulkSummary
-from producer.client import Producer
-from producer.errors import SchemaError
-from producer.openai_compat import ENDPOINTS
-from producer.schema import ErrorCode, GenerationRequest, GenerationResult, decode_result
+from tokenmill.producer import common
+from tokenmill.producer.bulk.errors import BulkError
+from tokenmill.producer.bulk.items import BulkItem, InvalidItem, Parsed, count_records, detect_format, read_items
+from tokenmill.producer.bulk.options import BulkOptions, job_id_of, request_id_of
+from tokenmill.producer.bulk.output import DoneSet, LineWriter, OutputFormat, invalid_line, repair_and_scan, result_line
+from tokenmill.producer.bulk.parquet_output import ParquetOutput, is_parquet_output
+from tokenmill.producer.bulk.report import BulkProgress, BulkSummary
+from tokenmill.producer.client import Producer
+from tokenmill.producer.errors import SchemaError
+from tokenmill.producer.openai_compat import ENDPOINTS
+from tokenmill.producer.schema import ErrorCode, GenerationRequest, GenerationResult, decode_result
 
 # Remote failures worth another attempt; every other non-ok result is final.
 RETRYABLE_CODES = frozenset({ErrorCode.INTERNAL.value, ErrorCode.MAX_DELIVERIES.value})

@@ -12,8 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from producer.openai_compat.errors import BodyError as BodyError  # re-exported: bulk input imports it from here
-from producer.openai_compat.tools import ToolPlan, tool_plan
+from tokenmill.producer.openai_compat.errors import (
+    BodyError as BodyError,  # re-exported: bulk input imports it from here
+)
+from tokenmill.producer.openai_compat.tools import ToolPlan, tool_plan
 
 Endpoint = Literal["chat", "completions"]
 ENDPOINTS: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}

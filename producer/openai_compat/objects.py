@@ -12,10 +12,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from producer.openai_compat.bodies import Endpoint
-from producer.openai_compat.tool_calls import ParsedAnswer, ToolCall, call_id, parse_answer
-from producer.openai_compat.tools import ToolPlan
-from producer.schema import ErrorCode, GenerationResult
+from tokenmill.producer.openai_compat.bodies import Endpoint
+from tokenmill.producer.openai_compat.tool_calls import ParsedAnswer, ToolCall, call_id, parse_answer
+from tokenmill.producer.openai_compat.tools import ToolPlan
+from tokenmill.producer.schema import ErrorCode, GenerationResult
 
 OBJECT_NAMES: dict[Endpoint, str] = {"chat": "chat.completion", "completions": "text_completion"}
 CHUNK_NAMES: dict[Endpoint, str] = {"chat": "chat.completion.chunk", "completions": "text_completion"}

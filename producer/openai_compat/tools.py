@@ -24,8 +24,8 @@ from typing import Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
 
-from producer.openai_compat.errors import BodyError
-from producer.schema import MAX_TOOLS, ToolSpec, describe_validation_error
+from tokenmill.producer.openai_compat.errors import BodyError
+from tokenmill.producer.schema import MAX_TOOLS, ToolSpec, describe_validation_error
 
 ToolChoice = Literal["auto", "required", "function"]
 _TOOLS = TypeAdapter(list[ToolSpec])

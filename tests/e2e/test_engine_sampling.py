@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine, PromptError, SamplingParams, TextPrompt
 from tests.engine_helpers import build_engine
+from tokenmill.engine import Engine, PromptError, SamplingParams, TextPrompt
 
 pytestmark = pytest.mark.e2e
 

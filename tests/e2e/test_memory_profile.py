@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core.step_io import ModelOutput
-from engine.errors import EngineError
-from engine.kernels.attention import ReferenceBackend
-from engine.model.hf_attention import register
-from engine.model.kv_cache import KVCacheSpec
-from engine.model.memory_profile import largest_step, profile_steps
-from engine.model.model_loader import load_model
-from engine.model.model_setup import kv_cache_spec, size_kv_cache
+from tokenmill.engine.config import CacheConfig, SchedulerConfig
+from tokenmill.engine.core.step_io import ModelOutput
+from tokenmill.engine.errors import EngineError
+from tokenmill.engine.kernels.attention import ReferenceBackend
+from tokenmill.engine.model.hf_attention import register
+from tokenmill.engine.model.kv_cache import KVCacheSpec
+from tokenmill.engine.model.memory_profile import largest_step, profile_steps
+from tokenmill.engine.model.model_loader import load_model
+from tokenmill.engine.model.model_setup import kv_cache_spec, size_kv_cache
 
 pytestmark = pytest.mark.e2e
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from transformers import T5Config, ViTConfig
 
-from engine.errors import ModelLoadError
-from engine.model.hf_attention import register
-from engine.model.model_loader import load_model, resolve_model_path
+from tokenmill.engine.errors import ModelLoadError
+from tokenmill.engine.model.hf_attention import register
+from tokenmill.engine.model.model_loader import load_model, resolve_model_path
 
 pytestmark = pytest.mark.e2e
 

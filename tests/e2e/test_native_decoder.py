@@ -14,15 +14,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from engine import Engine, SamplingParams
-from engine.core.step_io import ScheduledChunk
-from engine.kernels import cpu_linear
-from engine.model import native_decoder
-from engine.model.model_runner import ModelRunner
-from engine.model.native_decoder import NativeDecoder
 from tests.e2e.parity_helpers import random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import VOCAB_SIZE, build_tokenizer
+from tokenmill.engine import Engine, SamplingParams
+from tokenmill.engine.core.step_io import ScheduledChunk
+from tokenmill.engine.kernels import cpu_linear
+from tokenmill.engine.model import native_decoder
+from tokenmill.engine.model.model_runner import ModelRunner
+from tokenmill.engine.model.native_decoder import NativeDecoder
+from tokenmill.engine.sample.sampler import greedy_token_ids
 
 pytestmark = pytest.mark.e2e
 
@@ -153,7 +154,7 @@ def test_generation_through_preemption_is_the_same_native_and_eager(tiny_model_d
 def test_other_models_and_settings_run_eagerly(model: str, settings: dict[str, Any], reason: str | None,
                                                tiny_model_dirs: dict[str, Path],
                                                caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="engine.model.native_decoder"):
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.model.native_decoder"):
         engine = build_engine(str(tiny_model_dirs[model]), device="cpu", kv_cache_memory="4MiB", **settings)
     assert _runner(engine).native_decoder is None
     if reason is not None:
@@ -166,7 +167,7 @@ def test_without_the_built_extension_the_layers_run_eagerly(tiny_model_dirs: dic
                                                             monkeypatch: pytest.MonkeyPatch,
                                                             caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(native_decoder._EXTENSION, "is_available", lambda: False)  # no compiler, failed build
-    with caplog.at_level(logging.INFO, logger="engine.model.native_decoder"):
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.model.native_decoder"):
         engine = build_engine(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", kv_cache_memory="4MiB")
     assert _runner(engine).native_decoder is None
     assert any("could not be built" in r.message for r in caplog.records)
@@ -192,7 +193,7 @@ def test_a_stack_that_disagrees_on_the_probe_is_not_used(tiny_model_dirs: dict[s
         return forward(self, *args) * (1 + 1e-6)
 
     monkeypatch.setattr(NativeDecoder, "forward", off_by_a_little)
-    with caplog.at_level(logging.WARNING, logger="engine.model.native_decoder"):
+    with caplog.at_level(logging.WARNING, logger="tokenmill.engine.model.native_decoder"):
         engine = build_engine(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", kv_cache_memory="4MiB")
     assert _runner(engine).native_decoder is None
     assert any("differs from eager" in r.message for r in caplog.records)
@@ -239,3 +240,18 @@ def test_native_greedy_token_ids_match_torch(dtype: torch.dtype, rows: int, voca
     got = native_decoder.greedy_token_ids(logits)
     assert torch.equal(got, logits.max(dim=-1).indices)
     assert torch.equal(got, logits.argmax(dim=-1))
+
+
+def test_the_runner_is_built_with_its_fast_path_and_says_which_once(tiny_model_dirs: dict[str, Path],
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """The fast path is chosen as the runner is constructed (nothing is attached afterwards), its
+    greedy choice comes with it, and the start-up log names the choice in one line."""
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.model.model_setup"):
+        native = build_engine(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", kv_cache_memory="4MiB")
+        eager = build_engine(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", kv_cache_memory="4MiB",
+                             compile="off")
+    lines = [r.message for r in caplog.records if r.message.startswith("fast paths:")]
+    assert lines == ["fast paths: forward=native C++ decoder stack, decode steps=as any step, attention=cpu",
+                     "fast paths: forward=eager, decode steps=as any step, attention=cpu"], lines
+    assert _runner(native).sampler.argmax is native_decoder.greedy_token_ids
+    assert _runner(eager).sampler.argmax is greedy_token_ids and _runner(eager).native_decoder is None

@@ -13,9 +13,9 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from producer import Producer, bulk
 from tests.serve_helpers import run_openai_batch, running_server
 from tests.worker_helpers import make_settings, running_worker
+from tokenmill.producer import Producer, bulk
 
 pytestmark = pytest.mark.e2e
 

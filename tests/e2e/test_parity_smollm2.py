@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from engine import Engine, SamplingParams
-from engine.model.model_runner import ModelRunner
 from tests.e2e.parity_helpers import DEVICES, assert_parity, attention_backend, hf_greedy, load_reference
 from tests.engine_helpers import build_engine
+from tokenmill.engine import Engine, SamplingParams
+from tokenmill.engine.model.model_runner import ModelRunner
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from engine import SamplingParams
 from tests.e2e.parity_helpers import BACKENDS, DEVICES, attention_backend, hf_greedy, load_reference, random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import FAMILIES, VOCAB_SIZE
+from tokenmill.engine import SamplingParams
 
 pytestmark = pytest.mark.e2e
 

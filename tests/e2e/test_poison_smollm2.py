@@ -14,13 +14,13 @@ import msgpack
 import pytest
 import redis
 
-from engine import Engine, EngineConfig
-from engine.core.step_io import ModelOutput, SchedulerOutput
-from engine.output.prompts import TextPrompt
-from producer.schema import GenerationRequest, encode_request
-from protocol.sampling import MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MIN_REPETITION_PENALTY
 from tests.worker_helpers import make_settings, running_worker, wait_result
-from worker.runtime import Worker
+from tokenmill.engine import Engine, EngineConfig
+from tokenmill.engine.core.step_io import ModelOutput, SchedulerOutput
+from tokenmill.engine.output.prompts import TextPrompt
+from tokenmill.producer.schema import GenerationRequest, encode_request
+from tokenmill.protocol.sampling import MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MIN_REPETITION_PENALTY
+from tokenmill.worker.runtime import Worker
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from engine import SamplingParams
-from producer import Producer
 from tests.engine_helpers import build_engine
 from tests.worker_helpers import make_settings, running_worker
-from worker.runtime import Worker
+from tokenmill.engine import SamplingParams
+from tokenmill.producer import Producer
+from tokenmill.worker.runtime import Worker
 
 pytestmark = pytest.mark.e2e
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from producer import Producer
 from tests.worker_helpers import free_port
+from tokenmill.producer import Producer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

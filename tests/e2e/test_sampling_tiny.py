@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from engine import Engine, SamplingParams
 from tests.e2e.parity_helpers import hf_greedy, load_reference, random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import FAMILIES, VOCAB_SIZE
+from tokenmill.engine import Engine, SamplingParams
 
 pytestmark = pytest.mark.e2e
 

@@ -14,14 +14,14 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from engine.model.model_loader import resolve_model_path
-from engine.output.prompts import ChatPrompt, renders_tools, tokenize_prompt
-from producer.common import build_request
-from producer.keys import Keys
-from producer.openai_compat import parse_body
 from tests.serve_helpers import running_server
 from tests.worker_helpers import make_settings, running_worker
-from worker.convert import engine_prompt
+from tokenmill.engine.model.model_loader import resolve_model_path
+from tokenmill.engine.output.prompts import ChatPrompt, renders_tools, tokenize_prompt
+from tokenmill.producer.common import build_request
+from tokenmill.producer.keys import Keys
+from tokenmill.producer.openai_compat import parse_body
+from tokenmill.worker.convert import engine_prompt
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

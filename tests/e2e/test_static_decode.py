@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import Engine, SamplingParams
-from engine.core.step_io import ModelOutput, SchedulerOutput
-from engine.kernels.attention import cpu_kernel
-from engine.model.model_runner import ModelRunner
-from engine.model.static_decode import CapturedStep, StaticDecode, decode_buckets
 from tests.e2e.parity_helpers import hf_greedy, load_reference, random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import VOCAB_SIZE
+from tokenmill.engine import Engine, SamplingParams
+from tokenmill.engine.core.step_io import ModelOutput, SchedulerOutput
+from tokenmill.engine.kernels.attention import cpu_kernel
+from tokenmill.engine.model.model_runner import ModelRunner
+from tokenmill.engine.model.static_decode import CapturedStep, StaticDecode, decode_buckets
 
 pytestmark = pytest.mark.e2e
 NEEDS_CPU_KERNEL = pytest.mark.skipif(not cpu_kernel.is_available(), reason="needs the CPU kernel")
@@ -42,7 +42,7 @@ def static_engine(path: Path, **settings: object) -> Engine:
     static = StaticDecode(runner.forward, runner.kv_cache, runner.backend,
                           decode_buckets(engine.scheduler.config.max_num_seqs), max_blocks_per_seq=64)
     static.prepare_runners(eager, "eager buckets")
-    runner.static_decode = static
+    engine.runner = ModelRunner(runner.loaded, runner.kv_cache, runner.sampler, runner.backend, static_decode=static)
     return engine
 
 

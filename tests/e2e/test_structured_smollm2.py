@@ -8,8 +8,8 @@ import json
 import jsonschema
 import pytest
 
-from engine import ChatPrompt, SamplingParams
 from tests.engine_helpers import build_engine
+from tokenmill.engine import ChatPrompt, SamplingParams
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis
 
-from producer import AsyncProducer, Producer
-from producer.keys import DONE_TTL_S, Keys
-from producer.schema import SCHEMA_VERSION, GenerationResult, encode_result
+from tokenmill.producer import AsyncProducer, Producer
+from tokenmill.producer.keys import DONE_TTL_S, Keys
+from tokenmill.producer.schema import SCHEMA_VERSION, GenerationResult, encode_result
 
 
 class FakeWorker:

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer import Producer, bulk
-from producer.bulk.options import job_id_of, request_id_of
-from producer.keys import Keys
-from producer.schema import GenerationResult, Usage, decode_request, encode_result
 from tests.integration.bulk_helpers import NUM_ITEMS, item_ids, read_jsonl, write_input
 from tests.integration.conftest import FakeWorker
 from tests.worker_helpers import make_settings, running_worker
+from tokenmill.producer import Producer, bulk
+from tokenmill.producer.bulk.options import job_id_of, request_id_of
+from tokenmill.producer.keys import Keys
+from tokenmill.producer.schema import GenerationResult, Usage, decode_request, encode_result
 
 SUFFIXES = {"jsonl": "jsonl", "openai": "jsonl", "csv": "csv", "parquet": "parquet"}
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from producer import Producer, bulk
 from tests.integration.bulk_helpers import item_ids, read_jsonl, write_input
 from tests.worker_helpers import make_settings, running_worker
+from tokenmill.producer import Producer, bulk
 
 pytest.importorskip("torch")
 

@@ -16,13 +16,13 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
-from cli.app import app
-from producer import Producer, bulk
-from producer.bulk import BulkError, BulkJob, BulkOptions
-from producer.bulk.parquet_output import JOURNAL_SUFFIX
-from producer.keys import Keys
 from tests.integration.bulk_helpers import read_jsonl, write_input
 from tests.worker_helpers import make_settings, running_worker
+from tokenmill.cli.app import app
+from tokenmill.producer import Producer, bulk
+from tokenmill.producer.bulk import BulkError, BulkJob, BulkOptions
+from tokenmill.producer.bulk.parquet_output import JOURNAL_SUFFIX
+from tokenmill.producer.keys import Keys
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.app import app
-from cli.bulk import EXIT_INCOMPLETE
-from producer import Producer, bulk
 from tests.integration.bulk_helpers import read_jsonl
 from tests.worker_helpers import make_settings, running_worker
+from tokenmill.cli.app import app
+from tokenmill.cli.bulk import EXIT_INCOMPLETE
+from tokenmill.producer import Producer, bulk
 
 runner = CliRunner()
 NUM_GOOD = 2_999

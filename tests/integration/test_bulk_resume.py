@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from producer import Producer, bulk
 from tests.integration.bulk_helpers import NUM_ITEMS, item_ids, read_jsonl, write_input
 from tests.worker_helpers import free_port, make_settings, running_worker
-from worker.runtime import Worker
+from tokenmill.producer import Producer, bulk
+from tokenmill.worker.runtime import Worker
 
 pytest.importorskip("prometheus_client")
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _start_bulk(redis_url: str, prefix: str, source: Path, out: Path, *flags: str) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "cli", "--redis-url", redis_url, "--prefix", prefix, "bulk", str(source),
+    command = [sys.executable, "-m", "tokenmill.cli", "--redis-url", redis_url, "--prefix", prefix, "bulk", str(source),
                str(out), "--max-in-flight", "8", "--no-progress", "--json", *flags]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "CI": "true"})

@@ -18,10 +18,10 @@ pytest.importorskip("celery")
 from celery import Celery, chain, chord
 from celery.contrib.testing.worker import start_worker
 
-from producer import Producer, ProducerConfig, QueueConfig, RedisConfig
-from producer.celery import JSON_ONLY, register_tasks
-from producer.errors import JobFailed
 from tests.worker_helpers import make_settings, running_worker
+from tokenmill.producer import Producer, ProducerConfig, QueueConfig, RedisConfig
+from tokenmill.producer.celery import JSON_ONLY, register_tasks
+from tokenmill.producer.errors import JobFailed
 
 # celery's redis backend calls redis-py's deprecated setex on every state change.
 pytestmark = pytest.mark.filterwarnings("ignore:Call to deprecated setex:DeprecationWarning")

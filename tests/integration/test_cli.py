@@ -10,12 +10,12 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
-from cli.app import app
-from producer import Producer
-from producer.keys import Keys
-from producer.schema import GenerationResult, decode_request
 from tests.integration.bulk_helpers import read_jsonl, write_input
 from tests.worker_helpers import add_dead_letter, make_settings, running_worker, wait_result
+from tokenmill.cli.app import app
+from tokenmill.producer import Producer
+from tokenmill.producer.keys import Keys
+from tokenmill.producer.schema import GenerationResult, decode_request
 
 runner = CliRunner()
 

@@ -15,20 +15,20 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from producer import Producer
-from producer.schema import GenerationResult, encode_result
-from protocol.heartbeat import STALE_AFTER_S
 from tests.worker_helpers import ROOT, make_settings, running_worker
+from tokenmill.producer import Producer
+from tokenmill.producer.schema import GenerationResult, encode_result
+from tokenmill.protocol.heartbeat import STALE_AFTER_S
 
 DOWN_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1
 
 
 def tokenmill(*args: str, env: dict[str, str] | None = None, stdin: str = "",
               timeout_s: float = 180.0) -> subprocess.CompletedProcess[str]:
-    """``python -m cli ARGS`` with Redis connects tried once (no retry lines), in the repo root."""
+    """``python -m tokenmill.cli ARGS`` with Redis connects tried once (no retry lines), in the repo root."""
     full_env = {**os.environ, "TOKENMILL_REDIS__CONNECT_RETRIES": "0", "COLUMNS": "200", **(env or {})}
     full_env.pop("REDIS_URL", None)
-    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=ROOT, env=full_env, input=stdin,
+    return subprocess.run([sys.executable, "-m", "tokenmill.cli", *args], cwd=ROOT, env=full_env, input=stdin,
                           capture_output=True, text=True, timeout=timeout_s, check=False)
 
 
@@ -138,7 +138,7 @@ def test_no_warning_with_a_live_worker(redis_url: str, key_prefix: str) -> None:
 
 def test_status_judges_staleness_as_the_workers_do(redis_url: str, key_prefix: str, tmp_path: Path) -> None:
     """One constant: the worker's default stale_after_s is status's default; a file's [worker] value is both's."""
-    from worker.config import WorkerConfig
+    from tokenmill.worker.config import WorkerConfig
 
     assert WorkerConfig().stale_after_s == STALE_AFTER_S
     with Producer(redis_url, prefix=key_prefix) as producer:

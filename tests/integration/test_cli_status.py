@@ -9,10 +9,10 @@ import time
 import redis
 from typer.testing import CliRunner
 
-from cli.app import app
-from producer.keys import Keys
-from protocol.heartbeat import Heartbeat, encode_heartbeat
 from tests.worker_helpers import add_dead_letter
+from tokenmill.cli.app import app
+from tokenmill.producer.keys import Keys
+from tokenmill.protocol.heartbeat import Heartbeat, encode_heartbeat
 
 runner = CliRunner()
 LONG_WORKER = "worker-" + "".join(str(i % 10) for i in range(113))  # 120 characters

@@ -8,10 +8,10 @@ import time
 
 import redis
 
-from producer.keys import Keys
-from producer.schema import decode_result
 from tests.worker_helpers import enqueue, start_worker_process, wait_result
-from worker.heartbeat import read_heartbeats
+from tokenmill.producer.keys import Keys
+from tokenmill.producer.schema import decode_result
+from tokenmill.worker.heartbeat import read_heartbeats
 
 NUM_REQUESTS = 200
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import redis
 
-from producer import dead_letters
-from producer.keys import Keys
 from tests.worker_helpers import add_dead_letter
+from tokenmill.producer import dead_letters
+from tokenmill.producer.keys import Keys
 
 
 def test_read_select_and_requeue(redis_client: redis.Redis, keys: Keys) -> None:

@@ -9,11 +9,11 @@ import sys
 
 import redis
 
-from engine.core.request import PreemptionCause
-from engine.engine import Engine
-from producer.client import Producer
-from producer.schema import decode_result
 from tests.worker_helpers import ROOT, enqueue, make_settings, running_worker, wait_result
+from tokenmill.engine.core.request import PreemptionCause
+from tokenmill.engine.engine import Engine
+from tokenmill.producer.client import Producer
+from tokenmill.producer.schema import decode_result
 
 SLOW = "echo:step_delay_s=0.01"
 

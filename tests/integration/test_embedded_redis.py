@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer import Producer, RedisConfig, RedisUnavailable, connect, embedded
+from tokenmill.producer import Producer, RedisConfig, RedisUnavailable, connect, embedded
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,7 +55,7 @@ def test_lifecycle_reuse_and_persistence(home: Path) -> None:
     # A second process reuses the server, writes, and exits; the server outlives it.
     pid = in_subprocess("""
         import redis
-        from producer import embedded
+        from tokenmill.producer import embedded
         status = embedded.start()
         redis.Redis.from_url(status.url).set("tm:persisted", "yes")
         print(status.pid)

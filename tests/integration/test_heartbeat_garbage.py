@@ -14,9 +14,9 @@ import time
 import msgpack
 import redis
 
-from producer import Producer
-from producer.keys import Keys
 from tests.worker_helpers import ROOT, enqueue, start_worker_process, wait_result
+from tokenmill.producer import Producer
+from tokenmill.producer.keys import Keys
 
 
 def _packed(value: object) -> bytes:
@@ -52,9 +52,10 @@ def test_garbage_heartbeats_are_skipped_by_workers_and_readers(
         assert all(process.poll() is None for process in workers), "a worker died"
         with Producer(redis_url, prefix=key_prefix) as producer:
             stats = producer.stats()
-        status = subprocess.run([sys.executable, "-m", "cli", "--redis-url", redis_url, "--prefix", key_prefix,
-                                 "status", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-        table = subprocess.run([sys.executable, "-m", "cli", "--redis-url", redis_url, "--prefix", key_prefix,
+        status = subprocess.run([sys.executable, "-m", "tokenmill.cli", "--redis-url", redis_url,
+                                 "--prefix", key_prefix, "status", "--json"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=60)
+        table = subprocess.run([sys.executable, "-m", "tokenmill.cli", "--redis-url", redis_url, "--prefix", key_prefix,
                                 "status"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     finally:
         for process in workers:

@@ -9,13 +9,13 @@ import queue
 import pytest
 import redis
 
-from producer.keys import Keys
 from tests.worker_helpers import make_settings
-from worker import writer as writer_module
-from worker.health import RedisHealth
-from worker.heartbeat import STOPPED, read_heartbeats
-from worker.state import Load
-from worker.writer import Writer
+from tokenmill.producer.keys import Keys
+from tokenmill.worker import writer as writer_module
+from tokenmill.worker.health import RedisHealth
+from tokenmill.worker.heartbeat import STOPPED, read_heartbeats
+from tokenmill.worker.state import Load
+from tokenmill.worker.writer import Writer
 
 
 def test_the_rate_is_taken_over_an_interval_and_zero_once_stopped(redis_url: str, redis_client: redis.Redis,

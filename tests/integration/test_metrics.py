@@ -16,8 +16,8 @@ pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from producer import Producer
 from tests.worker_helpers import free_port, make_settings, running_worker
+from tokenmill.producer import Producer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -110,7 +110,7 @@ def test_a_busy_metrics_port_fails_the_start_in_one_line_before_the_model_loads(
         port = taken.getsockname()[1]
         # NOTE: a real model: the start must fail before loading it (the README promises one line)
         done = subprocess.run(
-            [sys.executable, "-m", "cli", "--redis-url", redis_url, "--prefix", key_prefix, "worker",
+            [sys.executable, "-m", "tokenmill.cli", "--redis-url", redis_url, "--prefix", key_prefix, "worker",
              "--model", "smollm2-135m", "--device", "cpu", "--metrics-port", str(port)],
             cwd=ROOT, capture_output=True, text=True, timeout=120)
     *before, error = done.stderr.strip().splitlines()

@@ -9,11 +9,11 @@ import time
 import redis
 from typer.testing import CliRunner
 
-from cli.app import app
-from producer import Producer, dead_letters
-from producer.keys import CONSUMER_GROUP, Keys
-from producer.schema import GenerationRequest, encode_request
 from tests.worker_helpers import announce, serving_models
+from tokenmill.cli.app import app
+from tokenmill.producer import Producer, dead_letters
+from tokenmill.producer.keys import CONSUMER_GROUP, Keys
+from tokenmill.producer.schema import GenerationRequest, encode_request
 
 MODELS = ("alpha", "beta")
 

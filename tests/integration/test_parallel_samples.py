@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgpack
 import redis
 
-from producer import Producer
-from producer.schema import GenerationResult, Sample, decode_result, encode_result
 from tests.worker_helpers import make_settings, running_worker
+from tokenmill.producer import Producer
+from tokenmill.producer.schema import GenerationResult, Sample, decode_result, encode_result
 
 
 def test_submit_n_returns_every_sample(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:

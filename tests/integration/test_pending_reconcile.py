@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import redis
 
-from engine.engine import Engine
-from producer.keys import CONSUMER_GROUP
-from protocol.sampling import SamplingParams
 from tests.worker_helpers import enqueue, make_settings, running_worker, wait_result
-from worker.messages import Entry
-from worker.reader import Reader
+from tokenmill.engine.engine import Engine
+from tokenmill.producer.keys import CONSUMER_GROUP
+from tokenmill.protocol.sampling import SamplingParams
+from tokenmill.worker.messages import Entry
+from tokenmill.worker.reader import Reader
 
 
 class ReplyCutter:

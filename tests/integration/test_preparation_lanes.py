@@ -8,11 +8,11 @@ from typing import Any
 
 import redis
 
-from engine.engine import Engine
-from engine.output.prompts import Prompt, TextPrompt
-from protocol.sampling import SamplingParams
 from tests.worker_helpers import enqueue, make_settings, running_worker, wait_result
-from worker.preparation import HEAVY_PROMPT_CHARS
+from tokenmill.engine.engine import Engine
+from tokenmill.engine.output.prompts import Prompt, TextPrompt
+from tokenmill.protocol.sampling import SamplingParams
+from tokenmill.worker.preparation import HEAVY_PROMPT_CHARS
 
 
 class BlockingPreparation(Engine):

@@ -9,7 +9,8 @@ import msgpack
 import pytest
 import redis
 
-from producer import (
+from tests.integration.conftest import FakeWorker
+from tokenmill.producer import (
     JobFailed,
     Producer,
     ProducerConfig,
@@ -20,10 +21,9 @@ from producer import (
     SchemaError,
     common,
 )
-from producer.common import WAIT_SLICE_S
-from producer.keys import CONSUMER_GROUP, Keys
-from producer.schema import GenerationRequest, decode_request
-from tests.integration.conftest import FakeWorker
+from tokenmill.producer.common import WAIT_SLICE_S
+from tokenmill.producer.keys import CONSUMER_GROUP, Keys
+from tokenmill.producer.schema import GenerationRequest, decode_request
 
 
 def lane_entries(client: redis.Redis, keys: Keys, lane: int) -> list[GenerationRequest]:

@@ -13,14 +13,14 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
-from cli.app import app
-from producer import AsyncProducer, GenerationRequest, Producer, SchemaError
-from producer.bulk import BulkJob, BulkOptions
-from producer.celery import request_options
-from producer.common import build_request
-from producer.keys import Keys
-from producer.openai_compat import parse_body
-from producer.schema import decode_request
+from tokenmill.cli.app import app
+from tokenmill.producer import AsyncProducer, GenerationRequest, Producer, SchemaError
+from tokenmill.producer.bulk import BulkJob, BulkOptions
+from tokenmill.producer.celery import request_options
+from tokenmill.producer.common import build_request
+from tokenmill.producer.keys import Keys
+from tokenmill.producer.openai_compat import parse_body
+from tokenmill.producer.schema import decode_request
 
 USER_HI = [{"role": "user", "content": "Hi"}]
 SYSTEM_HI = [{"role": "system", "content": "Be brief."}, *USER_HI]

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_raw_client_submits_and_reads_results(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
     base = f"{key_prefix}:raw"
     worker = subprocess.Popen(
-        [sys.executable, "-m", "cli", "--redis-url", redis_url, "--prefix", key_prefix, "--queue", "raw",
+        [sys.executable, "-m", "tokenmill.cli", "--redis-url", redis_url, "--prefix", key_prefix, "--queue", "raw",
          "worker", "--model", "echo"],
         cwd=ROOT, env={**os.environ, "TOKENMILL_WORKER__BLOCK_MS": "100"},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -9,8 +9,8 @@ from typing import Any
 import msgpack
 import redis
 
-from producer.keys import Keys
 from tests.worker_helpers import enqueue, make_settings, running_worker, wait_result
+from tokenmill.producer.keys import Keys
 
 
 def _xadd(client: redis.Redis, keys: Keys, payload: bytes, version: Any = 1) -> None:

@@ -11,7 +11,6 @@ import uuid
 
 import redis
 
-from producer.keys import CONSUMER_GROUP, Keys
 from tests.worker_helpers import (
     enqueue,
     free_port,
@@ -21,7 +20,8 @@ from tests.worker_helpers import (
     wait_until,
     worker_logs,
 )
-from worker.runtime import Worker
+from tokenmill.producer.keys import CONSUMER_GROUP, Keys
+from tokenmill.worker.runtime import Worker
 
 
 def _events(logs: str) -> list[dict[str, object]]:

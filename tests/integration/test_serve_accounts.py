@@ -12,9 +12,9 @@ import openai
 import pytest
 import redis
 
-from producer.keys import Keys
 from tests.serve_helpers import running_server
 from tests.worker_helpers import make_settings, running_worker
+from tokenmill.producer.keys import Keys
 
 KEY_A, KEY_B = "sk-alice-0123456789", "sk-bob-9876543210"
 

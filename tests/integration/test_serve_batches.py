@@ -14,12 +14,12 @@ import openai
 import pytest
 import redis.asyncio
 
-from producer.keys import Keys
-from serve import batch_runner
-from serve.batch_store import BatchStore
-from serve.guard import ANONYMOUS
 from tests.serve_helpers import running_server
 from tests.worker_helpers import make_settings, running_worker
+from tokenmill.producer.keys import Keys
+from tokenmill.serve import batch_runner
+from tokenmill.serve.batch_store import BatchStore
+from tokenmill.serve.guard import ANONYMOUS
 
 NUM_LINES = 20
 

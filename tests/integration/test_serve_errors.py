@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import redis
 
-from producer.keys import Keys
-from serve import models
 from tests.serve_helpers import running_server
+from tokenmill.producer.keys import Keys
+from tokenmill.serve import models
 
 CHAT = {"model": "echo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 

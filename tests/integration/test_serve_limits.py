@@ -18,8 +18,8 @@ from typing import Any
 import openai
 import pytest
 
-from serve import body as serve_body
 from tests.serve_helpers import peak_rss_bytes, read_response, request_head, running_server, serve_process
+from tokenmill.serve import body as serve_body
 
 MIB = 1 << 20
 HUGE = 100 * MIB

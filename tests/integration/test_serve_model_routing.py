@@ -14,12 +14,12 @@ import openai
 import pytest
 import redis
 
-from producer import Producer
-from producer.keys import Keys
-from protocol.heartbeat import STOPPED, Heartbeat, encode_heartbeat
-from serve.live_models import CACHE_S
 from tests.serve_helpers import running_server
 from tests.worker_helpers import announce, serving_models
+from tokenmill.producer import Producer
+from tokenmill.producer.keys import Keys
+from tokenmill.protocol.heartbeat import STOPPED, Heartbeat, encode_heartbeat
+from tokenmill.serve.live_models import CACHE_S
 
 MODELS = ("alpha", "beta")
 

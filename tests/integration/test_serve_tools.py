@@ -12,11 +12,11 @@ from typing import Any
 import openai
 import pytest
 
-from engine.engine import Engine
-from engine.output.prompts import ChatPrompt, Prompt
-from protocol.sampling import SamplingParams
 from tests.serve_helpers import running_server
 from tests.worker_helpers import make_settings, running_worker
+from tokenmill.engine.engine import Engine
+from tokenmill.engine.output.prompts import ChatPrompt, Prompt
+from tokenmill.protocol.sampling import SamplingParams
 
 SLOW_ECHO = "echo:step_delay_s=0.005"
 WEATHER = {"type": "function", "function": {

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from cli.app import app
-from producer import Producer, bulk
-from producer.schema import GenerationResult
 from tests.integration.bulk_helpers import read_jsonl
 from tests.worker_helpers import make_settings, running_worker
+from tokenmill.cli.app import app
+from tokenmill.producer import Producer, bulk
+from tokenmill.producer.schema import GenerationResult
 
 pytest.importorskip("torch")
 jsonschema = pytest.importorskip("jsonschema")

@@ -31,14 +31,14 @@ import pytest
 import redis
 from packaging.requirements import Requirement
 
-from engine.kernels import panel_linear
-from engine.kernels.attention import cpu_kernel
-from engine.kernels.cpp_build import CppExtension
-from engine.model import native_decoder
-from producer.keys import Keys
-from producer.schema import decode_result
 from tests.tiny_models import save_tiny_model
 from tests.worker_helpers import enqueue
+from tokenmill.engine.kernels import panel_linear
+from tokenmill.engine.kernels.attention import cpu_kernel
+from tokenmill.engine.kernels.cpp_build import CppExtension
+from tokenmill.engine.model import native_decoder
+from tokenmill.producer.keys import Keys
+from tokenmill.producer.schema import decode_result
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -48,10 +48,11 @@ EXTENSIONS: dict[str, CppExtension] = {"attention": cpu_kernel._EXTENSION, "deco
 # Run by the new virtualenv's interpreter: where tokenmill was imported from, where its extensions'
 # sources are, and whether each builds and loads (all three build side by side).
 PROBE = """
-import json, torch, engine
-from engine.kernels import cpu_linear, panel_linear
-from engine.kernels.attention import cpu_kernel
-from engine.model import native_decoder
+import json, torch
+import tokenmill.engine as engine
+from tokenmill.engine.kernels import cpu_linear, panel_linear
+from tokenmill.engine.kernels.attention import cpu_kernel
+from tokenmill.engine.model import native_decoder
 extensions = {"attention": cpu_kernel._EXTENSION, "decoder_stack": native_decoder._EXTENSION,
               "panel_linear": panel_linear._EXTENSION}
 for extension in extensions.values():
@@ -74,7 +75,10 @@ def _copy_checkout(target: Path) -> None:
     listing = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], ROOT)
     for name in filter(None, listing.split("\0")):
         source = ROOT / name
-        if source.is_file():  # tracked files deleted in the working tree are listed too
+        if source.is_symlink():  # tokenmill/engine -> ../engine and its siblings
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            (target / name).symlink_to(source.readlink())
+        elif source.is_file():  # tracked files deleted in the working tree are listed too
             (target / name).parent.mkdir(parents=True, exist_ok=True)
             (target / name).write_bytes(source.read_bytes())
 
@@ -99,9 +103,11 @@ def _build_env(tmp: Path) -> dict[str, str]:
 
 
 def _csrc_files() -> set[str]:
-    """Every C++ file of the engine, relative to the checkout; each extension reads only these."""
-    files = {str(p.relative_to(ROOT)) for p in (ROOT / "engine").rglob("csrc/*") if p.suffix in (".cpp", ".h")}
-    read = {str(p.relative_to(ROOT)) for e in EXTENSIONS.values() for p in (e.source, *e.headers)}
+    """Every C++ file of the engine, as the package holds it (``tokenmill/engine/...``); each extension
+    reads only these."""
+    files = {f"tokenmill/{p.relative_to(ROOT)}" for p in (ROOT / "engine").rglob("csrc/*")
+             if p.suffix in (".cpp", ".h")}
+    read = {f"tokenmill/{p.resolve().relative_to(ROOT)}" for e in EXTENSIONS.values() for p in (e.source, *e.headers)}
     assert read <= files and files, (read, files)
     return files
 
@@ -146,10 +152,25 @@ def test_sdist_and_wheel_ship_every_cpp_source(installed: dict[str, Path]) -> No
     assert wanted <= in_wheel, f"missing from the wheel: {sorted(wanted - in_wheel)}"
 
 
+def test_the_wheel_installs_one_top_level_package(installed: dict[str, Path]) -> None:
+    """Five generic names (engine, worker, producer, cli, serve) would collide inside a web
+    application's virtualenv: an install adds ``tokenmill`` and its metadata, nothing else."""
+    import zipfile
+
+    with zipfile.ZipFile(installed["wheel"]) as wheel:
+        tops = {name.split("/")[0] for name in wheel.namelist()}
+        top_level = next(name for name in wheel.namelist() if name.endswith(".dist-info/top_level.txt"))
+        assert wheel.read(top_level).decode().split() == ["tokenmill"]
+    assert {top for top in tops if not top.endswith(".dist-info")} == {"tokenmill"}, sorted(tops)
+    added = {path.name for path in installed["site_packages"].iterdir()
+             if not path.name.endswith((".dist-info", ".pth")) and path.name != "__pycache__"}
+    assert added == {"tokenmill"}, sorted(added)
+
+
 def test_installed_worker_builds_and_runs_the_cpp_kernels(installed: dict[str, Path], tmp_path: Path,
                                                           redis_url: str, redis_client: redis.Redis,
                                                           key_prefix: str) -> None:
-    environment, package = installed["venv"], installed["site_packages"] / "engine"
+    environment, package = installed["venv"], installed["site_packages"] / "tokenmill" / "engine"
     home, cwd = tmp_path / "home", tmp_path / "cwd"
     cwd.mkdir()
     model = save_tiny_model("llama", tmp_path / "tiny-llama")

@@ -7,9 +7,9 @@ import time
 
 import redis
 
-from producer.client import Producer
-from producer.schema import decode_result
 from tests.worker_helpers import enqueue, make_settings, running_worker, wait_result
+from tokenmill.producer.client import Producer
+from tokenmill.producer.schema import decode_result
 
 SLOW = "echo:step_delay_s=0.01"
 

@@ -16,10 +16,6 @@ import msgpack
 import pytest
 import redis
 
-from engine.engine import Engine
-from engine.output.prompts import Prompt
-from producer.keys import CONSUMER_GROUP, Keys
-from producer.schema import decode_result
 from tests.worker_helpers import (
     enqueue,
     make_settings,
@@ -29,9 +25,13 @@ from tests.worker_helpers import (
     wait_until,
     worker_logs,
 )
-from worker.heartbeat import read_heartbeats
-from worker.runtime import Worker
-from worker.writer import Writer
+from tokenmill.engine.engine import Engine
+from tokenmill.engine.output.prompts import Prompt
+from tokenmill.producer.keys import CONSUMER_GROUP, Keys
+from tokenmill.producer.schema import decode_result
+from tokenmill.worker.heartbeat import read_heartbeats
+from tokenmill.worker.runtime import Worker
+from tokenmill.worker.writer import Writer
 
 RawEntry = dict[str, bytes | int | str]
 

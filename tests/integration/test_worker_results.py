@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import redis
 
-from producer.keys import CONSUMER_GROUP, DONE_TTL_S, Keys
-from producer.schema import GenerationResult, decode_result
-from worker.messages import DeadLetter, Entry, Finish
-from worker.results import FlushOutcome, ResultWriter
+from tokenmill.producer.keys import CONSUMER_GROUP, DONE_TTL_S, Keys
+from tokenmill.producer.schema import GenerationResult, decode_result
+from tokenmill.worker.messages import DeadLetter, Entry, Finish
+from tokenmill.worker.results import FlushOutcome, ResultWriter
 
 
 def _stored(outcomes: list[FlushOutcome]) -> list[int]:

@@ -17,14 +17,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import SchedulerConfig
-from engine.core.clock import FakeClock
-from engine.core.request import ParallelGroup, Request, RequestStatus
-from engine.core.scheduler import Scheduler
-from engine.core.step_io import ModelOutput, SchedulerOutput
-from engine.kv.block_manager import BlockManager
-from engine.kv.prefix_cache import PrefixCache
-from protocol.sampling import SamplingParams
+from tokenmill.engine.config import SchedulerConfig
+from tokenmill.engine.core.clock import FakeClock
+from tokenmill.engine.core.request import ParallelGroup, Request, RequestStatus
+from tokenmill.engine.core.scheduler import Scheduler
+from tokenmill.engine.core.step_io import ModelOutput, SchedulerOutput
+from tokenmill.engine.kv.block_manager import BlockManager
+from tokenmill.engine.kv.prefix_cache import PrefixCache
+from tokenmill.protocol.sampling import SamplingParams
 
 Slot = tuple[int, int] | None  # (position, chain hash of the tokens up to it) whose KV a slot holds
 ROOT_CHAIN = 0

@@ -15,11 +15,17 @@ from typing import Any
 import pytest
 import torch
 
-from engine.kernels.attention import AttentionBackend, AttentionMetadata, CpuKernelBackend, ReferenceBackend, cpu_kernel
-from engine.kernels.attention.reference import paged_attention
-from engine.model.kv_cache import lazy_zeros
 from tests.triton_interpreter import HAS_TRITON, triton_module
 from tests.unit.test_attention_kernel import make_batch
+from tokenmill.engine.kernels.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    CpuKernelBackend,
+    ReferenceBackend,
+    cpu_kernel,
+)
+from tokenmill.engine.kernels.attention.reference import paged_attention
+from tokenmill.engine.model.kv_cache import lazy_zeros
 
 # (context length, query tokens): decodes first, then prefill chunks over a prefix, then first chunks.
 SPECS = [(37, 1), (1, 1), (16, 1), (9, 1), (40, 7), (64, 20), (5, 5), (12, 12)]

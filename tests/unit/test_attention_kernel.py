@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.kernels.attention import cpu_kernel, reference
+from tokenmill.engine.kernels.attention import cpu_kernel, reference
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # (query heads, kv heads, head_dim): GQA groups 1, 3, 4, MQA, and a head_dim that is not a

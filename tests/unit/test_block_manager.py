@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import InvariantError
-from engine.kv.block_manager import BlockManager
+from tokenmill.engine.errors import InvariantError
+from tokenmill.engine.kv.block_manager import BlockManager
 
 
 def test_allocate_takes_blocks_in_free_list_order() -> None:

@@ -9,7 +9,7 @@ import re
 
 from rich.console import Console
 
-from producer.bulk.report import BulkProgress
+from tokenmill.producer.bulk.report import BulkProgress
 
 
 def test_earlier_work_is_counted_as_such_not_as_progress() -> None:

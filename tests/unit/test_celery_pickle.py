@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from celery import Celery
 
-from producer.celery import JSON_ONLY, register_tasks
+from tokenmill.producer.celery import JSON_ONLY, register_tasks
 
 
 @pytest.mark.parametrize("setting", [

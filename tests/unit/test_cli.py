@@ -11,7 +11,7 @@ import typer
 import typer.main
 from typer.testing import CliRunner
 
-from cli.app import app
+from tokenmill.cli.app import app
 
 runner = CliRunner()
 

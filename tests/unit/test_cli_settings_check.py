@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.app import app
+from tokenmill.cli.app import app
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.app import app
-from producer import version as version_module
-from producer.version import UNKNOWN_VERSION, package_version
+from tokenmill.cli.app import app
+from tokenmill.producer import version as version_module
+from tokenmill.producer.version import UNKNOWN_VERSION, package_version
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]

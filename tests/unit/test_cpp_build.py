@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from torch.utils import cpp_extension
 
-from engine.kernels import cpp_build
-from engine.kernels.cpp_build import CppExtension
+from tokenmill.engine.kernels import cpp_build
+from tokenmill.engine.kernels.cpp_build import CppExtension
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +41,7 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_a_missing_compiler_is_logged_once_with_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("CXX", "tokenmill-no-such-compiler")
-    caplog.set_level(logging.WARNING, logger="engine.kernels.cpp_build")
+    caplog.set_level(logging.WARNING, logger="tokenmill.engine.kernels.cpp_build")
     extensions = _extensions(tmp_path)
     assert [ext.is_available() for ext in extensions] == [False, False]
     warnings = _warnings(caplog)
@@ -57,7 +57,7 @@ def test_a_missing_compiler_is_logged_once_with_what_to_install(tmp_path: Path, 
 def test_a_missing_ninja_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                   caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
-    caplog.set_level(logging.WARNING, logger="engine.kernels.cpp_build")
+    caplog.set_level(logging.WARNING, logger="tokenmill.engine.kernels.cpp_build")
     assert not _extensions(tmp_path)[0].is_available()
     (toolchain,) = [w for w in _warnings(caplog) if w.startswith("the C++ CPU kernels cannot be built")]
     assert "no ninja" in toolchain and "pip install ninja" in toolchain
@@ -70,7 +70,7 @@ def test_missing_sources_are_named(tmp_path: Path, caplog: pytest.LogCaptureFixt
     source.write_text("int answer() { return 42; }\n")
     extension = CppExtension("tokenmill_test_headers", source, ("-O0",), what="test kernel", fallback="path used",
                              headers=(header,))
-    caplog.set_level(logging.WARNING, logger="engine.kernels.cpp_build")
+    caplog.set_level(logging.WARNING, logger="tokenmill.engine.kernels.cpp_build")
     assert not extension.is_available()
     (warning,) = _warnings(caplog)
     assert warning.startswith(f"test kernel unavailable (path used): its C++ sources are not installed ({header})")

@@ -10,9 +10,10 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from engine.errors import ModelLoadError
-from engine.kernels import cpu_linear
-from engine.kernels.cpu_linear import (
+from tests.tiny_models import tiny_config
+from tokenmill.engine.errors import ModelLoadError
+from tokenmill.engine.kernels import cpu_linear
+from tokenmill.engine.kernels.cpu_linear import (
     ONEDNN,
     PANELS,
     FusedSiblings,
@@ -22,7 +23,6 @@ from engine.kernels.cpu_linear import (
     pack_linears,
     packing_works,
 )
-from tests.tiny_models import tiny_config
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # Each kernel with each dtype it packs (oneDNN's bfloat16 only where this CPU allows).

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import ByteLevelBPETokenizer, SentencePieceBPETokenizer
 from transformers import PreTrainedTokenizerFast
 
-from engine.output.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.output.detokenizer import IncrementalDetokenizer
 
 CORPUS = [
     "héllo wörld 日本語 🙂 the quick brown fox jumps over the lazy dog",

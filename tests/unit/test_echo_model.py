@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
-from engine.echo import EOS_TOKEN_ID, EchoOptions
-from engine.output.prompts import ChatPrompt
-from protocol.outcomes import FinishReason
+from tokenmill.engine import Engine, EngineConfig, SamplingParams
+from tokenmill.engine.echo import EOS_TOKEN_ID, EchoOptions
+from tokenmill.engine.output.prompts import ChatPrompt
+from tokenmill.protocol.outcomes import FinishReason
 
 ROOT = Path(__file__).resolve().parents[2]
 

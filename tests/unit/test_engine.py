@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.core.clock import FakeClock
-from engine.core.limits import ModelLimits
-from engine.engine import Engine
-from engine.output.output_processor import OutputProcessor
-from engine.output.request_output import RequestOutput
-from protocol.outcomes import ErrorCode, FinishReason
-from protocol.sampling import SamplingParams
 from tests.unit.scheduler_helpers import ScriptedModelRunner, assert_no_leaks, make_scheduler, scripted_continuation
+from tokenmill.engine.core.clock import FakeClock
+from tokenmill.engine.core.limits import ModelLimits
+from tokenmill.engine.engine import Engine
+from tokenmill.engine.output.output_processor import OutputProcessor
+from tokenmill.engine.output.request_output import RequestOutput
+from tokenmill.protocol.outcomes import ErrorCode, FinishReason
+from tokenmill.protocol.sampling import SamplingParams
 
 VOCAB_SIZE = 26
 EOS = 25

@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
-from engine.core.step_io import ModelOutput, SchedulerOutput
-from engine.engine import Engine
-from engine.output.request_output import RequestOutput
-from protocol.outcomes import ErrorCode, FinishReason
-from protocol.sampling import SamplingParams
 from tests.unit.scheduler_helpers import ScriptedModelRunner, assert_no_leaks
 from tests.unit.test_engine import FakeTokenizer, make_engine, run_all
+from tokenmill.engine.core.step_io import ModelOutput, SchedulerOutput
+from tokenmill.engine.engine import Engine
+from tokenmill.engine.output.request_output import RequestOutput
+from tokenmill.protocol.outcomes import ErrorCode, FinishReason
+from tokenmill.protocol.sampling import SamplingParams
 
 GOOD = {f"good{i}": [1 + i, 2, 3 + i] for i in range(6)}
 

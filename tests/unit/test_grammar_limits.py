@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from engine.errors import GrammarError
-from engine.sample.grammar import GrammarCompiler
-from engine.sample.grammar_process import CompileLimits
-from protocol.sampling import MAX_SPEC_CHARS, ResponseFormat
 from tests.tiny_models import build_tokenizer
+from tokenmill.engine.errors import GrammarError
+from tokenmill.engine.sample.grammar import GrammarCompiler
+from tokenmill.engine.sample.grammar_process import CompileLimits
+from tokenmill.protocol.sampling import MAX_SPEC_CHARS, ResponseFormat
 
 SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["happy", "sad"]}, "n": {"type": "integer"}},
           "required": ["mood", "n"]}

@@ -2,8 +2,9 @@
 other packages; inside engine, each folder imports only the folders below it, and the torch-free
 folders load without torch; the producer never imports torch, the engine, the worker, the server or
 the cli; the server (serve/) is a producer: never torch, the engine or the worker; the cli imports
-the worker and the server only inside its commands; nothing imports the worker or the cli; and no
-two modules import each other, however indirectly."""
+the worker and the server only inside its commands; nothing imports the worker or the cli; no
+two modules import each other, however indirectly; and every import names a part through the one
+installed package (``tokenmill.engine``, never a bare ``engine``)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ ENGINE_LAYERS: dict[str, set[str]] = {
     "kernels": set(),  # attention backends, linear kernels, the C++ builder (torch)
     "model": {"core", "kv", "output", "sample", "kernels"},  # runner, loader, KV tensors, setup (torch)
 }
-ENGINE_FOUNDATIONS = {"engine.errors", "engine.config"}
+ENGINE_FOUNDATIONS = {"tokenmill.engine.errors", "tokenmill.engine.config"}
 MAX_ENGINE_TOP_LEVEL_MODULES = 12
 # Packages whose modules must not import each other in a cycle.
 CYCLE_CHECKED_PACKAGES = ["protocol", "engine", "worker", "producer", "serve", "cli"]
@@ -47,15 +48,47 @@ FORBIDDEN = {
 }
 
 
-def _imported_top_levels(path: Path, *, module_level_only: bool = False) -> set[str]:
+PARTS = ["protocol", "engine", "worker", "producer", "serve", "cli"]
+
+
+def _part_or_top_level(module: str) -> str:
+    """``tokenmill.engine.core`` -> ``engine`` (a part of tokenmill); ``torch.nn`` -> ``torch``."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "tokenmill" and len(parts) > 1 else parts[0]
+
+
+def _absolute_imports(path: Path, *, module_level_only: bool = False) -> set[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     names: set[str] = set()
     for node in tree.body if module_level_only else ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            names.add(node.module)
     return names
+
+
+def _imported_top_levels(path: Path, *, module_level_only: bool = False) -> set[str]:
+    return {_part_or_top_level(name) for name in _absolute_imports(path, module_level_only=module_level_only)}
+
+
+def test_every_import_names_a_part_through_the_tokenmill_package() -> None:
+    """A bare ``import engine`` would load a second copy of the module beside ``tokenmill.engine`` in a
+    checkout, and fails in an install, which holds the parts only inside ``tokenmill``."""
+    roots = [ROOT / name for name in [*PARTS, "tokenmill", "tests", "ops"]]
+    offenders = [f"{path.relative_to(ROOT)} imports {sorted(bare)}"
+                 for root in roots for path in sorted(root.rglob("*.py"))
+                 if (bare := {name for name in _absolute_imports(path) if name.split(".")[0] in PARTS})]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_package_links_every_part_and_lends_common_names_lazily() -> None:
+    links = {path.name: path.resolve() for path in (ROOT / "tokenmill").iterdir() if path.is_symlink()}
+    assert links == {part: ROOT / part for part in PARTS}
+    modules = _loaded_modules_after("import tokenmill; tokenmill.Producer")
+    assert "tokenmill.producer.client" in modules and "tokenmill.engine" not in modules
+    engine_modules = _loaded_modules_after("import tokenmill.engine.core.scheduler")
+    assert not {"tokenmill.producer", "redis"} & engine_modules
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -91,7 +124,7 @@ def _loaded_modules_after(statement: str) -> set[str]:
 
 
 def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = ("tokenmill", *path.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -161,9 +194,9 @@ def test_the_cycle_finder_finds_cycles() -> None:
 
 
 def _engine_folder(module: str) -> str | None:
-    """The engine folder a module lives in (``engine.core.scheduler`` -> ``core``); None for the
-    modules directly in engine/."""
-    parts = module.split(".")
+    """The engine folder a module lives in (``tokenmill.engine.core.scheduler`` -> ``core``); None for
+    the modules directly in engine/."""
+    parts = module.split(".")[1:]
     if len(parts) > 2 or (len(parts) == 2 and (ENGINE / parts[1]).is_dir()):
         return parts[1]
     return None
@@ -201,28 +234,32 @@ def test_torch_free_engine_folders_load_without_torch() -> None:
     a new module there is covered without being listed."""
     modules = sorted(_module_name(path) for folder in PURE_ENGINE_FOLDERS for path in (ENGINE / folder).rglob("*.py"))
     modules += sorted(_module_name(path) for path in ENGINE.glob("*.py"))
-    assert "engine.core.scheduler" in modules and "engine.output.output_processor" in modules
+    assert "tokenmill.engine.core.scheduler" in modules and "tokenmill.engine.output.output_processor" in modules
     loaded = _loaded_modules_after("; ".join(f"import {name}" for name in modules))
     assert not {"torch", "transformers"} & loaded
 
 
 def test_the_vocabulary_loads_nothing_but_pydantic_and_msgpack() -> None:
-    modules = _loaded_modules_after("import protocol, protocol.sampling, protocol.outcomes, protocol.heartbeat")
-    assert not {"torch", "transformers", "redis", "engine", "producer", "worker"} & modules
+    modules = _loaded_modules_after("import tokenmill.protocol.sampling, tokenmill.protocol.outcomes, "
+                                    "tokenmill.protocol.heartbeat")
+    unwanted = {"torch", "transformers", "redis", "tokenmill.engine", "tokenmill.producer", "tokenmill.worker"}
+    assert not unwanted & modules
 
 
 def test_producer_loads_without_torch_or_engine() -> None:
-    modules = _loaded_modules_after("import producer, producer.client, producer.aio, producer.schema")
-    assert not {"torch", "transformers", "engine", "worker"} & modules
+    modules = _loaded_modules_after("import tokenmill.producer.client, tokenmill.producer.aio, "
+                                    "tokenmill.producer.schema")
+    assert not {"torch", "transformers", "tokenmill.engine", "tokenmill.worker"} & modules
 
 
 def test_cli_loads_without_the_worker() -> None:
     """`tokenmill --help` and the client commands pay for neither the worker, the server nor torch."""
-    modules = _loaded_modules_after("import cli.app")
-    assert not {"torch", "transformers", "engine", "worker", "serve", "fastapi"} & modules
+    modules = _loaded_modules_after("import tokenmill.cli.app")
+    assert not {"torch", "transformers", "tokenmill.engine", "tokenmill.worker", "tokenmill.serve", "fastapi"} & modules
 
 
 def test_the_server_loads_without_torch_or_engine() -> None:
     """`tokenmill serve` is a producer: its app and every route load no model code."""
-    modules = _loaded_modules_after("import serve.app, serve.completions, serve.batches, serve.files, serve.models")
-    assert not {"torch", "transformers", "engine", "worker"} & modules
+    modules = _loaded_modules_after("import tokenmill.serve.app, tokenmill.serve.completions, tokenmill.serve.batches, "
+                                    "tokenmill.serve.files, tokenmill.serve.models")
+    assert not {"torch", "transformers", "tokenmill.engine", "tokenmill.worker"} & modules

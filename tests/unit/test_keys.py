@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from producer.keys import CONSUMER_GROUP, DONE_TTL_S, PRIORITY_NAMES, Keys
-from producer.schema import GenerationRequest, check_reply_to
+from tokenmill.producer.keys import CONSUMER_GROUP, DONE_TTL_S, PRIORITY_NAMES, Keys
+from tokenmill.producer.schema import GenerationRequest, check_reply_to
 
 
 def test_layout() -> None:

@@ -8,8 +8,8 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from engine.output.logprobs import TokenBytes, build_token_logprobs
 from tests.tiny_models import build_tokenizer
+from tokenmill.engine.output.logprobs import TokenBytes, build_token_logprobs
 
 TEXT = "héllo wörld, 日本語 🙂 ḁ"  # the last character is rare: its three bytes are three tokens
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import SchedulerConfig
-from engine.model.memory_profile import StepProfile, kv_pool_bytes, largest_step
+from tokenmill.engine.config import SchedulerConfig
+from tokenmill.engine.model.memory_profile import StepProfile, kv_pool_bytes, largest_step
 
 GIB = 1 << 30
 

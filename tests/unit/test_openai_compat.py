@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from producer.common import build_request
-from producer.errors import SchemaError
-from producer.keys import Keys
-from producer.openai_compat import BodyError, completion_object, parse_body, result_error
-from producer.openai_compat.objects import chunk_object
-from producer.schema import GenerationResult, Sample, TokenLogprob, TopLogprob, Usage
+from tokenmill.producer.common import build_request
+from tokenmill.producer.errors import SchemaError
+from tokenmill.producer.keys import Keys
+from tokenmill.producer.openai_compat import BodyError, completion_object, parse_body, result_error
+from tokenmill.producer.openai_compat.objects import chunk_object
+from tokenmill.producer.schema import GenerationResult, Sample, TokenLogprob, TopLogprob, Usage
 
 CHAT: dict[str, Any] = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]}
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.ops_helpers import PYPROJECT, ROOT, assert_cli_accepts, assert_settings_take, option, settings_class
-from worker.config import Settings
+from tokenmill.worker.config import Settings
 
 K8S = ROOT / "ops" / "k8s"
 UNIT = ROOT / "ops" / "systemd" / "tokenmill-worker.service"

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import yaml
 
-from engine.model.model_loader import MODEL_ALIASES
 from tests.ops_helpers import (
     PYPROJECT,
     ROOT,
@@ -27,6 +26,7 @@ from tests.ops_helpers import (
     package_files,
     settings_class,
 )
+from tokenmill.engine.model.model_loader import MODEL_ALIASES
 
 DOCKER = ROOT / "ops" / "docker"
 DOCKERFILES = ("Dockerfile.cpu", "Dockerfile.cuda")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import panel_linear
+from tokenmill.engine.kernels import panel_linear
 
 pytestmark = pytest.mark.skipif(not panel_linear.is_available(), reason="the C++ kernel could not be built here")
 PATHS = pytest.mark.parametrize("path", panel_linear.BFLOAT16_PATHS)

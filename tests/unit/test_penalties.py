@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from engine.core.sampling_state import SamplingState
-from engine.sample.context import SamplingContext
-from engine.sample.penalties import PenaltyTable, apply_penalties
-from engine.sample.sampler import Sampler
-from protocol.sampling import SamplingParams
+from tokenmill.engine.core.sampling_state import SamplingState
+from tokenmill.engine.sample.context import SamplingContext
+from tokenmill.engine.sample.penalties import PenaltyTable, apply_penalties
+from tokenmill.engine.sample.sampler import Sampler
+from tokenmill.protocol.sampling import SamplingParams
 
 VOCAB_SIZE = 50
 

@@ -5,8 +5,6 @@ of the partial last one) while drawing what separate requests with seeds seed + 
 
 from __future__ import annotations
 
-from engine.core.request import ParallelGroup, Request, RequestStatus
-from engine.core.scheduler import Scheduler
 from tests.unit.scheduler_helpers import (
     ScriptedModelRunner,
     assert_no_leaks,
@@ -15,6 +13,8 @@ from tests.unit.scheduler_helpers import (
     reference_outputs,
     step_until_done,
 )
+from tokenmill.engine.core.request import ParallelGroup, Request, RequestStatus
+from tokenmill.engine.core.scheduler import Scheduler
 
 PREFIX = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]  # 2 full blocks of 4 and a partial one
 

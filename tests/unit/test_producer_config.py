@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from producer import ProducerConfig, RedisConfig, SchemaError
-from producer.common import Deadline, build_request, rotate
-from producer.config import MAX_BLOCK_S, ClientSettings
-from producer.connection import redact_url, resolve_url
-from producer.keys import Keys
+from tokenmill.producer import ProducerConfig, RedisConfig, SchemaError
+from tokenmill.producer.common import Deadline, build_request, rotate
+from tokenmill.producer.config import MAX_BLOCK_S, ClientSettings
+from tokenmill.producer.connection import redact_url, resolve_url
+from tokenmill.producer.keys import Keys
 
 
 def test_defaults() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from engine.output.prompts import ChatPrompt, PromptError, TextPrompt, tokenize_prompt
+from tokenmill.engine.output.prompts import ChatPrompt, PromptError, TextPrompt, tokenize_prompt
 
 
 class _BaseModelTokenizer:

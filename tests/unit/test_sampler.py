@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine.sample.context import SamplingContext
-from engine.sample.sampler import Sampler, greedy_token_ids, mix_seed
-from protocol.sampling import SamplingParams
+from tokenmill.engine.sample.context import SamplingContext
+from tokenmill.engine.sample.sampler import Sampler, greedy_token_ids, mix_seed
+from tokenmill.protocol.sampling import SamplingParams
 
 VOCAB_SIZE = 32
 EOS_ID = 3

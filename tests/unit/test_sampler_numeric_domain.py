@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from engine.core.sampling_state import SamplingState
-from engine.errors import SamplingError
-from engine.sample.context import SamplingContext
-from engine.sample.sampler import Sampler
-from protocol.sampling import (
+from tokenmill.engine.core.sampling_state import SamplingState
+from tokenmill.engine.errors import SamplingError
+from tokenmill.engine.sample.context import SamplingContext
+from tokenmill.engine.sample.sampler import Sampler
+from tokenmill.protocol.sampling import (
     GREEDY_TEMPERATURE,
     MAX_REPETITION_PENALTY,
     MAX_TEMPERATURE,

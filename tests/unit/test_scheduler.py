@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.request import PreemptionCause, RequestStatus
-from engine.core.step_io import ModelOutput, SchedulerOutput
 from tests.unit.scheduler_helpers import (
     KVMismatch,
     ScriptedModelRunner,
@@ -16,6 +14,8 @@ from tests.unit.scheduler_helpers import (
     reference_outputs,
     step_until_done,
 )
+from tokenmill.engine.core.request import PreemptionCause, RequestStatus
+from tokenmill.engine.core.step_io import ModelOutput, SchedulerOutput
 
 
 def _chunks(output: SchedulerOutput) -> list[tuple[str, int, int]]:

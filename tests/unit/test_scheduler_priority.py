@@ -5,8 +5,6 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.core.request import PreemptionCause, Request, RequestStatus
-from engine.core.scheduler_policy import admission_key, choose_victim, effective_priority, urgency_key
 from tests.unit.scheduler_helpers import (
     assert_no_leaks,
     make_request,
@@ -14,6 +12,8 @@ from tests.unit.scheduler_helpers import (
     reference_outputs,
     step_until_done,
 )
+from tokenmill.engine.core.request import PreemptionCause, Request, RequestStatus
+from tokenmill.engine.core.scheduler_policy import admission_key, choose_victim, effective_priority, urgency_key
 
 
 def test_admission_follows_priority_then_arrival_then_seq_no() -> None:

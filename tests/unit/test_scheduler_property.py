@@ -12,7 +12,6 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.core.request import Request
 from tests.unit.scheduler_helpers import (
     ScriptedModelRunner,
     assert_no_leaks,
@@ -21,6 +20,7 @@ from tests.unit.scheduler_helpers import (
     reference_outputs,
     step_until_done,
 )
+from tokenmill.engine.core.request import Request
 
 EOS_TOKEN_ID = 0
 

@@ -7,8 +7,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from producer.errors import JobFailed, SchemaError
-from producer.schema import (
+from tokenmill.producer.errors import JobFailed, SchemaError
+from tokenmill.producer.schema import (
     SCHEMA_VERSION,
     ErrorCode,
     GenerationRequest,

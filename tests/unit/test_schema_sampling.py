@@ -9,8 +9,8 @@ import msgpack
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from producer.errors import SchemaError
-from producer.schema import (
+from tokenmill.producer.errors import SchemaError
+from tokenmill.producer.schema import (
     GenerationRequest,
     GenerationResult,
     SamplingParams,
@@ -21,7 +21,7 @@ from producer.schema import (
     encode_request,
     encode_result,
 )
-from protocol.sampling import SamplingParams as EngineSamplingParams
+from tokenmill.protocol.sampling import SamplingParams as EngineSamplingParams
 
 SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["a", "b"]}}, "required": ["mood"]}
 JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "m", "schema": SCHEMA, "strict": True}}

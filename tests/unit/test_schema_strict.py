@@ -10,10 +10,10 @@ from typing import Any
 import msgpack
 import pytest
 
-from producer.common import build_request
-from producer.errors import SchemaError
-from producer.keys import Keys
-from producer.schema import (
+from tokenmill.producer.common import build_request
+from tokenmill.producer.errors import SchemaError
+from tokenmill.producer.keys import Keys
+from tokenmill.producer.schema import (
     GenerationRequest,
     GenerationResult,
     decode_request,
@@ -22,7 +22,7 @@ from producer.schema import (
     peek_reply_to,
     peek_request_id,
 )
-from protocol.values import MAX_ERROR_CHARS, MAX_METADATA_BYTES, MAX_METADATA_DEPTH, safe_text, version_of
+from tokenmill.protocol.values import MAX_ERROR_CHARS, MAX_METADATA_BYTES, MAX_METADATA_DEPTH, safe_text, version_of
 
 
 def packed(data: Any) -> bytes:

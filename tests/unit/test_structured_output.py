@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from engine.core.sampling_state import SamplingState
-from engine.errors import GrammarError, InvariantError
-from engine.sample.context import SamplingContext
-from engine.sample.grammar import GrammarCompiler
-from engine.sample.sampler import Sampler
-from protocol.sampling import ResponseFormat, SamplingParams
 from tests.tiny_models import build_tokenizer
+from tokenmill.engine.core.sampling_state import SamplingState
+from tokenmill.engine.errors import GrammarError, InvariantError
+from tokenmill.engine.sample.context import SamplingContext
+from tokenmill.engine.sample.grammar import GrammarCompiler
+from tokenmill.engine.sample.sampler import Sampler
+from tokenmill.protocol.sampling import ResponseFormat, SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["happy", "sad"]}, "n": {"type": "integer"}},
           "required": ["mood", "n"], "additionalProperties": False}

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from producer.openai_compat import BodyError, completion_object, parse_body
-from producer.openai_compat.objects import chunk_object, tool_call_deltas
-from producer.openai_compat.tool_calls import ParsedAnswer, ToolCall, ToolCallStream, call_id, parse_answer
-from producer.openai_compat.tools import tool_plan
-from producer.schema import GenerationRequest, GenerationResult, Sample, decode_request, encode_request
+from tokenmill.producer.openai_compat import BodyError, completion_object, parse_body
+from tokenmill.producer.openai_compat.objects import chunk_object, tool_call_deltas
+from tokenmill.producer.openai_compat.tool_calls import ParsedAnswer, ToolCall, ToolCallStream, call_id, parse_answer
+from tokenmill.producer.openai_compat.tools import tool_plan
+from tokenmill.producer.schema import GenerationRequest, GenerationResult, Sample, decode_request, encode_request
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

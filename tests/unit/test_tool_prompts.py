@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from engine.output.prompts import ChatPrompt, renders_tools, tokenize_prompt, tools_preamble
-from producer.openai_compat.tool_calls import ToolCall, parse_answer
-from producer.schema import GenerationRequest
 from tests.tiny_models import CHAT_TEMPLATE, build_tokenizer
-from worker.convert import engine_prompt
+from tokenmill.engine.output.prompts import ChatPrompt, renders_tools, tokenize_prompt, tools_preamble
+from tokenmill.producer.openai_compat.tool_calls import ToolCall, parse_answer
+from tokenmill.producer.schema import GenerationRequest
+from tokenmill.worker.convert import engine_prompt
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

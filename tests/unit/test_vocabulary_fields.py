@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import typer.main
 
-from cli.app import app
-from producer.celery import request_options
-from producer.common import SubmitOptions, build_request
-from producer.keys import Keys
-from producer.openai_compat import parse_body
-from producer.schema import GenerationRequest, SamplingParams
+from tokenmill.cli.app import app
+from tokenmill.producer.celery import request_options
+from tokenmill.producer.common import SubmitOptions, build_request
+from tokenmill.producer.keys import Keys
+from tokenmill.producer.openai_compat import parse_body
+from tokenmill.producer.schema import GenerationRequest, SamplingParams
 
 # One non-default value per field; a structured response_format excludes min_tokens and ignore_eos, so
 # it goes in a second request with the rest.

@@ -11,10 +11,10 @@ import pytest
 from pydantic import BaseModel, ValidationError
 from typer.testing import CliRunner
 
-from cli.app import app
-from producer.config import ClientSettings
-from producer.errors import ConfigError
-from worker.config import Settings, load_settings
+from tokenmill.cli.app import app
+from tokenmill.producer.config import ClientSettings
+from tokenmill.producer.errors import ConfigError
+from tokenmill.worker.config import Settings, load_settings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -52,7 +52,7 @@ def test_a_line_without_an_exception_is_one_line(as_json: bool) -> None:
 _LOAD_A_MODEL = """
 import sys
 {before}
-from worker.logs import setup_logging
+from tokenmill.worker.logs import setup_logging
 setup_logging("INFO", as_json={as_json})
 from transformers import AutoModelForCausalLM
 AutoModelForCausalLM.from_pretrained(sys.argv[1])

@@ -16,9 +16,9 @@ from typing import Literal, Protocol
 
 import torch
 
-from engine.kernels.attention import cpu_kernel
-from engine.kernels.attention.metadata import AttentionMetadata
-from engine.kernels.attention.reference import ReferenceBackend
+from tokenmill.engine.kernels.attention import cpu_kernel
+from tokenmill.engine.kernels.attention.metadata import AttentionMetadata
+from tokenmill.engine.kernels.attention.reference import ReferenceBackend
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def _unavailable_reason(name: str, device: torch.device) -> str | None:
 
 
 def _triton_backend() -> AttentionBackend:
-    from engine.kernels.attention.triton_paged import TritonBackend  # noqa: PLC0415 - imports triton
+    from tokenmill.engine.kernels.attention.triton_paged import TritonBackend  # noqa: PLC0415 - imports triton
 
     return TritonBackend()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels.cpp_build import AMX_TILES_HEADER, CppExtension
+from tokenmill.engine.kernels.cpp_build import AMX_TILES_HEADER, CppExtension
 
 # -march=native: the cache key includes the CPU's flags, so a binary is only loaded where built.
 # -ffp-contract=fast: the micro-kernels' a * b + c become fused multiply-adds.

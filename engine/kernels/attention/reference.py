@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.attention.metadata import AttentionMetadata
+from tokenmill.engine.kernels.attention.metadata import AttentionMetadata
 
 
 def paged_attention(

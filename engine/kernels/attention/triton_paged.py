@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.attention.metadata import AttentionMetadata
+from tokenmill.engine.kernels.attention.metadata import AttentionMetadata
 
 TILE_N = 32  # context positions per inner step
 MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows on the GPU

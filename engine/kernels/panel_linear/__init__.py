@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels.cpp_build import AMX_TILES_HEADER, CppExtension
+from tokenmill.engine.kernels.cpp_build import AMX_TILES_HEADER, CppExtension
 
 # -march=native: the cache key includes the CPU's flags. -ffp-contract=fast: a * b + c in the
 # micro-kernel becomes one fused multiply-add.

@@ -28,16 +28,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.core.step_io import ScheduledChunk
-from engine.kernels.cpp_build import CppExtension
-from engine.kernels.cpu_linear import PANELS, PackedLinear, SiblingSlice
-from engine.model.hf_attention import StepAttention
-from engine.model.kv_cache import KVCache
-from engine.sample.sampler import greedy_token_ids as torch_greedy_token_ids
-from protocol.sampling import SamplingParams
+from tokenmill.engine.core.step_io import ScheduledChunk
+from tokenmill.engine.kernels.cpp_build import CppExtension
+from tokenmill.engine.kernels.cpu_linear import PANELS, PackedLinear, SiblingSlice
+from tokenmill.engine.model.hf_attention import StepAttention
+from tokenmill.engine.model.kv_cache import KVCache
+from tokenmill.engine.sample.sampler import greedy_token_ids as torch_greedy_token_ids
+from tokenmill.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.model.model_runner import ModelRunner
+    from tokenmill.engine.model.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
