@@ -146,6 +146,33 @@ class ExecutionConfig(_Frozen):
     )
 
 
+class SpeculativeConfig(_Frozen):
+    """Speculative decoding inside the step's token budget (engine/spec/): draft tokens for decoding
+    requests, verified in one forward; the output is the same as without (greedy: token for token)."""
+
+    method: Literal["off", "ngram", "suffix", "draft", "auto"] = Field(
+        "auto", description="off; ngram: the request's own prompt and output (prompt lookup); suffix: a pool of "
+        "continuations of earlier outputs of this engine; draft: a smaller model (draft_model); auto: ngram, "
+        "then suffix")
+    num_speculative_tokens: int = Field(6, ge=1, le=32, description="most draft tokens per request per step")
+    ngram_min: int = Field(2, ge=1, le=16, description="shortest suffix n-gram the lookup matches")
+    ngram_max: int = Field(5, ge=1, le=16, description="longest suffix n-gram the lookup matches")
+    suffix_pool_tokens: int = Field(1_000_000, ge=0, description="continuations the suffix pool remembers "
+                                    "(entries; oldest forgotten first)")
+    draft_model: str | None = Field(None, description="method draft: a Hugging Face causal LM sharing the "
+                                    "model's tokenizer (a path or a name in the cache)")
+    min_acceptance: float = Field(0.3, ge=0.0, le=1.0, description="a request whose recent drafts were accepted "
+                                  "less than this stops drafting (a short draft now and then checks again)")
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("method 'draft' needs draft_model (a smaller model with the same tokenizer)")
+        return self
+
+
 class StructuredOutputConfig(_Frozen):
     """Limits on compiling structured-output grammars (a small spec can take minutes and gigabytes)."""
 
@@ -180,6 +207,7 @@ class EngineConfig(_Frozen):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
 
     @field_validator("model", mode="before")
     @classmethod

@@ -26,9 +26,11 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.clock import Clock
 from tokenmill.engine.core.limits import ModelLimits
 from tokenmill.engine.core.scheduler import Scheduler
+from tokenmill.engine.core.speculation import accept_drafts
 from tokenmill.engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput
 from tokenmill.engine.kv.block_manager import BlockManager
 from tokenmill.engine.kv.prefix_cache import PrefixCache
+from tokenmill.engine.spec import build_speculator
 from tokenmill.protocol.sampling import ResponseFormat
 
 ECHO_MODEL = "echo"
@@ -123,10 +125,13 @@ class EchoRunner:
             time.sleep(self.options.step_delay_s)
         for chunk in scheduler_output.chunks:
             if chunk.needs_sample:
-                token_id = next_echo_token(chunk)
-                output.sampled_token_ids[chunk.request_id] = [token_id]
+                # NOTE: with draft tokens, one "sampled" row per position, kept as a model's would be.
+                token_ids = [echo_token(chunk, chunk.num_output_tokens + row) for row in range(chunk.num_sample_rows)]
+                token_ids = token_ids[:accept_drafts(chunk.draft_token_ids, token_ids)]
+                output.sampled_token_ids[chunk.request_id] = token_ids
                 if chunk.sampling_params.logprobs is not None:
-                    output.logprobs[chunk.request_id] = [{token_id: 0.0}]  # certain: its own only alternative
+                    # certain: each its own only alternative
+                    output.logprobs[chunk.request_id] = [{token_id: 0.0} for token_id in token_ids]
         return output
 
 
@@ -137,10 +142,10 @@ class AnyGrammar:
         """Nothing to compile: the echo model's answer is its prompt."""
 
 
-def next_echo_token(chunk: ScheduledChunk) -> int:
-    """The token at the chunk's output position: the prompt's byte there, or EOS once it was echoed."""
+def echo_token(chunk: ScheduledChunk, position: int) -> int:
+    """The token at an output position of the chunk's request: the prompt's byte there, or EOS once
+    it was echoed."""
     prompt = _prompt_of(chunk)
-    position = chunk.num_output_tokens
     params = chunk.sampling_params
     if position < len(prompt) or params.ignore_eos or params.is_min_tokens_active(position):
         return prompt[position % len(prompt)]
@@ -188,8 +193,10 @@ def build_echo_parts(config: EngineConfig, clock: Clock) -> EchoParts:
                       else config.scheduler.max_num_seqs * blocks_per_request + 1)
     block_manager = BlockManager(num_gpu_blocks, num_gpu_blocks, block_size)  # NOTE: a swap pool as large
     prefix_cache = PrefixCache(block_manager) if config.cache.enable_prefix_caching else None
+    if config.speculative.method == "draft":
+        raise ValueError("the echo model has no draft model: [engine.speculative] method 'draft' needs a real model")
     scheduler = Scheduler(config.scheduler, block_manager, clock, frozenset({EOS_TOKEN_ID}), max_model_len,
-                          prefix_cache)
+                          prefix_cache, build_speculator(config.speculative))
     num_tokens = num_gpu_blocks * block_size
     limits = ModelLimits(model_name=ECHO_MODEL, source=ECHO_MODEL, vocab_size=VOCAB_SIZE,
                          max_request_tokens=min(max_model_len, num_tokens), is_cache_bound=num_tokens < max_model_len,

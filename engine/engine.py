@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Self
 
@@ -65,7 +66,6 @@ class Engine:
         # their own copy.
         self._prompt_tokenizer = copy.deepcopy(tokenizer)
         self._tokenize_lock = threading.Lock()
-        self._num_generated_tokens = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> Self:
@@ -201,9 +201,13 @@ class Engine:
             An output for every request that progressed or finished in this step.
         """
         scheduler_output = self.scheduler.schedule()
+        started_s = time.perf_counter()
         model_output = self._execute(scheduler_output)
+        if self.scheduler.speculator is not None and scheduler_output.chunks:
+            # NOTE: wall time, not the engine clock: the step cost model sizes drafts by what a step costs
+            self.scheduler.speculator.observe_step(scheduler_output.num_batched_tokens,
+                                                   time.perf_counter() - started_s)
         progressed = self.scheduler.update(scheduler_output, model_output)
-        self._num_generated_tokens += len(progressed)
         matched, failed = self.processor.detokenize(progressed)
         for request in matched:
             self._stop_on_string(request)
@@ -300,4 +304,4 @@ class Engine:
     def stats(self) -> EngineStats:
         """Queues, KV usage, totals and the scheduler's counters."""
         return dataclasses.replace(self.scheduler.stats(), kv_block_bytes=self.limits.kv_block_bytes,
-                                   num_generated_tokens=self._num_generated_tokens)
+                                   num_generated_tokens=self.scheduler.counters.num_generated_tokens)

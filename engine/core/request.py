@@ -90,6 +90,10 @@ class Request:
     error_message: str | None = None  # why, for a person (set with FINISHED_ERROR)
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, when asked for
     prefix_entry_ids: list[int] = field(default_factory=list)  # prefix-cache entries of its leading full blocks
+    # Speculative decoding: tokens proposed for this step only (never in output_token_ids until the
+    # model verified them), and the speculator's own per-request state (engine/spec/).
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_state: object | None = field(default=None, repr=False)
     group: ParallelGroup | None = None  # the n > 1 request this one is a sample of
     sample_index: int = 0  # which sample of its group
     # Output side: turns output_token_ids into text; set by the output processor on admission.

@@ -15,6 +15,7 @@ never fit and is finished with FINISHED_ERROR.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 
@@ -24,8 +25,9 @@ from tokenmill.engine.core.preemption import PreemptionPolicy
 from tokenmill.engine.core.request import ParallelGroup, PreemptionCause, Request, RequestStatus, check_stop
 from tokenmill.engine.core.request_queue import RequestQueues
 from tokenmill.engine.core.scheduler_policy import UrgencyKey, admission_key, is_decode, urgency_key
-from tokenmill.engine.core.stats import EngineStats, SchedulerCounters
-from tokenmill.engine.core.step_io import ModelOutput, SchedulerOutput
+from tokenmill.engine.core.speculation import DraftRoom, Speculator
+from tokenmill.engine.core.stats import EngineStats, SchedulerCounters, SpeculationCounters
+from tokenmill.engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput
 from tokenmill.engine.core.step_plan import StepPlan
 from tokenmill.engine.errors import InvariantError
 from tokenmill.engine.kv.block_manager import BlockManager
@@ -50,17 +52,20 @@ class Scheduler:
         max_model_len: the model's context length; None = unbounded.
         prefix_cache: an index of cached full blocks over ``block_manager``'s device pool (new
             requests start after the blocks it already holds); None = every prompt is computed.
+        speculator: proposes draft tokens for decodes, run with what the step's budget and the
+            free blocks leave once every real token is scheduled; None = no speculative decoding.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock: Clock,
                  eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, speculator: Speculator | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
         self.clock = clock
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.prefix_cache = prefix_cache
+        self.speculator = speculator
         self.counters = SchedulerCounters()
         self._queues = RequestQueues()
         self._finished: list[Request] = []  # finished since the last take_finished()
@@ -139,6 +144,8 @@ class Scheduler:
                 is_placed = self._schedule_waiting(request, hit, plan)
             if not is_placed:
                 break  # head-of-line: nothing less urgent may take the room it waits for
+        if self.speculator is not None:
+            self._schedule_drafts(plan, self.speculator)
         self.counters.num_steps += 1
         return plan.build_output(self._queues.requests, self.block_manager)
 
@@ -165,18 +172,42 @@ class Scheduler:
                                      f"computed {request.num_computed_tokens}")
             if is_decode(request):
                 request.num_steps_since_admitted += 1
-            request.num_computed_tokens += chunk.num_tokens
-            if self.prefix_cache is not None:
-                self.prefix_cache.register(request.all_token_ids, self.block_manager.get_block_ids(request.request_id),
-                                           request.prefix_entry_ids, request.num_computed_tokens)
             new_token_ids = model_output.sampled_token_ids.get(chunk.request_id, [])
-            if len(new_token_ids) != int(chunk.needs_sample):
-                raise InvariantError(f"{chunk.request_id}: needs_sample={chunk.needs_sample}, "
-                                     f"got {len(new_token_ids)} tokens")
+            if chunk.num_draft_tokens:
+                self._check_verified(chunk, new_token_ids)
+                num_accepted = len(new_token_ids) - 1
+                request.num_computed_tokens += 1 + num_accepted
+                # NOTE: only verified tokens reach the prefix cache; the rejected drafts' slots go back.
+                known_token_ids = request.all_token_ids + new_token_ids[:num_accepted]
+                self.block_manager.trim(request.request_id, request.num_computed_tokens)
+                request.draft_token_ids = []
+                if self.speculator is not None:
+                    self.speculator.observe(request, chunk.num_draft_tokens, num_accepted)
+            else:
+                if len(new_token_ids) != int(chunk.needs_sample):
+                    raise InvariantError(f"{chunk.request_id}: needs_sample={chunk.needs_sample}, "
+                                         f"got {len(new_token_ids)} tokens")
+                request.num_computed_tokens += chunk.num_tokens
+                known_token_ids = request.all_token_ids
+            if self.prefix_cache is not None:
+                self.prefix_cache.register(known_token_ids, self.block_manager.get_block_ids(request.request_id),
+                                           request.prefix_entry_ids, request.num_computed_tokens)
             if new_token_ids:
-                self._append_token(request, new_token_ids[0], model_output.logprobs.get(chunk.request_id), now_s)
+                logprobs = model_output.logprobs.get(chunk.request_id)
+                for index, token_id in enumerate(new_token_ids):  # NOTE: each one may stop it
+                    self._append_token(request, token_id, logprobs[index:index + 1] if logprobs else None, now_s)
+                    if request.is_finished:
+                        break
                 updated.append(request)
         return updated
+
+    @staticmethod
+    def _check_verified(chunk: ScheduledChunk, new_token_ids: list[int]) -> None:
+        """The runner kept what accept_drafts allows: 1 to k + 1 tokens, all but the last the draft's."""
+        num_kept = len(new_token_ids)
+        is_draft_prefix = new_token_ids[:-1] == chunk.draft_token_ids[:num_kept - 1]
+        if not 1 <= num_kept <= chunk.num_draft_tokens + 1 or not is_draft_prefix:
+            raise InvariantError(f"{chunk.request_id}: kept {new_token_ids} of draft {chunk.draft_token_ids}")
 
     def finish_request(self, request_id: str, status: RequestStatus, error_code: ErrorCode | None = None,
                        error_message: str | None = None) -> None:
@@ -202,6 +233,9 @@ class Scheduler:
         request.status = status
         request.error_code, request.error_message = error_code, error_message
         request.finished_time_s = self.clock.now()
+        request.draft_token_ids = []
+        if self.speculator is not None:
+            self.speculator.finished(request)
         self._finished.append(request)
         if request.group is not None:
             request.group.finished.append(request)
@@ -228,6 +262,7 @@ class Scheduler:
                                          cause_to_num_preemptions=dict(self.counters.cause_to_num_preemptions)),
             prefix=dataclasses.replace(self.prefix_cache.stats) if self.prefix_cache else PrefixStats(),
             num_cached_blocks=self.prefix_cache.num_cached_blocks if self.prefix_cache else 0,
+            speculation=copy.deepcopy(self.speculator.counters) if self.speculator else SpeculationCounters(),
         )
 
     def check_invariants(self) -> None:
@@ -381,11 +416,48 @@ class Scheduler:
             else:
                 self._queues.add(sample)
 
+    def _schedule_drafts(self, plan: StepPlan, speculator: Speculator) -> None:
+        """Draft tokens for the step's decodes, with what is left once every real token is scheduled:
+        the budget's tokens and the free device blocks (above the watermark). A draft never takes room
+        a prefill, an admission or a resumption could use, and never preempts anyone."""
+        if plan.num_tokens_left <= 0:
+            return
+        candidates: list[tuple[Request, int]] = []
+        for request_id, num_tokens in plan.request_to_num_tokens.items():
+            request = self._queues.requests[request_id]
+            if num_tokens != 1 or not is_decode(request) or not request.sampling_params.can_speculate:
+                continue
+            # NOTE: a draft never runs past max_tokens or the context: its last token's successor is the bonus.
+            bound = request.max_tokens - request.num_output_tokens - 1
+            if self.max_model_len is not None:
+                bound = min(bound, self.max_model_len - request.num_tokens)
+            if bound > 0:
+                candidates.append((request, bound))
+        if not candidates:
+            return
+        room = DraftRoom(plan.num_tokens_left, self.config.max_num_batched_tokens - plan.num_tokens_left,
+                         sum(1 for r in plan.request_to_num_tokens if r not in plan.prefill_request_ids))
+        drafts = speculator.draft(candidates, room)
+        bm = self.block_manager
+        for request, _ in candidates:
+            draft = drafts.get(request.request_id)
+            if not draft:
+                continue
+            spare_blocks = max(0, bm.num_free_gpu_blocks - self.config.watermark_blocks)
+            num_slots = (len(bm.get_block_ids(request.request_id)) + spare_blocks) * bm.block_size
+            num_tokens = min(len(draft), plan.num_tokens_left, num_slots - request.num_computed_tokens - 1)
+            if num_tokens <= 0:
+                continue
+            request.draft_token_ids = draft[:num_tokens]
+            self._append_slots(request, request.num_computed_tokens + 1 + num_tokens)
+            plan.add_drafts(request, num_tokens)
+
     # --------------------------------------------------------------------------- helpers
 
     def _append_token(self, request: Request, token_id: int, logprobs: list[dict[int, float]] | None,
                       now_s: float) -> None:
         request.output_token_ids.append(token_id)
+        self.counters.num_generated_tokens += 1
         if logprobs:
             request.logprobs.extend(logprobs)
         if request.first_token_time_s is None:

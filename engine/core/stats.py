@@ -26,10 +26,39 @@ class SchedulerCounters:
     num_recompute_preemptions: int = 0  # preemptions that dropped the KV (recompute)
     num_recomputed_tokens: int = 0  # computed tokens whose KV was dropped and must be recomputed
     num_finished_errors: int = 0  # requests the scheduler itself finished with FINISHED_ERROR
+    num_generated_tokens: int = 0  # output tokens appended to requests (draft tokens only once kept)
 
     @property
     def num_preemptions(self) -> int:
         return sum(self.cause_to_num_preemptions.values())
+
+
+@dataclass
+class SpeculationCounters:
+    """Speculative decoding since the engine started (engine/spec/); all zero with it off."""
+
+    num_drafts: int = 0  # (request, step) pairs that ran draft tokens
+    num_draft_tokens: int = 0  # draft tokens run through the model
+    num_accepted_tokens: int = 0  # of them, kept (the bonus token after each draft not counted)
+    drafted_by_position: list[int] = field(default_factory=list)  # [i]: drafts with a token at position i + 1
+    accepted_by_position: list[int] = field(default_factory=list)  # [i]: drafts whose token i + 1 was kept
+    draft_length_counts: dict[int, int] = field(default_factory=dict)  # length chosen -> (request, step) pairs
+    step_fixed_s: float = 0.0  # the step cost model: t(T) = step_fixed_s + step_per_token_s * T
+    step_per_token_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Kept draft tokens over draft tokens run (0.0 before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Draft tokens kept per draft (each draft also yields one token of the model's own)."""
+        return self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def acceptance_by_position(self) -> list[float]:
+        """Per draft position, the fraction of drafts that reached it whose token there was kept."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
 
 
 @dataclass(frozen=True)
@@ -48,6 +77,7 @@ class EngineStats:
     num_cached_blocks: int = 0  # device blocks whose content the prefix cache indexes
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
     prefix: PrefixStats = field(default_factory=PrefixStats)
+    speculation: SpeculationCounters = field(default_factory=SpeculationCounters)
 
     @property
     def gpu_usage(self) -> float:

@@ -29,10 +29,23 @@ class ScheduledChunk:
     sampling_params: SamplingParams
     num_output_tokens: int  # tokens generated so far == index of the token to sample (min_tokens, seeds)
     sampling_state: SamplingState | None = None  # the request's penalty / grammar state (the sampler's)
+    # Speculative decoding: the last this many of token_ids are draft tokens; the runner samples after
+    # each of the last 1 + num_draft_tokens tokens and keeps what engine.core.speculation.accept_drafts says.
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Logits rows the runner samples for this chunk: 0 (a prefill chunk short of the end), 1, or
+        one per draft token plus one."""
+        return 1 + self.num_draft_tokens if self.needs_sample else 0
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:] if self.num_draft_tokens else []
 
 
 @dataclass
@@ -53,7 +66,8 @@ class SchedulerOutput:
 
 @dataclass
 class ModelOutput:
-    """What the runner returns: one sampled token per chunk that asked for one."""
+    """What the runner returns: one sampled token per chunk that asked for one; for a chunk with draft
+    tokens, the tokens it keeps (1 to num_draft_tokens + 1: the accepted drafts, then the model's own)."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request_id -> new tokens
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # request_id -> top logprobs per token

@@ -81,6 +81,20 @@ class StepPlan:
             raise InvariantError(f"budget exceeded scheduling {request.request_id}")
         self.request_to_num_tokens[request.request_id] = num_tokens
 
+    def add_drafts(self, request: Request, num_tokens: int) -> None:
+        """Grow a scheduled decode by ``num_tokens`` draft tokens (``request.draft_token_ids``),
+        charged to the step's budget like any token.
+
+        Raises:
+            InvariantError: the request is not scheduled as a decode, or the budget would go negative.
+        """
+        if self.request_to_num_tokens.get(request.request_id) != 1 or not is_decode(request) or num_tokens < 1:
+            raise InvariantError(f"bad draft for {request.request_id}: {num_tokens} tokens")
+        self.num_tokens_left -= num_tokens
+        if self.num_tokens_left < 0:
+            raise InvariantError(f"budget exceeded drafting for {request.request_id}")
+        self.request_to_num_tokens[request.request_id] += num_tokens
+
     def remove(self, request_id: str) -> None:
         """Unschedule the request's chunk (if any) and refund its tokens."""
         num_tokens = self.request_to_num_tokens.pop(request_id, 0)
@@ -104,13 +118,15 @@ class StepPlan:
     @staticmethod
     def _chunk(request: Request, num_tokens: int, block_manager: BlockManager) -> ScheduledChunk:
         start = request.num_computed_tokens
+        end = start + num_tokens
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_tokens],
+            token_ids=(request.all_token_ids + request.draft_token_ids)[start:end],
             start_position=start,
             block_ids=block_manager.get_block_ids(request.request_id),
-            needs_sample=start + num_tokens == request.num_tokens,
+            needs_sample=end >= request.num_tokens,
             sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,
             sampling_state=request.sampling_state,
+            num_draft_tokens=max(0, end - request.num_tokens),
         )

@@ -166,6 +166,15 @@ class BlockManager:
         self._gpu_tables.setdefault(request_id, []).extend(new_block_ids)
         return new_block_ids
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the device blocks past those ``num_tokens`` tokens need: the slots a draft took
+        whose tokens the model rejected (none of them was indexed by the prefix cache)."""
+        table = self._gpu_tables.get(request_id)
+        keep = self.num_blocks_for(num_tokens)
+        if table is not None and len(table) > keep:
+            self._gpu.release(table[keep:])
+            del table[keep:]
+
     def can_swap_out(self, request_id: str) -> bool:
         """Whether the request's device blocks can all be copied into free host blocks."""
         table = self._gpu_tables.get(request_id)

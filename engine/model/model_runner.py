@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from tokenmill.engine.core.speculation import accept_drafts
 from tokenmill.engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput
 from tokenmill.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from tokenmill.engine.model.hf_attention import StepAttention
@@ -35,7 +36,7 @@ class PreparedBatch:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
     attention: StepAttention
-    sample_indices: torch.Tensor  # [S] batch index of the last token of each chunk that samples
+    sample_indices: torch.Tensor  # [S] batch index of each row sampled: each chunk's last 1 + draft tokens
     sample_chunks: list[ScheduledChunk]  # the chunk of each row of the sampled logits
 
 
@@ -94,15 +95,23 @@ class ModelRunner:
             logits, sample_chunks = self._forward(batch), batch.sample_chunks
         if not sample_chunks:
             return ModelOutput()
-        contexts = [SamplingContext(params=chunk.sampling_params, num_output_tokens=chunk.num_output_tokens,
+        # NOTE: a chunk with draft tokens samples one row after each of its last 1 + k tokens, each
+        # exactly as a plain decode at that output position would (engine/core/speculation.py).
+        contexts = [SamplingContext(params=chunk.sampling_params, num_output_tokens=chunk.num_output_tokens + row,
                                     eos_token_ids=self.eos_token_ids, state=chunk.sampling_state)
-                    for chunk in sample_chunks]
+                    for chunk in sample_chunks for row in range(chunk.num_sample_rows)]
         sampled = self.sampler(logits, contexts)
         output = ModelOutput()
-        for chunk, token_id, logprobs in zip(sample_chunks, sampled.token_ids, sampled.logprobs):
-            output.sampled_token_ids[chunk.request_id] = [token_id]
-            if logprobs is not None:
-                output.logprobs[chunk.request_id] = [logprobs]
+        first_row = 0
+        for chunk in sample_chunks:
+            rows = slice(first_row, first_row + chunk.num_sample_rows)
+            first_row = rows.stop
+            token_ids = sampled.token_ids[rows]
+            num_kept = accept_drafts(chunk.draft_token_ids, token_ids) if chunk.num_draft_tokens else 1
+            output.sampled_token_ids[chunk.request_id] = token_ids[:num_kept]
+            logprobs = sampled.logprobs[rows][:num_kept]
+            if logprobs[0] is not None:
+                output.logprobs[chunk.request_id] = [entry for entry in logprobs if entry is not None]
         return output
 
     def _forward(self, batch: PreparedBatch) -> torch.Tensor:
@@ -146,7 +155,8 @@ class ModelRunner:
         inputs.add("input_ids", token_ids)
         inputs.add("positions", positions)
         inputs.add("slots", slots)
-        inputs.add("sample_indices", [query_start[i + 1] - 1 for i, c in enumerate(ordered) if c.needs_sample])
+        inputs.add("sample_indices", [index for i, c in enumerate(ordered)
+                                      for index in range(query_start[i + 1] - c.num_sample_rows, query_start[i + 1])])
         inputs.add("seq_lens", seq_lens)
         inputs.add("query_start", query_start)
         inputs.add("tables", [b for c in ordered

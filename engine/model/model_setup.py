@@ -22,6 +22,7 @@ from tokenmill.engine.kernels.attention import AttentionBackend, cpu_kernel, sel
 from tokenmill.engine.kv.block_manager import BlockManager
 from tokenmill.engine.kv.prefix_cache import PrefixCache
 from tokenmill.engine.model import native_decoder
+from tokenmill.engine.model.draft_proposer import DraftModelProposer
 from tokenmill.engine.model.hf_attention import register
 from tokenmill.engine.model.kv_cache import KVCache, KVCacheSpec
 from tokenmill.engine.model.memory_profile import StepProfile, cuda_peak_bytes, kv_pool_bytes, profile_steps
@@ -32,6 +33,7 @@ from tokenmill.engine.output.no_tokenizer import NoTokenizer
 from tokenmill.engine.sample.grammar import GrammarCompiler
 from tokenmill.engine.sample.grammar_process import CompileLimits
 from tokenmill.engine.sample.sampler import Sampler
+from tokenmill.engine.spec import build_speculator
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +83,7 @@ def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
     block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, spec.block_size)
     prefix_cache = PrefixCache(block_manager) if config.cache.enable_prefix_caching else None
     scheduler = Scheduler(config.scheduler, block_manager, clock, loaded.eos_token_ids, loaded.max_model_len,
-                          prefix_cache)
+                          prefix_cache, build_speculator(config.speculative, draft_proposer_for(config, loaded)))
     max_request_tokens = min(loaded.max_model_len, num_gpu_blocks * spec.block_size)
     limits = ModelLimits(model_name=model_config.name, source=loaded.source, vocab_size=loaded.model.config.vocab_size,
                          max_request_tokens=max_request_tokens,
@@ -118,6 +120,16 @@ def with_fast_paths(reference: ModelRunner, grammars: GrammarCompiler | None, co
     sampler = Sampler(grammars, argmax=native_decoder.greedy_token_ids if decoder is not None else None)
     return ModelRunner(reference.loaded, reference.kv_cache, sampler, reference.backend,
                        native_decoder=decoder, static_decode=static)
+
+
+def draft_proposer_for(config: EngineConfig, loaded: LoadedModel) -> DraftModelProposer | None:
+    """The draft model's proposer when ``[engine.speculative] method = "draft"`` (it loads the model)."""
+    spec = config.speculative
+    if spec.method != "draft" or spec.draft_model is None:
+        return None
+    draft = load_model(spec.draft_model, device=config.model.device, dtype=config.model.dtype,
+                       attn_implementation="sdpa", cache_dir=config.model.cache_dir)
+    return DraftModelProposer(draft, loaded)
 
 
 def captures_decode_steps(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> bool:

@@ -64,13 +64,27 @@ class OutputProcessor:
                 new_token_ids = new_token_ids[:-1]
             if detokenizer.stop_matched is None:
                 try:
-                    detokenizer.append(new_token_ids)
+                    num_past_stop = self._append(detokenizer, new_token_ids)
                 except Exception as exc:  # noqa: BLE001 - one request's tokens; the others go on
                     failed.append((request, exc))
                     continue
                 if detokenizer.stop_matched is not None:
+                    _drop_tokens_past_stop(request, num_past_stop)
                     matched.append(request)
         return matched, failed
+
+    @staticmethod
+    def _append(detokenizer: TextDecoder, token_ids: list[int]) -> int:
+        """Append a step's tokens; with several (a verified draft), one at a time, so that a stop
+        string ends the text at the token that completed it. Returns the tokens left past it."""
+        if len(token_ids) <= 1:
+            detokenizer.append(token_ids)
+            return 0
+        for index, token_id in enumerate(token_ids):
+            detokenizer.append([token_id])
+            if detokenizer.stop_matched is not None:
+                return len(token_ids) - index - 1
+        return 0
 
     def make_outputs(self, progressed: list[Request], finished: list[Request]) -> list[RequestOutput]:
         """This step's outputs: rejections, progress of unfinished requests, then final outputs.
@@ -160,3 +174,16 @@ class OutputProcessor:
             self._token_bytes = TokenBytes(self.tokenizer)
         return build_token_logprobs(request.output_token_ids, request.logprobs, num_top, self._token_bytes)
 
+
+def _drop_tokens_past_stop(request: Request, num_tokens: int) -> None:
+    """Nothing past a stop string is emitted: its last tokens (and their logprobs) go, as does a stop
+    token id that followed them."""
+    if num_tokens == 0:
+        return
+    if request.stop_token_id is not None:
+        num_tokens += 1
+        request.stop_token_id = None
+    del request.output_token_ids[-num_tokens:]
+    if request.logprobs:
+        del request.logprobs[len(request.output_token_ids):]
+    request.num_detokenized_tokens = request.num_output_tokens

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE = ROOT / "engine"
 # Folders of engine/ whose every module loads without torch or transformers (STYLE.md), as do the
 # modules directly in engine/ (the engine's front: only Engine.from_config loads a model).
-PURE_ENGINE_FOLDERS = ["core", "kv", "output"]
+PURE_ENGINE_FOLDERS = ["core", "kv", "output", "spec"]
 # The engine's folders and the folders each may import (the layers, bottom up). Any folder may also
 # import engine/errors.py and engine/config.py, which import no other engine module; none imports
 # the front (engine/__init__.py, engine.py, offline.py, echo.py).
@@ -29,8 +29,9 @@ ENGINE_LAYERS: dict[str, set[str]] = {
     "core": {"kv"},  # requests, scheduler, step plan and step I/O, stats
     "output": {"core"},  # prompts, detokenizer, output processor, request outputs
     "sample": {"core"},  # sampler, logits processors, grammars (torch)
+    "spec": {"core"},  # speculative decoding: draftless proposers, the goodput rule (no torch)
     "kernels": set(),  # attention backends, linear kernels, the C++ builder (torch)
-    "model": {"core", "kv", "output", "sample", "kernels"},  # runner, loader, KV tensors, setup (torch)
+    "model": {"core", "kv", "output", "sample", "kernels", "spec"},  # runner, loader, KV tensors, setup (torch)
 }
 ENGINE_FOUNDATIONS = {"tokenmill.engine.errors", "tokenmill.engine.config"}
 MAX_ENGINE_TOP_LEVEL_MODULES = 12

@@ -1,0 +1,46 @@
+"""Prompt lookup: the longest recent suffix of a request's tokens (prompt + output) that occurred
+before in them, and what followed it there. Copy-heavy work -- rewriting, reformatting, extraction,
+code edits -- repeats spans of its prompt, which this drafts for free.
+
+Each request keeps an index of its n-grams (n-gram -> where its latest earlier occurrence ends),
+grown by the tokens added since the last lookup, so a lookup costs O(new tokens x n range), not a
+scan of the whole context. Standard library only.
+"""
+
+from __future__ import annotations
+
+
+class NgramIndex:
+    """One request's n-grams, for :meth:`propose`.
+
+    Args:
+        min_n: shortest suffix matched.
+        max_n: longest suffix matched (tried first: a longer match predicts better).
+    """
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n = min_n
+        self.max_n = max_n
+        self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest indexed occurrence
+        self._num_indexed = 0  # grams ending before this position are indexed
+
+    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
+        """Up to ``num_tokens`` tokens that followed the latest earlier occurrence of the longest
+        suffix of ``token_ids`` (between ``min_n`` and ``max_n`` long) that occurred before; [] if none.
+
+        ``token_ids`` must extend the list of the previous call (a request's tokens only grow).
+        """
+        end = len(token_ids)
+        # NOTE: grams ending at `end` (the suffix itself) are indexed on the next call, so the
+        # lookup below finds only occurrences strictly before the suffix.
+        for stop in range(max(self._num_indexed, 1), end):
+            for n in range(self.min_n, min(self.max_n, stop) + 1):
+                self._ends[tuple(token_ids[stop - n:stop])] = stop
+        self._num_indexed = max(self._num_indexed, end)
+        if num_tokens <= 0:
+            return []
+        for n in range(min(self.max_n, end), self.min_n - 1, -1):
+            found = self._ends.get(tuple(token_ids[end - n:]))
+            if found is not None:
+                return token_ids[found:found + num_tokens]
+        return []

@@ -1,0 +1,60 @@
+"""A pool of continuations seen in earlier outputs of one engine, shared by every request it serves:
+rows of one bulk job or queue that fill the same template (JSON keys, boilerplate, a fixed answer
+format) draft from each other. Suffix-decoding style, bounded in memory. Standard library only.
+
+Each finished request adds, for every position of its output, the n-grams ending there (``min_n``..
+``max_n`` tokens, reaching back into the prompt's tail) mapped to the tokens that followed them. A
+lookup tries the request's longest suffix first. The newest continuation of an n-gram wins, and the
+pool forgets its oldest n-grams once it holds ``capacity`` of them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class SuffixPool:
+    """Continuations of earlier outputs, keyed by the n-gram before them.
+
+    Args:
+        min_n: shortest n-gram matched.
+        max_n: longest n-gram matched (tried first).
+        continuation_len: tokens kept after each n-gram (the most a lookup can draft).
+        capacity: n-grams kept; 0 keeps none.
+    """
+
+    def __init__(self, min_n: int, max_n: int, continuation_len: int, capacity: int) -> None:
+        self.min_n = min_n
+        self.max_n = max_n
+        self.continuation_len = continuation_len
+        self.capacity = capacity
+        self._continuations: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._continuations)
+
+    def add(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
+        """Remember what followed each n-gram of an output (the prompt's last ``max_n`` tokens lead in)."""
+        if self.capacity == 0 or not output_token_ids:
+            return
+        lead = prompt_token_ids[-self.max_n:]
+        tokens = lead + output_token_ids
+        for stop in range(len(lead), len(tokens)):
+            continuation = tuple(tokens[stop:stop + self.continuation_len])
+            for n in range(self.min_n, min(self.max_n, stop) + 1):
+                key = tuple(tokens[stop - n:stop])
+                self._continuations[key] = continuation
+                self._continuations.move_to_end(key)
+        while len(self._continuations) > self.capacity:
+            self._continuations.popitem(last=False)
+
+    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
+        """Up to ``num_tokens`` tokens that followed the longest suffix of ``token_ids`` in an earlier
+        output; [] if no suffix of at least ``min_n`` tokens was seen."""
+        if num_tokens <= 0:
+            return []
+        for n in range(min(self.max_n, len(token_ids)), self.min_n - 1, -1):
+            continuation = self._continuations.get(tuple(token_ids[-n:]))
+            if continuation:
+                return list(continuation[:num_tokens])
+        return []
