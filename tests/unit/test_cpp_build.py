@@ -35,7 +35,7 @@ def _extensions(tmp_path: Path) -> list[CppExtension]:
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "engine.kernels.cpp_build" and r.levelno == logging.WARNING]
+            if r.name == "tokenmill.engine.kernels.cpp_build" and r.levelno == logging.WARNING]
 
 
 def test_a_missing_compiler_is_logged_once_with_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
