@@ -131,11 +131,13 @@ def settings_class(command: str) -> type[FileSettings]:
 
 
 def package_files() -> list[str]:
-    """Every file the wheel is built from: pyproject.toml, the readme, and each package's files
-    (pyproject's packages.find patterns), relative to the checkout."""
+    """Every file the wheel is built from: pyproject.toml, the readme, and the files of each package
+    (pyproject's packages.find patterns) and of each part folder it links (tokenmill/engine -> engine/),
+    relative to the checkout."""
     patterns = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
-    packages = [p for p in ROOT.iterdir() if p.is_dir() and any(re.fullmatch(pat.replace("*", ".*"), p.name)
-                                                                for pat in patterns)]
-    files = [str(f.relative_to(ROOT)) for package in packages for f in package.rglob("*")
+    packages = [p for p in ROOT.iterdir() if (p / "__init__.py").is_file()
+                and any(re.fullmatch(pat.replace("*", ".*"), p.name) for pat in patterns)]
+    folders = packages + [link.resolve() for package in packages for link in package.iterdir() if link.is_symlink()]
+    files = [str(f.relative_to(ROOT)) for folder in folders for f in folder.rglob("*")
              if f.is_file() and "__pycache__" not in f.parts]
     return ["pyproject.toml", PYPROJECT["project"]["readme"], *files]
