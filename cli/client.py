@@ -122,6 +122,8 @@ def submit(
     stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
     stop_token_id: Annotated[list[int] | None, typer.Option(help="stop token id (repeatable)")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="generate past end-of-sequence tokens")] = False,
+    speculative: Annotated[bool, typer.Option(help="--no-speculative: never draft tokens for this request "
+                                                   "(the text is the same either way)")] = True,
     repetition_penalty: Annotated[float | None, typer.Option(
         help="Hugging Face's repetition penalty over prompt and output (> 1 repeats less)")] = None,
     presence_penalty: Annotated[float | None, typer.Option(help="OpenAI's presence penalty [-2, 2]")] = None,
@@ -152,6 +154,7 @@ def submit(
                                "max_tokens": max_tokens, "min_tokens": min_tokens, "temperature": temperature,
                                "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop or None, "n": n,
                                "stop_token_ids": stop_token_id or None, "ignore_eos": ignore_eos or None,
+                               "speculative": None if speculative else False,
                                "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
                                "frequency_penalty": frequency_penalty, "logprobs": logprobs,
                                "response_format": _response_format(response_format, json_schema, regex),

@@ -107,6 +107,7 @@ class SubmitOptions(TypedDict, total=False):
     frequency_penalty: float
     repetition_penalty: float
     response_format: ResponseFormat | Mapping[str, Any] | None
+    speculative: bool
     priority: Literal["high", "normal", "low"] | int
     request_id: str | None
     deadline: float | None

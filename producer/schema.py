@@ -252,7 +252,7 @@ def _pack(obj: dict[str, Any]) -> bytes:
 # defaults, or None), so that what does not use them encodes exactly as before and older readers,
 # which reject unknown fields, still take it.
 _NEWER_PARAM_DEFAULTS: dict[str, Any] = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                                          "n": 1}
+                                          "n": 1, "speculative": True}
 _NEWER_RESULT_FIELDS = ("model", "token_logprobs", "samples")
 
 

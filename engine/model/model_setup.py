@@ -125,7 +125,7 @@ def with_fast_paths(reference: ModelRunner, grammars: GrammarCompiler | None, co
 def draft_proposer_for(config: EngineConfig, loaded: LoadedModel) -> DraftModelProposer | None:
     """The draft model's proposer when ``[engine.speculative] method = "draft"`` (it loads the model)."""
     spec = config.speculative
-    if spec.method != "draft" or spec.draft_model is None:
+    if spec.method != "draft" or not spec.draft_model:
         return None
     draft = load_model(spec.draft_model, device=config.model.device, dtype=config.model.dtype,
                        attn_implementation="sdpa", cache_dir=config.model.cache_dir)

@@ -25,7 +25,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completio
 _IGNORED = frozenset({"user", "store", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options"})
 # Passed through under the same name (OpenAI's sampling fields, and tokenmill extensions as vLLM has them).
 _SAME_NAME = ("temperature", "top_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty", "top_k",
-              "min_tokens", "stop_token_ids", "ignore_eos", "repetition_penalty")
+              "min_tokens", "stop_token_ids", "ignore_eos", "repetition_penalty", "speculative")
 _CHAT_ONLY = frozenset({"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                         "tool_choice", "parallel_tool_calls", "functions", "function_call", "modalities", "audio",
                         "prediction", "reasoning_effort", "web_search_options"})

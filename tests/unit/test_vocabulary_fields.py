@@ -23,7 +23,7 @@ from tokenmill.producer.schema import GenerationRequest, SamplingParams
 VALUES: dict[str, Any] = {
     "n": 2, "max_tokens": 7, "min_tokens": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 3,
     "stop": ["END"], "stop_token_ids": [9], "ignore_eos": True, "logprobs": 2, "presence_penalty": 0.5,
-    "frequency_penalty": 0.25, "repetition_penalty": 1.1,
+    "frequency_penalty": 0.25, "repetition_penalty": 1.1, "speculative": False,
 }
 STRUCTURED: dict[str, Any] = {
     **{name: value for name, value in VALUES.items() if name not in ("min_tokens", "ignore_eos")},
