@@ -57,8 +57,8 @@ class DraftModelProposer:
         if entry is None:
             entry = self._caches[request_id] = _DraftCache(DynamicCache())
         keep = _common_prefix(entry.token_ids, token_ids, limit=len(token_ids) - 1)
-        if keep < len(entry.token_ids):
-            entry.cache.crop(keep)
+        if keep < len(entry.token_ids):  # NOTE: a negative count (tokens to remove) means that in every transformers
+            entry.cache.crop(keep - len(entry.token_ids))
         feed = token_ids[keep:]
         entry.token_ids = list(token_ids)
         draft: list[int] = []

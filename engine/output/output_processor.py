@@ -178,11 +178,11 @@ class OutputProcessor:
 def _drop_tokens_past_stop(request: Request, num_tokens: int) -> None:
     """Nothing past a stop string is emitted: its last tokens (and their logprobs) go, as does a stop
     token id that followed them."""
-    if num_tokens == 0:
-        return
-    if request.stop_token_id is not None:
+    if request.stop_token_id is not None:  # NOTE: the stop string came first: the stop id is past it
         num_tokens += 1
         request.stop_token_id = None
+    if num_tokens == 0:
+        return
     del request.output_token_ids[-num_tokens:]
     if request.logprobs:
         del request.logprobs[len(request.output_token_ids):]

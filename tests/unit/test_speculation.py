@@ -1,0 +1,238 @@
+"""Speculative decoding without a model (issue 28): which verified tokens a request keeps, the
+draftless proposers, the goodput rule that sizes drafts by step cost, and the real scheduler over
+the echo model: drafts inside the token budget, KV reserved and given back, nothing unverified in
+the prefix cache, stop rules token by token, and the same output as without speculation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tokenmill.engine import Engine, EngineConfig, SamplingParams
+from tokenmill.engine.core.request import Request
+from tokenmill.engine.core.speculation import accept_drafts
+from tokenmill.engine.core.step_io import ModelOutput, SchedulerOutput
+from tokenmill.engine.spec.draft_length import Acceptance, StepCost, choose_draft_lengths
+from tokenmill.engine.spec.ngram import NgramIndex
+from tokenmill.engine.spec.speculator import DraftSpeculator
+from tokenmill.engine.spec.suffix_pool import SuffixPool
+from tokenmill.protocol.outcomes import FinishReason
+
+# ------------------------------------------------------------------------------ verification
+
+
+def test_a_request_keeps_the_rows_up_to_the_first_that_is_not_the_draft() -> None:
+    assert accept_drafts([5, 6, 7], [5, 6, 7, 8]) == 4  # every draft token, then the bonus
+    assert accept_drafts([5, 6, 7], [5, 9, 7, 8]) == 2  # d1 kept, then the model's own token
+    assert accept_drafts([5, 6, 7], [4, 6, 7, 8]) == 1  # only the model's own token
+    assert accept_drafts([], [3]) == 1
+    with pytest.raises(ValueError, match="sampled rows"):
+        accept_drafts([5, 6], [5, 6])
+
+
+# ------------------------------------------------------------------------------ proposers
+
+
+def test_ngram_lookup_continues_the_latest_earlier_occurrence_of_the_longest_suffix() -> None:
+    index = NgramIndex(min_n=2, max_n=3)
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 1, 2, 3]
+    # [1, 2, 3] occurred at 0..2 (followed by 4, 5); [2, 3] later at 6..7 (followed by 7) but the
+    # longest suffix wins.
+    assert index.propose(tokens, 2) == [4, 5]
+    assert index.propose(tokens + [4], 3) == [5, 9, 2]  # grown incrementally: [2, 3, 4] -> 5, 9, 2
+    assert NgramIndex(2, 3).propose([1, 2, 3, 4], 4) == []  # no repeated n-gram
+    assert NgramIndex(2, 3).propose([7, 7, 7, 7], 2) == [7]  # the continuation stops at the end
+    assert NgramIndex(1, 2).propose([1, 2], 0) == []
+
+
+def test_the_suffix_pool_drafts_from_earlier_outputs_and_forgets_the_oldest() -> None:
+    pool = SuffixPool(min_n=2, max_n=3, continuation_len=4, capacity=1000)
+    pool.add(prompt_token_ids=[100, 101], output_token_ids=[10, 11, 12, 13, 14, 15])
+    assert pool.propose([50, 10, 11], 3) == [12, 13, 14]
+    assert pool.propose([101, 10], 2) == [11, 12]  # the prompt's tail leads into the output
+    assert pool.propose([50, 51], 3) == []
+    small = SuffixPool(min_n=2, max_n=2, continuation_len=2, capacity=3)
+    small.add([0], [1, 2, 3, 4, 5, 6])
+    assert len(small) == 3 and small.propose([5, 6], 2) == [] and small.propose([4, 5], 2) == [6]
+    assert small.propose([1, 2], 2) == []  # forgotten
+
+
+# ------------------------------------------------------------------------------ the goodput rule
+
+
+def test_the_step_cost_model_fits_a_line() -> None:
+    cost = StepCost()
+    for tokens in [1, 64, 8, 300, 2, 512, 33] * 5:
+        cost.observe(tokens, 0.020 + 0.0005 * tokens)
+    assert cost.fixed_s == pytest.approx(0.020, rel=1e-3)
+    assert cost.per_token_s == pytest.approx(0.0005, rel=1e-3)
+
+
+def test_acceptance_counts_recent_drafts() -> None:
+    acceptance = Acceptance()
+    assert acceptance.rate == 0.5
+    for _ in range(10):
+        acceptance.observe(num_drafted=4, num_accepted=4)
+    assert acceptance.rate > 0.95
+    for _ in range(20):
+        acceptance.observe(num_drafted=4, num_accepted=0)
+    assert acceptance.rate < 0.1
+
+
+def _cost(fixed_s: float, per_token_s: float) -> StepCost:
+    cost = StepCost()
+    cost.fixed_s, cost.per_token_s = fixed_s, per_token_s
+    return cost
+
+
+def test_the_cost_of_a_step_not_acceptance_decides_how_deep_to_draft() -> None:
+    """The same 80% acceptance: a weight-bound small batch drafts every proposed token; a compute-bound
+    batch of 64 drafts only the first positions of a few; free drafting drafts everything."""
+    cpu = _cost(fixed_s=0.030, per_token_s=0.0008)
+    one = choose_draft_lengths([("a", 6, 0.8)], 4096, num_scheduled_tokens=1, num_decodes=1, cost=cpu)
+    assert one == {"a": 6}
+    batch = [(f"r{i}", 6, 0.8) for i in range(64)]
+    large = choose_draft_lengths(batch, 4096, num_scheduled_tokens=64, num_decodes=64, cost=cpu)
+    assert max(large.values()) == 1  # only the first position pays
+    huge = [(f"r{i}", 6, 0.6) for i in range(256)]
+    assert choose_draft_lengths(huge, 4096, num_scheduled_tokens=256, num_decodes=256, cost=cpu) == {}
+    assert choose_draft_lengths(batch, 4096, 64, 64, _cost(0.030, 0.0)) == {f"r{i}": 6 for i in range(64)}
+    # Better acceptance is drafted first; the budget bounds the total.
+    mixed = choose_draft_lengths([("low", 6, 0.3), ("high", 6, 0.95)], 3, 2, 2, cpu)
+    assert mixed == {"high": 3}
+
+
+# ------------------------------------------------------------------------------ the echo engine
+
+
+def _echo(method: str = "auto", **sections: Any) -> Engine:
+    return Engine.from_config(EngineConfig.model_validate(
+        {"model": {"name": "echo"}, "speculative": {"method": method}, **sections}))
+
+
+PROMPTS = ["the cat sat on the mat and the cat sat on the hat", "abcabcabcabcabcabc",
+           "no repeats here: 0123456789", "say stop here and stop there, stop!"]
+
+
+def _generate(engine: Engine, prompts: list[str], **params: Any) -> list[tuple[Any, ...]]:
+    outputs = engine.generate(prompts, SamplingParams(**params), progress=False)
+    return [(o.finish_reason, o.text, o.token_ids, o.token_logprobs,
+             [(s.text, s.token_ids) for s in o.samples or []]) for o in outputs]
+
+
+@pytest.mark.parametrize("params", [
+    dict(max_tokens=64),
+    dict(max_tokens=40, ignore_eos=True),
+    dict(max_tokens=100, min_tokens=60),
+    dict(max_tokens=64, stop=["stop", "hat"]),
+    dict(max_tokens=64, stop_token_ids=[ord("9"), ord("!")]),
+    dict(max_tokens=7),
+    dict(max_tokens=30, ignore_eos=True, logprobs=1),
+    dict(max_tokens=30, n=3, ignore_eos=True),
+], ids=["eos", "ignore_eos", "min_tokens", "stop_strings", "stop_ids", "max_tokens", "logprobs", "n3"])
+def test_echo_output_is_the_same_with_and_without_speculation(params: dict[str, Any]) -> None:
+    off = _generate(_echo("off"), PROMPTS, **params)
+    engine = _echo("auto")
+    on = _generate(engine, PROMPTS, **params)
+    assert on == off
+    stats = engine.stats()
+    assert stats.speculation.num_accepted_tokens > 0, stats.speculation  # drafts ran and were kept
+    assert stats.num_used_gpu_blocks == 0 and not engine.has_unfinished()
+
+
+def test_nothing_past_a_stop_string_is_emitted_from_a_verified_draft() -> None:
+    engine = _echo("auto")
+    prompt = "repeat: abcdefgh abcdefgh abcdefgh"
+    [(reason, text, token_ids, _, _)] = _generate(engine, [prompt], max_tokens=64, stop=["fgh abc"])
+    assert reason is FinishReason.STOP and text == "repeat: abcde"
+    assert bytes(token_ids).decode() == "repeat: abcdefgh abc"  # ends at the token that completed the stop
+    assert engine.stats().speculation.num_accepted_tokens > 0
+
+
+def test_requests_that_opt_out_or_use_penalties_never_draft() -> None:
+    engine = _echo("auto")
+    _generate(engine, PROMPTS, max_tokens=40, speculative=False)
+    _generate(engine, PROMPTS, max_tokens=40, repetition_penalty=1.2)
+    assert engine.stats().speculation.num_drafts == 0
+
+
+class _Recorder:
+    """Wraps a runner: checks each step against the budget and the KV invariants as it runs."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.runner = engine, engine.runner
+        self.max_batched_tokens = 0
+        self.num_draft_chunks = 0
+
+    def execute(self, plan: SchedulerOutput) -> ModelOutput:
+        scheduler = self.engine.scheduler
+        assert plan.num_batched_tokens <= scheduler.config.max_num_batched_tokens
+        self.max_batched_tokens = max(self.max_batched_tokens, plan.num_batched_tokens)
+        self.num_draft_chunks += sum(1 for c in plan.chunks if c.num_draft_tokens)
+        for chunk in plan.chunks:  # the slots of every draft token are reserved
+            end = chunk.start_position + chunk.num_tokens
+            assert len(chunk.block_ids) * scheduler.block_manager.block_size >= end
+        scheduler.check_invariants()
+        return self.runner.execute(plan)
+
+
+@pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
+def test_drafts_fit_the_budget_and_the_blocks_through_preemption(preemption_mode: str) -> None:
+    """A tight budget and a small KV pool: drafts are cut to fit, preemption happens with drafts in
+    flight, and the output is still the same as without speculation."""
+    sections = {"scheduler": {"max_num_batched_tokens": 24, "max_prefill_chunk": 8, "max_num_seqs": 6,
+                              "preemption_mode": preemption_mode},
+                "cache": {"block_size": 4, "kv_cache_memory": 160, "swap_space": 4096},
+                "model": {"name": "echo", "max_model_len": 128}}
+    prompts = [p * 2 for p in PROMPTS] + ["xyzxyzxyzxyz" * 3, "hello hello hello hello"]
+    off = _generate(_echo("off", **sections), prompts, max_tokens=60, ignore_eos=True)
+    engine = _echo("auto", **sections)
+    recorder = _Recorder(engine)
+    engine.runner = recorder
+    on = _generate(engine, prompts, max_tokens=60, ignore_eos=True)
+    assert on == off
+    stats = engine.stats()
+    assert stats.counters.num_preemptions > 0 and recorder.num_draft_chunks > 0
+    assert recorder.max_batched_tokens == 24  # drafts filled the budget, never past it
+    assert stats.num_used_gpu_blocks == 0 and stats.num_used_cpu_blocks == 0
+
+
+class _WrongDrafts:
+    """A proposer whose drafts are always wrong (token 200 is in no prompt here)."""
+
+    def propose(self, wanted: list[tuple[Request, list[int], int]]) -> dict[str, list[int]]:
+        return {request.request_id: [200] * num_tokens for request, _, num_tokens in wanted}
+
+    def finished(self, request: Request) -> None:
+        pass
+
+
+def test_rejected_drafts_give_their_blocks_back_and_never_reach_the_prefix_cache() -> None:
+    sections = {"cache": {"block_size": 2}, "speculative": {"method": "auto", "min_acceptance": 0.0}}
+    engine = Engine.from_config(EngineConfig.model_validate({"model": {"name": "echo"}, **sections}))
+    speculator = engine.scheduler.speculator
+    assert isinstance(speculator, DraftSpeculator)
+    speculator.proposers = [_WrongDrafts()]
+    off = _generate(_echo("off", cache={"block_size": 2}), PROMPTS, max_tokens=50, ignore_eos=True)
+    assert _generate(engine, PROMPTS, max_tokens=50, ignore_eos=True) == off
+    assert speculator.counters.num_draft_tokens > 0 and speculator.counters.num_accepted_tokens == 0
+    prefix_cache = engine.scheduler.prefix_cache
+    assert prefix_cache is not None and prefix_cache.num_cached_blocks > 0
+    cached_tokens = {t for key in prefix_cache._key_to_entry for t in key[1]}
+    assert 200 not in cached_tokens
+    assert engine.stats().num_used_gpu_blocks == 0
+    # What the cache kept is right: the same prompts again hit it and still echo the same.
+    assert _generate(engine, PROMPTS, max_tokens=50, ignore_eos=True) == off
+    assert engine.stats().prefix.num_hit_tokens > 0
+
+
+def test_speculation_stats_count_drafts_by_position_and_length() -> None:
+    engine = _echo("auto")
+    _generate(engine, ["abcdefgh" * 8], max_tokens=60, ignore_eos=True)
+    spec = engine.stats().speculation
+    assert spec.num_drafts > 0 and spec.num_accepted_tokens == spec.num_draft_tokens  # echo drafts are right
+    assert spec.acceptance_rate == 1.0 and spec.mean_accepted_length > 1
+    assert spec.acceptance_by_position()[0] == 1.0
+    assert sum(spec.draft_length_counts.values()) >= spec.num_drafts
+    assert spec.drafted_by_position[0] == spec.num_drafts
