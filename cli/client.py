@@ -32,7 +32,8 @@ from tokenmill.protocol.heartbeat import STALE_AFTER_S
 
 EXIT_NOT_READY = 2  # result: not landed (yet), or the wait ran out
 LANE_COLUMNS = ("lane", "model", "depth", "pending", "lag")  # model: "-" for the shared lanes
-WORKER_COLUMNS = ("name", "state", "model", "age s", "running", "waiting", "tok/s", "finished", "prefix hit")
+WORKER_COLUMNS = ("name", "state", "model", "age s", "running", "waiting", "tok/s", "finished", "prefix hit",
+                  "spec acc")
 
 
 def _print_result(result: GenerationResult, as_json: bool) -> None:
@@ -242,7 +243,7 @@ def status(
              f"as the workers judge it: {STALE_AFTER_S:g})")] = None,
     queue: QueueOption = None,
 ) -> None:
-    """Lane depths (shared and per model), pending, dead letters and workers (heartbeat age, tokens/s)."""
+    """Lane depths (shared and per model), pending, dead letters and workers (heartbeat age, tokens/s, speculation)."""
     with_queue(ctx, queue)
     stale_after_s = stale_after if stale_after is not None else client_settings(ctx).worker.stale_after_s
     with open_producer(ctx) as producer:
@@ -267,8 +268,18 @@ def _worker_rows(stats: dict[str, Any]) -> list[list[str]]:
     return [[name, f"{info.get('state', '?')} ({liveness})", str(info.get("model", "")),
              f"{now - float(info.get('ts', 0)):.1f}" if info.get("ts") else "-", str(info.get("running", "")),
              str(info.get("waiting", "")), f"{float(info.get('tokens_per_s', 0.0)):.1f}",
-             str(info.get("num_finished", "")), f"{float(info.get('prefix_hit_ratio', 0.0)):.0%}"]
+             str(info.get("num_finished", "")), f"{float(info.get('prefix_hit_ratio', 0.0)):.0%}",
+             _speculation_cell(info)]
             for name, info, liveness in rows]
+
+
+def _speculation_cell(info: dict[str, Any]) -> str:
+    """Speculative decoding as ``acceptance xmean-accepted-length`` (``0.92 x3.1``); ``-`` before any draft,
+    with speculation off, or from a worker of an older release."""
+    rate, length = info.get("spec_acceptance_rate"), info.get("spec_mean_accepted_length")
+    if rate is None or length is None:
+        return "-"
+    return f"{float(rate):.2f} x{float(length):.1f}"
 
 
 @app.command()

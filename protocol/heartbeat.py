@@ -51,6 +51,10 @@ class Heartbeat(BaseModel):
     num_finished: int = 0  # results produced since start
     prefix_hit_ratio: float = 0.0  # prompt tokens found in the prefix cache / prompt tokens looked up
     num_cached_blocks: int = 0  # KV blocks the prefix cache indexes
+    # Speculative decoding since start (engine/spec/): draft tokens kept / run, and kept per draft. None before
+    # the first draft, with speculation off, and from a worker of an older release (the field is absent).
+    spec_acceptance_rate: float | None = None
+    spec_mean_accepted_length: float | None = None
 
     def age_s(self, now_s: float) -> float:
         """Seconds since the beat."""

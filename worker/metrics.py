@@ -1,5 +1,5 @@
 """Prometheus metrics of one worker, on its own ``CollectorRegistry``: request outcomes and
-latencies, token throughput, the engine's queues / KV / preemptions / swap, and lane depth.
+latencies, token throughput, the engine's queues / KV / preemptions / swap / speculative decoding, and lane depth.
 
 Imports prometheus_client lazily (it ships with the engine extra) and redis only for typing;
 never the engine object. Every method is safe to call from the thread named in its docstring.
@@ -37,6 +37,12 @@ _ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = 
      lambda s: s.prefix.num_query_tokens),
     ("tokenmill_prefix_hit_tokens", "prompt tokens found in the prefix cache (not computed again)",
      lambda s: s.prefix.num_hit_tokens),
+    ("tokenmill_spec_drafts", "speculative drafts verified ((request, step) pairs that ran draft tokens)",
+     lambda s: s.speculation.num_drafts),
+    ("tokenmill_spec_draft_tokens", "speculative draft tokens run through the model",
+     lambda s: s.speculation.num_draft_tokens),
+    ("tokenmill_spec_accepted_tokens", "speculative draft tokens kept (the model's own token after each draft "
+     "not counted)", lambda s: s.speculation.num_accepted_tokens),
 )
 # (metric name, help, value): engine state exported as gauges.
 _ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
@@ -51,6 +57,14 @@ _ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
     ("tokenmill_kv_host_blocks", "host KV blocks in total", lambda s: s.num_cpu_blocks),
     ("tokenmill_prefix_cached_blocks", "device KV blocks the prefix cache indexes", lambda s: s.num_cached_blocks),
     ("tokenmill_prefix_hit_ratio", "prompt tokens found in the prefix cache / looked up", lambda s: s.prefix.hit_ratio),
+    ("tokenmill_spec_acceptance_ratio", "speculative draft tokens kept / run, since the worker started",
+     lambda s: s.speculation.acceptance_rate),
+    ("tokenmill_spec_mean_accepted_length", "speculative draft tokens kept per draft, since the worker started",
+     lambda s: s.speculation.mean_accepted_length),
+    ("tokenmill_spec_step_fixed_seconds", "the speculator's step cost model: seconds a step costs whatever its size",
+     lambda s: s.speculation.step_fixed_s),
+    ("tokenmill_spec_step_per_token_seconds", "the speculator's step cost model: seconds per token in a step",
+     lambda s: s.speculation.step_per_token_s),
 )
 
 
@@ -72,6 +86,22 @@ class _EngineCollector:
         yield preemptions
         for name, text, counter in _ENGINE_COUNTERS:
             yield CounterMetricFamily(name, text, value=float(counter(stats)))
+        spec = stats.speculation
+        # NOTE: position 1 is a draft's first token; a position counts once per draft that reached it.
+        for name, text, by_position in (
+                ("tokenmill_spec_drafted_by_position", "speculative drafts with a token at this position",
+                 spec.drafted_by_position),
+                ("tokenmill_spec_accepted_by_position", "speculative drafts whose token at this position was kept",
+                 spec.accepted_by_position)):
+            family = CounterMetricFamily(name, text, labels=["position"])
+            for position, count in enumerate(by_position, start=1):
+                family.add_metric([str(position)], float(count))
+            yield family
+        lengths = CounterMetricFamily("tokenmill_spec_draft_length_choices", "(request, step) pairs by the "
+                                      "draft length the speculator chose (0: no draft)", labels=["length"])
+        for length, count in sorted(spec.draft_length_counts.items()):
+            lengths.add_metric([str(length)], float(count))
+        yield lengths
 
 
 class WorkerMetrics:

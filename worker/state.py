@@ -28,6 +28,8 @@ class Load:
     live_ids: frozenset[str] = frozenset()  # request ids inside the engine, not yet aborted
     prefix_hit_ratio: float = 0.0  # of prompt tokens looked up in the prefix cache
     num_cached_blocks: int = 0  # KV blocks the prefix cache indexes
+    spec_acceptance_rate: float | None = None  # speculative draft tokens kept / run; None before any draft
+    spec_mean_accepted_length: float | None = None  # speculative draft tokens kept per draft; None before any
     is_write_blocked: bool = False  # Redis refused the writer's last round: read nothing more until one succeeds
     # NOTE: (stream, entry id) of every entry this worker took (read, reclaimed, recovered) and has
     # not answered yet, wherever it is: reader, preparation, engine, outbox, a failed write. Its own
@@ -56,6 +58,9 @@ class Load:
             had_room_for_less = num_waiting < self.num_waiting
             self.num_waiting, self.num_running, self.live_ids = num_waiting, stats.num_running, live_ids
             self.prefix_hit_ratio, self.num_cached_blocks = stats.prefix.hit_ratio, stats.num_cached_blocks
+            if stats.speculation.num_drafts:
+                self.spec_acceptance_rate = stats.speculation.acceptance_rate
+                self.spec_mean_accepted_length = stats.speculation.mean_accepted_length
         if had_room_for_less or num_waiting == 0:
             self._room.set()
 

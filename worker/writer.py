@@ -79,6 +79,8 @@ class Writer:
         self._beat.num_finished = self._load.num_finished
         self._beat.prefix_hit_ratio = self._load.prefix_hit_ratio
         self._beat.num_cached_blocks = self._load.num_cached_blocks
+        self._beat.spec_acceptance_rate = self._load.spec_acceptance_rate
+        self._beat.spec_mean_accepted_length = self._load.spec_mean_accepted_length
         write_heartbeat(self._client, self._keys, self._beat)
         if self._metrics is not None:
             self._metrics.observe_beat(self._client, self._beat.tokens_per_s)

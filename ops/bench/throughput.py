@@ -203,6 +203,7 @@ def run_tokenmill(items: list[WorkItem], args: argparse.Namespace, compile_mode:
     kv_bytes = stats.num_gpu_blocks * stats.kv_block_bytes
     swap_bytes = stats.num_cpu_blocks * stats.kv_block_bytes
     engine.generate([items[0].prompt_token_ids], SamplingParams(max_tokens=4, ignore_eos=True), progress=False)
+    spec_before = engine.stats().speculation  # the warm-up's drafts are not the run's
 
     def run() -> tuple[list[int], list[Any], float]:
         start = _start_clock()
@@ -232,7 +233,8 @@ def run_tokenmill(items: list[WorkItem], args: argparse.Namespace, compile_mode:
               "rss_after_load_bytes": rss_after_load,
               "num_gpu_blocks": stats.num_gpu_blocks, "ttft_p50_s": percentile(ttfts, 50),
               "ttft_p99_s": percentile(ttfts, 99), "engine_stats": dataclasses.asdict(run_stats),
-              "prefix_hit_ratio": run_stats.prefix.hit_ratio, "config": config.model_dump()}
+              "prefix_hit_ratio": run_stats.prefix.hit_ratio, "config": config.model_dump(),
+              "speculation": _speculation_delta(spec_before, run_stats.speculation)}
     if profile is not None:
         result["profile"] = profile
     result = _finish(result, items, produced, elapsed)
@@ -241,6 +243,28 @@ def run_tokenmill(items: list[WorkItem], args: argparse.Namespace, compile_mode:
             lambda prompts, n: engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True), progress=False),
             min(30_000, engine.limits.vocab_size))
     return result
+
+
+def _speculation_delta(before: Any, after: Any) -> dict[str, Any]:
+    """What the speculator did between two ``engine.stats().speculation`` snapshots (SpeculationCounters),
+    with the rates of that span; the step cost model as it stands at the end."""
+    from tokenmill.engine.core.stats import SpeculationCounters
+
+    def minus(now: list[int], then: list[int]) -> list[int]:
+        return [n - (then[i] if i < len(then) else 0) for i, n in enumerate(now)]
+
+    lengths = {k: v - before.draft_length_counts.get(k, 0) for k, v in sorted(after.draft_length_counts.items())}
+    span = SpeculationCounters(
+        num_drafts=after.num_drafts - before.num_drafts,
+        num_draft_tokens=after.num_draft_tokens - before.num_draft_tokens,
+        num_accepted_tokens=after.num_accepted_tokens - before.num_accepted_tokens,
+        drafted_by_position=minus(after.drafted_by_position, before.drafted_by_position),
+        accepted_by_position=minus(after.accepted_by_position, before.accepted_by_position),
+        draft_length_counts={k: v for k, v in lengths.items() if v},
+        step_fixed_s=after.step_fixed_s, step_per_token_s=after.step_per_token_s)
+    return {**dataclasses.asdict(span), "acceptance_rate": span.acceptance_rate,
+            "mean_accepted_length": span.mean_accepted_length,
+            "acceptance_by_position": span.acceptance_by_position()}
 
 
 def _profiled(run: Any, torch: Any, engine: Any) -> tuple[list[int], list[Any], float, dict[str, Any]]:
@@ -557,6 +581,7 @@ def _summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> 
             ["prefix cache hit ratio (prompt tokens not computed)", f"{tm['prefix_hit_ratio']:.0%}"],
         ])
     _print_step_table(results, summary)
+    _print_speculation(results, summary)
     checks = []
     for system, factor in SPEEDUP_TARGETS[args.device].items():
         if base and results.get(system, {}).get("tokens_per_s"):
@@ -596,6 +621,34 @@ def _print_step_table(results: dict[str, dict[str, Any]], summary: dict[str, Any
     summary["decode_step_ms"] = {"tokenmill": ours, **{system: table for system, table in peers}}
     print_table(f"Decode step (ms; {STEP_PROMPT_TOKENS}-token prompts; time of {STEP_LONG} minus {STEP_SHORT} "
                 f"tokens per step between, median of {STEP_ROUNDS}; lower is better)", header, rows)
+
+
+def _print_speculation(results: dict[str, dict[str, Any]], summary: dict[str, Any]) -> None:
+    """Speculative decoding in each tokenmill run that drafted: acceptance, tokens kept per draft, acceptance
+    by draft position and the draft lengths the speculator chose."""
+    rows = []
+    for system in ("tokenmill", "tokenmill_eager"):
+        spec = results.get(system, {}).get("speculation")
+        if not spec or not spec["num_drafts"]:
+            continue
+        by_position = " ".join(f"{rate:.2f}" if drafted else "-"  # "-": no draft reached the position
+                               for rate, drafted in zip(spec["acceptance_by_position"], spec["drafted_by_position"]))
+        # NOTE: the lengths went through JSON (the child's result file): their keys are strings now.
+        counts = sorted(spec["draft_length_counts"].items(), key=lambda kv: int(kv[0]))
+        lengths = " ".join(f"{length}:{count}" for length, count in counts)
+        rows.append([LABELS[system], str(spec["num_drafts"]), str(spec["num_draft_tokens"]),
+                     str(spec["num_accepted_tokens"]), f"{spec['acceptance_rate']:.2f}",
+                     f"{spec['mean_accepted_length']:.2f}", by_position or "-", lengths or "-",
+                     f"{1000 * spec['step_fixed_s']:.2f} + {1000 * spec['step_per_token_s']:.3f}/tok"])
+        summary.setdefault("speculation", {})[system] = {
+            key: spec[key] for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
+                                       "mean_accepted_length", "acceptance_by_position", "draft_length_counts")}
+    if rows:
+        print_table("Speculative decoding (acceptance by position: of the drafts reaching position 1, 2, ..., "
+                    "the fraction whose token there was kept)",
+                    ["system", "drafts", "draft tokens", "accepted", "acceptance", "mean accepted",
+                     "acceptance by position", "draft lengths chosen (length:request-steps)", "step cost model ms"],
+                    rows)
 
 
 def _print_profile(profile: dict[str, Any]) -> None:

@@ -33,6 +33,10 @@ QUESTIONS = [
     "Write one sentence about autumn leaves falling in a quiet park while children play nearby.",
     "Who wrote Hamlet?",
     "How many legs does a spider have?",
+    # Copy-heavy: the n-gram lookup drafts from the prompt (speculative decoding, on by default).
+    "Repeat exactly: The quick brown fox jumps over the lazy dog near the river bank at dawn.",
+    "Rewrite as JSON with keys name and city: name: Alice Martin, city: Lyon",
+    "Fix the spelling: The comittee will meet on Wensday to discus the new bugdet.",
 ]
 
 SCENARIOS: dict[str, dict[str, Any]] = {
@@ -45,6 +49,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "block16-reference": dict(block_size=16, attention_backend="reference"),
     # Every other scenario runs the captured step (CPU: the native decoder stack); eager once.
     "block16-eager": dict(block_size=16, compile="off"),
+    # Speculative decoding is on ("auto") in every scenario above; here the plain one-token decode.
+    "block16-no-speculation": dict(block_size=16, method="off"),
 }
 
 
@@ -91,6 +97,10 @@ def test_smollm2_greedy_matches_hf_generate(scenario: str, engine_and_reference:
         assert stats.prefix.num_hit_tokens > 0, stats.prefix
     if scenario == "block16-no-prefix-cache":
         assert stats.prefix.num_hit_tokens == 0, stats.prefix
+    if scenario == "block16-no-speculation":
+        assert stats.speculation.num_drafts == 0
+    elif scenario == "block16" or "preemption" in scenario:  # NOTE: block16's engine is shared by other tests
+        assert stats.speculation.num_accepted_tokens > 0, stats.speculation
 
 
 def test_smollm2_outputs_read_well(engine_and_reference: Any) -> None:

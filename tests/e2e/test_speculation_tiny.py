@@ -77,7 +77,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "block16": dict(block_size=16),
     "block1": dict(block_size=1, max_prefill_chunk=256, max_num_batched_tokens=256),
     "block4-chunked": dict(block_size=4, max_prefill_chunk=7, max_num_batched_tokens=40),
-    "recompute-preemption": dict(block_size=4, preemption_mode="recompute", max_prefill_chunk=32, max_num_batched_tokens=64,
+    "recompute-preemption": dict(block_size=4, preemption_mode="recompute", max_prefill_chunk=32,
+                                 max_num_batched_tokens=64,
                                  kv_cache_memory="tight"),
     "swap-preemption": dict(block_size=4, preemption_mode="swap", max_prefill_chunk=32, max_num_batched_tokens=64,
                             kv_cache_memory="tight"),
@@ -164,7 +165,8 @@ def test_seeded_sampling_is_the_same_with_and_without_drafts(tiny_model_dirs: di
     change how many tokens a step keeps, never which ones."""
     path = tiny_model_dirs["llama"]
     prompts, _ = _reference("llama", path)
-    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=20, seed=100 + i) for i in range(len(prompts))]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=20, seed=100 + i)
+              for i in range(len(prompts))]
     off = build_engine(str(path), device="cpu", dtype="float64", method="off")
     want = [o.token_ids for o in off.generate(prompts, params, progress=False)]
     engine = build_engine(str(path), device="cpu", dtype="float64", method="auto")

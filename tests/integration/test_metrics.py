@@ -71,6 +71,35 @@ def test_scrape_during_a_run_shows_the_work(redis_url: str, redis_client: redis.
                    f"worker={settings.worker.name}}}"] == 1
 
 
+def test_scrape_shows_speculative_decoding(redis_url: str, key_prefix: str) -> None:
+    """The echo model's output repeats its prompt: a repeated prompt drafts (method auto), and the drafts are
+    kept but where they guess the text goes on (the echo ends, with EOS)."""
+    port = free_port()
+    with running_worker(make_settings(redis_url, key_prefix, metrics_port=port)), \
+            Producer(redis_url, prefix=key_prefix) as producer:
+        ids = [producer.submit(prompt=f"{i} abcdefgh abcdefgh abcdefgh abcdefgh", max_tokens=64) for i in range(4)]
+        results = producer.wait_all(ids, timeout=20)
+        samples = scrape_when_up(port)
+    assert [r.status for r in results] == ["ok"] * 4
+    drafts, draft_tokens = samples["tokenmill_spec_drafts_total"], samples["tokenmill_spec_draft_tokens_total"]
+    assert drafts > 0 and draft_tokens >= drafts
+    accepted = samples["tokenmill_spec_accepted_tokens_total"]
+    assert draft_tokens / 2 < accepted <= draft_tokens
+    assert samples["tokenmill_spec_drafted_by_position_total{position=1}"] == drafts
+    assert 0 < samples["tokenmill_spec_accepted_by_position_total{position=1}"] <= drafts
+    by_position = sum(value for name, value in samples.items()
+                      if name.startswith("tokenmill_spec_accepted_by_position_total{"))
+    assert by_position == accepted  # a kept token counts at its position
+    assert samples["tokenmill_spec_acceptance_ratio"] == pytest.approx(accepted / draft_tokens)
+    assert samples["tokenmill_spec_mean_accepted_length"] == pytest.approx(accepted / drafts)
+    assert samples["tokenmill_spec_mean_accepted_length"] > 1
+    lengths = {name: value for name, value in samples.items() if name.startswith("tokenmill_spec_draft_length_")}
+    drafted = sum(value for name, value in lengths.items() if not name.endswith("{length=0}"))
+    assert drafted >= drafts, lengths  # every verified draft had a length chosen for it
+    for name in ("tokenmill_spec_step_fixed_seconds", "tokenmill_spec_step_per_token_seconds"):
+        assert samples[name] >= 0
+
+
 def scrape_when_up(port: int, timeout_s: float = 10.0) -> dict[str, float]:
     """Scrape once the worker's endpoint answers (it starts inside ``Worker.run``)."""
     deadline = time.monotonic() + timeout_s

@@ -1,0 +1,97 @@
+"""The worker's Prometheus registry without Redis or a model: the engine's stats (speculative decoding
+included) as exported at scrape time, and the Grafana dashboard asking only for series the worker exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenmill.engine.core.stats import EngineStats, SpeculationCounters
+from tokenmill.producer.keys import Keys
+from tokenmill.worker.metrics import WorkerMetrics
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _metrics() -> WorkerMetrics:
+    keys = Keys("tm-unit")
+    return WorkerMetrics("w-unit", "echo", keys, keys.lanes_for(["echo"]), lambda: True)
+
+
+def _samples(metrics: WorkerMetrics) -> dict[str, float]:
+    """``name{label=value,...}`` -> value of every sample in the registry."""
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+def _speculation(scale: int) -> SpeculationCounters:
+    """Counters after ``scale`` rounds of: 10 drafts of 3 tokens (40 (request, step) pairs, 30 undrafted)."""
+    return SpeculationCounters(
+        num_drafts=10 * scale, num_draft_tokens=30 * scale, num_accepted_tokens=24 * scale,
+        drafted_by_position=[10 * scale, 10 * scale, 10 * scale, 0],
+        accepted_by_position=[10 * scale, 8 * scale, 6 * scale, 0],
+        draft_length_counts={0: 30 * scale, 3: 10 * scale}, step_fixed_s=0.012, step_per_token_s=0.0004)
+
+
+def test_speculation_counters_are_exported_with_positions_lengths_and_the_cost_model() -> None:
+    metrics = _metrics()
+    samples = _samples(metrics)
+    for name in ("drafts", "draft_tokens", "accepted_tokens"):  # speculation off (or not yet run): zero, present
+        assert samples[f"tokenmill_spec_{name}_total"] == 0
+    assert samples["tokenmill_spec_acceptance_ratio"] == 0
+
+    metrics.observe_engine(EngineStats(speculation=_speculation(1)))
+    samples = _samples(metrics)
+    assert samples["tokenmill_spec_drafts_total"] == 10
+    assert samples["tokenmill_spec_draft_tokens_total"] == 30
+    assert samples["tokenmill_spec_accepted_tokens_total"] == 24
+    assert [samples[f"tokenmill_spec_drafted_by_position_total{{position={p}}}"] for p in (1, 2, 3, 4)] == \
+        [10, 10, 10, 0]
+    assert [samples[f"tokenmill_spec_accepted_by_position_total{{position={p}}}"] for p in (1, 2, 3, 4)] == \
+        [10, 8, 6, 0]
+    assert "tokenmill_spec_accepted_by_position_total{position=0}" not in samples  # positions count from 1
+    assert samples["tokenmill_spec_draft_length_choices_total{length=0}"] == 30
+    assert samples["tokenmill_spec_draft_length_choices_total{length=3}"] == 10
+    assert samples["tokenmill_spec_acceptance_ratio"] == pytest.approx(0.8)
+    assert samples["tokenmill_spec_mean_accepted_length"] == pytest.approx(2.4)
+    assert samples["tokenmill_spec_step_fixed_seconds"] == pytest.approx(0.012)
+    assert samples["tokenmill_spec_step_per_token_seconds"] == pytest.approx(0.0004)
+
+    # The counters follow the engine's cumulative totals: a later snapshot moves them by the difference.
+    metrics.observe_engine(EngineStats(speculation=_speculation(3)))
+    samples = _samples(metrics)
+    assert samples["tokenmill_spec_draft_tokens_total"] == 90
+    assert samples["tokenmill_spec_accepted_by_position_total{position=2}"] == 24
+    assert samples["tokenmill_spec_draft_length_choices_total{length=3}"] == 30
+    assert samples["tokenmill_spec_acceptance_ratio"] == pytest.approx(0.8)
+
+
+def test_the_dashboard_asks_only_for_series_the_worker_exports() -> None:
+    dashboard = json.loads((ROOT / "ops" / "grafana" / "tokenmill.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    exprs.append(dashboard["templating"]["list"][1]["query"]["query"])
+    metrics = _metrics()
+    metrics.observe_engine(EngineStats(speculation=_speculation(1)))
+    metrics.lane_length.labels("default", "0", "").set(0)  # labelled series show once sampled
+    for gauge in (metrics.lane_pending, metrics.lane_lag):
+        gauge.labels("default", "0", "").set(0)
+    metrics.dead_letters.labels("default").set(0)
+    metrics.requests.labels("ok").inc()
+    exported = {name.split("{")[0] for name in _samples(metrics)}
+    asked = {name for expr in exprs for name in re.findall(r"\btokenmill_[a-z0-9_]+", expr)}
+    assert {"tokenmill_spec_accepted_tokens_total", "tokenmill_spec_draft_tokens_total"} <= asked
+    assert asked - exported == set()
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
