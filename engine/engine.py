@@ -203,8 +203,9 @@ class Engine:
         scheduler_output = self.scheduler.schedule()
         started_s = time.perf_counter()
         model_output = self._execute(scheduler_output)
-        if self.scheduler.speculator is not None and scheduler_output.chunks:
-            # NOTE: wall time, not the engine clock: the step cost model sizes drafts by what a step costs
+        if self.scheduler.speculator is not None and scheduler_output.is_decode_only:
+            # NOTE: wall time, not the engine clock: the step cost model sizes drafts by what a decode step
+            # costs (prefill chunks cost more per token and would skew it), measured, not assumed.
             self.scheduler.speculator.observe_step(scheduler_output.num_batched_tokens,
                                                    time.perf_counter() - started_s)
         progressed = self.scheduler.update(scheduler_output, model_output)

@@ -15,7 +15,6 @@ never fit and is finished with FINISHED_ERROR.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable
 
@@ -262,7 +261,7 @@ class Scheduler:
                                          cause_to_num_preemptions=dict(self.counters.cause_to_num_preemptions)),
             prefix=dataclasses.replace(self.prefix_cache.stats) if self.prefix_cache else PrefixStats(),
             num_cached_blocks=self.prefix_cache.num_cached_blocks if self.prefix_cache else 0,
-            speculation=copy.deepcopy(self.speculator.counters) if self.speculator else SpeculationCounters(),
+            speculation=self.speculator.counters.copy() if self.speculator else SpeculationCounters(),
         )
 
     def check_invariants(self) -> None:

@@ -5,6 +5,7 @@ Standard library only. The worker reads these fields (heartbeats, Prometheus).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from tokenmill.engine.core.request import PreemptionCause
@@ -55,6 +56,12 @@ class SpeculationCounters:
     def mean_accepted_length(self) -> float:
         """Draft tokens kept per draft (each draft also yields one token of the model's own)."""
         return self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def copy(self) -> SpeculationCounters:
+        """A snapshot: the lists and the dict copied too."""
+        return dataclasses.replace(self, drafted_by_position=list(self.drafted_by_position),
+                                   accepted_by_position=list(self.accepted_by_position),
+                                   draft_length_counts=dict(self.draft_length_counts))
 
     def acceptance_by_position(self) -> list[float]:
         """Per draft position, the fraction of drafts that reached it whose token there was kept."""

@@ -63,6 +63,11 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
+    @property
+    def is_decode_only(self) -> bool:
+        """Whether the step runs decodes only (with or without draft tokens): no prefill chunk."""
+        return bool(self.chunks) and all(c.num_sample_rows == c.num_tokens for c in self.chunks)
+
 
 @dataclass
 class ModelOutput:

@@ -44,9 +44,10 @@ class Acceptance:
 
 
 class StepCost:
-    """``t(T) = fixed_s + per_token_s * T``: a least-squares fit over the engine's recent steps
-    (exponentially decayed), ``T`` the step's tokens. Until the steps seen vary enough in size to
-    fit a slope, drafting is taken as free (``per_token_s = 0``)."""
+    """``t(T) = fixed_s + per_token_s * T``: a least-squares fit over the engine's recent decode steps
+    (exponentially decayed; the engine leaves steps with prefill chunks out), ``T`` the step's tokens.
+    Until the steps seen vary enough in size to fit a slope, drafting is taken as free
+    (``per_token_s = 0``); the drafts it then runs vary the steps' sizes, and the slope follows."""
 
     DECAY = 0.99
 

@@ -118,8 +118,9 @@ def test_a_completions_batch_names_the_serving_model_and_reports_bad_lines(base_
 
 
 def test_cancel_a_running_batch(base_url: str, redis_url: str, key_prefix: str) -> None:
+    # NOTE: one token per step (no speculation), so the lines take long enough to cancel some of them
     settings = make_settings(redis_url, key_prefix, model="echo:step_delay_s=0.02",
-                             engine={"scheduler": {"max_num_seqs": 2}})
+                             engine={"scheduler": {"max_num_seqs": 2}, "speculative": {"method": "off"}})
     with running_worker(settings), openai.OpenAI(base_url=base_url, api_key="x") as client:
         uploaded = client.files.create(file=("in.jsonl", _batch_input(max_tokens=10)), purpose="batch")
         batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
