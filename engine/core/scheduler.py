@@ -16,6 +16,7 @@ never fit and is finished with FINISHED_ERROR.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 from tokenmill.engine.config import SchedulerConfig
@@ -32,6 +33,8 @@ from tokenmill.engine.errors import InvariantError
 from tokenmill.engine.kv.block_manager import BlockManager
 from tokenmill.engine.kv.prefix_cache import PrefixCache, PrefixStats
 from tokenmill.protocol.outcomes import ErrorCode
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -436,7 +439,12 @@ class Scheduler:
             return
         room = DraftRoom(plan.num_tokens_left, self.config.max_num_batched_tokens - plan.num_tokens_left,
                          sum(1 for r in plan.request_to_num_tokens if r not in plan.prefill_request_ids))
-        drafts = speculator.draft(candidates, room)
+        try:
+            drafts = speculator.draft(candidates, room)
+        except Exception:
+            logger.warning("the speculator failed; this step runs without drafts", exc_info=True,
+                           extra={"event": "speculator_failed"})
+            return
         bm = self.block_manager
         for request, _ in candidates:
             draft = drafts.get(request.request_id)

@@ -100,8 +100,8 @@ def choose_draft_lengths(proposals: list[tuple[str, int, float]], num_tokens_lef
     while heap and num_tokens_left > 0:
         negative_gain, request_id, position, rate = heapq.heappop(heap)
         gain = -negative_gain
-        goodput = expected / cost.seconds(num_tokens)
-        if gain <= cost.per_token_s * goodput:
+        seconds = cost.seconds(num_tokens)
+        if cost.per_token_s > 0.0 and seconds > 0.0 and gain <= cost.per_token_s * expected / seconds:
             break  # NOTE: every later candidate gains less
         chosen[request_id] = position
         num_tokens += 1

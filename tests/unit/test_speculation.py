@@ -236,3 +236,27 @@ def test_speculation_stats_count_drafts_by_position_and_length() -> None:
     assert spec.acceptance_by_position()[0] == 1.0
     assert sum(spec.draft_length_counts.values()) >= spec.num_drafts
     assert spec.drafted_by_position[0] == spec.num_drafts
+
+
+class _Broken:
+    def propose(self, wanted: list[tuple[Request, list[int], int]]) -> dict[str, list[int]]:
+        raise RuntimeError("a proposer bug")
+
+    def finished(self, request: Request) -> None:
+        pass
+
+
+def test_a_failing_speculator_costs_the_drafts_not_the_engine(caplog: pytest.LogCaptureFixture) -> None:
+    """Drafts only speed decoding up: a proposer that raises leaves the step without drafts, logged."""
+    engine = _echo("auto")
+    speculator = engine.scheduler.speculator
+    assert isinstance(speculator, DraftSpeculator)
+    speculator.proposers = [_Broken()]
+    with caplog.at_level("WARNING", logger="tokenmill.engine.core.scheduler"):
+        assert _generate(engine, PROMPTS, max_tokens=30) == _generate(_echo("off"), PROMPTS, max_tokens=30)
+    assert any("the speculator failed" in r.getMessage() for r in caplog.records)
+
+
+def test_a_fresh_speculator_drafts_before_any_step_was_timed() -> None:
+    """No decode step measured yet (the cost model is empty): drafting is taken as free, not divided by zero."""
+    assert choose_draft_lengths([("a", 3, 0.5)], 100, 1, 1, StepCost()) == {"a": 3}
