@@ -152,8 +152,8 @@ class SpeculativeConfig(_Frozen):
 
     method: Literal["off", "ngram", "suffix", "draft", "auto"] = Field(
         "auto", description="off; ngram: the request's own prompt and output (prompt lookup); suffix: a pool of "
-        "continuations of earlier outputs of this engine; draft: a smaller model (draft_model); auto: ngram, "
-        "then suffix")
+        "continuations of earlier outputs of this engine; draft: a smaller model (draft_model); auto: the tokens a "
+        "structured request's grammar forces, then ngram, then suffix")
     num_speculative_tokens: int = Field(6, ge=1, le=32, description="most draft tokens per request per step")
     ngram_min: int = Field(2, ge=1, le=16, description="shortest suffix n-gram the lookup matches")
     ngram_max: int = Field(5, ge=1, le=16, description="longest suffix n-gram the lookup matches")

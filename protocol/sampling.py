@@ -171,11 +171,6 @@ class SamplingParams(WireModel):
         """Whether a grammar constrains the output (a response_format other than text)."""
         return self.response_format is not None and self.response_format.is_structured
 
-    @property
-    def can_speculate(self) -> bool:
-        """Whether drafts may be verified for it: penalties and grammars follow the request's own tokens
-        token by token, so a request with either (or that opted out) decodes one token per step."""
-        return self.speculative and not self.has_penalties and not self.is_structured
 
     def is_min_tokens_active(self, num_output_tokens: int) -> bool:
         """Whether EOS and stop ids are still suppressed for the token at index ``num_output_tokens``:

@@ -427,7 +427,7 @@ class Scheduler:
         candidates: list[tuple[Request, int]] = []
         for request_id, num_tokens in plan.request_to_num_tokens.items():
             request = self._queues.requests[request_id]
-            if num_tokens != 1 or not is_decode(request) or not request.sampling_params.can_speculate:
+            if num_tokens != 1 or not is_decode(request) or not request.sampling_params.speculative:
                 continue
             # NOTE: a draft never runs past max_tokens or the context: its last token's successor is the bonus.
             bound = request.max_tokens - request.num_output_tokens - 1

@@ -98,7 +98,8 @@ class ModelRunner:
         # NOTE: a chunk with draft tokens samples one row after each of its last 1 + k tokens, each
         # exactly as a plain decode at that output position would (engine/core/speculation.py).
         contexts = [SamplingContext(params=chunk.sampling_params, num_output_tokens=chunk.num_output_tokens + row,
-                                    eos_token_ids=self.eos_token_ids, state=chunk.sampling_state)
+                                    eos_token_ids=self.eos_token_ids, state=chunk.sampling_state,
+                                    draft_prefix=chunk.draft_token_ids[:row])
                     for chunk in sample_chunks for row in range(chunk.num_sample_rows)]
         sampled = self.sampler(logits, contexts)
         output = ModelOutput()

@@ -31,6 +31,7 @@ from tokenmill.engine.model.model_runner import ModelRunner
 from tokenmill.engine.model.static_decode import StaticDecode, cuda_graph_runner, decode_buckets
 from tokenmill.engine.output.no_tokenizer import NoTokenizer
 from tokenmill.engine.sample.grammar import GrammarCompiler
+from tokenmill.engine.sample.grammar_drafts import GrammarForcedProposer
 from tokenmill.engine.sample.grammar_process import CompileLimits
 from tokenmill.engine.sample.sampler import Sampler
 from tokenmill.engine.spec import build_speculator
@@ -82,8 +83,13 @@ def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
     kv_cache = KVCache(spec, num_gpu_blocks, num_cpu_blocks, loaded.device)
     block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, spec.block_size)
     prefix_cache = PrefixCache(block_manager) if config.cache.enable_prefix_caching else None
+    grammars = None if isinstance(loaded.tokenizer, NoTokenizer) else \
+        GrammarCompiler(loaded.tokenizer, loaded.model.config.vocab_size, loaded.eos_token_ids,
+                        limits=_compile_limits(config))
+    speculator = build_speculator(config.speculative, draft_proposer_for(config, loaded),
+                                  GrammarForcedProposer(grammars) if grammars is not None else None)
     scheduler = Scheduler(config.scheduler, block_manager, clock, loaded.eos_token_ids, loaded.max_model_len,
-                          prefix_cache, build_speculator(config.speculative, draft_proposer_for(config, loaded)))
+                          prefix_cache, speculator)
     max_request_tokens = min(loaded.max_model_len, num_gpu_blocks * spec.block_size)
     limits = ModelLimits(model_name=model_config.name, source=loaded.source, vocab_size=loaded.model.config.vocab_size,
                          max_request_tokens=max_request_tokens,
@@ -94,8 +100,6 @@ def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
         model_config.name, loaded.device, loaded.dtype, num_gpu_blocks, num_cpu_blocks, spec.block_size,
         loaded.max_model_len,
     )
-    grammars = None if isinstance(loaded.tokenizer, NoTokenizer) else \
-        GrammarCompiler(loaded.tokenizer, limits.vocab_size, loaded.eos_token_ids, limits=_compile_limits(config))
     reference = ModelRunner(loaded, kv_cache, Sampler(grammars), backend)
     runner = with_fast_paths(reference, grammars, config, max_request_tokens)
     return EngineParts(scheduler, runner, loaded.tokenizer, limits, grammars)

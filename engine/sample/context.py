@@ -3,7 +3,7 @@ parameters, its output position, the model's EOS ids and its sampling state. Sta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenmill.engine.core.sampling_state import SamplingState
 from tokenmill.protocol.sampling import SamplingParams
@@ -17,6 +17,9 @@ class SamplingContext:
     num_output_tokens: int  # tokens generated so far == index of the token being sampled
     eos_token_ids: frozenset[int]  # the model's EOS ids (possibly several)
     state: SamplingState | None = None  # the request's penalty / grammar state (needed when it uses them)
+    # Speculative decoding: the draft tokens between the request's output and this row (row i of a
+    # draft chunk follows d1..di): penalties count them and the grammar has accepted them here.
+    draft_prefix: list[int] = field(default_factory=list)
 
     @property
     def is_min_tokens_active(self) -> bool:

@@ -30,7 +30,7 @@ class GrammarMasks:
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32 on the CPU, grown on demand
 
     def apply_(self, logits: torch.Tensor, rows: list[int], states: list[SamplingState],
-               params: list[SamplingParams]) -> None:
+               params: list[SamplingParams], draft_prefixes: list[list[int]] | None = None) -> None:
         """Mask ``logits[rows[j]]`` in place with the grammar of request ``j``.
 
         Args:
@@ -38,6 +38,11 @@ class GrammarMasks:
             rows: batch rows with a structured response_format.
             states: each row's request state (its matcher is made or advanced here).
             params: each row's sampling parameters.
+            draft_prefixes: per row, the draft tokens before it: its mask is the grammar's after them
+                (the matcher accepts them, fills the row, and rolls back). A row after a draft token
+                the grammar refuses (or after a stop token) keeps the mask before that token: its row
+                cannot sample the refused token, so the draft is cut there and the later rows' tokens
+                are never kept.
 
         Raises:
             InvariantError: a generated token was not allowed by the grammar (the mask was bypassed).
@@ -45,8 +50,20 @@ class GrammarMasks:
         import xgrammar  # noqa: PLC0415 - present whenever a structured request was admitted
 
         bitmask = self._buffer(logits.shape[0])
-        for row, state, row_params in zip(rows, states, params):
-            _synced_matcher(self.compiler, state, row_params).fill_next_token_bitmask(bitmask, row)
+        prefixes = draft_prefixes or [[] for _ in rows]
+        for row, state, row_params, prefix in zip(rows, states, params, prefixes):
+            matcher = synced_matcher(self.compiler, state, row_params)
+            num_accepted = 0
+            for token_id in prefix:
+                if not matcher.accept_token(token_id):
+                    break
+                if matcher.is_terminated():  # NOTE: a stop token: the request ends there, later rows are never kept
+                    matcher.rollback(1)
+                    break
+                num_accepted += 1
+            matcher.fill_next_token_bitmask(bitmask, row)
+            if num_accepted:
+                matcher.rollback(num_accepted)
         on_cpu = logits.device.type == "cpu"
         backend: Literal["auto", "torch_native"] = (
             "auto" if not on_cpu or logits.dtype in _CPU_KERNEL_DTYPES else "torch_native")
@@ -62,7 +79,7 @@ class GrammarMasks:
         return self._bitmask
 
 
-def _synced_matcher(compiler: GrammarCompiler, state: SamplingState, params: SamplingParams) -> Any:
+def synced_matcher(compiler: GrammarCompiler, state: SamplingState, params: SamplingParams) -> Any:
     """The request's matcher, made on first use and fed the output tokens it has not seen yet."""
     if state.matcher is None:
         if params.response_format is None:

@@ -49,14 +49,16 @@ class LogitsProcessors:
             if self._grammar_masks is None:
                 raise InvariantError("a structured request reached a sampler without a grammar compiler")
             self._grammar_masks.apply_(processed, structured, [_state(contexts[i]) for i in structured],
-                                       [contexts[i].params for i in structured])
+                                       [contexts[i].params for i in structured],
+                                       [contexts[i].draft_prefix for i in structured])
         _ban_min_tokens_(processed, contexts)
         return processed
 
     def _penalize_(self, logits: torch.Tensor, rows: list[int], contexts: list[SamplingContext]) -> None:
         if self._penalty_table is None:
             self._penalty_table = PenaltyTable(logits.shape[1], logits.device)
-        counts, prompt_mask = self._penalty_table.rows([_state(contexts[i]) for i in rows])
+        counts, prompt_mask = self._penalty_table.rows([_state(contexts[i]) for i in rows],
+                                                       [contexts[i].draft_prefix for i in rows])
         index = torch.tensor(rows, device=logits.device)
         penalized = apply_penalties(logits[index], counts, prompt_mask, [contexts[i].params for i in rows])
         logits[index] = penalized

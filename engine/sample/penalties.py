@@ -72,8 +72,13 @@ class PenaltyTable:
     def num_used_slots(self) -> int:
         return self.output_counts.shape[0] - len(self._free_slots)
 
-    def rows(self, states: list[SamplingState]) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, states: list[SamplingState], draft_prefixes: list[list[int]] | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """The output counts and prompt masks of ``states``' requests, up to date with their tokens.
+
+        Args:
+            states: one per row (a request with draft tokens has several rows).
+            draft_prefixes: per row, the draft tokens before it, counted in that row only.
 
         Returns:
             ``([rows, vocab] int32 counts, [rows, vocab] bool prompt mask)``, gathered copies.
@@ -93,7 +98,13 @@ class PenaltyTable:
             ones = torch.ones(len(counted_ids), dtype=torch.int32, device=self.device)
             self.output_counts.index_put_(index, ones, accumulate=True)
         slot_tensor = torch.tensor(slots, device=self.device)
-        return self.output_counts[slot_tensor], self.prompt_mask[slot_tensor]
+        counts = self.output_counts[slot_tensor]
+        drafted = [(row, token_id) for row, prefix in enumerate(draft_prefixes or []) for token_id in prefix]
+        if drafted:
+            rows, ids = zip(*drafted)
+            index = (torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device))
+            counts.index_put_(index, torch.ones(len(ids), dtype=counts.dtype, device=self.device), accumulate=True)
+        return counts, self.prompt_mask[slot_tensor]
 
     def _assign(self, state: SamplingState) -> int:
         """Give the request a row (zero counts, its prompt's mask), freed with the state; returns it."""

@@ -2,7 +2,8 @@
 each request's draft length by the goodput rule (engine/spec/draft_length.py), and keeps the counts.
 
 Proposers are tried in order for each request, a later one only where the earlier ones proposed
-nothing: ``auto`` is the request's own n-gram lookup, then the suffix pool of earlier outputs.
+nothing: ``auto`` is the tokens a structured request's grammar forces, then the request's own n-gram
+lookup, then the suffix pool of earlier outputs.
 Standard library only; a draft model's proposer (engine/model/draft_proposer.py) comes in through
 the same :class:`Proposer` interface.
 """
@@ -154,15 +155,20 @@ class DraftSpeculator:
             proposer.finished(request)
 
 
-def build_speculator(config: SpeculativeConfig, extra: Proposer | None = None) -> DraftSpeculator | None:
+def build_speculator(config: SpeculativeConfig, draft: Proposer | None = None,
+                     forced: Proposer | None = None) -> DraftSpeculator | None:
     """The speculator ``[engine.speculative]`` asks for; None when ``method = "off"``.
 
     Args:
-        extra: the draft model's proposer, for ``method = "draft"`` (the caller loads the model).
+        draft: the draft model's proposer, for ``method = "draft"`` (the caller loads the model).
+        forced: the grammar-forced proposer (engine/sample/grammar_drafts.py), tried first for
+            structured requests with ``auto`` and ``draft``; None: a model without structured output.
     """
     if config.method == "off":
         return None
     proposers: list[Proposer] = []
+    if forced is not None and config.method in ("auto", "draft"):
+        proposers.append(forced)
     if config.method in ("ngram", "auto"):
         proposers.append(NgramProposer(config.ngram_min, config.ngram_max))
     if config.method in ("suffix", "auto"):
@@ -170,7 +176,7 @@ def build_speculator(config: SpeculativeConfig, extra: Proposer | None = None) -
                           config.suffix_pool_tokens)
         proposers.append(SuffixPoolProposer(pool))
     if config.method == "draft":
-        if extra is None:
+        if draft is None:
             raise ValueError("method 'draft' needs the draft model's proposer")
-        proposers.append(extra)
+        proposers.append(draft)
     return DraftSpeculator(proposers, config.num_speculative_tokens, config.min_acceptance)

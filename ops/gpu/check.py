@@ -58,13 +58,15 @@ TEST_TARGETS = [
     ("CUDA graphs captured + replayed (tiny)", "pytest-parity", r"::test_cuda_graphs_are_captured"),
     ("tiny parity fp64, Triton + reference", "pytest-parity", r"test_parity_tiny\.py"),
     ("SmolLM2 fp32 random weights vs HF", "pytest-parity", r"test_parity_random_smollm2\.py"),
+    ("speculative drafts (Triton, graphs between) vs HF", "pytest-parity", r"test_speculation_tiny\.py"),
 ]
 KERNEL_TESTS = ["tests/unit/test_attention_backends.py", "tests/unit/test_step_inputs.py"]
 PARITY_TESTS = ["tests/e2e/test_static_decode.py", "tests/e2e/test_parity_tiny.py",
-                "tests/e2e/test_parity_random_smollm2.py"]
+                "tests/e2e/test_parity_random_smollm2.py", "tests/e2e/test_speculation_tiny.py"]
 # NOTE: of the tiny parity matrix only these scenarios: each new shape compiles Triton kernels (~1 s each)
 # on a fresh machine, and the rest repeat their code paths (block size 1 and recompute preemption).
-PARITY_SELECTION = "test_cuda_graphs or test_random_smollm2 or block16 or block4-chunked or swap-preemption"
+PARITY_SELECTION = ("test_cuda_graphs or test_random_smollm2 or block16 or block4-chunked or swap-preemption "
+                    "or test_drafts_through_the_device_kernel")
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.e2e.parity_helpers import hf_greedy, load_reference, random_prompts
+from tests.e2e.parity_helpers import DEVICES, attention_backend, hf_greedy, load_reference, random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import VOCAB_SIZE
 from tokenmill.engine import Engine, SamplingParams
@@ -142,6 +142,26 @@ def test_the_native_decoder_runs_drafts_as_the_eager_reference_does(wrong_every:
     assert speculator.counters.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_drafts_through_the_device_kernel_and_captured_steps_match_hf_generate(
+        device: str, tiny_model_dirs: dict[str, Path]) -> None:
+    """The device's attention kernel (CPU: C++; CUDA: Triton) runs the draft chunks, and on CUDA the
+    steps without drafts replay captured graphs between them: the tokens are still Hugging Face's."""
+    path = tiny_model_dirs["llama"]
+    prompts, expected = _reference("llama", path)
+    engine = build_engine(str(path), device=device, dtype="float64", method="auto", block_size=4,
+                          max_prefill_chunk=16, max_num_batched_tokens=64, attention_backend=attention_backend(
+                              "kernel", device))
+    speculator = _with_oracle(engine, {tuple(p): e for p, e in zip(prompts, expected)}, wrong_every=3)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
+    assert [o.token_ids for o in outputs] == expected
+    assert 0 < speculator.counters.num_accepted_tokens < speculator.counters.num_draft_tokens
+    runner = engine.runner
+    if device == "cuda":
+        assert isinstance(runner, ModelRunner) and runner.static_decode is not None
+        assert sum(runner.static_decode.num_runs.values()) > 0  # captured steps ran between the draft steps
+
+
 def test_n_samples_and_logprobs_with_drafts(tiny_model_dirs: dict[str, Path]) -> None:
     """n > 1 (copy-on-write blocks) and logprobs: the same as without drafts."""
     path = tiny_model_dirs["llama"]
@@ -233,3 +253,50 @@ def test_a_model_drafting_for_itself_is_accepted_fully(tiny_model_dirs: dict[str
     counters = speculator.counters
     assert counters.num_draft_tokens > 0 and counters.num_accepted_tokens == counters.num_draft_tokens
     assert not speculator.proposers[0]._caches  # every request's draft cache went with it
+
+
+@pytest.mark.parametrize("params", [
+    dict(repetition_penalty=1.3), dict(frequency_penalty=0.8, presence_penalty=0.5),
+    dict(temperature=0.9, seed=7, repetition_penalty=1.2, top_k=30),
+], ids=["repetition", "frequency-presence", "seeded-sampled"])
+def test_penalties_count_the_draft_tokens_before_each_row(params: dict[str, Any],
+                                                          tiny_model_dirs: dict[str, Path]) -> None:
+    """A penalized row after draft tokens counts them as generated: the tokens are those of plain decoding."""
+    path = tiny_model_dirs["llama"]
+    prompts, _ = _reference("llama", path)
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, **params)
+    off = build_engine(str(path), device="cpu", dtype="float64", method="off")
+    want = [o.token_ids for o in off.generate(prompts, sampling, progress=False)]
+    engine = build_engine(str(path), device="cpu", dtype="float64", method="auto")
+    speculator = _with_oracle(engine, {tuple(p): w for p, w in zip(prompts, want)}, wrong_every=4)
+    assert [o.token_ids for o in engine.generate(prompts, sampling, progress=False)] == want
+    assert 0 < speculator.counters.num_accepted_tokens < speculator.counters.num_draft_tokens
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "count": {"type": "integer"}, "ok": {"type": "boolean"}},
+          "required": ["name", "count", "ok"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("wrong_every", [0, 2], ids=["grammar-forced", "oracle-every-second-wrong"])
+def test_structured_output_with_drafts_is_the_same(wrong_every: int, tiny_model_dirs: dict[str, Path]) -> None:
+    """JSON-schema output: the grammar forces the keys and punctuation (drafted and kept); drafts the
+    grammar refuses are never kept; the JSON is token for token that of plain decoding."""
+    from tokenmill.protocol.sampling import ResponseFormat
+
+    path = tiny_model_dirs["llama"]
+    prompts, _ = _reference("llama", path)
+    fmt = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}})
+    sampling = SamplingParams(max_tokens=64, response_format=fmt)
+    off = build_engine(str(path), device="cpu", dtype="float64", method="off")
+    want = off.generate(prompts[:6], sampling, progress=False)
+    assert all(o.text.startswith('{"name": "') for o in want), [o.text for o in want]  # the grammar held
+    engine = build_engine(str(path), device="cpu", dtype="float64", method="auto")
+    if wrong_every:
+        speculator = _with_oracle(engine, {tuple(p): w.token_ids for p, w in zip(prompts, want)}, wrong_every)
+    else:
+        speculator = engine.scheduler.speculator
+        assert isinstance(speculator, DraftSpeculator)
+    got = engine.generate(prompts[:6], sampling, progress=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert speculator.counters.num_accepted_tokens > 0
