@@ -148,7 +148,8 @@ class ExecutionConfig(_Frozen):
 
 class SpeculativeConfig(_Frozen):
     """Speculative decoding inside the step's token budget (engine/spec/): draft tokens for decoding
-    requests, verified in one forward; the output is the same as without (greedy: token for token)."""
+    requests, verified in one forward; the output is the same as without (greedy float32: token for
+    token; sampled: the same distribution)."""
 
     method: Literal["off", "ngram", "suffix", "draft", "auto"] = Field(
         "auto", description="off; ngram: the request's own prompt and output (prompt lookup); suffix: a pool of "

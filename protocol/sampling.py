@@ -135,7 +135,8 @@ class SamplingParams(WireModel):
     response_format: ResponseFormat | None = Field(default=None,
                                                    description="structured output: JSON, regex or grammar")
     speculative: bool = Field(default=True, description="false: never draft tokens for this request (the "
-                              "engine's [engine.speculative] decides otherwise); the output is the same either way")
+                              "engine's [engine.speculative] decides otherwise); greedy float32 output is the "
+                              "same either way")
 
     @field_validator("stop", mode="before")
     @classmethod
