@@ -175,12 +175,12 @@ class Scheduler:
             if is_decode(request):
                 request.num_steps_since_admitted += 1
             new_token_ids = model_output.sampled_token_ids.get(chunk.request_id, [])
+            num_accepted = 0
             if chunk.num_draft_tokens:
                 self._check_verified(chunk, new_token_ids)
                 num_accepted = len(new_token_ids) - 1
                 request.num_computed_tokens += 1 + num_accepted
                 # NOTE: only verified tokens reach the prefix cache; the rejected drafts' slots go back.
-                known_token_ids = request.all_token_ids + new_token_ids[:num_accepted]
                 self.block_manager.trim(request.request_id, request.num_computed_tokens)
                 request.draft_token_ids = []
                 if self.speculator is not None:
@@ -190,8 +190,8 @@ class Scheduler:
                     raise InvariantError(f"{chunk.request_id}: needs_sample={chunk.needs_sample}, "
                                          f"got {len(new_token_ids)} tokens")
                 request.num_computed_tokens += chunk.num_tokens
-                known_token_ids = request.all_token_ids
             if self.prefix_cache is not None:
+                known_token_ids = request.all_token_ids + new_token_ids[:num_accepted]  # verified, not yet appended
                 self.prefix_cache.register(known_token_ids, self.block_manager.get_block_ids(request.request_id),
                                            request.prefix_entry_ids, request.num_computed_tokens)
             if new_token_ids:

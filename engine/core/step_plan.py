@@ -119,14 +119,15 @@ class StepPlan:
     def _chunk(request: Request, num_tokens: int, block_manager: BlockManager) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_tokens
+        num_draft_tokens = max(0, end - request.num_tokens)  # the tail past the known tokens: the draft's
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=(request.all_token_ids + request.draft_token_ids)[start:end],
+            token_ids=request.all_token_ids[start:end] + request.draft_token_ids[:num_draft_tokens],
             start_position=start,
             block_ids=block_manager.get_block_ids(request.request_id),
             needs_sample=end >= request.num_tokens,
             sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,
             sampling_state=request.sampling_state,
-            num_draft_tokens=max(0, end - request.num_tokens),
+            num_draft_tokens=num_draft_tokens,
         )

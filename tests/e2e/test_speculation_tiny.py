@@ -187,10 +187,17 @@ def test_seeded_sampling_is_the_same_with_and_without_drafts(tiny_model_dirs: di
     prompts, _ = _reference("llama", path)
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=20, seed=100 + i)
               for i in range(len(prompts))]
+    _assert_same_with_partly_wrong_drafts(path, prompts, params, wrong_every=3)
+
+
+def _assert_same_with_partly_wrong_drafts(path: Path, prompts: list[list[int]],
+                                          params: SamplingParams | list[SamplingParams], wrong_every: int) -> None:
+    """Tokens with spec off, then with the oracle drafting them (every ``wrong_every``-th wrong): equal,
+    with drafts both kept and rejected."""
     off = build_engine(str(path), device="cpu", dtype="float64", method="off")
     want = [o.token_ids for o in off.generate(prompts, params, progress=False)]
     engine = build_engine(str(path), device="cpu", dtype="float64", method="auto")
-    speculator = _with_oracle(engine, {tuple(p): w for p, w in zip(prompts, want)}, wrong_every=3)
+    speculator = _with_oracle(engine, {tuple(p): w for p, w in zip(prompts, want)}, wrong_every)
     assert [o.token_ids for o in engine.generate(prompts, params, progress=False)] == want
     assert 0 < speculator.counters.num_accepted_tokens < speculator.counters.num_draft_tokens
 
@@ -265,13 +272,8 @@ def test_penalties_count_the_draft_tokens_before_each_row(params: dict[str, Any]
     """A penalized row after draft tokens counts them as generated: the tokens are those of plain decoding."""
     path = tiny_model_dirs["llama"]
     prompts, _ = _reference("llama", path)
-    sampling = SamplingParams(max_tokens=MAX_TOKENS, **params)
-    off = build_engine(str(path), device="cpu", dtype="float64", method="off")
-    want = [o.token_ids for o in off.generate(prompts, sampling, progress=False)]
-    engine = build_engine(str(path), device="cpu", dtype="float64", method="auto")
-    speculator = _with_oracle(engine, {tuple(p): w for p, w in zip(prompts, want)}, wrong_every=4)
-    assert [o.token_ids for o in engine.generate(prompts, sampling, progress=False)] == want
-    assert 0 < speculator.counters.num_accepted_tokens < speculator.counters.num_draft_tokens
+    _assert_same_with_partly_wrong_drafts(path, prompts, SamplingParams(max_tokens=MAX_TOKENS, **params),
+                                          wrong_every=4)
 
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
