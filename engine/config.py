@@ -174,6 +174,29 @@ class SpeculativeConfig(_Frozen):
         return self
 
 
+class LengthConfig(_Frozen):
+    """Output-length prediction (engine/core/length_predictor.py): each request's output length is predicted
+    from the lengths of finished requests like it, and the scheduler budgets KV and orders admissions by it.
+    Predictions never change an output, only when it is computed."""
+
+    predict: bool = Field(True, description="predict every request's output length from finished requests' "
+                          "(CPU microseconds per request); off: no prediction, budget and ordering as below ignored")
+    budget_kv: bool = Field(True, description="admit a waiting request only while the running and swapped "
+                            "requests' predicted peak KV (at `confidence`) still fits the device pool, so the "
+                            "running set rarely outgrows it and preempts; off: admit while the next chunk fits")
+    confidence: float = Field(0.9, gt=0.5, lt=1.0, description="probability that the admitted requests' peak KV "
+                              "fits the pool, under the predicted length distributions")
+    ordering: Literal["fcfs", "shortest", "longest", "auto"] = Field(
+        "fcfs", description="order of waiting requests inside one priority level (aging still applies): fcfs: "
+        "arrival; shortest: shortest predicted output first (lower mean completion time in a backlog); longest: "
+        "longest first (a shorter makespan for one bulk job); auto: longest while every waiting request is of one "
+        "job (length group), else shortest")
+    min_samples: int = Field(8, ge=1, description="finished requests a history key needs before it predicts "
+                             "(fewer: a coarser key predicts)")
+    samples_per_key: int = Field(256, ge=8, description="most recent finished lengths kept per history key")
+    max_keys: int = Field(4096, ge=16, description="history keys kept (least recently used forgotten first)")
+
+
 class StructuredOutputConfig(_Frozen):
     """Limits on compiling structured-output grammars (a small spec can take minutes and gigabytes)."""
 
@@ -209,8 +232,20 @@ class EngineConfig(_Frozen):
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    length: LengthConfig = Field(default_factory=LengthConfig)
 
     @field_validator("model", mode="before")
     @classmethod
     def _model_by_name(cls, value: object) -> object:
         return {"name": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check_length_ordering(self) -> EngineConfig:
+        # NOTE: ordering by predicted length inside a level is starvation-free only because waiting ages a request
+        # into a better level (engine/core/scheduler_policy.py); without aging a long request could wait forever.
+        is_reordered = self.length.predict and self.length.ordering != "fcfs"
+        if is_reordered and self.scheduler.aging_interval_s <= 0:
+            raise ValueError(f"[engine.length] ordering {self.length.ordering!r} needs aging "
+                             "([engine.scheduler] aging_interval_s > 0): without it a long request could wait "
+                             "forever behind shorter ones")
+        return self

@@ -24,6 +24,7 @@ from typing import Any
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.clock import Clock
+from tokenmill.engine.core.length_predictor import build_length_predictor
 from tokenmill.engine.core.limits import ModelLimits
 from tokenmill.engine.core.scheduler import Scheduler
 from tokenmill.engine.core.speculation import accept_drafts
@@ -196,7 +197,7 @@ def build_echo_parts(config: EngineConfig, clock: Clock) -> EchoParts:
     if config.speculative.method == "draft":
         raise ValueError("the echo model has no draft model: [engine.speculative] method 'draft' needs a real model")
     scheduler = Scheduler(config.scheduler, block_manager, clock, frozenset({EOS_TOKEN_ID}), max_model_len,
-                          prefix_cache, build_speculator(config.speculative))
+                          prefix_cache, build_speculator(config.speculative), build_length_predictor(config.length))
     num_tokens = num_gpu_blocks * block_size
     limits = ModelLimits(model_name=ECHO_MODEL, source=ECHO_MODEL, vocab_size=VOCAB_SIZE,
                          max_request_tokens=min(max_model_len, num_tokens), is_cache_bound=num_tokens < max_model_len,

@@ -118,7 +118,7 @@ class Engine:
             raise PromptError(ErrorCode.VALIDATION, str(exc)) from None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None, length_group: str | None = None) -> None:
         """Queue a request. Per-request problems never raise: they finish the request with an
         ``error`` output on the next :meth:`step`.
 
@@ -128,6 +128,9 @@ class Engine:
             params: sampling parameters (default: greedy, 256 tokens).
             priority: lower is more urgent.
             arrival_time: engine-clock time it arrived (default: now).
+            length_group: the job it belongs to (a bulk job, a batch): its output length is predicted from
+                that job's finished requests first, and the stats report the job's predicted backlog
+                (engine/core/length_predictor.py). None: predicted from its prompt and kind only.
 
         Raises:
             ValueError: ``request_id`` is already live.
@@ -143,7 +146,8 @@ class Engine:
         except PromptError as exc:
             self.processor.reject(request_id, exc.code, str(exc), arrival, num_prompt_tokens=exc.num_prompt_tokens)
             return
-        request = Request(request_id, list(prompt_token_ids), params, arrival_time_s=arrival, priority=priority)
+        request = Request(request_id, list(prompt_token_ids), params, arrival_time_s=arrival, priority=priority,
+                          length_group=length_group)
         self.scheduler.add_request(request)
 
     def _resolve_max_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:

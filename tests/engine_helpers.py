@@ -1,16 +1,17 @@
 """Builders of engine configs and engines for tests: flat keyword arguments, each routed to its
-section (``model``, ``cache``, ``scheduler``, ``execution``, ``speculative``), so a scenario reads as one line."""
+section (``model``, ``cache``, ``scheduler``, ``execution``, ``speculative``, ``length``), so a scenario
+reads as one line."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from tokenmill.engine import CacheConfig, Engine, EngineConfig, ModelConfig, SchedulerConfig
-from tokenmill.engine.config import ExecutionConfig, SpeculativeConfig
+from tokenmill.engine.config import ExecutionConfig, LengthConfig, SpeculativeConfig
 
 _SECTION_OF = {name: section for section, model in (("model", ModelConfig), ("cache", CacheConfig),
                                                      ("scheduler", SchedulerConfig), ("execution", ExecutionConfig),
-                                                     ("speculative", SpeculativeConfig))
+                                                     ("speculative", SpeculativeConfig), ("length", LengthConfig))
                for name in model.model_fields}
 
 

@@ -128,7 +128,10 @@ class EngineLoop:
             self._finish_early(admit, _error_code(prepared.error), str(prepared.error))
             return
         try:
-            self._engine.add_request(request.id, prepared.prompt_token_ids, request.params, priority=admit.entry.lane)
+            # NOTE: a reply stream is a job's (each bulk job and batch has its own): its finished requests predict
+            # the next ones' lengths best, and the heartbeat reports its predicted backlog under that name.
+            self._engine.add_request(request.id, prepared.prompt_token_ids, request.params, priority=admit.entry.lane,
+                                     length_group=request.reply_to)
         except Exception as exc:  # one request's failure must not stop the engine thread
             log.exception("admission failed", extra={"event": "error", "request_id": request.id})
             self._finish_early(admit, ErrorCode.INTERNAL, f"admission failed: {type(exc).__name__}: {exc}")

@@ -7,9 +7,11 @@ objects (the scheduler's queues); everything known about a request lives on it.
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tokenmill.engine.core.length_history import LengthEstimate
 from tokenmill.engine.core.sampling_state import SamplingState
 from tokenmill.engine.errors import InvariantError
 from tokenmill.protocol.outcomes import ErrorCode, FinishReason
@@ -94,6 +96,13 @@ class Request:
     # model verified them), and the speculator's own per-request state (engine/spec/).
     draft_token_ids: list[int] = field(default_factory=list)
     draft_state: object | None = field(default=None, repr=False)
+    # Output-length prediction (engine/core/length_predictor.py): the job whose history predicts it (None:
+    # prompt and kind only), its history keys, its latest estimate (and the history size then), its first one.
+    length_group: str | None = None
+    length_keys: tuple[tuple[Hashable, str], ...] = field(default=(), repr=False)
+    length_estimate: LengthEstimate | None = field(default=None, repr=False)
+    length_history_size: int = 0
+    first_length_estimate: LengthEstimate | None = field(default=None, repr=False)
     group: ParallelGroup | None = None  # the n > 1 request this one is a sample of
     sample_index: int = 0  # which sample of its group
     # Output side: turns output_token_ids into text; set by the output processor on admission.

@@ -21,12 +21,21 @@ from collections.abc import Callable
 
 from tokenmill.engine.config import SchedulerConfig
 from tokenmill.engine.core.clock import Clock
+from tokenmill.engine.core.kv_budget import PredictedKvBudget
+from tokenmill.engine.core.length_predictor import LengthPredictor
 from tokenmill.engine.core.preemption import PreemptionPolicy
 from tokenmill.engine.core.request import ParallelGroup, PreemptionCause, Request, RequestStatus, check_stop
 from tokenmill.engine.core.request_queue import RequestQueues
-from tokenmill.engine.core.scheduler_policy import UrgencyKey, admission_key, is_decode, urgency_key
+from tokenmill.engine.core.scheduler_policy import (
+    AdmissionKey,
+    UrgencyKey,
+    admission_key,
+    effective_priority,
+    is_decode,
+    urgency_key,
+)
 from tokenmill.engine.core.speculation import DraftRoom, Speculator
-from tokenmill.engine.core.stats import EngineStats, SchedulerCounters, SpeculationCounters
+from tokenmill.engine.core.stats import EngineStats, GroupBacklog, LengthStats, SchedulerCounters, SpeculationCounters
 from tokenmill.engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput
 from tokenmill.engine.core.step_plan import StepPlan
 from tokenmill.engine.errors import InvariantError
@@ -56,11 +65,15 @@ class Scheduler:
             requests start after the blocks it already holds); None = every prompt is computed.
         speculator: proposes draft tokens for decodes, run with what the step's budget and the
             free blocks leave once every real token is scheduled; None = no speculative decoding.
+        length_predictor: predicts output lengths (engine/core/length_predictor.py); with its config's ``budget_kv``
+            admission keeps the predicted peak KV within the pool (engine/core/kv_budget.py), and its
+            ``ordering`` orders waiting requests inside a priority level. None = neither.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock: Clock,
                  eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
-                 prefix_cache: PrefixCache | None = None, speculator: Speculator | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, speculator: Speculator | None = None,
+                 length_predictor: LengthPredictor | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
         self.clock = clock
@@ -68,6 +81,11 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.prefix_cache = prefix_cache
         self.speculator = speculator
+        self.length_predictor = length_predictor
+        self._kv_budget = None
+        if length_predictor is not None and length_predictor.config.budget_kv:
+            self._kv_budget = PredictedKvBudget(block_manager.num_gpu_blocks, block_manager.block_size,
+                                                length_predictor.config.confidence, length_predictor.current)
         self.counters = SchedulerCounters()
         self._queues = RequestQueues()
         self._finished: list[Request] = []  # finished since the last take_finished()
@@ -119,6 +137,8 @@ class Scheduler:
         request.waiting_since_s = self.clock.now()
         if self.block_manager.num_blocks_for(request.max_total_tokens) > self.block_manager.num_gpu_blocks:
             self._finish_with_error(request)
+        elif self.length_predictor is not None:
+            self.length_predictor.current(request)
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step within every budget; preempt when blocks or priority require it.
@@ -134,7 +154,7 @@ class Scheduler:
         for request in self._policy.requests_to_demote():
             request.is_demoted = True
         self._schedule_running(plan)
-        for request in sorted(self._queues.swapped + self._queues.waiting, key=self._admission_key):
+        for request in sorted(self._queues.swapped + self._queues.waiting, key=self._admission_order()):
             if request.request_id in plan.preempted_request_ids:
                 break  # memory is short: admit nothing behind a request just preempted
             if request.status is RequestStatus.SWAPPED:
@@ -238,6 +258,9 @@ class Scheduler:
         request.draft_token_ids = []
         if self.speculator is not None:
             self.speculator.finished(request)
+        if self.length_predictor is not None and status in (RequestStatus.FINISHED_STOPPED,
+                                                            RequestStatus.FINISHED_LENGTH):
+            self.length_predictor.observe(request)
         self._finished.append(request)
         if request.group is not None:
             request.group.finished.append(request)
@@ -265,6 +288,32 @@ class Scheduler:
             prefix=dataclasses.replace(self.prefix_cache.stats) if self.prefix_cache else PrefixStats(),
             num_cached_blocks=self.prefix_cache.num_cached_blocks if self.prefix_cache else 0,
             speculation=self.speculator.counters.copy() if self.speculator else SpeculationCounters(),
+            length=self._length_stats(),
+        )
+
+    def _length_stats(self) -> LengthStats:
+        """The predictor's counters and errors, and the predicted output tokens still to come: in all and per
+        length group (its live requests, and the mean length it predicts for a new one)."""
+        predictor = self.length_predictor
+        if predictor is None:
+            return LengthStats()
+        backlog = 0.0
+        group_to_counts: dict[str, list[float]] = {}
+        for request in self._queues.requests.values():
+            tokens = predictor.current(request).mean_remaining(request.num_output_tokens) * request.num_seats
+            backlog += tokens
+            if request.length_group is not None:
+                counts = group_to_counts.setdefault(request.length_group, [0, 0.0])
+                counts[0] += request.num_seats
+                counts[1] += tokens
+        error, baseline_error = predictor.errors()
+        return LengthStats(
+            num_observed=predictor.num_observed, num_estimates=predictor.num_estimates,
+            num_outlived=predictor.num_outlived, num_deferred_admissions=self.counters.num_deferred_admissions,
+            backlog_tokens=backlog,
+            group_backlog={group: GroupBacklog(int(num), tokens, predictor.group_mean_length(group))
+                           for group, (num, tokens) in group_to_counts.items()},
+            log_error=error, max_tokens_log_error=baseline_error,
         )
 
     def check_invariants(self) -> None:
@@ -342,6 +391,9 @@ class Scheduler:
         if num_tokens == 0:
             return False
         # NOTE: the watermark spares blocks for running decodes; with nothing running it would only block.
+        if self._kv_budget is not None and not self._kv_budget.admits(request, self._committed_before(request, plan)):
+            self.counters.num_deferred_admissions += 1
+            return False  # NOTE: head-of-line as below: what it waits for is what would come after it
         num_reserved_blocks = self.config.watermark_blocks if self._queues.running else 0
         num_new_blocks = self.block_manager.num_blocks_for(num_hit_tokens + num_tokens) - len(hit_block_ids)
         num_blocks = num_new_blocks + self.block_manager.num_unused(hit_block_ids) + num_reserved_blocks
@@ -398,7 +450,8 @@ class Scheduler:
                              params.for_sample(index), parent.arrival_time_s, parent.priority,
                              num_computed_tokens=parent.num_computed_tokens, group=group, sample_index=index,
                              prefix_entry_ids=list(parent.prefix_entry_ids),
-                             first_scheduled_time_s=parent.first_scheduled_time_s)
+                             first_scheduled_time_s=parent.first_scheduled_time_s,
+                             length_group=parent.length_group, length_keys=parent.length_keys)
             if is_running:
                 self.block_manager.fork(parent.request_id, sample.request_id)
             samples.append(sample)
@@ -548,5 +601,28 @@ class Scheduler:
     def _urgency_key(self, plan: StepPlan) -> Callable[[Request], UrgencyKey]:
         return lambda r: urgency_key(r, plan.now_s, self.config.aging_interval_s)
 
-    def _admission_key(self, request: Request) -> tuple[int, int, float, int]:
-        return admission_key(request, self.config.aging_interval_s)
+    def _admission_order(self) -> Callable[[Request], AdmissionKey]:
+        """The key ordering swapped and waiting requests for admission this step (``admission_key``), with
+        the predicted length inside a level when the length config orders by it."""
+        aging_interval_s = self.config.aging_interval_s
+        predictor = self.length_predictor
+        ordering = predictor.config.ordering if predictor is not None else "fcfs"
+        if predictor is None or ordering == "fcfs":
+            return lambda r: admission_key(r, aging_interval_s)
+        if ordering == "auto":
+            groups = {r.length_group for r in self._queues.waiting}
+            # NOTE: one job's requests alone: its makespan is what its owner waits for; mixed: completion times.
+            ordering = "longest" if len(groups) == 1 and None not in groups else "shortest"
+        sign = 1.0 if ordering == "shortest" else -1.0
+        return lambda r: admission_key(
+            r, aging_interval_s, sign * predictor.current(r).median_remaining(r.num_output_tokens))
+
+    def _committed_before(self, request: Request, plan: StepPlan) -> list[Request]:
+        """Running and swapped requests whose room ``request`` could not take: all of them, or with priority
+        preemption on, those at least as urgent as it (the less urgent ones yield their room to it)."""
+        committed = self._queues.running + self._queues.swapped
+        if not self.config.enable_priority_preemption:
+            return committed
+        level = effective_priority(request, plan.now_s, self.config.aging_interval_s)
+        return [r for r in committed
+                if effective_priority(r, plan.now_s, self.config.aging_interval_s) <= level]

@@ -19,15 +19,17 @@ difference between two requests' effective priorities a constant: the order of r
 never flips back and forth as time passes, so priority and memory preemption cannot
 ping-pong between two requests.
 
-Bound. Requests are ordered by ``(effective priority, arrival, seq_no)``. Take a request L
-(priority p_L, arrived t_L) and any H with priority p_H = p_L - g (g >= 0, the priority gap)
-arriving at ``t_H >= t_L + g * I``. Then ``floor(t_H / I) >= floor(t_L / I) + g``, so at every
-time ``eff_H - eff_L = floor(t_H / I) - floor(t_L / I) - g >= 0``: H is at best tied with L and
-the tie goes to the earlier arrival, L. Hence every request arriving from ``t_L + g * I`` on is
-ordered behind L and is never strictly more urgent (it cannot priority-preempt L). L is
-admitted as soon as the finitely many requests ahead of it at that time are placed and room
-appears (blocks, a sequence slot, token budget): a wait of at most ``g * I`` plus the time for
-room to appear for those requests and L.
+Bound. Waiting requests are ordered by ``(effective priority, swapped first, length order, arrival,
+seq_no)``, where the length order is 0 (fcfs) or the predicted remaining length (shortest / longest
+first, engine/core/length_predictor.py). Take a request L (priority p_L, arrived t_L) and any H with
+priority p_H = p_L - g (g >= 0, the priority gap) arriving at ``t_H >= t_L + (g + 1) * I``. Then
+``floor(t_H / I) >= floor(t_L / I) + g + 1``, so at every time ``eff_H - eff_L >= 1``: H is strictly less
+urgent than L, whatever their predicted lengths (with fcfs, ties go to the earlier arrival, so ``g * I``
+suffices). Hence every request arriving from
+``t_L + (g + 1) * I`` on is ordered behind L and is never strictly more urgent (it cannot priority-preempt
+L). L is admitted as soon as the finitely many requests ahead of it at that time are placed and room
+appears (blocks, a sequence slot, token budget, the predicted-KV budget): a wait of at most ``(g + 1) * I``
+plus the time for room to appear for those requests and L.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from collections.abc import Iterable
 from tokenmill.engine.core.request import Request, RequestStatus
 
 UrgencyKey = tuple[int, float, int]
+AdmissionKey = tuple[int, int, float, float, int]
 
 
 def effective_priority(request: Request, now_s: float, aging_interval_s: float) -> int:
@@ -62,9 +65,10 @@ def urgency_key(request: Request, now_s: float, aging_interval_s: float) -> Urge
     return (effective_priority(request, now_s, aging_interval_s), request.arrival_time_s, request.seq_no)
 
 
-def admission_key(request: Request, aging_interval_s: float) -> tuple[int, int, float, int]:
+def admission_key(request: Request, aging_interval_s: float, length_order: float = 0.0) -> AdmissionKey:
     """Order of swapped and waiting requests for (re)admission: by effective priority, then a swapped
-    request before a new (or recompute-preempted) one, then arrival and seq_no.
+    request before a new (or recompute-preempted) one, then ``length_order`` (the predicted remaining
+    length, negated for longest first; 0 for fcfs), then arrival and seq_no.
 
     NOTE: effective priority is ``priority + floor(waiting_since_s / I) - floor(now_s / I)``, and the last
     term is the same for every request (the shared grid above), so the order needs no clock: the key is
@@ -74,7 +78,8 @@ def admission_key(request: Request, aging_interval_s: float) -> tuple[int, int, 
     level = request.priority
     if aging_interval_s > 0.0:
         level += math.floor(request.waiting_since_s / aging_interval_s)
-    return (level, int(request.status is not RequestStatus.SWAPPED), request.arrival_time_s, request.seq_no)
+    return (level, int(request.status is not RequestStatus.SWAPPED), length_order, request.arrival_time_s,
+            request.seq_no)
 
 
 def choose_victim(requests: Iterable[Request], now_s: float, aging_interval_s: float) -> Request | None:

@@ -28,6 +28,7 @@ class SchedulerCounters:
     num_recomputed_tokens: int = 0  # computed tokens whose KV was dropped and must be recomputed
     num_finished_errors: int = 0  # requests the scheduler itself finished with FINISHED_ERROR
     num_generated_tokens: int = 0  # output tokens appended to requests (draft tokens only once kept)
+    num_deferred_admissions: int = 0  # steps whose next admission the predicted-KV budget held back
 
     @property
     def num_preemptions(self) -> int:
@@ -69,6 +70,29 @@ class SpeculationCounters:
 
 
 @dataclass(frozen=True)
+class GroupBacklog:
+    """One length group's (a job's) requests inside the engine, as the length predictor sees them."""
+
+    num_requests: int  # live (waiting, running, swapped) requests of the group, samples counted
+    backlog_tokens: float  # predicted output tokens they still generate (mean)
+    mean_length: float | None  # predicted mean output length of a new request of the group; None: no history
+
+
+@dataclass(frozen=True)
+class LengthStats:
+    """Output-length prediction (engine/core/length_predictor.py); all zero / empty with it off."""
+
+    num_observed: int = 0  # finished requests learnt from
+    num_estimates: int = 0  # estimates made (first ones and re-estimates)
+    num_outlived: int = 0  # re-estimates of requests that generated past their estimate's median or mean
+    num_deferred_admissions: int = 0  # steps whose next admission the predicted-KV budget held back
+    backlog_tokens: float = 0.0  # predicted output tokens every live request still generates (mean)
+    group_backlog: dict[str, GroupBacklog] = field(default_factory=dict)  # per length group
+    log_error: float | None = None  # median |log predicted - log actual| over recent finished requests
+    max_tokens_log_error: float | None = None  # the same for planning with max_tokens (the baseline)
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """The engine at one moment: queues, KV pools, totals, and the scheduler's counters."""
 
@@ -85,6 +109,7 @@ class EngineStats:
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
     prefix: PrefixStats = field(default_factory=PrefixStats)
     speculation: SpeculationCounters = field(default_factory=SpeculationCounters)
+    length: LengthStats = field(default_factory=LengthStats)
 
     @property
     def gpu_usage(self) -> float:

@@ -14,6 +14,7 @@ import torch
 
 from tokenmill.engine.config import CacheConfig, EngineConfig
 from tokenmill.engine.core.clock import Clock
+from tokenmill.engine.core.length_predictor import build_length_predictor
 from tokenmill.engine.core.limits import ModelLimits
 from tokenmill.engine.core.scheduler import Scheduler
 from tokenmill.engine.errors import EngineError, ModelLoadError
@@ -89,7 +90,7 @@ def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
     speculator = build_speculator(config.speculative, draft_proposer_for(config, loaded),
                                   GrammarForcedProposer(grammars) if grammars is not None else None)
     scheduler = Scheduler(config.scheduler, block_manager, clock, loaded.eos_token_ids, loaded.max_model_len,
-                          prefix_cache, speculator)
+                          prefix_cache, speculator, build_length_predictor(config.length))
     max_request_tokens = min(loaded.max_model_len, num_gpu_blocks * spec.block_size)
     limits = ModelLimits(model_name=model_config.name, source=loaded.source, vocab_size=loaded.model.config.vocab_size,
                          max_request_tokens=max_request_tokens,

@@ -30,7 +30,8 @@ def test_seeded_sampling_is_independent_of_the_batch(engine: Engine, tiny_model_
     assert batch[1].token_ids == alone
     # Under recompute preemption (tiny KV) the seeded request still draws the same tokens.
     tight = build_engine(str(tiny_model_dirs["llama"]), device="cpu", dtype="float64",
-                         kv_cache_memory=48 * 1024, block_size=4, preemption_mode="recompute")  # 48 tokens
+                         kv_cache_memory=48 * 1024, block_size=4, preemption_mode="recompute",
+                         budget_kv=False)  # 48 tokens
     crowded = tight.generate([PROMPTS[1], PROMPTS[0], PROMPTS[3]], [others[0], seeded, others[1]], progress=False)
     assert crowded[1].token_ids == alone
     assert tight.stats().counters.num_preemptions > 0

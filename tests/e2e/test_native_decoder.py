@@ -130,7 +130,7 @@ def _generate(path: Path, **settings: Any) -> tuple[list[list[int]], Engine]:
     # token): room for the longest request (120 + 20 tokens), not for all twelve.
     engine = build_engine(str(path), device="cpu", dtype="float32", block_size=4, max_prefill_chunk=7,
                           max_num_batched_tokens=48, preemption_mode="swap", kv_cache_memory=40 * 4 * 512,
-                          swap_space="4MiB", **settings)
+                          swap_space="4MiB", budget_kv=False, **settings)
     prompts = random_prompts(VOCAB_SIZE, 12, seed=5)
     outputs = engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True), progress=False)
     return [out.token_ids for out in outputs], engine

@@ -43,8 +43,12 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "block16": dict(block_size=16),
     "block4-chunked": dict(block_size=4, max_prefill_chunk=16, max_num_batched_tokens=128),
     "block16-no-prefix-cache": dict(block_size=16, enable_prefix_caching=False),
-    "recompute-preemption": dict(block_size=4, preemption_mode="recompute", kv_cache_memory=80 * 4 * 46080),
-    "swap-preemption": dict(block_size=4, preemption_mode="swap", kv_cache_memory=80 * 4 * 46080),
+    # The preemption scenarios admit whatever fits (no predicted-KV budget), so the pool runs out.
+    "recompute-preemption": dict(block_size=4, preemption_mode="recompute", kv_cache_memory=80 * 4 * 46080,
+                                 budget_kv=False),
+    "swap-preemption": dict(block_size=4, preemption_mode="swap", kv_cache_memory=80 * 4 * 46080, budget_kv=False),
+    # Output-length prediction is on everywhere; here it budgets a tight pool and orders shortest first.
+    "length-shortest-first": dict(block_size=4, kv_cache_memory=80 * 4 * 46080, ordering="shortest", min_samples=2),
     # The base engine runs the device's kernel; the reference backend once, on the base scenario.
     "block16-reference": dict(block_size=16, attention_backend="reference"),
     # Every other scenario runs the captured step (CPU: the native decoder stack); eager once.
@@ -97,6 +101,8 @@ def test_smollm2_greedy_matches_hf_generate(scenario: str, engine_and_reference:
         assert stats.prefix.num_hit_tokens > 0, stats.prefix
     if scenario == "block16-no-prefix-cache":
         assert stats.prefix.num_hit_tokens == 0, stats.prefix
+    if scenario == "length-shortest-first":
+        assert stats.length.num_observed == len(prompts) and stats.counters.num_preemptions == 0, stats
     if scenario == "block16-no-speculation":
         assert stats.speculation.num_drafts == 0
     elif scenario == "block16" or "preemption" in scenario:  # NOTE: block16's engine is shared by other tests

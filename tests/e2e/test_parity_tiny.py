@@ -24,9 +24,14 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "block16-no-prefix-cache": dict(block_size=16, enable_prefix_caching=False),
     "block1": dict(block_size=1, max_prefill_chunk=256, max_num_batched_tokens=256),
     "block4-chunked": dict(block_size=4, max_prefill_chunk=7, max_num_batched_tokens=64),
+    # NOTE: the preemption scenarios admit whatever fits (no predicted-KV budget), so the pool runs out.
     "recompute-preemption": dict(block_size=4, preemption_mode="recompute", max_prefill_chunk=32,
-                                 max_num_batched_tokens=64),
-    "swap-preemption": dict(block_size=4, preemption_mode="swap", max_prefill_chunk=32, max_num_batched_tokens=64),
+                                 max_num_batched_tokens=64, budget_kv=False),
+    "swap-preemption": dict(block_size=4, preemption_mode="swap", max_prefill_chunk=32, max_num_batched_tokens=64,
+                            budget_kv=False),
+    # Output-length prediction is on in every scenario; here it also orders the backlog in a tight pool.
+    "length-shortest-first": dict(block_size=4, max_prefill_chunk=32, max_num_batched_tokens=64, ordering="shortest",
+                                  min_samples=2),
 }
 
 
@@ -50,7 +55,7 @@ def _reference(family: str, path: Path, device: str) -> tuple[list[list[int]], l
 
 def _kv_budget(path: Path, scenario: str) -> dict[str, Any]:
     """A KV pool that holds the largest request but far from all of them when preempting."""
-    if "preemption" not in scenario:
+    if "preemption" not in scenario and "length" not in scenario:
         return dict(kv_cache_memory="8MiB", swap_space="8MiB")
     from transformers import AutoConfig
 
@@ -87,6 +92,9 @@ def test_greedy_matches_hf_generate(family: str, scenario: str, device: str, bac
         assert stats.prefix.num_hit_tokens > 0, stats.prefix
     if scenario == "block16-no-prefix-cache":
         assert stats.prefix.num_hit_tokens == 0 and stats.num_cached_blocks == 0, stats
+    assert stats.length.num_observed == NUM_PROMPTS
+    if scenario == "length-shortest-first":
+        assert stats.length.num_deferred_admissions > 0, stats.length
     assert not engine.has_unfinished()
     assert stats.num_used_gpu_blocks == 0
 

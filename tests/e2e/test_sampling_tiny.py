@@ -25,8 +25,9 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["mood", 
           "properties": {"mood": {"enum": ["happy", "sad", "neutral"]}, "ok": {"type": "boolean"},
                          "n": {"type": "integer", "minimum": 0, "maximum": 999}}}
 # A pool that holds the largest request but not all of them (48 tokens for gpt2, 96 for llama): preemption.
+# NOTE: no predicted-KV budget: admitting whatever fits is what makes the small pool preempt.
 PREEMPTING = dict(block_size=4, max_prefill_chunk=9, max_num_batched_tokens=64, kv_cache_memory="96KiB",
-                  swap_space="8MiB")
+                  swap_space="8MiB", budget_kv=False)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -79,9 +79,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "block4-chunked": dict(block_size=4, max_prefill_chunk=7, max_num_batched_tokens=40),
     "recompute-preemption": dict(block_size=4, preemption_mode="recompute", max_prefill_chunk=32,
                                  max_num_batched_tokens=64,
-                                 kv_cache_memory="tight"),
+                                 kv_cache_memory="tight", budget_kv=False),
     "swap-preemption": dict(block_size=4, preemption_mode="swap", max_prefill_chunk=32, max_num_batched_tokens=64,
-                            kv_cache_memory="tight"),
+                            kv_cache_memory="tight", budget_kv=False),
     "eager-reference": dict(block_size=4, compile="off", attention_backend="reference"),
 }
 

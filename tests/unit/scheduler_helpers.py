@@ -17,8 +17,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.engine.config import SchedulerConfig
+from tokenmill.engine.config import LengthConfig, SchedulerConfig
 from tokenmill.engine.core.clock import FakeClock
+from tokenmill.engine.core.length_predictor import LengthPredictor
 from tokenmill.engine.core.request import ParallelGroup, Request, RequestStatus
 from tokenmill.engine.core.scheduler import Scheduler
 from tokenmill.engine.core.step_io import ModelOutput, SchedulerOutput
@@ -60,9 +61,11 @@ def make_scheduler(
     clock: FakeClock | None = None,
     eos_token_id: int | None = None,
     prefix_caching: bool = False,
+    length: LengthConfig | None = None,
     **scheduler_config: Any,
 ) -> Scheduler:
-    """A scheduler over a fresh BlockManager and a FakeClock (pass ``clock`` to share one).
+    """A scheduler over a fresh BlockManager and a FakeClock (pass ``clock`` to share one); ``length``
+    gives it an output-length predictor with that config.
 
     Aging and the long-output cap are off unless asked for: each scenario names the policy it tests.
     """
@@ -71,7 +74,7 @@ def make_scheduler(
     eos_token_ids = frozenset() if eos_token_id is None else frozenset({eos_token_id})
     prefix_cache = PrefixCache(block_manager) if prefix_caching else None
     return Scheduler(config, block_manager, clock if clock is not None else FakeClock(), eos_token_ids,
-                     prefix_cache=prefix_cache)
+                     prefix_cache=prefix_cache, length_predictor=LengthPredictor(length) if length else None)
 
 
 def chain(previous: int, token_id: int) -> int:

@@ -52,7 +52,7 @@ def test_parallel_samples_and_logprobs() -> None:
 
 def test_a_small_kv_budget_preempts_and_every_request_still_finishes_whole() -> None:
     engine = _echo(cache={"kv_cache_memory": 256, "block_size": 4, "swap_space": 0},
-                   scheduler={"max_num_seqs": 8})
+                   scheduler={"max_num_seqs": 8}, length={"budget_kv": False})
     prompts = [f"request number {i} " * 2 for i in range(8)]
     outs = engine.generate(prompts, SamplingParams(max_tokens=40), progress=False)
     assert [o.text for o in outs] == [p[:40] for p in prompts]

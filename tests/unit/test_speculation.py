@@ -184,7 +184,7 @@ def test_drafts_fit_the_budget_and_the_blocks_through_preemption(preemption_mode
     sections = {"scheduler": {"max_num_batched_tokens": 24, "max_prefill_chunk": 8, "max_num_seqs": 6,
                               "preemption_mode": preemption_mode},
                 "cache": {"block_size": 4, "kv_cache_memory": 160, "swap_space": 4096},
-                "model": {"name": "echo", "max_model_len": 128}}
+                "model": {"name": "echo", "max_model_len": 128}, "length": {"budget_kv": False}}
     prompts = [p * 2 for p in PROMPTS] + ["xyzxyzxyzxyz" * 3, "hello hello hello hello"]
     off = _generate(_echo("off", **sections), prompts, max_tokens=60, ignore_eos=True)
     engine = _echo("auto", **sections)

@@ -1,0 +1,154 @@
+"""Predicts each request's output length from finished requests like it (no second model).
+
+Standard library only. What predicts a length, most specific first (the first key with ``min_samples``
+finished requests longer than what the request already generated answers):
+
+* its length group (the job it belongs to: a bulk job, a batch; the worker names it) and a prefix of its
+  prompt (the template: prefixes of several lengths, the longest that has history wins);
+* a prefix of its prompt across groups;
+* its group alone;
+* every request of the same kind (structured output or not).
+
+With no history at all the prediction is the whole ``max_tokens`` (as a reservation would plan), so a cold
+engine starts cautious and learns from the first short answers. ``max_tokens``, stop settings and the rest
+act through the recorded lengths themselves (capped at each request's own ``max_tokens``).
+
+NOTE: a model-side predictor (a probe on the last prompt token's hidden state, TRAIL-style) was not built:
+the history keys need no model access and answer in microseconds; docs/design.md says what it would add.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import OrderedDict, deque
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from tokenmill.engine.config import LengthConfig
+from tokenmill.engine.core.length_history import LengthEstimate, LengthSamples
+from tokenmill.engine.core.request import Request
+
+# Prompt prefixes (tokens) that may name a template, longest first.
+PREFIX_LENGTHS = (192, 128, 96, 64, 48, 40, 32, 24, 16, 8)
+_NUM_RECORDS = 10_000
+
+
+@dataclass(frozen=True)
+class LengthRecord:
+    """One finished request: what was predicted when it arrived, its cap, and what it generated."""
+
+    predicted: float  # median_total of its first estimate
+    max_tokens: int
+    actual: int
+
+
+class LengthPredictor:
+    """Output-length history keyed by what predicts a length, and the estimates it gives."""
+
+    def __init__(self, config: LengthConfig) -> None:
+        self.config = config
+        self._key_to_samples: OrderedDict[Hashable, LengthSamples] = OrderedDict()
+        self.records: deque[LengthRecord] = deque(maxlen=_NUM_RECORDS)
+        self.num_observed = 0  # finished requests learnt from
+        self.num_estimates = 0
+        self.num_outlived = 0  # estimates redone because the request generated past the last one's median or mean
+
+    def current(self, request: Request) -> LengthEstimate:
+        """The request's estimate, redone when it is stale: none yet, outlived (the request generated as many
+        tokens as its median or mean), or made when the history held less than half of what it holds now (so
+        each request is re-estimated O(log n) times while it waits, and early cautious estimates do not last)."""
+        estimate = request.length_estimate
+        if estimate is None or self.num_observed >= 2 * request.length_history_size + self.config.min_samples:
+            return self.estimate(request)
+        if request.num_output_tokens >= min(estimate.median_total, estimate.mean_total):
+            self.num_outlived += 1
+            return self.estimate(request)
+        return estimate
+
+    def estimate(self, request: Request) -> LengthEstimate:
+        """Estimate ``request``'s final length given what it generated so far; keeps it on the request."""
+        if not request.length_keys:
+            request.length_keys = history_keys(request)
+        num_generated = request.num_output_tokens
+        estimate = None
+        for key, source in request.length_keys:
+            samples = self._key_to_samples.get(key)
+            if samples is not None:
+                estimate = samples.estimate(num_generated, request.max_tokens, self.config.min_samples, source)
+                if estimate is not None:
+                    break
+        if estimate is None:
+            estimate = (LengthEstimate.outlived(num_generated, request.max_tokens) if num_generated
+                        else LengthEstimate.prior(request.max_tokens))
+        if request.first_length_estimate is None:
+            request.first_length_estimate = estimate
+        request.length_estimate = estimate
+        request.length_history_size = self.num_observed
+        self.num_estimates += 1
+        return estimate
+
+    def observe(self, request: Request) -> None:
+        """Learn from a request that finished on its own (a stop or its length limit; not an abort or error)."""
+        length = request.num_output_tokens
+        self.num_observed += 1
+        if not request.length_keys:
+            request.length_keys = history_keys(request)
+        for key, _ in request.length_keys:
+            samples = self._key_to_samples.get(key)
+            if samples is None:
+                samples = self._key_to_samples[key] = LengthSamples(self.config.samples_per_key)
+                if len(self._key_to_samples) > self.config.max_keys:
+                    self._key_to_samples.popitem(last=False)
+            else:
+                self._key_to_samples.move_to_end(key)
+            samples.add(length)
+        first = request.first_length_estimate
+        if first is not None:
+            self.records.append(LengthRecord(first.median_total, request.max_tokens, length))
+
+    def group_mean_length(self, group: str | None, is_structured: bool = False) -> float | None:
+        """Predicted mean output length of a new request of ``group``: from the group's history, else from every
+        request's of the same kind (None: no history at all yet)."""
+        for key in ((group, is_structured), (None, is_structured)):
+            samples = self._key_to_samples.get(key)
+            if samples is not None and len(samples) >= self.config.min_samples:
+                estimate = samples.estimate(0, 2**31, 1, "group")
+                if estimate is not None:
+                    return estimate.mean_total
+        return None
+
+    def errors(self, last: int = 200) -> tuple[float | None, float | None]:
+        """Median absolute error of log-length over the last ``last`` finished requests: of the predictions
+        made on arrival, and of planning with ``max_tokens`` (the baseline); (None, None) before any."""
+        records = list(self.records)[-last:]
+        if not records:
+            return None, None
+        predicted = statistics.median(abs(_log(r.predicted) - _log(r.actual)) for r in records)
+        baseline = statistics.median(abs(_log(r.max_tokens) - _log(r.actual)) for r in records)
+        return predicted, baseline
+
+
+def build_length_predictor(config: LengthConfig) -> LengthPredictor | None:
+    """The engine's predictor, or None with ``predict`` off."""
+    return LengthPredictor(config) if config.predict else None
+
+
+def history_keys(request: Request) -> tuple[tuple[Hashable, str], ...]:
+    """The request's history keys, most specific first, each with the name of its kind."""
+    prompt = request.prompt_token_ids
+    kind = request.sampling_params.is_structured
+    group = request.length_group
+    prefixes = [(length, hash(tuple(prompt[:length]))) for length in PREFIX_LENGTHS if length < len(prompt)]
+    keys: list[tuple[Hashable, str]] = []
+    if group is not None:
+        keys += [((group, kind, length, digest), "group+prefix") for length, digest in prefixes]
+    keys += [((None, kind, length, digest), "prefix") for length, digest in prefixes]
+    if group is not None:
+        keys.append(((group, kind), "group"))
+    keys.append(((None, kind), "all"))
+    return tuple(keys)
+
+
+def _log(num_tokens: float) -> float:
+    return math.log(max(1.0, num_tokens))

@@ -1,0 +1,272 @@
+"""Output-length prediction: the history's estimates, the predicted-KV admission budget, ordering by
+predicted length inside a priority level, and the aging bound that still holds with it.
+
+The scripted runner stops each request with EOS at a scripted length, so lengths are heavy-tailed and
+unrelated to ``max_tokens``, as a model's are.
+"""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from tests.unit.scheduler_helpers import (
+    ScriptedModelRunner,
+    assert_no_leaks,
+    make_request,
+    make_scheduler,
+    step_until_done,
+)
+from tokenmill.engine.config import EngineConfig, LengthConfig
+from tokenmill.engine.core.clock import FakeClock
+from tokenmill.engine.core.length_history import LengthSamples
+from tokenmill.engine.core.length_predictor import LengthPredictor
+from tokenmill.engine.core.request import Request, RequestStatus
+from tokenmill.engine.core.scheduler import Scheduler
+from tokenmill.engine.core.step_io import ModelOutput, SchedulerOutput
+from tokenmill.engine.kv.block_manager import BlockManager
+
+EOS = 0
+SHORT, LONG = 3, 30  # output lengths of the two templates
+TEMPLATE = {"short": [11] * 16, "long": [22] * 16}  # the first 16 prompt tokens name the template
+
+
+class EosAtLength(ScriptedModelRunner):
+    """The scripted model, ending each request with EOS at its scripted length (never earlier)."""
+
+    def __init__(self, block_manager: BlockManager, lengths: dict[str, int]) -> None:
+        super().__init__(block_manager)
+        self.lengths = lengths
+        self.counts: dict[str, int] = {}
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        output = super().execute(scheduler_output)
+        for request_id, token_ids in output.sampled_token_ids.items():
+            count = self.counts[request_id] = self.counts.get(request_id, 0) + 1
+            token_ids[:] = [EOS if count >= self.lengths[request_id] else max(1, token_ids[0])]
+        return output
+
+
+def templated(request_id: str, kind: str, row: int, max_tokens: int = 64, **options: object) -> Request:
+    """A request of template ``kind`` with a row-specific tail (as a bulk job's rows are)."""
+    prompt = TEMPLATE[kind] + [(row * 7 + i) % 40 + 1 for i in range(6)]
+    return make_request(request_id, prompt_token_ids=prompt, max_tokens=max_tokens, **options)  # type: ignore[arg-type]
+
+
+def lengths_of(requests: list[Request]) -> dict[str, int]:
+    return {r.request_id: SHORT if r.prompt_token_ids[0] == TEMPLATE["short"][0] else LONG for r in requests}
+
+
+def warm_history(predictor: LengthPredictor, num_each: int = 8) -> None:
+    """Finished requests of both templates, as an earlier part of the job would leave."""
+    for row in range(num_each):
+        for kind, length in (("short", SHORT), ("long", LONG)):
+            request = templated(f"old-{kind}-{row}", kind, 100 + row)
+            request.output_token_ids = [1] * length
+            predictor.observe(request)
+
+
+def run_backlog(scheduler: Scheduler, requests: list[Request], **options: object):  # type: ignore[no-untyped-def]
+    runner = EosAtLength(scheduler.block_manager, lengths_of(requests))
+    return step_until_done(scheduler, runner, arrivals={0: requests}, **options)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------- the history
+
+
+def test_samples_keep_a_bounded_window_and_estimate_conditionally() -> None:
+    samples = LengthSamples(capacity=4)
+    for length in (10, 20, 30, 40, 50):
+        samples.add(length)
+    assert len(samples) == 4  # 10 left the window
+    estimate = samples.estimate(0, 1000, 1, "all")
+    assert estimate is not None and (estimate.median_total, estimate.mean_total) == (40.0, 35.0)
+    older = samples.estimate(35, 1000, 2, "all")  # generated 35 already: only the longer ones predict it
+    assert older is not None and (older.median_total, older.mean_total) == (50.0, 45.0)
+    assert samples.estimate(35, 1000, 3, "all") is None
+    capped = samples.estimate(0, 25, 1, "all")  # its own max_tokens caps every sample
+    assert capped is not None and capped.median_total == 25.0 and capped.mean_total == pytest.approx(23.75)
+
+
+def test_the_most_specific_history_with_enough_samples_predicts() -> None:
+    predictor = LengthPredictor(LengthConfig(min_samples=4))
+    fresh = templated("fresh", "short", 1)
+    assert predictor.current(fresh).source == "prior" and fresh.length_estimate is not None
+    assert fresh.length_estimate.median_total == 64  # no history: plan for max_tokens
+    warm_history(predictor)
+    short, long = templated("s", "short", 2), templated("l", "long", 3)
+    assert (predictor.estimate(short).median_total, predictor.estimate(short).source) == (SHORT, "prefix")
+    assert predictor.estimate(long).median_total == LONG
+    stranger = make_request("x", prompt_token_ids=[33] * 20, max_tokens=64)
+    assert predictor.estimate(stranger).source == "all"  # an unseen template: every request's lengths
+    grouped = templated("g", "long", 4)
+    grouped.length_group = "job-1"
+    assert predictor.estimate(grouped).source == "prefix"  # the job has no history yet
+    for row in range(4):
+        done = templated(f"job-{row}", "long", 200 + row)
+        done.length_group, done.output_token_ids = "job-1", [1] * 12
+        predictor.observe(done)
+    grouped.length_keys = ()
+    assert (predictor.estimate(grouped).source, predictor.estimate(grouped).median_total) == ("group+prefix", 12)
+    assert predictor.group_mean_length("job-1") == 12
+
+
+def test_a_request_that_outlives_its_estimate_is_re_estimated_upward() -> None:
+    predictor = LengthPredictor(LengthConfig(min_samples=4))
+    warm_history(predictor)
+    request = templated("r", "short", 5)
+    assert predictor.current(request).median_total == SHORT
+    request.output_token_ids = [1] * (SHORT + 2)  # longer than every short one before it
+    estimate = predictor.current(request)
+    assert predictor.num_outlived == 1
+    assert estimate.median_total > SHORT + 2 and estimate.mean_remaining(SHORT + 2) >= 1
+    assert estimate.source == "all"  # the long requests of the shared history still predict it
+
+
+def test_waiting_estimates_are_redone_as_the_history_grows() -> None:
+    predictor = LengthPredictor(LengthConfig(min_samples=4))
+    waiting = templated("w", "short", 6)
+    assert predictor.current(waiting).source == "prior"
+    warm_history(predictor)  # 16 finished since: more than twice the history it was estimated with
+    assert predictor.current(waiting).source == "prefix"
+
+
+def test_prediction_errors_compare_with_planning_by_max_tokens() -> None:
+    predictor = LengthPredictor(LengthConfig(min_samples=4))
+    warm_history(predictor)
+    for row in range(10):
+        request = templated(f"e{row}", "short", row)
+        predictor.current(request)
+        request.output_token_ids = [1] * SHORT
+        predictor.observe(request)
+    error, baseline = predictor.errors()
+    assert error == 0.0 and baseline is not None and baseline > 2.0  # log(64 / 3)
+
+
+# ----------------------------------------------------------------------------- the scheduler
+
+
+def _heavy_tailed_backlog(num: int) -> list[Request]:
+    return [templated(f"r{i}", "long" if i % 4 == 0 else "short", i) for i in range(num)]
+
+
+def test_the_predicted_kv_budget_avoids_the_preemptions_of_admitting_whatever_fits() -> None:
+    """Same backlog, same pool: admitting whenever the next chunk fits runs out of blocks and preempts;
+    the budget admits by predicted peak KV instead. Every request still gets the same tokens."""
+    results = {}
+    for name, length in (("off", None), ("on", LengthConfig(min_samples=4))):
+        scheduler = make_scheduler(num_gpu_blocks=40, num_cpu_blocks=80, block_size=4, max_num_seqs=16,
+                                   eos_token_id=EOS, length=length)
+        if scheduler.length_predictor is not None:
+            warm_history(scheduler.length_predictor)
+        run = run_backlog(scheduler, _heavy_tailed_backlog(32))
+        assert_no_leaks(scheduler)
+        assert all(status is RequestStatus.FINISHED_STOPPED for status in run.statuses.values())
+        results[name] = (run.outputs, scheduler.stats(), len(run.steps))
+    assert results["on"][0] == results["off"][0]
+    off, on = results["off"][1], results["on"][1]
+    assert off.counters.num_preemptions >= 5
+    assert on.counters.num_preemptions * 5 <= off.counters.num_preemptions
+    assert on.counters.num_deferred_admissions > 0 and on.length.num_observed == 32 + 16
+
+
+def test_a_cold_predictor_admits_the_first_request_and_learns() -> None:
+    scheduler = make_scheduler(num_gpu_blocks=40, num_cpu_blocks=80, block_size=4, max_num_seqs=16,
+                               eos_token_id=EOS, length=LengthConfig(min_samples=4))
+    run = run_backlog(scheduler, _heavy_tailed_backlog(24))
+    assert len(run.outputs) == 24
+    assert_no_leaks(scheduler)
+
+
+def test_the_budget_never_holds_back_a_more_urgent_request() -> None:
+    """Long bulk work fills the predicted budget; an urgent request is admitted at once (the bulk
+    requests would yield their room to it)."""
+    scheduler = make_scheduler(num_gpu_blocks=40, num_cpu_blocks=80, block_size=4, max_num_seqs=16,
+                               eos_token_id=EOS, length=LengthConfig(min_samples=4), min_resident_steps=1)
+    assert scheduler.length_predictor is not None
+    warm_history(scheduler.length_predictor)
+    bulk = [templated(f"bulk{i}", "long", i, priority=5) for i in range(8)]
+    urgent = templated("urgent", "long", 99, priority=0)
+    runner = EosAtLength(scheduler.block_manager, lengths_of([*bulk, urgent]))
+    run = step_until_done(scheduler, runner, arrivals={0: bulk, 3: [urgent]})
+    assert run.admitted_step["urgent"] == 3
+    assert scheduler.stats().counters.num_deferred_admissions > 0  # the bulk backlog itself was budgeted
+    assert_no_leaks(scheduler)
+
+
+@pytest.mark.parametrize(("ordering", "first"), [("shortest", "short"), ("longest", "long"), ("fcfs", "long")])
+def test_ordering_inside_a_level_follows_the_predicted_length(ordering: str, first: str) -> None:
+    scheduler = make_scheduler(num_gpu_blocks=200, max_num_seqs=1, eos_token_id=EOS, aging_interval_s=100.0,
+                               length=LengthConfig(min_samples=4, ordering=ordering, budget_kv=False))
+    assert scheduler.length_predictor is not None
+    warm_history(scheduler.length_predictor)
+    backlog = [templated(f"r{i}", "long" if i % 2 == 0 else "short", i) for i in range(6)]  # r0 is long
+    run = run_backlog(scheduler, backlog)
+    order = sorted(run.admitted_step, key=run.admitted_step.__getitem__)
+    kinds = ["long" if int(rid[1:]) % 2 == 0 else "short" for rid in order]
+    assert kinds[0] == first
+    if ordering != "fcfs":
+        assert kinds[:3] == [first] * 3
+    assert_no_leaks(scheduler)
+
+
+def test_auto_orders_one_job_longest_first_and_mixed_work_shortest_first() -> None:
+    def first_kind(groups: list[str | None]) -> str:
+        scheduler = make_scheduler(num_gpu_blocks=200, max_num_seqs=1, eos_token_id=EOS, aging_interval_s=100.0,
+                                   length=LengthConfig(min_samples=4, ordering="auto", budget_kv=False))
+        assert scheduler.length_predictor is not None
+        warm_history(scheduler.length_predictor)
+        backlog = [templated(f"r{i}", "long" if i % 2 else "short", i) for i in range(4)]  # r0 is short
+        for request, group in zip(backlog, groups, strict=True):
+            request.length_group = group
+        run = run_backlog(scheduler, backlog)
+        first = min(run.admitted_step, key=run.admitted_step.__getitem__)
+        return "long" if int(first[1:]) % 2 else "short"
+
+    assert first_kind(["job"] * 4) == "long"
+    assert first_kind(["job", "job", None, "other"]) == "short"
+
+
+def test_aging_bound_holds_with_shortest_first_under_a_stream_of_short_requests() -> None:
+    """A long request waits while short ones keep arriving (each would go first by predicted length):
+    aging admits it within (gap + 1) * aging_interval_s plus the time for room to appear."""
+    aging_interval_s, t_long = 4.0, 1.0
+    clock = FakeClock()
+    scheduler = make_scheduler(num_gpu_blocks=400, max_num_seqs=1, eos_token_id=EOS, clock=clock,
+                               aging_interval_s=aging_interval_s, min_resident_steps=1,
+                               length=LengthConfig(min_samples=4, ordering="shortest", budget_kv=False))
+    assert scheduler.length_predictor is not None
+    warm_history(scheduler.length_predictor)
+    arrivals: dict[int, list[Request]] = {step: [templated(f"s{step}", "short", step, arrival_time_s=float(step))]
+                                          for step in range(0, 90, 2)}  # one every 2 s; each runs 3 steps
+    long = templated("long", "long", 999, arrival_time_s=t_long)
+    arrivals[1] = [long]
+    runner = EosAtLength(scheduler.block_manager, lengths_of([long, *[r for rs in arrivals.values() for r in rs]]))
+    run = step_until_done(scheduler, runner, arrivals=arrivals, advance_s=1.0)
+    room_s = SHORT + 1  # the running short request's remaining steps free the only seat
+    assert run.admitted_time_s["long"] <= t_long + aging_interval_s + room_s
+    admitted_before = [rid for rid, step in run.admitted_step.items() if step < run.admitted_step["long"]]
+    assert len(admitted_before) >= 2  # shortest-first did put short arrivals ahead of it meanwhile
+    assert_no_leaks(scheduler)
+
+
+def test_ordering_by_length_without_aging_is_refused() -> None:
+    with pytest.raises(pydantic.ValidationError, match="needs aging"):
+        EngineConfig.model_validate({"scheduler": {"aging_interval_s": 0}, "length": {"ordering": "shortest"}})
+    EngineConfig.model_validate({"scheduler": {"aging_interval_s": 0}, "length": {"ordering": "fcfs"}})
+
+
+def test_stats_report_the_predicted_backlog_per_group() -> None:
+    scheduler = make_scheduler(num_gpu_blocks=400, max_num_seqs=2, eos_token_id=EOS,
+                               length=LengthConfig(min_samples=4, budget_kv=False))
+    assert scheduler.length_predictor is not None
+    warm_history(scheduler.length_predictor)
+    for i in range(4):
+        request = templated(f"b{i}", "long", i)
+        request.length_group = "job"
+        scheduler.add_request(request)
+    stats = scheduler.stats().length
+    assert stats.group_backlog["job"].num_requests == 4
+    assert stats.backlog_tokens == pytest.approx(4 * LONG)
+    assert stats.group_backlog["job"].mean_length == (SHORT + LONG) / 2  # no history of the job yet: everyone's
+    assert make_scheduler().stats().length.backlog_tokens == 0.0  # no predictor: nothing predicted
