@@ -27,13 +27,14 @@ from tokenmill.cli.tables import print_line, print_rows
 from tokenmill.producer import dead_letters
 from tokenmill.producer.common import build_request
 from tokenmill.producer.errors import ResultTimeout, SchemaError
+from tokenmill.producer.eta import format_duration
 from tokenmill.producer.schema import GenerationRequest, GenerationResult, SamplingParams
 from tokenmill.protocol.heartbeat import STALE_AFTER_S
 
 EXIT_NOT_READY = 2  # result: not landed (yet), or the wait ran out
 LANE_COLUMNS = ("lane", "model", "depth", "pending", "lag")  # model: "-" for the shared lanes
 WORKER_COLUMNS = ("name", "state", "model", "age s", "running", "waiting", "tok/s", "finished", "prefix hit",
-                  "spec acc")
+                  "backlog tok", "spec acc")
 
 
 def _print_result(result: GenerationResult, as_json: bool) -> None:
@@ -243,7 +244,8 @@ def status(
              f"as the workers judge it: {STALE_AFTER_S:g})")] = None,
     queue: QueueOption = None,
 ) -> None:
-    """Lane depths (shared and per model), pending, dead letters and workers (heartbeat age, tokens/s, speculation)."""
+    """Lane depths (shared and per model), pending, dead letters, the predicted backlog in tokens and its ETA, and
+    workers (heartbeat age, tokens/s, predicted backlog, speculation)."""
     with_queue(ctx, queue)
     stale_after_s = stale_after if stale_after is not None else client_settings(ctx).worker.stale_after_s
     with open_producer(ctx) as producer:
@@ -258,6 +260,8 @@ def status(
                right_aligned=("lane", "depth", "pending", "lag"))
     print_line(console, f"dead letters: {stats['dead']}   cancel marks: {stats['cancelled']}   "
                         f"live workers: {stats['num_live_workers']}")
+    print_line(console, f"backlog tok: {_tokens_cell(stats['backlog_tokens'])}   "
+                        f"ETA: {format_duration(stats['eta_s'])}")
     print_rows(console, "workers", WORKER_COLUMNS, _worker_rows(stats), right_aligned=WORKER_COLUMNS[3:])
 
 
@@ -269,8 +273,13 @@ def _worker_rows(stats: dict[str, Any]) -> list[list[str]]:
              f"{now - float(info.get('ts', 0)):.1f}" if info.get("ts") else "-", str(info.get("running", "")),
              str(info.get("waiting", "")), f"{float(info.get('tokens_per_s', 0.0)):.1f}",
              str(info.get("num_finished", "")), f"{float(info.get('prefix_hit_ratio', 0.0)):.0%}",
-             _speculation_cell(info)]
+             _tokens_cell(info.get("backlog_tokens")), _speculation_cell(info)]
             for name, info, liveness in rows]
+
+
+def _tokens_cell(tokens: float | None) -> str:
+    """Predicted completion tokens; ``-`` when unknown (prediction off, a worker of an older release)."""
+    return "-" if tokens is None else f"{float(tokens):.0f}"
 
 
 def _speculation_cell(info: dict[str, Any]) -> str:

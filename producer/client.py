@@ -303,7 +303,9 @@ class Producer:
         Returns:
             ``{"queue", "models", "lanes": [{"lane", "model", "stream", "depth", "pending", "lag", "has_group"}],
             "depth", "pending", "dead", "cancelled", "num_live_workers", "workers",
-            "stale_workers"}``; a shared lane's ``model`` is None, and ``depth`` and ``pending`` add up every lane.
+            "stale_workers", "backlog_tokens", "eta_s"}``; a shared lane's ``model`` is None, and ``depth`` and
+            ``pending`` add up every lane; ``backlog_tokens`` is the completion tokens the queue's work is predicted
+            to need and ``eta_s`` when it is done (None where unknown: :func:`producer.eta.queue_eta`).
         """
         lanes = self._lanes()
         pipe = self.client.pipeline(transaction=False)

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from tokenmill.producer.config import MAX_BLOCK_S
 from tokenmill.producer.errors import JobFailed, ResultTimeout, SchemaError, SubmitUncertain
+from tokenmill.producer.eta import queue_eta
 from tokenmill.producer.keys import CONSUMER_GROUP, Keys, Lane
 from tokenmill.producer.schema import (
     ErrorCode,
@@ -31,7 +32,7 @@ from tokenmill.producer.schema import (
     encode_request,
     peek_request_id,
 )
-from tokenmill.protocol.heartbeat import decode_heartbeat
+from tokenmill.protocol.heartbeat import Heartbeat, decode_heartbeat
 
 # Longest single blocking command; a wait longer than this is a loop of such slices, each
 # followed by a re-check of the result keys (so a lost wake-up costs at most one slice).
@@ -397,7 +398,7 @@ def queue_stats_commands(pipe: Any, keys: Keys, lanes: Sequence[Lane]) -> None:
 
 def shape_stats(keys: Keys, lanes: Sequence[Lane], replies: Sequence[Any], *, stale_after_s: float) -> dict[str, Any]:
     """Stats of ``lanes`` from the replies of :func:`queue_stats_commands` (errors returned, not raised) and
-    the workers hash."""
+    the workers hash, with the queue's predicted backlog in completion tokens and its ETA (producer/eta.py)."""
     lane_stats = []
     for position, lane in enumerate(lanes):
         depth, pending, groups = replies[3 * position: 3 * position + 3]
@@ -415,13 +416,17 @@ def shape_stats(keys: Keys, lanes: Sequence[Lane], replies: Sequence[Any], *, st
     now = time.time()
     live: dict[str, Any] = {}
     stale: dict[str, Any] = {}
+    live_beats: list[Heartbeat] = []
     for raw_name, raw in workers.items():
         name = raw_name.decode(errors="backslashreplace")
         beat = decode_heartbeat(name, raw)
         if beat is None:  # NOTE: a garbled heartbeat counts as stale; it must not break stats
             stale[name] = {"undecodable": True}
+        elif beat.is_stale(now, stale_after_s):
+            stale[name] = beat.model_dump()
         else:
-            (stale if beat.is_stale(now, stale_after_s) else live)[name] = beat.model_dump()
+            live[name] = beat.model_dump()
+            live_beats.append(beat)
     return {
         "queue": keys.base,
         "models": sorted({lane.model for lane in lanes if lane.model is not None}),
@@ -433,7 +438,22 @@ def shape_stats(keys: Keys, lanes: Sequence[Lane], replies: Sequence[Any], *, st
         "num_live_workers": len(live),
         "workers": live,
         "stale_workers": stale,
+        **queue_eta(live_beats, _undelivered(lane_stats)).as_dict(),
     }
+
+
+def _undelivered(lane_stats: list[dict[str, Any]]) -> int | None:
+    """Entries of the lanes not yet delivered to the group: its lag, or the whole stream before the group exists;
+    None when a lane's lag is unknown (Redis < 7)."""
+    total = 0
+    for lane in lane_stats:
+        if lane["lag"] is not None:
+            total += int(lane["lag"])
+        elif not lane["has_group"] and isinstance(lane["depth"], int):
+            total += lane["depth"]
+        else:
+            return None
+    return total
 
 
 def _find_group(groups: Any) -> dict[str, Any] | None:

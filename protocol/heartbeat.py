@@ -23,6 +23,17 @@ STOPPED = "stopped"  # written on a clean exit (or a failing thread): its pendin
 # Heartbeat age (s) after which a worker counts as gone: the default of the worker's own
 # ``stale_after_s`` (reclaim) and of every reader of the workers hash (``tokenmill status``, stats, serve).
 STALE_AFTER_S = 15.0
+MAX_JOBS = 32  # jobs a heartbeat lists (those with the most predicted backlog): a beat stays small
+
+
+class JobBacklog(BaseModel):
+    """One job's requests inside a worker's engine, as its output-length predictor sees them (``Heartbeat.jobs``)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    num_requests: int  # live requests of the job in the engine (waiting, running, swapped), samples counted
+    backlog_tokens: float  # predicted completion tokens they still generate
+    mean_length: float | None = None  # predicted mean completion length of a new request of the job; None: no history
 
 
 class Heartbeat(BaseModel):
@@ -55,6 +66,14 @@ class Heartbeat(BaseModel):
     # the first draft, with speculation off, and from a worker of an older release (the field is absent).
     spec_acceptance_rate: float | None = None
     spec_mean_accepted_length: float | None = None
+    # Output-length prediction (engine/core/length_predictor.py): completion tokens the engine is predicted to still
+    # generate for its live requests, and the predicted mean completion length of a new request of no job. None with
+    # prediction off, before the engine's first request, and from a worker of an older release (the fields are absent).
+    backlog_tokens: float | None = None
+    mean_length: float | None = None
+    # The same per job (a reply stream: each bulk job and batch has its own), for the MAX_JOBS jobs with the most
+    # backlog; a job not listed may still have requests in this engine.
+    jobs: dict[str, JobBacklog] = Field(default_factory=dict)
 
     def age_s(self, now_s: float) -> float:
         """Seconds since the beat."""

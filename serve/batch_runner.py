@@ -1,6 +1,7 @@
 """Running OpenAI batches on the bulk pipeline, in the ``serve`` process: one background task per
 batch drives a :class:`~producer.bulk.pipeline.BulkJob` (in a thread) over the input file, reports its
-counts to the batch object, honours cancels from any process, and stores the output and error files.
+counts and predicted ETA to the batch object, honours cancels from any process, and stores the output and
+error files.
 
 A batch whose owner stopped beating (its process died) is taken over by another process: the bulk
 job's id is the batch id, so the new run picks up every result the old one left in Redis and waits
@@ -25,7 +26,7 @@ import redis
 from tokenmill.producer.bulk import BulkJob, BulkOptions
 from tokenmill.producer.client import Producer
 from tokenmill.producer.config import ServeConfig
-from tokenmill.serve.batch_store import ACTIVE, BatchStore
+from tokenmill.serve.batch_store import ACTIVE, EXTENSION, BatchStore
 from tokenmill.serve.batch_usage import requested_model, summarize_output
 from tokenmill.serve.files import FileGone, FileStore, path_chunks
 from tokenmill.serve.live_models import LiveModels
@@ -121,7 +122,7 @@ class BatchRunner:
         await self._store.update(batch_id, {"status": "in_progress", "in_progress_at": int(time.time()),
                                             "model": model}, if_status={"validating", "in_progress"})
         options = self._options(scratch, batch["endpoint"], await self._live_models.names())
-        job = BulkJob(self._producer, source, scratch / "output.jsonl", options, job_id=batch_id)
+        job = BulkJob(self._producer, source, scratch / "output.jsonl", options, job_id=batch_id, track_eta=True)
         run = asyncio.ensure_future(asyncio.to_thread(job.run))
         expired = False
         while not run.done():
@@ -135,9 +136,10 @@ class BatchRunner:
                            served_models=served_models)
 
     async def _monitor(self, batch_id: str, batch: dict[str, Any], job: BulkJob) -> bool:
-        """Report counts and life; stop the job on a cancel or at expiry. Returns whether it expired."""
-        await self._store.update(batch_id, {"request_counts": _counts(job), "owner": self.owner,
-                                            "owner_ts": time.time()})
+        """Report counts, the predicted ETA and life; stop the job on a cancel or at expiry. Returns whether it
+        expired."""
+        await self._store.update(batch_id, {"request_counts": _counts(job), EXTENSION: _prediction(job),
+                                            "owner": self.owner, "owner_ts": time.time()})
         current, _ = await self._store.load(batch_id)
         is_expired = time.time() > float(batch["expires_at"])
         if current is None or current["status"] == "cancelling" or is_expired:
@@ -162,14 +164,21 @@ class BatchRunner:
         await self._finish(batch_id, status, **fields)
 
     async def _finish(self, batch_id: str, status: str, **fields: Any) -> None:
-        await self._store.update(batch_id, {**fields, "status": status, f"{status}_at": int(time.time())},
-                                 if_status=ACTIVE)
+        await self._store.update(batch_id, {**fields, EXTENSION: None, "status": status,
+                                            f"{status}_at": int(time.time())}, if_status=ACTIVE)
 
 
 async def _download(chunks: AsyncIterator[bytes], path: Path) -> None:
     with path.open("wb") as sink:
         async for chunk in chunks:
             sink.write(chunk)
+
+
+def _prediction(job: BulkJob) -> dict[str, float | None] | None:
+    """The batch object's extension: the job's predicted completion tokens left and ETA in seconds (either None
+    where unknown); None before the first prediction."""
+    eta = job.eta
+    return None if eta is None else eta.as_dict()
 
 
 def _counts(job: BulkJob) -> dict[str, int]:

@@ -4,6 +4,10 @@ that created it (only that account sees it), and ``owner`` / ``owner_ts``, the p
 and its last sign of life. Status changes are compare-and-set, so a cancel from one process and a
 completion in another never overwrite each other.
 
+One field is not OpenAI's: :data:`EXTENSION` (``tokenmill``), ``{"backlog_tokens", "eta_s"}`` while the
+batch runs (the completion tokens left and seconds to go its workers predict, producer/eta.py), else null.
+Clients ignore fields they do not know (the openai package keeps them in ``model_extra``).
+
 Imports redis and producer; never torch, the engine or the worker.
 """
 
@@ -23,6 +27,7 @@ from tokenmill.serve.stray_keys import absent_if_stray
 
 ACTIVE = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
 _INTERNAL = ("account", "owner", "owner_ts")
+EXTENSION = "tokenmill"  # the object's one field of tokenmill's own
 # KEYS: the batch hash. ARGV: 1 allowed statuses, JSON-encoded, '|'-separated ('' = any);
 # 2 owner_ts must be below this ('' = no check); then field / value pairs to set. Returns 1 if set.
 _UPDATE_SCRIPT = """
@@ -61,7 +66,7 @@ class BatchStore:
                  "expires_at": now + 86_400, "finalizing_at": None, "completed_at": None, "failed_at": None,
                  "expired_at": None, "cancelling_at": None, "cancelled_at": None,
                  "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
-                 "model": None, "usage": None}
+                 "model": None, "usage": None, EXTENSION: None}
         key = self._keys.batch(batch_id)
         pipe = self._client.pipeline(transaction=True)
         pipe.hset(key, mapping=_encode({**batch, "account": account, "owner": owner,  # type: ignore[arg-type]

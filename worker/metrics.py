@@ -1,5 +1,6 @@
 """Prometheus metrics of one worker, on its own ``CollectorRegistry``: request outcomes and
-latencies, token throughput, the engine's queues / KV / preemptions / swap / speculative decoding, and lane depth.
+latencies, token throughput, the engine's queues / KV / preemptions / swap / speculative decoding / output-length
+prediction, lane depth, and the predicted backlog in tokens (what autoscaling on work, not entries, reads).
 
 Imports prometheus_client lazily (it ships with the engine extra) and redis only for typing;
 never the engine object. Every method is safe to call from the thread named in its docstring.
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.engine.core.stats import EngineStats
 from tokenmill.producer.keys import CONSUMER_GROUP, Keys, Lane
 from tokenmill.producer.schema import GenerationResult
+from tokenmill.worker.backlog import engine_backlog_tokens
 
 if TYPE_CHECKING:
     import redis
@@ -43,6 +45,19 @@ _ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = 
      lambda s: s.speculation.num_draft_tokens),
     ("tokenmill_spec_accepted_tokens", "speculative draft tokens kept (the model's own token after each draft "
      "not counted)", lambda s: s.speculation.num_accepted_tokens),
+    ("tokenmill_length_estimates", "output-length estimates made (first ones and re-estimates)",
+     lambda s: s.length.num_estimates),
+    ("tokenmill_length_outlived", "re-estimates of requests that generated past their estimate",
+     lambda s: s.length.num_outlived),
+    ("tokenmill_length_deferred_admissions", "steps whose next admission the predicted-KV budget held back",
+     lambda s: s.length.num_deferred_admissions),
+)
+# (metric name, help, value): output-length prediction's errors, exported once known (never as a perfect 0).
+_LENGTH_ERRORS: tuple[tuple[str, str, Callable[[EngineStats], float | None]], ...] = (
+    ("tokenmill_length_log_error", "median |log predicted - log actual| output length of recent finished requests",
+     lambda s: s.length.log_error),
+    ("tokenmill_length_max_tokens_log_error", "the same for planning with max_tokens (the baseline)",
+     lambda s: s.length.max_tokens_log_error),
 )
 # (metric name, help, value): engine state exported as gauges.
 _ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
@@ -102,6 +117,17 @@ class _EngineCollector:
         for length, count in sorted(spec.draft_length_counts.items()):
             lengths.add_metric([str(length)], float(count))
         yield lengths
+        for name, text, error in _LENGTH_ERRORS:
+            value = error(stats)
+            if value is not None:
+                yield GaugeMetricFamily(name, text, value=value)
+        backlog = engine_backlog_tokens(stats.length)
+        if backlog is not None:  # NOTE: absent with prediction off: a 0 would say the worker has nothing to do
+            predicted = GaugeMetricFamily("tokenmill_predicted_backlog_tokens", "completion tokens this worker's "
+                                          "engine is predicted to still generate for its live requests",
+                                          labels=["queue"])
+            predicted.add_metric([self._metrics.keys.queue], backlog)
+            yield predicted
 
 
 class WorkerMetrics:
@@ -160,6 +186,9 @@ class WorkerMetrics:
                                   lane_labels, registry=reg)
         self.lane_lag = Gauge("tokenmill_lane_lag", "entries not yet delivered to the group (Redis >= 7)",
                               lane_labels, registry=reg)
+        self.lane_backlog_tokens = Gauge(
+            "tokenmill_predicted_lane_backlog_tokens", "entries not yet delivered to the group times this worker's "
+            "predicted mean completion length", lane_labels, registry=reg)
         self.dead_letters = Gauge("tokenmill_dead_letters", "entries in the dead-letter stream", ["queue"],
                                   registry=reg)
         Gauge("tokenmill_redis_healthy", "1 while the worker reaches Redis, 0 once a thread's calls failed "
@@ -186,18 +215,19 @@ class WorkerMetrics:
             if value is not None:
                 histogram.observe(max(0.0, value))
 
-    def observe_beat(self, client: redis.Redis, tokens_per_s: float) -> None:
-        """Writer thread, every heartbeat: the recent token rate, and lane depth sampled from Redis.
+    def observe_beat(self, client: redis.Redis, tokens_per_s: float, mean_length: float | None) -> None:
+        """Writer thread, every heartbeat: the recent token rate, and lane depth sampled from Redis, its lag also
+        in predicted tokens at ``mean_length`` (the heartbeat's; None: not predicted, not exported).
 
         Never raises for Redis errors: a missed sample must not stop the writer.
         """
         self.tokens_per_s.set(tokens_per_s)
         try:
-            self._sample_lanes(client)
+            self._sample_lanes(client, mean_length)
         except Exception as exc:  # noqa: BLE001 - redis, decode or server-version surprises alike
             log.debug("lane sampling failed", extra={"event": "metrics_sample_failed", "error": str(exc)})
 
-    def _sample_lanes(self, client: redis.Redis) -> None:
+    def _sample_lanes(self, client: redis.Redis, mean_length: float | None) -> None:
         pipe = client.pipeline(transaction=False)
         for lane in self.lanes:
             pipe.xlen(lane.stream)
@@ -216,6 +246,8 @@ class WorkerMetrics:
             lag = _group_lag(groups)
             if lag is not None:
                 self.lane_lag.labels(*labels).set(lag)
+                if mean_length is not None:
+                    self.lane_backlog_tokens.labels(*labels).set(lag * mean_length)
         if isinstance(replies[-1], int):
             self.dead_letters.labels(queue).set(replies[-1])
 

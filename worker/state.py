@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tokenmill.engine.core.stats import EngineStats
+from tokenmill.engine.core.stats import EngineStats, LengthStats
 
 
 @dataclass
@@ -30,6 +30,7 @@ class Load:
     num_cached_blocks: int = 0  # KV blocks the prefix cache indexes
     spec_acceptance_rate: float | None = None  # speculative draft tokens kept / run; None before any draft
     spec_mean_accepted_length: float | None = None  # speculative draft tokens kept per draft; None before any
+    length: LengthStats = field(default_factory=LengthStats)  # output-length prediction after the last step
     is_write_blocked: bool = False  # Redis refused the writer's last round: read nothing more until one succeeds
     # NOTE: (stream, entry id) of every entry this worker took (read, reclaimed, recovered) and has
     # not answered yet, wherever it is: reader, preparation, engine, outbox, a failed write. Its own
@@ -58,6 +59,7 @@ class Load:
             had_room_for_less = num_waiting < self.num_waiting
             self.num_waiting, self.num_running, self.live_ids = num_waiting, stats.num_running, live_ids
             self.prefix_hit_ratio, self.num_cached_blocks = stats.prefix.hit_ratio, stats.num_cached_blocks
+            self.length = stats.length
             if stats.speculation.num_drafts:
                 self.spec_acceptance_rate = stats.speculation.acceptance_rate
                 self.spec_mean_accepted_length = stats.speculation.mean_accepted_length

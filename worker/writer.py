@@ -14,6 +14,7 @@ from collections.abc import Collection
 import redis
 
 from tokenmill.producer.config import QueueConfig
+from tokenmill.worker.backlog import predicted_backlog
 from tokenmill.worker.backoff import Backoff
 from tokenmill.worker.config import WorkerConfig
 from tokenmill.worker.health import RedisHealth
@@ -81,9 +82,12 @@ class Writer:
         self._beat.num_cached_blocks = self._load.num_cached_blocks
         self._beat.spec_acceptance_rate = self._load.spec_acceptance_rate
         self._beat.spec_mean_accepted_length = self._load.spec_mean_accepted_length
+        predicted = predicted_backlog(self._load.length, self._load.num_tokens, self._load.num_finished)
+        self._beat.backlog_tokens, self._beat.mean_length = predicted.backlog_tokens, predicted.mean_length
+        self._beat.jobs = predicted.jobs
         write_heartbeat(self._client, self._keys, self._beat)
         if self._metrics is not None:
-            self._metrics.observe_beat(self._client, self._beat.tokens_per_s)
+            self._metrics.observe_beat(self._client, self._beat.tokens_per_s, self._beat.mean_length)
 
     @property
     def num_unwritten(self) -> int:

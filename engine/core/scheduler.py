@@ -308,11 +308,12 @@ class Scheduler:
                 counts[1] += tokens
         error, baseline_error = predictor.errors()
         return LengthStats(
-            num_observed=predictor.num_observed, num_estimates=predictor.num_estimates,
+            is_on=True, num_observed=predictor.num_observed, num_estimates=predictor.num_estimates,
             num_outlived=predictor.num_outlived, num_deferred_admissions=self.counters.num_deferred_admissions,
             backlog_tokens=backlog,
             group_backlog={group: GroupBacklog(int(num), tokens, predictor.group_mean_length(group))
                            for group, (num, tokens) in group_to_counts.items()},
+            mean_length=predictor.group_mean_length(None),
             log_error=error, max_tokens_log_error=baseline_error,
         )
 

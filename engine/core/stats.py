@@ -82,12 +82,14 @@ class GroupBacklog:
 class LengthStats:
     """Output-length prediction (engine/core/length_predictor.py); all zero / empty with it off."""
 
+    is_on: bool = False  # the engine predicts lengths ([engine.length] predict)
     num_observed: int = 0  # finished requests learnt from
     num_estimates: int = 0  # estimates made (first ones and re-estimates)
     num_outlived: int = 0  # re-estimates of requests that generated past their estimate's median or mean
     num_deferred_admissions: int = 0  # steps whose next admission the predicted-KV budget held back
     backlog_tokens: float = 0.0  # predicted output tokens every live request still generates (mean)
     group_backlog: dict[str, GroupBacklog] = field(default_factory=dict)  # per length group
+    mean_length: float | None = None  # predicted mean output length of a new request of no group; None: no history
     log_error: float | None = None  # median |log predicted - log actual| over recent finished requests
     max_tokens_log_error: float | None = None  # the same for planning with max_tokens (the baseline)
 

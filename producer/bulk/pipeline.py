@@ -25,14 +25,17 @@ from tokenmill.producer.bulk.parquet_output import ParquetOutput, is_parquet_out
 from tokenmill.producer.bulk.report import BulkProgress, BulkSummary
 from tokenmill.producer.client import Producer
 from tokenmill.producer.errors import SchemaError
+from tokenmill.producer.eta import Eta, JobMeter, job_eta, live_beats
 from tokenmill.producer.openai_compat import ENDPOINTS
 from tokenmill.producer.schema import ErrorCode, GenerationRequest, GenerationResult, decode_result
+from tokenmill.protocol.heartbeat import STALE_AFTER_S
 
 # Remote failures worth another attempt; every other non-ok result is final.
 RETRYABLE_CODES = frozenset({ErrorCode.INTERNAL.value, ErrorCode.MAX_DELIVERIES.value})
 REPLY_BLOCK_MS = 1000  # one XREAD BLOCK on the reply stream
 RECHECK_INTERVAL_S = 5.0  # fallback MGET of in-flight result keys, in case a reply was missed
 ABANDONED_REPLY_TTL_S = 86_400  # an interrupted job's reply stream lives this long for the re-run
+ETA_INTERVAL_S = 5.0  # how often a job tracking its ETA reads the workers' heartbeats (one HGETALL)
 
 
 class Stopped(Exception):
@@ -56,13 +59,14 @@ class BulkJob:
         output_path: results JSONL, or Parquet when named ``.parquet`` / ``.pq`` (see
             :mod:`producer.bulk.parquet_output`); by default also the job's identity for resuming.
         options: see :class:`BulkOptions`.
-        show_progress: draw a progress bar on stderr.
+        show_progress: draw a progress bar on stderr (with the predicted ETA: ``track_eta``).
         job_id: the job's identity when it is not the OUTPUT path (e.g. an OpenAI batch id): runs
             with the same id share their requests and results in Redis.
+        track_eta: keep :attr:`eta` current without a progress bar (a batch object shows it).
     """
 
     def __init__(self, producer: Producer, input_path: Path, output_path: Path, options: BulkOptions,
-                 *, show_progress: bool = False, job_id: str | None = None) -> None:
+                 *, show_progress: bool = False, job_id: str | None = None, track_eta: bool = False) -> None:
         self.producer, self.options = producer, options
         self.input_path, self.output_path = input_path, output_path
         self.errors_path = options.errors_path or output_path.with_name(output_path.name + ".errors.jsonl")
@@ -82,6 +86,12 @@ class BulkJob:
         self._to_send: deque[Flight] = deque()
         self._last_reply_id = b"0"  # NOTE: from the start: replies an interrupted run never read
         self._last_recheck_s = time.monotonic()
+        self._tracks_eta = show_progress or track_eta
+        self._meter = JobMeter()
+        self._next_eta_s = 0.0
+        # The job's predicted remaining tokens and ETA (producer/eta.py), renewed every ETA_INTERVAL_S while the
+        # job tracks it; None before the first look. Replaced whole: other threads may read it.
+        self.eta: Eta | None = None
 
     def run(self) -> BulkSummary:
         """Process every record not finished by an earlier run; Ctrl-C leaves valid files.
@@ -148,9 +158,28 @@ class BulkJob:
             else:
                 self._send()
             if not self._flights and not self._to_send and not has_input:
+                self._predict(Eta(0.0, 0.0, 0.0))  # NOTE: done, whatever a last heartbeat still says
                 return
             if self._flights:
                 self._wait()
+            if self._tracks_eta and time.monotonic() >= self._next_eta_s:
+                self._renew_eta()
+
+    def _renew_eta(self) -> None:
+        """Predict what the job still generates from the live workers' heartbeats and its own results."""
+        self._next_eta_s = time.monotonic() + ETA_INTERVAL_S
+        workers = cast("dict[bytes, bytes]", self.producer.client.hgetall(self.producer.keys.workers))
+        summary = self.summary
+        self._predict(job_eta(live_beats(workers, time.time(), STALE_AFTER_S), self.reply_stream,
+                              summary.num_total - summary.num_skipped - summary.num_done,
+                              finished_mean_length=self._meter.mean_length,
+                              job_tokens_per_s=self._meter.tokens_per_s()))
+
+    def _predict(self, eta: Eta) -> None:
+        """Show ``eta`` (and keep it in :attr:`eta`) when the job tracks its ETA."""
+        if self._tracks_eta:
+            self.eta = eta
+            self._progress.predict(eta)
 
     def _unfinished(self, records: Iterator[Parsed], done: DoneSet) -> Iterator[Parsed]:
         """Records not yet in the output/errors files; duplicate ids become invalid records."""
@@ -319,6 +348,7 @@ class BulkJob:
             self._progress.recover()
         else:
             self.summary.completion_tokens += result.usage.completion_tokens
+            self._meter.add(result.usage.completion_tokens)
             self._progress.advance(1, result.usage.completion_tokens)
 
     def _write_invalid(self, record: InvalidItem) -> None:

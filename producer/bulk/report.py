@@ -1,4 +1,5 @@
-"""Bulk progress and summary: a rich progress bar (items/s, tokens/s, ETA) and the final counts.
+"""Bulk progress and summary: a rich progress bar (items/s, tokens/s, ETA, the predicted tokens left and their
+ETA) and the final counts.
 
 Owns presentation only; the pipeline calls ``advance``. Never imports torch, the engine or the worker.
 """
@@ -15,6 +16,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+from tokenmill.producer.eta import Eta
 
 
 @dataclass
@@ -94,6 +97,9 @@ class BulkProgress:
     NOTE: items finished by an earlier run (skipped: in the files; recovered: results found in
     Redis) leave the bar's total instead of advancing it, and are shown as counts, so that the
     rates and the ETA measure only what this run generates.
+
+    The ETA after the bar is the items' (as fast as items went so far); :meth:`predict` adds the one the workers'
+    length predictions give (``12,345 tok left, ETA 0:02:05``), which knows long rows from short ones.
     """
 
     def __init__(self, total: int, *, enabled: bool, console: Console | None = None,
@@ -101,6 +107,7 @@ class BulkProgress:
         self._start_s = time.monotonic()
         self._num_tokens = 0
         self._counts = {"skipped": 0, "recovered": 0, "adopted": 0}
+        self._predicted = ""  # the last prediction, described
         self._progress: Progress | None = None
         self._console = console or Console(stderr=True)
         self._line_interval_s = line_interval_s
@@ -110,9 +117,10 @@ class BulkProgress:
                 TextColumn("[bold]bulk"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("{task.fields[items_s]:>7.1f} items/s {task.fields[tokens_s]:>8.1f} tok/s"),
                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[earlier]}"),
-                console=self._console, disable=not self._console.is_terminal,
+                TextColumn("{task.fields[predicted]}"), console=self._console, disable=not self._console.is_terminal,
             )
-            self._task = self._progress.add_task("bulk", total=total, items_s=0.0, tokens_s=0.0, earlier="")
+            self._task = self._progress.add_task("bulk", total=total, items_s=0.0, tokens_s=0.0, earlier="",
+                                                 predicted="")
             if not self._console.is_terminal:
                 self._next_line_s = self._start_s + line_interval_s
 
@@ -140,8 +148,16 @@ class BulkProgress:
         earlier = "".join(f" {name} {n}" for name, n in self._counts.items() if n)
         self._console.print(f"bulk {done}/{total} ({percent:.1f}%) {items_s:.1f} items/s "
                             f"{self._num_tokens / max(elapsed_s, 1e-6):.1f} tok/s elapsed {elapsed_s:.0f} s "
-                            f"ETA {eta}{earlier}", markup=False, highlight=False, soft_wrap=True)
+                            f"ETA {eta}{earlier}{self._predicted and ' | ' + self._predicted}", markup=False,
+                            highlight=False, soft_wrap=True)
         self._next_line_s = time.monotonic() + self._line_interval_s
+
+    def predict(self, eta: Eta) -> None:
+        """The job's predicted completion tokens left and their ETA, shown until the next prediction."""
+        if self._progress is None:
+            return
+        self._predicted = f"predicted {eta.describe()}"
+        self._progress.update(self._task, predicted=self._predicted)
 
     def skip(self) -> None:
         """An item already in the output or errors file."""

@@ -1,10 +1,11 @@
 """Bulk jobs end to end against a real Redis and an in-process echo worker: every input format,
-bad records, retries, results recovered from Redis, deterministic ids."""
+bad records, retries, results recovered from Redis, deterministic ids, the predicted ETA."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,9 +16,12 @@ from tests.integration.bulk_helpers import NUM_ITEMS, item_ids, read_jsonl, writ
 from tests.integration.conftest import FakeWorker
 from tests.worker_helpers import make_settings, running_worker
 from tokenmill.producer import Producer, bulk
+from tokenmill.producer.bulk import BulkJob, BulkOptions
 from tokenmill.producer.bulk.options import job_id_of, request_id_of
+from tokenmill.producer.eta import Eta
 from tokenmill.producer.keys import Keys
 from tokenmill.producer.schema import GenerationResult, Usage, decode_request, encode_result
+from tokenmill.protocol.heartbeat import Heartbeat, JobBacklog, encode_heartbeat
 
 SUFFIXES = {"jsonl": "jsonl", "openai": "jsonl", "csv": "csv", "parquet": "parquet"}
 
@@ -190,6 +194,24 @@ def test_rerun_of_a_finished_job_does_nothing_and_reply_stream_is_deleted(
     second = bulk.run(source, out, producer=producer)
     assert second.num_skipped == 10 and second.num_submitted == 0 and second.is_complete
     assert sorted(item_ids(read_jsonl(out))) == sorted(f"q{i}" for i in range(10))
+
+
+def test_a_job_predicts_its_eta_from_the_workers_heartbeats(tmp_path: Path, producer: Producer,
+                                                            redis_client: redis.Redis, echo_worker: None) -> None:
+    """What the progress bar and a batch object show: the job's rows in the workers' engines (its reply stream in
+    their heartbeats), plus its other unanswered rows at the workers' predicted mean length, at the fleet's rate;
+    nothing left once the run is done."""
+    source = write_input(tmp_path / "in.jsonl", "jsonl", num_items=10)
+    job = BulkJob(producer, source, tmp_path / "out.jsonl", BulkOptions(), track_eta=True)
+    assert job.eta is None
+    beat = Heartbeat(name="predicting", ts=time.time(), tokens_per_s=100.0,
+                     jobs={job.reply_stream: JobBacklog(num_requests=4, backlog_tokens=400.0, mean_length=50.0)})
+    redis_client.hset(producer.keys.workers, beat.name, encode_heartbeat(beat))  # beside the idle echo worker's
+    job.summary.num_total = 10  # NOTE: what run() counts first
+    job._renew_eta()
+    assert job.eta == Eta(400 + (10 - 4) * 50, 100.0, 7.0)
+    assert job.run().num_ok == 10
+    assert job.eta == Eta(0.0, 0.0, 0.0)
 
 
 def test_request_ids_are_deterministic_per_output_and_attempt(tmp_path: Path) -> None:

@@ -100,6 +100,37 @@ def test_scrape_shows_speculative_decoding(redis_url: str, key_prefix: str) -> N
         assert samples[name] >= 0
 
 
+def test_scrape_shows_the_predicted_backlog_and_the_predictors_accuracy(redis_url: str, key_prefix: str) -> None:
+    """The echo model answers with its prompt, far shorter than max_tokens. A first round teaches the predictor
+    those lengths; during the second (one request at a time) the engine's predicted backlog is positive and at most
+    the waiting requests' max_tokens; once all are answered it is 0, the undelivered entries count 0 tokens, and the
+    predictions made from history beat planning with max_tokens."""
+    port = free_port()
+    settings = make_settings(redis_url, key_prefix, metrics_port=port, model="echo:step_delay_s=0.002",
+                             engine={"scheduler": {"max_num_seqs": 1}, "speculative": {"method": "off"}})
+    backlog, max_tokens = "tokenmill_predicted_backlog_tokens{queue=default}", 512
+    with running_worker(settings), Producer(redis_url, prefix=key_prefix) as producer:
+        first = producer.wait_all([producer.submit(prompt=f"{i} echo me", max_tokens=max_tokens) for i in range(8)],
+                                  timeout=20)
+        ids = [producer.submit(prompt=f"{i} echo me", max_tokens=max_tokens) for i in range(8, 20)]
+        deadline = time.monotonic() + 10
+        while True:  # NOTE: the worker takes the requests within a few ms: this sees them in its engine
+            during = scrape_when_up(port)
+            if during.get(backlog, 0) > 0 or time.monotonic() > deadline:
+                break
+        results = producer.wait_all(ids, timeout=20)
+        time.sleep(3 * settings.worker.heartbeat_interval_s)  # a beat after the last result samples the lanes
+        after = scrape(port)
+    assert [r.status for r in first + results] == ["ok"] * 20
+    assert 0 < during[backlog] <= len(ids) * max_tokens
+    assert after[backlog] == 0
+    assert after["tokenmill_length_estimates_total"] >= 20
+    assert after["tokenmill_length_outlived_total"] >= 0 and after["tokenmill_length_deferred_admissions_total"] >= 0
+    assert 0 <= after["tokenmill_length_log_error"] < after["tokenmill_length_max_tokens_log_error"]
+    for model in ("", "echo"):
+        assert after[f"tokenmill_predicted_lane_backlog_tokens{{lane=0,model={model},queue=default}}"] == 0
+
+
 def scrape_when_up(port: int, timeout_s: float = 10.0) -> dict[str, float]:
     """Scrape once the worker's endpoint answers (it starts inside ``Worker.run``)."""
     deadline = time.monotonic() + timeout_s

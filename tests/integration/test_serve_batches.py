@@ -1,6 +1,7 @@
 """The OpenAI Files + Batch workflow against ``tokenmill serve`` with the real openai client and a
-real echo worker: upload, create, poll to ``completed``, download in OpenAI's output shape; cancel
-a running batch; a batch whose server died is finished by another."""
+real echo worker: upload, create, poll to ``completed``, download in OpenAI's output shape; a running
+batch's predicted ETA (the object's ``tokenmill`` extension); cancel a running batch; a batch whose
+server died is finished by another."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import redis.asyncio
 
 from tests.serve_helpers import running_server
 from tests.worker_helpers import make_settings, running_worker
+from tokenmill.producer.bulk import pipeline
 from tokenmill.producer.keys import Keys
 from tokenmill.serve import batch_runner
 from tokenmill.serve.batch_store import BatchStore
@@ -115,6 +117,34 @@ def test_a_completions_batch_names_the_serving_model_and_reports_bad_lines(base_
     assert "endpoint" in errors["chat"]["error"]["message"]
     refused = errors["elsewhere"]["response"]
     assert refused["status_code"] == 404 and refused["body"]["error"]["code"] == "model_not_found"
+
+
+def test_a_running_batch_shows_its_predicted_eta(base_url: str, redis_url: str, key_prefix: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tokenmill: {backlog_tokens, eta_s}`` beside OpenAI's fields while the batch runs (the openai client keeps it
+    in ``model_extra``), null before the first prediction and once the batch is done."""
+    monkeypatch.setattr(pipeline, "ETA_INTERVAL_S", 0.1)  # NOTE: the batch runs for about 2 s
+    # NOTE: results land every 0.2 s, so a beat's token rate (of the results of its interval) is never 0 while it runs
+    settings = make_settings(redis_url, key_prefix, model="echo:step_delay_s=0.02", heartbeat_interval_s=0.5,
+                             stale_after_s=1.0,
+                             engine={"scheduler": {"max_num_seqs": 2}, "speculative": {"method": "off"}})
+    with running_worker(settings), openai.OpenAI(base_url=base_url, api_key="x") as client:
+        uploaded = client.files.create(file=("in.jsonl", _batch_input(max_tokens=10)), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        assert batch.model_extra == {"tokenmill": None}
+        while True:
+            running = client.batches.retrieve(batch.id)
+            prediction: dict[str, Any] | None = (running.model_extra or {}).get("tokenmill")
+            if prediction is not None and prediction["backlog_tokens"] and prediction["eta_s"]:
+                break
+            assert running.status in {"validating", "in_progress"}, "done before any prediction was shown"
+            time.sleep(0.02)
+        done = _wait_for(client, batch.id, {"completed", "failed", "cancelled", "expired"})
+    assert running.status == "in_progress" and set(prediction) == {"backlog_tokens", "eta_s"}
+    assert 0 < prediction["backlog_tokens"] <= NUM_LINES * 10, "at most every line's max_tokens"
+    assert prediction["eta_s"] < 60
+    assert done.status == "completed" and done.model_extra == {"tokenmill": None}
 
 
 def test_cancel_a_running_batch(base_url: str, redis_url: str, key_prefix: str) -> None:

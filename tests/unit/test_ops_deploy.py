@@ -103,11 +103,19 @@ def test_keda_watches_the_configmap_queue_lanes(tmp_path: Path, monkeypatch: pyt
     authentication, scaled = _documents("keda-scaledobject.yaml")
     (deployment,) = _documents("deployment.yaml")
     assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
-    streams = {trigger["metadata"]["stream"] for trigger in scaled["spec"]["triggers"]}
+    streams = [t for t in scaled["spec"]["triggers"] if t["type"] == "redis-streams"]
     # the shared lanes and those of the name the worker is served under (what OpenAI clients name)
     keys = settings.queue.keys
-    assert streams == {lane.stream for lane in keys.lanes_for([settings.served_model_name])}
-    assert {t["authenticationRef"]["name"] for t in scaled["spec"]["triggers"]} == {authentication["metadata"]["name"]}
+    lanes = keys.lanes_for([settings.served_model_name])
+    assert {t["metadata"]["stream"] for t in streams} == {lane.stream for lane in lanes}
+    assert {t["authenticationRef"]["name"] for t in streams} == {authentication["metadata"]["name"]}
+    # work in tokens: the predicted backlog of the configmap's queue, in series the worker exports
+    (tokens,) = [t for t in scaled["spec"]["triggers"] if t["type"] == "prometheus"]
+    query = tokens["metadata"]["query"]
+    assert set(re.findall(r'queue="([^"]*)"', query)) == {keys.queue}
+    assert set(re.findall(r"\btokenmill_[a-z_]+", query)) == {"tokenmill_predicted_backlog_tokens",
+                                                              "tokenmill_predicted_lane_backlog_tokens"}
+    assert float(tokens["metadata"]["threshold"]) > 0
 
 
 def _unit() -> dict[str, list[tuple[str, str]]]:

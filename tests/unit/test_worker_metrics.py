@@ -1,5 +1,6 @@
-"""The worker's Prometheus registry without Redis or a model: the engine's stats (speculative decoding
-included) as exported at scrape time, and the Grafana dashboard asking only for series the worker exports."""
+"""The worker's Prometheus registry without Redis or a model: the engine's stats (speculative decoding and
+output-length prediction included) as exported at scrape time, and the Grafana dashboard asking only for series
+the worker exports."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ pytest.importorskip("prometheus_client")
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenmill.engine.core.stats import EngineStats, SpeculationCounters
+from tokenmill.engine.core.stats import EngineStats, GroupBacklog, LengthStats, SpeculationCounters
 from tokenmill.producer.keys import Keys
 from tokenmill.worker.metrics import WorkerMetrics
 
@@ -78,14 +79,37 @@ def test_speculation_counters_are_exported_with_positions_lengths_and_the_cost_m
     assert samples["tokenmill_spec_acceptance_ratio"] == pytest.approx(0.8)
 
 
+# What an engine predicting lengths reports after some work: two jobs in it, errors measured.
+LENGTH = LengthStats(is_on=True, num_observed=40, num_estimates=90, num_outlived=7, num_deferred_admissions=3,
+                     backlog_tokens=1500.0, group_backlog={"job-a": GroupBacklog(4, 1000.0, 300.0)},
+                     log_error=0.4, max_tokens_log_error=2.1)
+
+
+def test_output_length_prediction_is_exported_and_absent_with_prediction_off() -> None:
+    metrics = _metrics()
+    samples = _samples(metrics)  # prediction off (or no request yet): the counters are zero, the rest absent
+    assert samples["tokenmill_length_estimates_total"] == 0
+    assert not {"tokenmill_predicted_backlog_tokens{queue=default}", "tokenmill_length_log_error",
+                "tokenmill_length_max_tokens_log_error"} & set(samples)
+
+    metrics.observe_engine(EngineStats(length=LENGTH))
+    samples = _samples(metrics)
+    assert samples["tokenmill_predicted_backlog_tokens{queue=default}"] == 1500
+    assert samples["tokenmill_length_estimates_total"] == 90
+    assert samples["tokenmill_length_outlived_total"] == 7
+    assert samples["tokenmill_length_deferred_admissions_total"] == 3
+    assert samples["tokenmill_length_log_error"] == pytest.approx(0.4)
+    assert samples["tokenmill_length_max_tokens_log_error"] == pytest.approx(2.1)
+
+
 def test_the_dashboard_asks_only_for_series_the_worker_exports() -> None:
     dashboard = json.loads((ROOT / "ops" / "grafana" / "tokenmill.json").read_text())
     exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
     exprs.append(dashboard["templating"]["list"][1]["query"]["query"])
     metrics = _metrics()
-    metrics.observe_engine(EngineStats(speculation=_speculation(1)))
+    metrics.observe_engine(EngineStats(speculation=_speculation(1), length=LENGTH))
     metrics.lane_length.labels("default", "0", "").set(0)  # labelled series show once sampled
-    for gauge in (metrics.lane_pending, metrics.lane_lag):
+    for gauge in (metrics.lane_pending, metrics.lane_lag, metrics.lane_backlog_tokens):
         gauge.labels("default", "0", "").set(0)
     metrics.dead_letters.labels("default").set(0)
     metrics.requests.labels("ok").inc()
