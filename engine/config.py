@@ -182,17 +182,18 @@ class LengthConfig(_Frozen):
     predict: bool = Field(True, description="predict every request's output length from finished requests' "
                           "(CPU microseconds per request); off: no prediction, budget and ordering as below ignored")
     budget_kv: bool = Field(True, description="admit a waiting request only while the running and swapped "
-                            "requests' predicted peak KV (at `confidence`) still fits the device pool, so the "
-                            "running set rarely outgrows it and preempts; off: admit while the next chunk fits")
-    confidence: float = Field(0.9, gt=0.5, lt=1.0, description="probability that the admitted requests' peak KV "
-                              "fits the pool, under the predicted length distributions")
+                            "requests' predicted peak KV still fits the device pool, each running for its "
+                            "`confidence` quantile of remaining length, so the running set rarely outgrows the pool "
+                            "and preempts; off: admit while the next chunk fits")
+    confidence: float = Field(0.9, gt=0.5, lt=1.0, description="quantile of each request's predicted length the "
+                              "KV budget plans for")
     ordering: Literal["fcfs", "shortest", "longest", "auto"] = Field(
         "fcfs", description="order of waiting requests inside one priority level (aging still applies): fcfs: "
         "arrival; shortest: shortest predicted output first (lower mean completion time in a backlog); longest: "
         "longest first (a shorter makespan for one bulk job); auto: longest while every waiting request is of one "
         "job (length group), else shortest")
-    min_samples: int = Field(8, ge=1, description="finished requests a history key needs before it predicts "
-                             "(fewer: a coarser key predicts)")
+    min_samples: int = Field(5, ge=1, description="requests a history key needs before it predicts: finished, or "
+                             "still running past the age of the one predicted (fewer: a coarser key predicts)")
     samples_per_key: int = Field(256, ge=8, description="most recent finished lengths kept per history key")
     max_keys: int = Field(4096, ge=16, description="history keys kept (least recently used forgotten first)")
 

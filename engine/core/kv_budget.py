@@ -1,13 +1,14 @@
-"""Admission by predicted KV: admit a request only while the peak KV the committed requests are predicted to
-reach still fits the device pool. Standard library only.
+"""Admission by predicted KV: admit a request only while the KV the committed requests and it are predicted to
+hold at once, at its highest over the time they run, fits the device pool. Standard library only.
 
 Without prediction the scheduler admits whenever the next chunk fits, and a running set that grows past the
-pool preempts (swap or recompute). With it, each committed request (running, or swapped and due back) is
-expected to grow by its predicted remaining length; the sum of those growths is treated as normal (a sum of
-many independent lengths), so the budget is its quantile at ``confidence``: ``sum of means + z * sqrt(sum of
-variances)``. Summing per-request quantiles instead would plan for every request being long at once and
-admit far too little. Every request is counted at its final size at the same time, which its KV never
-exceeds, so the bound errs on the side of fewer preemptions.
+pool preempts (swap or recompute). With it, each committed request (running, or swapped and due back) and the
+candidate are taken to run for their predicted remaining length at the length config's ``confidence``
+quantile (the tail, not the median: lengths are heavy-tailed), growing one token per step and freeing their
+blocks when done. Their KV at step t is ``sum over those still running at t of (tokens now + t)``; its maximum
+is reached just before one of them finishes, so it is evaluated there (sorted by remaining length, with suffix
+sums: O(n log n)). Summing every request's final size instead would plan for all of them ending at once and
+hold back the staggered work a pool normally carries (a request near its end frees its blocks soon).
 
 Only requests at least as urgent as the candidate are counted: less urgent ones would yield their room to it
 (priority preemption), so a bulk lane full of long work never holds back an urgent request.
@@ -17,27 +18,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from statistics import NormalDist
 
 from tokenmill.engine.core.length_history import LengthEstimate
 from tokenmill.engine.core.request import Request
 
 
 class PredictedKvBudget:
-    """Whether admitting one more request keeps the committed requests' predicted peak KV within the pool.
+    """Whether admitting one more request keeps the predicted peak KV within the pool.
 
     Args:
         num_pool_blocks: device blocks in the pool.
         block_size: tokens per block.
-        confidence: probability the peak must fit with.
         estimate_of: the current length estimate of a request (the predictor's, refreshed when stale).
     """
 
-    def __init__(self, num_pool_blocks: int, block_size: int, confidence: float,
+    def __init__(self, num_pool_blocks: int, block_size: int,
                  estimate_of: Callable[[Request], LengthEstimate]) -> None:
         self.num_pool_blocks = num_pool_blocks
         self.block_size = block_size
-        self.z = NormalDist().inv_cdf(confidence)
         self.estimate_of = estimate_of
 
     def admits(self, candidate: Request, committed: Iterable[Request]) -> bool:
@@ -48,17 +46,55 @@ class PredictedKvBudget:
             return True
         return self.predicted_peak_blocks([*requests, candidate]) <= self.num_pool_blocks
 
+    def steps_until_admitted(self, candidate: Request, committed: Iterable[Request]) -> float:
+        """Steps until the committed requests, finishing as predicted, leave room for ``candidate`` (its
+        reservation when it is held back: a request behind it that is predicted to finish sooner may run in the
+        meantime without delaying it, as in EASY backfilling). The first committed finish time from which it
+        fits, found by bisection (the room only grows as requests finish, up to their growth in between)."""
+        runs = self._runs([r for r in committed if r is not candidate])
+        own = self._runs([candidate])
+        starts = sorted({0.0, *(steps_left for steps_left, _ in runs)})
+        low, high = 0, len(starts) - 1  # NOTE: once every committed request finished it fits alone
+        while low < high:
+            middle = (low + high) // 2
+            start = starts[middle]
+            later = [(steps_left - start, num_tokens + start) for steps_left, num_tokens in runs if steps_left > start]
+            if self._peak_blocks(sorted(later + own)) <= self.num_pool_blocks:
+                high = middle
+            else:
+                low = middle + 1
+        return starts[low]
+
+    def pacing_steps(self, request: Request) -> float:
+        """Steps to leave between admissions of requests like this one so that, once the pool is the limit,
+        their phases stay spread out: its predicted run times its mean KV over the run, over the pool.
+
+        Why: requests admitted together also end together, so a pool filled with long requests started at once
+        is full only at their end and half empty on average (they grow from their prompt), and the next ones can
+        only start when all of them end: waves. Started one pacing interval apart, as many run at once, at every
+        stage of their run, and the pool stays about full.
+        """
+        steps_left = self.estimate_of(request).high_remaining(request.num_output_tokens)
+        return steps_left * (request.num_tokens + steps_left / 2) / (self.num_pool_blocks * self.block_size)
+
     def predicted_peak_blocks(self, requests: list[Request]) -> int:
-        """Device blocks ``requests`` are predicted to hold at once, at most, at the budget's confidence."""
-        num_tokens = 0.0
-        variance = 0.0
-        for request in requests:
-            estimate = self.estimate_of(request)
-            # NOTE: its own tokens (the whole prompt, also the part not prefilled yet) and its mean growth; the
-            # spread of the growth goes into the shared sum.
-            num_tokens += request.num_seats * (request.num_tokens + estimate.mean_remaining(request.num_output_tokens))
-            variance += request.num_seats * estimate.std_total ** 2
-        num_tokens += self.z * math.sqrt(variance)
-        # NOTE: each request's last block is half empty on average.
-        num_rounding_blocks = sum(r.num_seats for r in requests) / 2
-        return math.ceil(num_tokens / self.block_size + num_rounding_blocks)
+        """Device blocks ``requests`` are predicted to hold at once, at most, over the steps they run."""
+        return self._peak_blocks(self._runs(requests))
+
+    def _runs(self, requests: list[Request]) -> list[tuple[float, float]]:
+        """(steps left, tokens now) per sequence, by steps left; each sample of an unforked request is one."""
+        return sorted((self.estimate_of(r).high_remaining(r.num_output_tokens), r.num_tokens)
+                      for r in requests for _ in range(r.num_seats))
+
+    def _peak_blocks(self, runs: list[tuple[float, float]]) -> int:
+        peak_blocks = 0.0
+        num_tokens_after = 0.0  # tokens now of the sequences from this one on (they all still run)
+        for index in range(len(runs) - 1, -1, -1):
+            steps_left, num_tokens = runs[index]
+            num_tokens_after += num_tokens
+            num_running = len(runs) - index
+            # NOTE: just before this sequence's last token every later one has grown as much; each
+            # sequence's last block is half empty on average.
+            tokens = num_tokens_after + num_running * (steps_left - 1)
+            peak_blocks = max(peak_blocks, tokens / self.block_size + num_running / 2)
+        return math.ceil(peak_blocks)

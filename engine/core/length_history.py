@@ -20,8 +20,8 @@ class LengthEstimate:
     Attributes:
         num_generated: output tokens the request had when this was estimated.
         median_total: predicted median of its final output length (ordering).
-        mean_total: predicted mean of its final output length (the KV budget).
-        std_total: standard deviation of that prediction (the KV budget's margin).
+        mean_total: predicted mean of its final output length (backlogs, ETAs).
+        high_total: predicted quantile at the length config's ``confidence`` (the KV budget).
         num_samples: finished lengths the estimate came from (0: no history; see ``source``).
         source: which history predicted it: ``group+prefix``, ``prefix``, ``group``, ``all``, or ``prior``
             (no history: the whole ``max_tokens``) or ``outlived`` (older than its history: as long again).
@@ -30,7 +30,7 @@ class LengthEstimate:
     num_generated: int
     median_total: float
     mean_total: float
-    std_total: float
+    high_total: float
     num_samples: int
     source: str
 
@@ -41,18 +41,20 @@ class LengthEstimate:
     def median_remaining(self, num_generated: int) -> float:
         return max(1.0, self.median_total - num_generated)
 
+    def high_remaining(self, num_generated: int) -> float:
+        return max(1.0, self.high_total - num_generated)
+
     @classmethod
     def prior(cls, max_tokens: int) -> LengthEstimate:
         """No history at all: plan for the whole ``max_tokens`` (what a reservation would)."""
-        return cls(0, float(max_tokens), float(max_tokens), 0.0, 0, "prior")
+        return cls(0, float(max_tokens), float(max_tokens), float(max_tokens), 0, "prior")
 
     @classmethod
     def outlived(cls, num_generated: int, max_tokens: int) -> LengthEstimate:
         """Older than every history that could predict it: expect as many tokens again as it has (the
-        heavy-tail rule: what lived long is likely to live about as long again), within ``max_tokens``."""
-        remaining = max(1, min(num_generated, max_tokens - num_generated))
-        total = float(num_generated + remaining)
-        return cls(num_generated, total, total, float(remaining), 0, "outlived")
+        heavy-tail rule: what lived long is likely to live about as long again), and budget for ``max_tokens``."""
+        total = float(num_generated + max(1, min(num_generated, max_tokens - num_generated)))
+        return cls(num_generated, total, total, float(max_tokens), 0, "outlived")
 
 
 class LengthSamples:
@@ -75,14 +77,53 @@ class LengthSamples:
         self._recent.append(length)
         bisect.insort(self._sorted, length)
 
-    def estimate(self, num_generated: int, max_tokens: int, min_samples: int, source: str) -> LengthEstimate | None:
-        """The distribution of final lengths among samples longer than ``num_generated``, capped at
-        ``max_tokens``; None when fewer than ``min_samples`` are that long."""
+    def estimate(self, num_generated: int, max_tokens: int, *, min_samples: int, quantile: float, source: str,
+                 live_ages: list[int] | None = None) -> LengthEstimate | None:
+        """The distribution of final lengths longer than ``num_generated``, capped at ``max_tokens``; None when
+        fewer than ``min_samples`` lengths are known to be that long (finished, or still running past it) or
+        none of them finished.
+
+        ``live_ages``: output tokens of the key's requests still generating. They are right-censored lengths
+        (each will be longer than its age), counted with the Kaplan-Meier estimator: without them the first
+        lengths to finish are the short ones, and a young history would predict every request short. The
+        probability left past the last finished length is put at ``max_tokens`` (it may run to the cap).
+        """
         tail = self._sorted[bisect.bisect_right(self._sorted, num_generated):]
-        if len(tail) < min_samples:
+        censored = sorted(age for age in live_ages or () if age > num_generated)
+        if not tail or len(tail) + len(censored) < min_samples:
             return None
-        capped = [min(length, max_tokens) for length in tail]  # still sorted
-        mean = sum(capped) / len(capped)
-        variance = sum((length - mean) ** 2 for length in capped) / len(capped)
-        return LengthEstimate(num_generated, float(capped[len(capped) // 2]), mean, variance ** 0.5,
-                              len(capped), source)
+        lengths: list[float] = []
+        masses: list[float] = []
+        survival = 1.0
+        num_at_risk = len(tail) + len(censored)
+        index = censored_index = 0
+        while index < len(tail):
+            length = tail[index]
+            while censored_index < len(censored) and censored[censored_index] < length:
+                num_at_risk -= 1  # NOTE: known longer than its age only: out of the risk set past it
+                censored_index += 1
+            num_ended = 1
+            while index + num_ended < len(tail) and tail[index + num_ended] == length:
+                num_ended += 1
+            mass = survival * num_ended / num_at_risk
+            lengths.append(float(min(length, max_tokens)))
+            masses.append(mass)
+            survival -= mass
+            num_at_risk -= num_ended
+            index += num_ended
+        if survival > 1e-9:
+            lengths.append(float(max_tokens))
+            masses.append(survival)
+        mean = sum(length * mass for length, mass in zip(lengths, masses))
+        median, high = _quantile(lengths, masses, 0.5), _quantile(lengths, masses, quantile)
+        return LengthEstimate(num_generated, median, mean, high, len(tail), source)
+
+
+def _quantile(lengths: list[float], masses: list[float], quantile: float) -> float:
+    """The smallest length whose cumulative probability reaches ``quantile`` (``lengths`` ascending)."""
+    cumulative = 0.0
+    for length, mass in zip(lengths, masses):
+        cumulative += mass
+        if cumulative >= quantile - 1e-9:
+            return length
+    return lengths[-1]

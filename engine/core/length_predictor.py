@@ -1,11 +1,11 @@
 """Predicts each request's output length from finished requests like it (no second model).
 
 Standard library only. What predicts a length, most specific first (the first key with ``min_samples``
-finished requests longer than what the request already generated answers):
+requests longer than what the request already generated (finished, or still running past that) answers):
 
-* its length group (the job it belongs to: a bulk job, a batch; the worker names it) and a prefix of its
-  prompt (the template: prefixes of several lengths, the longest that has history wins);
-* a prefix of its prompt across groups;
+* a prefix of its prompt (the template: prefixes of several lengths, the longest that has history wins),
+  within its length group (the job it belongs to: a bulk job, a batch; the worker names it), then across
+  groups;
 * its group alone;
 * every request of the same kind (structured output or not).
 
@@ -36,9 +36,9 @@ _NUM_RECORDS = 10_000
 
 @dataclass(frozen=True)
 class LengthRecord:
-    """One finished request: what was predicted when it arrived, its cap, and what it generated."""
+    """One finished request: what was predicted when it was admitted, its cap, and what it generated."""
 
-    predicted: float  # median_total of its first estimate
+    predicted: float  # median_total of the estimate it was admitted with
     max_tokens: int
     actual: int
 
@@ -49,6 +49,8 @@ class LengthPredictor:
     def __init__(self, config: LengthConfig) -> None:
         self.config = config
         self._key_to_samples: OrderedDict[Hashable, LengthSamples] = OrderedDict()
+        # Unfinished requests per key: their ages are censored lengths for the key's estimates.
+        self._key_to_live: dict[Hashable, dict[str, Request]] = {}
         self.records: deque[LengthRecord] = deque(maxlen=_NUM_RECORDS)
         self.num_observed = 0  # finished requests learnt from
         self.num_estimates = 0
@@ -70,26 +72,38 @@ class LengthPredictor:
         """Estimate ``request``'s final length given what it generated so far; keeps it on the request."""
         if not request.length_keys:
             request.length_keys = history_keys(request)
+        # NOTE: the last key is every request's: a request not under it is not tracked as live yet
+        if request.request_id not in self._key_to_live.get(request.length_keys[-1][0], {}):
+            for key, _ in request.length_keys:
+                self._key_to_live.setdefault(key, {})[request.request_id] = request
         num_generated = request.num_output_tokens
         estimate = None
         for key, source in request.length_keys:
             samples = self._key_to_samples.get(key)
             if samples is not None:
-                estimate = samples.estimate(num_generated, request.max_tokens, self.config.min_samples, source)
+                live_ages = [r.num_output_tokens for r in self._key_to_live.get(key, {}).values()]
+                estimate = samples.estimate(num_generated, request.max_tokens, min_samples=self.config.min_samples,
+                                            quantile=self.config.confidence, source=source, live_ages=live_ages)
                 if estimate is not None:
                     break
         if estimate is None:
             estimate = (LengthEstimate.outlived(num_generated, request.max_tokens) if num_generated
                         else LengthEstimate.prior(request.max_tokens))
-        if request.first_length_estimate is None:
-            request.first_length_estimate = estimate
         request.length_estimate = estimate
         request.length_history_size = self.num_observed
         self.num_estimates += 1
         return estimate
 
+    def forget(self, request: Request) -> None:
+        """A request that ended without a length to learn from (aborted, failed, or forked into samples)."""
+        for key, _ in request.length_keys:
+            live = self._key_to_live.get(key)
+            if live is not None and live.pop(request.request_id, None) is not None and not live:
+                del self._key_to_live[key]
+
     def observe(self, request: Request) -> None:
         """Learn from a request that finished on its own (a stop or its length limit; not an abort or error)."""
+        self.forget(request)
         length = request.num_output_tokens
         self.num_observed += 1
         if not request.length_keys:
@@ -103,9 +117,9 @@ class LengthPredictor:
             else:
                 self._key_to_samples.move_to_end(key)
             samples.add(length)
-        first = request.first_length_estimate
-        if first is not None:
-            self.records.append(LengthRecord(first.median_total, request.max_tokens, length))
+        admitted = request.admitted_length_estimate
+        if admitted is not None:
+            self.records.append(LengthRecord(admitted.median_total, request.max_tokens, length))
 
     def group_mean_length(self, group: str | None, is_structured: bool = False) -> float | None:
         """Predicted mean output length of a new request of ``group``: from the group's history, else from every
@@ -113,14 +127,14 @@ class LengthPredictor:
         for key in ((group, is_structured), (None, is_structured)):
             samples = self._key_to_samples.get(key)
             if samples is not None and len(samples) >= self.config.min_samples:
-                estimate = samples.estimate(0, 2**31, 1, "group")
+                estimate = samples.estimate(0, 2**31, min_samples=1, quantile=0.5, source="group")
                 if estimate is not None:
                     return estimate.mean_total
         return None
 
     def errors(self, last: int = 200) -> tuple[float | None, float | None]:
         """Median absolute error of log-length over the last ``last`` finished requests: of the predictions
-        made on arrival, and of planning with ``max_tokens`` (the baseline); (None, None) before any."""
+        they were admitted with, and of planning with ``max_tokens`` (the baseline); (None, None) before any."""
         records = list(self.records)[-last:]
         if not records:
             return None, None
@@ -141,9 +155,10 @@ def history_keys(request: Request) -> tuple[tuple[Hashable, str], ...]:
     group = request.length_group
     prefixes = [(length, hash(tuple(prompt[:length]))) for length in PREFIX_LENGTHS if length < len(prompt)]
     keys: list[tuple[Hashable, str]] = []
-    if group is not None:
-        keys += [((group, kind, length, digest), "group+prefix") for length, digest in prefixes]
-    keys += [((None, kind, length, digest), "prefix") for length, digest in prefixes]
+    for length, digest in prefixes:  # NOTE: a longer template match says more than membership of the job
+        if group is not None:
+            keys.append(((group, kind, length, digest), "group+prefix"))
+        keys.append(((None, kind, length, digest), "prefix"))
     if group is not None:
         keys.append(((group, kind), "group"))
     keys.append(((None, kind), "all"))

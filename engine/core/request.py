@@ -97,12 +97,13 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     draft_state: object | None = field(default=None, repr=False)
     # Output-length prediction (engine/core/length_predictor.py): the job whose history predicts it (None:
-    # prompt and kind only), its history keys, its latest estimate (and the history size then), its first one.
+    # prompt and kind only), its history keys, its latest estimate (and the history size then), and the one
+    # in force when it was first admitted (what its prediction error is measured by).
     length_group: str | None = None
     length_keys: tuple[tuple[Hashable, str], ...] = field(default=(), repr=False)
     length_estimate: LengthEstimate | None = field(default=None, repr=False)
     length_history_size: int = 0
-    first_length_estimate: LengthEstimate | None = field(default=None, repr=False)
+    admitted_length_estimate: LengthEstimate | None = field(default=None, repr=False)
     group: ParallelGroup | None = None  # the n > 1 request this one is a sample of
     sample_index: int = 0  # which sample of its group
     # Output side: turns output_token_ids into text; set by the output processor on admission.

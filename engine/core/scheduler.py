@@ -85,12 +85,13 @@ class Scheduler:
         self._kv_budget = None
         if length_predictor is not None and length_predictor.config.budget_kv:
             self._kv_budget = PredictedKvBudget(block_manager.num_gpu_blocks, block_manager.block_size,
-                                                length_predictor.config.confidence, length_predictor.current)
+                                                length_predictor.current)
         self.counters = SchedulerCounters()
         self._queues = RequestQueues()
         self._finished: list[Request] = []  # finished since the last take_finished()
         self._groups: dict[str, ParallelGroup] = {}  # n > 1 requests that forked, until every sample finished
         self._next_seq_no = 0
+        self._next_paced_step = 0.0  # the predicted-KV budget's pacing of long admissions (_is_paced)
         self._policy = PreemptionPolicy(config, block_manager, self._queues)
 
     @property
@@ -158,12 +159,28 @@ class Scheduler:
             if request.request_id in plan.preempted_request_ids:
                 break  # memory is short: admit nothing behind a request just preempted
             if request.status is RequestStatus.SWAPPED:
+                if plan.backfill_steps is not None:
+                    break  # only new requests backfill
                 is_placed = self._schedule_swapped(request, plan)
             else:
+                if self._is_paced(request, plan):
+                    if plan.num_paced_skips_left > 0:
+                        plan.num_paced_skips_left -= 1
+                        continue  # NOTE: it waits for its turn; the requests behind it may run
+                    break
+                if not self._kv_budget_allows(request, plan):
+                    if plan.num_backfill_checks_left > 0:
+                        plan.num_backfill_checks_left -= 1
+                        continue
+                    break
                 hit = self._prefix_hit(request)
                 if self._waits_for_inflight_prefix(request, hit[1], plan):
                     continue  # it takes those blocks from the cache next step instead of computing them too
                 is_placed = self._schedule_waiting(request, hit, plan)
+                if is_placed and self._kv_budget is not None:
+                    num_steps = self._kv_budget.pacing_steps(request)
+                    if num_steps >= 1:
+                        self._next_paced_step = plan.index + num_steps
             if not is_placed:
                 break  # head-of-line: nothing less urgent may take the room it waits for
         if self.speculator is not None:
@@ -258,9 +275,11 @@ class Scheduler:
         request.draft_token_ids = []
         if self.speculator is not None:
             self.speculator.finished(request)
-        if self.length_predictor is not None and status in (RequestStatus.FINISHED_STOPPED,
-                                                            RequestStatus.FINISHED_LENGTH):
-            self.length_predictor.observe(request)
+        if self.length_predictor is not None:
+            if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+                self.length_predictor.observe(request)
+            else:
+                self.length_predictor.forget(request)
         self._finished.append(request)
         if request.group is not None:
             request.group.finished.append(request)
@@ -392,9 +411,6 @@ class Scheduler:
         if num_tokens == 0:
             return False
         # NOTE: the watermark spares blocks for running decodes; with nothing running it would only block.
-        if self._kv_budget is not None and not self._kv_budget.admits(request, self._committed_before(request, plan)):
-            self.counters.num_deferred_admissions += 1
-            return False  # NOTE: head-of-line as below: what it waits for is what would come after it
         num_reserved_blocks = self.config.watermark_blocks if self._queues.running else 0
         num_new_blocks = self.block_manager.num_blocks_for(num_hit_tokens + num_tokens) - len(hit_block_ids)
         num_blocks = num_new_blocks + self.block_manager.num_unused(hit_block_ids) + num_reserved_blocks
@@ -452,7 +468,8 @@ class Scheduler:
                              num_computed_tokens=parent.num_computed_tokens, group=group, sample_index=index,
                              prefix_entry_ids=list(parent.prefix_entry_ids),
                              first_scheduled_time_s=parent.first_scheduled_time_s,
-                             length_group=parent.length_group, length_keys=parent.length_keys)
+                             length_group=parent.length_group, length_keys=parent.length_keys,
+                             admitted_length_estimate=parent.admitted_length_estimate)
             if is_running:
                 self.block_manager.fork(parent.request_id, sample.request_id)
             samples.append(sample)
@@ -463,6 +480,8 @@ class Scheduler:
         admitted_step = self._queues.request_to_admitted_step.get(parent.request_id)
         if self._queues.remove(parent.request_id) is not None:
             self.block_manager.free(parent.request_id)
+        if self.length_predictor is not None:
+            self.length_predictor.forget(parent)
         for sample in samples:
             sample.seq_no = self._next_seq_no
             self._next_seq_no += 1
@@ -572,6 +591,8 @@ class Scheduler:
         request.is_demoted = False
         if request.first_scheduled_time_s is None:
             request.first_scheduled_time_s = plan.now_s
+            if self.length_predictor is not None:
+                request.admitted_length_estimate = self.length_predictor.current(request)
         plan.admitted_request_ids.add(request.request_id)
         self._note_inflight_prefix(request, plan)
         plan.add(request, num_tokens)
@@ -617,6 +638,48 @@ class Scheduler:
         sign = 1.0 if ordering == "shortest" else -1.0
         return lambda r: admission_key(
             r, aging_interval_s, sign * predictor.current(r).median_remaining(r.num_output_tokens))
+
+    def _is_paced(self, request: Request, plan: StepPlan) -> bool:
+        """Whether a long request waits for its turn: the last long admission was fewer than its pacing interval
+        ago (``PredictedKvBudget.pacing_steps``: long requests started together end together, in waves that
+        leave the pool half empty on average), and the pool is the limit (with it, the committed requests'
+        predicted peak would pass half the pool). Never the only request."""
+        budget = self._kv_budget
+        if budget is None or not self._queues.running or plan.index >= self._next_paced_step:
+            return False
+        if budget.pacing_steps(request) < 1:
+            return False
+        peak_blocks = budget.predicted_peak_blocks([*self._committed_before(request, plan), request])
+        if peak_blocks <= budget.num_pool_blocks / 2:
+            return False
+        self.counters.num_deferred_admissions += 1
+        return True
+
+    def _kv_budget_allows(self, request: Request, plan: StepPlan) -> bool:
+        """Whether the predicted-KV budget lets a waiting request in this step (always without one).
+
+        The first request it holds back gets a reservation: the steps until the committed requests, finishing
+        as predicted, leave it room. Behind it, only requests predicted to be done by then (their prefill steps
+        and their remaining length at the budget's quantile) may be admitted, and only if they fit too: they
+        use room the held-back request cannot use yet, without delaying it (EASY backfilling), so the pool
+        stays used while a long request waits for room.
+        """
+        budget = self._kv_budget
+        if budget is None or self.length_predictor is None:
+            return True
+        committed = self._committed_before(request, plan)
+        if plan.backfill_steps is not None:
+            estimate = self.length_predictor.current(request)
+            num_prefill_steps = -(-(request.num_tokens - request.num_computed_tokens) // plan.max_prefill_chunk)
+            if num_prefill_steps + estimate.high_remaining(request.num_output_tokens) > plan.backfill_steps:
+                return False
+            return budget.admits(request, committed)
+        if budget.admits(request, committed):
+            return True
+        self.counters.num_deferred_admissions += 1
+        plan.backfill_steps = budget.steps_until_admitted(request, committed)
+        plan.num_backfill_checks_left = self.config.max_num_seqs
+        return False
 
     def _committed_before(self, request: Request, plan: StepPlan) -> list[Request]:
         """Running and swapped requests whose room ``request`` could not take: all of them, or with priority

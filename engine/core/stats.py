@@ -28,7 +28,7 @@ class SchedulerCounters:
     num_recomputed_tokens: int = 0  # computed tokens whose KV was dropped and must be recomputed
     num_finished_errors: int = 0  # requests the scheduler itself finished with FINISHED_ERROR
     num_generated_tokens: int = 0  # output tokens appended to requests (draft tokens only once kept)
-    num_deferred_admissions: int = 0  # steps whose next admission the predicted-KV budget held back
+    num_deferred_admissions: int = 0  # admissions the predicted-KV budget held back or paced (one per step)
 
     @property
     def num_preemptions(self) -> int:
@@ -86,7 +86,7 @@ class LengthStats:
     num_observed: int = 0  # finished requests learnt from
     num_estimates: int = 0  # estimates made (first ones and re-estimates)
     num_outlived: int = 0  # re-estimates of requests that generated past their estimate's median or mean
-    num_deferred_admissions: int = 0  # steps whose next admission the predicted-KV budget held back
+    num_deferred_admissions: int = 0  # admissions the predicted-KV budget held back or paced (one per step)
     backlog_tokens: float = 0.0  # predicted output tokens every live request still generates (mean)
     group_backlog: dict[str, GroupBacklog] = field(default_factory=dict)  # per length group
     mean_length: float | None = None  # predicted mean output length of a new request of no group; None: no history

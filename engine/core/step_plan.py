@@ -38,6 +38,11 @@ class StepPlan:
     copies: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     # prefix-cache keys of the next block each prefill scheduled this step computes (see Scheduler)
     inflight_block_keys: set[tuple[int, tuple[int, ...]]] = field(default_factory=set)
+    # the predicted-KV budget (engine/core/kv_budget.py): steps until the request it held back this step has
+    # room (None: none held back), and how many requests behind it may still be checked for backfilling
+    backfill_steps: float | None = None
+    num_backfill_checks_left: int = 0
+    num_paced_skips_left: int = 64  # long requests passed over while the budget paces them (Scheduler._is_paced)
 
     @classmethod
     def start(cls, config: SchedulerConfig, index: int, now_s: float) -> StepPlan:

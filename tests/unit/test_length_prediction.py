@@ -19,7 +19,7 @@ from tests.unit.scheduler_helpers import (
 )
 from tokenmill.engine.config import EngineConfig, LengthConfig
 from tokenmill.engine.core.clock import FakeClock
-from tokenmill.engine.core.length_history import LengthSamples
+from tokenmill.engine.core.length_history import LengthEstimate, LengthSamples
 from tokenmill.engine.core.length_predictor import LengthPredictor
 from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.core.scheduler import Scheduler
@@ -74,18 +74,40 @@ def run_backlog(scheduler: Scheduler, requests: list[Request], **options: object
 # ------------------------------------------------------------------------------------- the history
 
 
+def _estimate(samples: LengthSamples, num_generated: int = 0, max_tokens: int = 1000, min_samples: int = 1,
+              live_ages: list[int] | None = None) -> LengthEstimate | None:
+    return samples.estimate(num_generated, max_tokens, min_samples=min_samples, quantile=0.75, source="all",
+                            live_ages=live_ages)
+
+
 def test_samples_keep_a_bounded_window_and_estimate_conditionally() -> None:
     samples = LengthSamples(capacity=4)
     for length in (10, 20, 30, 40, 50):
         samples.add(length)
     assert len(samples) == 4  # 10 left the window
-    estimate = samples.estimate(0, 1000, 1, "all")
-    assert estimate is not None and (estimate.median_total, estimate.mean_total) == (40.0, 35.0)
-    older = samples.estimate(35, 1000, 2, "all")  # generated 35 already: only the longer ones predict it
-    assert older is not None and (older.median_total, older.mean_total) == (50.0, 45.0)
-    assert samples.estimate(35, 1000, 3, "all") is None
-    capped = samples.estimate(0, 25, 1, "all")  # its own max_tokens caps every sample
+    estimate = _estimate(samples)
+    assert estimate is not None and (estimate.median_total, estimate.mean_total, estimate.high_total) == (30, 35, 40)
+    older = _estimate(samples, num_generated=35, min_samples=2)  # 35 generated: only the longer ones predict it
+    assert older is not None and (older.median_total, older.mean_total) == (40.0, 45.0)
+    assert _estimate(samples, num_generated=35, min_samples=3) is None
+    capped = _estimate(samples, max_tokens=25)  # its own max_tokens caps every sample
     assert capped is not None and capped.median_total == 25.0 and capped.mean_total == pytest.approx(23.75)
+
+
+def test_requests_still_running_count_as_censored_lengths() -> None:
+    """Four short answers finished while four long ones still run: the history alone says "short", the
+    running ones (longer than their ages) put half the probability past every finished length, at the cap."""
+    samples = LengthSamples(capacity=64)
+    for length in (5, 6, 7, 8):
+        samples.add(length)
+    naive = _estimate(samples, max_tokens=500)
+    assert naive is not None and naive.high_total == 7
+    censored = _estimate(samples, max_tokens=500, live_ages=[40, 60, 90, 120])
+    assert censored is not None
+    assert censored.median_total == 8 and censored.high_total == 500
+    assert censored.mean_total == pytest.approx((5 + 6 + 7 + 8) / 8 + 500 / 2)
+    young = _estimate(samples, max_tokens=500, live_ages=[0, 0, 6])  # waiting ones carry no information
+    assert young is not None and young.mean_total == pytest.approx(5 / 5 + 6 / 5 + (1 - 2 / 5) * 7.5)
 
 
 def test_the_most_specific_history_with_enough_samples_predicts() -> None:
@@ -136,7 +158,7 @@ def test_prediction_errors_compare_with_planning_by_max_tokens() -> None:
     warm_history(predictor)
     for row in range(10):
         request = templated(f"e{row}", "short", row)
-        predictor.current(request)
+        request.admitted_length_estimate = predictor.current(request)
         request.output_token_ids = [1] * SHORT
         predictor.observe(request)
     error, baseline = predictor.errors()
@@ -270,3 +292,21 @@ def test_stats_report_the_predicted_backlog_per_group() -> None:
     assert stats.backlog_tokens == pytest.approx(4 * LONG)
     assert stats.group_backlog["job"].mean_length == (SHORT + LONG) / 2  # no history of the job yet: everyone's
     assert make_scheduler().stats().length.backlog_tokens == 0.0  # no predictor: nothing predicted
+
+
+def test_long_requests_are_paced_and_short_ones_run_meanwhile() -> None:
+    """FCFS on a pool the long requests fill: the second long request waits for its pacing interval (started
+    together, long requests would also end together, in waves) and the third for room; the short ones behind
+    them are predicted to be done before then, so they run meanwhile and the pool stays used. Nothing is
+    preempted."""
+    scheduler = make_scheduler(num_gpu_blocks=30, num_cpu_blocks=60, block_size=4, max_num_seqs=8, eos_token_id=EOS,
+                               length=LengthConfig(min_samples=4))
+    assert scheduler.length_predictor is not None
+    warm_history(scheduler.length_predictor)
+    backlog = [templated(f"long{i}", "long", i) for i in range(3)] + [templated(f"short{i}", "short", i)
+                                                                      for i in range(2)]
+    run = run_backlog(scheduler, backlog)
+    assert run.admitted_step["long0"] == run.admitted_step["short0"] == run.admitted_step["short1"] == 0
+    assert 0 < run.admitted_step["long1"] < run.admitted_step["long2"]
+    assert scheduler.stats().counters.num_preemptions == 0
+    assert_no_leaks(scheduler)
