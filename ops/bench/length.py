@@ -275,8 +275,8 @@ def _median(values: list[float]) -> float:
 
 def error_rows(result: dict[str, Any], max_tokens: int, num_requests: int) -> list[dict[str, Any]]:
     """Median |log predicted - log actual| over the first N finished requests (0..N) and over the window since
-    the previous point, for the engine's records (the estimate a request was admitted with), the one in force at its first token,
-    and ``max_tokens``."""
+    the previous point, for the engine's records (the estimate a request was admitted with), the one in force
+    at its first token, and ``max_tokens``."""
     order = result["finish_order"]
     lengths = {rid: result["requests"][rid]["length"] for rid in order}
     records = result["records"]

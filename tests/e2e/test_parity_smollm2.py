@@ -48,7 +48,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
                                  budget_kv=False),
     "swap-preemption": dict(block_size=4, preemption_mode="swap", kv_cache_memory=80 * 4 * 46080, budget_kv=False),
     # Output-length prediction is on everywhere; here it budgets a tight pool and orders shortest first.
-    "length-shortest-first": dict(block_size=4, kv_cache_memory=80 * 4 * 46080, ordering="shortest", min_samples=2),
+    "length-shortest-first": dict(block_size=4, kv_cache_memory=80 * 4 * 46080, ordering="shortest", min_samples=2,
+                                  budget_kv=True),
     # The base engine runs the device's kernel; the reference backend once, on the base scenario.
     "block16-reference": dict(block_size=16, attention_backend="reference"),
     # Every other scenario runs the captured step (CPU: the native decoder stack); eager once.

@@ -31,7 +31,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
                             budget_kv=False),
     # Output-length prediction is on in every scenario; here it also orders the backlog in a tight pool.
     "length-shortest-first": dict(block_size=4, max_prefill_chunk=32, max_num_batched_tokens=64, ordering="shortest",
-                                  min_samples=2),
+                                  min_samples=2, budget_kv=True),
 }
 
 

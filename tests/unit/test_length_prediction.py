@@ -176,7 +176,7 @@ def test_the_predicted_kv_budget_avoids_the_preemptions_of_admitting_whatever_fi
     """Same backlog, same pool: admitting whenever the next chunk fits runs out of blocks and preempts;
     the budget admits by predicted peak KV instead. Every request still gets the same tokens."""
     results = {}
-    for name, length in (("off", None), ("on", LengthConfig(min_samples=4))):
+    for name, length in (("off", None), ("on", LengthConfig(min_samples=4, budget_kv=True))):
         scheduler = make_scheduler(num_gpu_blocks=40, num_cpu_blocks=80, block_size=4, max_num_seqs=16,
                                    eos_token_id=EOS, length=length)
         if scheduler.length_predictor is not None:
@@ -194,7 +194,7 @@ def test_the_predicted_kv_budget_avoids_the_preemptions_of_admitting_whatever_fi
 
 def test_a_cold_predictor_admits_the_first_request_and_learns() -> None:
     scheduler = make_scheduler(num_gpu_blocks=40, num_cpu_blocks=80, block_size=4, max_num_seqs=16,
-                               eos_token_id=EOS, length=LengthConfig(min_samples=4))
+                               eos_token_id=EOS, length=LengthConfig(min_samples=4, budget_kv=True))
     run = run_backlog(scheduler, _heavy_tailed_backlog(24))
     assert len(run.outputs) == 24
     assert_no_leaks(scheduler)
@@ -204,7 +204,8 @@ def test_the_budget_never_holds_back_a_more_urgent_request() -> None:
     """Long bulk work fills the predicted budget; an urgent request is admitted at once (the bulk
     requests would yield their room to it)."""
     scheduler = make_scheduler(num_gpu_blocks=40, num_cpu_blocks=80, block_size=4, max_num_seqs=16,
-                               eos_token_id=EOS, length=LengthConfig(min_samples=4), min_resident_steps=1)
+                               eos_token_id=EOS, length=LengthConfig(min_samples=4, budget_kv=True),
+                               min_resident_steps=1)
     assert scheduler.length_predictor is not None
     warm_history(scheduler.length_predictor)
     bulk = [templated(f"bulk{i}", "long", i, priority=5) for i in range(8)]
@@ -300,7 +301,7 @@ def test_long_requests_are_paced_and_short_ones_run_meanwhile() -> None:
     them are predicted to be done before then, so they run meanwhile and the pool stays used. Nothing is
     preempted."""
     scheduler = make_scheduler(num_gpu_blocks=30, num_cpu_blocks=60, block_size=4, max_num_seqs=8, eos_token_id=EOS,
-                               length=LengthConfig(min_samples=4))
+                               length=LengthConfig(min_samples=4, budget_kv=True))
     assert scheduler.length_predictor is not None
     warm_history(scheduler.length_predictor)
     backlog = [templated(f"long{i}", "long", i) for i in range(3)] + [templated(f"short{i}", "short", i)
