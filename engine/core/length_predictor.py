@@ -55,6 +55,9 @@ class LengthPredictor:
         self.num_observed = 0  # finished requests learnt from
         self.num_estimates = 0
         self.num_outlived = 0  # estimates redone because the request generated past the last one's median or mean
+        # NOTE: the engine's stats (read after every worker step) ask for these; they change only with the history.
+        self._errors: tuple[tuple[int, int], tuple[float | None, float | None]] = ((-1, 0), (None, None))
+        self._group_means: dict[tuple[str | None, bool], tuple[int, float | None]] = {}
 
     def current(self, request: Request) -> LengthEstimate:
         """The request's estimate, redone when it is stale: none yet, outlived (the request generated as many
@@ -124,6 +127,13 @@ class LengthPredictor:
     def group_mean_length(self, group: str | None, is_structured: bool = False) -> float | None:
         """Predicted mean output length of a new request of ``group``: from the group's history, else from every
         request's of the same kind (None: no history at all yet)."""
+        num_observed, mean = self._group_means.get((group, is_structured), (-1, None))
+        if num_observed != self.num_observed:
+            mean = self._group_mean_length(group, is_structured)
+            self._group_means[group, is_structured] = (self.num_observed, mean)
+        return mean
+
+    def _group_mean_length(self, group: str | None, is_structured: bool) -> float | None:
         for key in ((group, is_structured), (None, is_structured)):
             samples = self._key_to_samples.get(key)
             if samples is not None and len(samples) >= self.config.min_samples:
@@ -135,12 +145,15 @@ class LengthPredictor:
     def errors(self, last: int = 200) -> tuple[float | None, float | None]:
         """Median absolute error of log-length over the last ``last`` finished requests: of the predictions
         they were admitted with, and of planning with ``max_tokens`` (the baseline); (None, None) before any."""
+        if self._errors[0] == (self.num_observed, last):
+            return self._errors[1]
         records = list(self.records)[-last:]
-        if not records:
-            return None, None
-        predicted = statistics.median(abs(_log(r.predicted) - _log(r.actual)) for r in records)
-        baseline = statistics.median(abs(_log(r.max_tokens) - _log(r.actual)) for r in records)
-        return predicted, baseline
+        errors: tuple[float | None, float | None] = (None, None)
+        if records:
+            errors = (statistics.median(abs(_log(r.predicted) - _log(r.actual)) for r in records),
+                      statistics.median(abs(_log(r.max_tokens) - _log(r.actual)) for r in records))
+        self._errors = ((self.num_observed, last), errors)
+        return errors
 
 
 def build_length_predictor(config: LengthConfig) -> LengthPredictor | None:

@@ -164,11 +164,9 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from tokenmill.engine.model.model_loader import _materialize_gguf, default_cache_dir, resolve_model_path
+    from ops.bench.throughput import resolve_model_dir
 
-    path = resolve_model_path(args.model)
-    if isinstance(path, Path) and path.suffix == ".gguf":
-        path = _materialize_gguf(path, default_cache_dir())
+    path = resolve_model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if args.copy_heavy:
         compare_speculation(copy_heavy_rows(tokenizer, 16 if args.quick else args.num_requests, args.seed), args)

@@ -488,11 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from tokenmill.engine.model.model_loader import _materialize_gguf, default_cache_dir, resolve_model_path
+    from ops.bench.throughput import resolve_model_dir
 
-    path = resolve_model_path(args.model)
-    if isinstance(path, Path) and path.suffix == ".gguf":
-        path = _materialize_gguf(path, default_cache_dir())
+    path = resolve_model_dir(args.model)
     jobs = build_jobs(AutoTokenizer.from_pretrained(path), args.num_requests, args.seed, args.mix)
     bytes_per_token = kv_bytes_per_token(path, args.dtype)
     mean_prompt = statistics.fmean(len(j.prompt_token_ids) for j in jobs)

@@ -228,11 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from tokenmill.engine.model.model_loader import _materialize_gguf, default_cache_dir, resolve_model_path
+    from ops.bench.throughput import resolve_model_dir
 
-    path = resolve_model_path(args.model)
-    if isinstance(path, Path) and path.suffix == ".gguf":
-        path = _materialize_gguf(path, default_cache_dir())
+    path = resolve_model_dir(args.model)
     schedule = build_schedule(AutoTokenizer.from_pretrained(path), args)
     num_high = sum(a.is_high for a in schedule)
     print(f"schedule: {len(schedule) - num_high} low-priority ({args.low_tokens_min}-{args.low_tokens_max} tokens), "
