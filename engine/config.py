@@ -200,6 +200,32 @@ class LengthConfig(_Frozen):
     max_keys: int = Field(4096, ge=16, description="history keys kept (least recently used forgotten first)")
 
 
+class FleetCacheConfig(_Frozen):
+    """KV blocks shared across the fleet (engine/kv/fleet_cache.py): full prompt blocks a worker computes are
+    published to a block store (the fleet's Redis), and a worker that misses locally fetches them when fetching
+    beats computing them again. Greedy outputs are the same with it on or off."""
+
+    enabled: bool = Field(False, description="publish computed prompt blocks and fetch missing ones from the fleet's "
+                          "block store (the worker's Redis); off: prefix caching stays local to each worker")
+    max_bytes: int | str = Field("4GiB", description="the store's byte cap: least recently used blocks are dropped "
+                                 "past it (the queues' Redis never evicts on its own)")
+    ttl_s: float = Field(3600.0, gt=0, description="a stored block is dropped this long after it was last used")
+    min_blocks: int = Field(2, ge=1, description="look up only prompts with at least this many full blocks "
+                            "beyond the local cache (a round trip costs more than a block or two)")
+    max_wait_s: float = Field(5.0, gt=0, description="a request waits for its blocks at most this long, then "
+                              "computes them (counted as a fallback)")
+
+    @field_validator("max_bytes")
+    @classmethod
+    def _check_size(cls, value: int | str) -> int | str:
+        parse_bytes(value)
+        return value
+
+    @property
+    def max_store_bytes(self) -> int:
+        return parse_bytes(self.max_bytes)
+
+
 class StructuredOutputConfig(_Frozen):
     """Limits on compiling structured-output grammars (a small spec can take minutes and gigabytes)."""
 
@@ -236,11 +262,19 @@ class EngineConfig(_Frozen):
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     length: LengthConfig = Field(default_factory=LengthConfig)
+    fleet_cache: FleetCacheConfig = Field(default_factory=FleetCacheConfig)
 
     @field_validator("model", mode="before")
     @classmethod
     def _model_by_name(cls, value: object) -> object:
         return {"name": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check_fleet_cache(self) -> EngineConfig:
+        if self.fleet_cache.enabled and not self.cache.enable_prefix_caching:
+            raise ValueError("[engine.fleet_cache] enabled needs [engine.cache] enable_prefix_caching: fetched blocks "
+                             "join the local prefix cache")
+        return self
 
     @model_validator(mode="after")
     def _check_length_ordering(self) -> EngineConfig:

@@ -22,7 +22,7 @@ from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.core.scheduler import Scheduler
 from tokenmill.engine.core.stats import EngineStats
 from tokenmill.engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput, StepRunner
-from tokenmill.engine.echo import EchoParts, build_echo_parts, is_echo_model
+from tokenmill.engine.echo import build_echo_parts, is_echo_model
 from tokenmill.engine.errors import GrammarError
 from tokenmill.engine.offline import GenerationOutput, run_offline
 from tokenmill.engine.output.output_processor import OutputProcessor
@@ -32,10 +32,13 @@ from tokenmill.protocol.outcomes import ErrorCode
 from tokenmill.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from tokenmill.engine.model.model_setup import EngineParts
+    from tokenmill.engine.kv.fleet_cache import FleetCache
+    from tokenmill.engine.model.model_setup import BlockStoreFactory
     from tokenmill.engine.sample.grammar import Grammars
 
 logger = logging.getLogger(__name__)
+
+FLEET_IDLE_WAIT_S = 0.02  # an engine with only requests waiting for fleet blocks waits this long per step for them
 
 
 class Engine:
@@ -50,10 +53,12 @@ class Engine:
         clock: time source for arrival/queue/TTFT metrics and aging.
         grammars: compiles structured-output grammars (the runner's sampler shares it); None =
             requests with a structured response_format are refused.
+        fleet: shares prompt blocks with other engines through a block store; None = local prefix caching only.
     """
 
     def __init__(self, scheduler: Scheduler, runner: StepRunner, processor: OutputProcessor, tokenizer: Any,
-                 limits: ModelLimits, clock: Clock, grammars: Grammars | None = None) -> None:
+                 limits: ModelLimits, clock: Clock, grammars: Grammars | None = None,
+                 fleet: FleetCache | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.processor = processor
@@ -61,6 +66,7 @@ class Engine:
         self.limits = limits
         self.clock = clock
         self.grammars = grammars
+        self.fleet = fleet
         # NOTE: tokenize() may run on another thread while step() detokenizes: a Hugging Face fast
         # tokenizer must not be used by two threads at once ("Already borrowed"), so prompts get
         # their own copy.
@@ -68,18 +74,27 @@ class Engine:
         self._tokenize_lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> Self:
+    def from_config(cls, config: EngineConfig, clock: Clock | None = None,
+                    block_store_for: BlockStoreFactory | None = None) -> Self:
         """Load the model and size the KV cache (imports torch), or build the echo model (engine/echo.py:
-        no torch, no weights)."""
+        no torch, no weights).
+
+        Args:
+            config: the engine's settings.
+            clock: time source (default: monotonic).
+            block_store_for: the fleet's block store for a namespace, for ``[engine.fleet_cache]`` (a worker passes
+                its Redis); the echo model has no KV and ignores it.
+        """
         clock = clock or MonotonicClock()
         if is_echo_model(config.model.name):
-            parts: EchoParts | EngineParts = build_echo_parts(config, clock)
-        else:
-            from tokenmill.engine.model.model_setup import build_engine_parts  # noqa: PLC0415 - torch only for real engines
+            echo = build_echo_parts(config, clock)
+            return cls(echo.scheduler, echo.runner, OutputProcessor(echo.tokenizer, clock), echo.tokenizer,
+                       echo.limits, clock, echo.grammars)
+        from tokenmill.engine.model.model_setup import build_engine_parts  # noqa: PLC0415 - torch only for real engines
 
-            parts = build_engine_parts(config, clock)
+        parts = build_engine_parts(config, clock, block_store_for)
         return cls(parts.scheduler, parts.runner, OutputProcessor(parts.tokenizer, clock), parts.tokenizer,
-                   parts.limits, clock, parts.grammars)
+                   parts.limits, clock, parts.grammars, parts.fleet)
 
     @property
     def model_name(self) -> str:
@@ -149,6 +164,8 @@ class Engine:
         request = Request(request_id, list(prompt_token_ids), params, arrival_time_s=arrival, priority=priority,
                           length_group=length_group)
         self.scheduler.add_request(request)
+        if self.fleet is not None:
+            self.fleet.look_up(request)
 
     def _resolve_max_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """``params`` with ``max_tokens`` = the room the prompt leaves when it asked for "the rest of the
@@ -204,21 +221,35 @@ class Engine:
         Returns:
             An output for every request that progressed or finished in this step.
         """
+        if self.fleet is not None:
+            self._poll_fleet(self.fleet)
         scheduler_output = self.scheduler.schedule()
         started_s = time.perf_counter()
         model_output = self._execute(scheduler_output)
+        step_s = time.perf_counter() - started_s
         if self.scheduler.speculator is not None and scheduler_output.is_decode_only:
             # NOTE: wall time, not the engine clock: the step cost model sizes drafts by what a decode step
             # costs (prefill chunks cost more per token and would skew it), measured, not assumed.
-            self.scheduler.speculator.observe_step(scheduler_output.num_batched_tokens,
-                                                   time.perf_counter() - started_s)
+            self.scheduler.speculator.observe_step(scheduler_output.num_batched_tokens, step_s)
         progressed = self.scheduler.update(scheduler_output, model_output)
+        if self.fleet is not None:
+            self.fleet.publish(self.scheduler.take_new_prompt_blocks())
+            if not scheduler_output.is_decode_only:
+                self.fleet.cost.observe_prefill(scheduler_output.num_batched_tokens, step_s)
         matched, failed = self.processor.detokenize(progressed)
         for request in matched:
             self._stop_on_string(request)
         for request, exc in failed:
             self._fail(request.request_id, exc, request)
         return self.processor.make_outputs(progressed, self.scheduler.take_finished())
+
+    def _poll_fleet(self, fleet: FleetCache) -> None:
+        """Load the prompt blocks fetched from the fleet's store; when every live request waits for its blocks,
+        wait a little for them instead of spinning (the fetch thread needs the core)."""
+        scheduler = self.scheduler
+        is_idle = (not scheduler.num_running and not scheduler.num_swapped
+                   and scheduler.num_waiting <= fleet.num_fetching)
+        fleet.poll(wait_s=FLEET_IDLE_WAIT_S if is_idle else 0.0)
 
     def _execute(self, plan: SchedulerOutput) -> ModelOutput:
         """Run one step; a failure is traced to the requests it came from (:meth:`_isolate`).
@@ -308,5 +339,6 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """Queues, KV usage, totals and the scheduler's counters."""
-        return dataclasses.replace(self.scheduler.stats(), kv_block_bytes=self.limits.kv_block_bytes,
-                                   num_generated_tokens=self.scheduler.counters.num_generated_tokens)
+        stats = dataclasses.replace(self.scheduler.stats(), kv_block_bytes=self.limits.kv_block_bytes,
+                                    num_generated_tokens=self.scheduler.counters.num_generated_tokens)
+        return dataclasses.replace(stats, fleet=self.fleet.stats()) if self.fleet is not None else stats

@@ -1,18 +1,23 @@
 """Builders of engine configs and engines for tests: flat keyword arguments, each routed to its
-section (``model``, ``cache``, ``scheduler``, ``execution``, ``speculative``, ``length``), so a scenario
-reads as one line."""
+section (``model``, ``cache``, ``scheduler``, ``execution``, ``speculative``, ``length``, ``fleet_cache``), so a
+scenario reads as one line."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from tokenmill.engine import CacheConfig, Engine, EngineConfig, ModelConfig, SchedulerConfig
-from tokenmill.engine.config import ExecutionConfig, LengthConfig, SpeculativeConfig
+from tokenmill.engine.config import ExecutionConfig, FleetCacheConfig, LengthConfig, SpeculativeConfig
+from tokenmill.engine.kv.block_store import BlockStore
 
 _SECTION_OF = {name: section for section, model in (("model", ModelConfig), ("cache", CacheConfig),
                                                      ("scheduler", SchedulerConfig), ("execution", ExecutionConfig),
-                                                     ("speculative", SpeculativeConfig), ("length", LengthConfig))
+                                                     ("speculative", SpeculativeConfig), ("length", LengthConfig),
+                                                     ("fleet_cache", FleetCacheConfig))
                for name in model.model_fields}
+assert len(_SECTION_OF) == sum(len(m.model_fields) for m in (ModelConfig, CacheConfig, SchedulerConfig, ExecutionConfig,
+                                                             SpeculativeConfig, LengthConfig, FleetCacheConfig)), \
+    "two sections share a field name: route it explicitly"
 
 
 def engine_config(model: str, **settings: Any) -> EngineConfig:
@@ -23,6 +28,9 @@ def engine_config(model: str, **settings: Any) -> EngineConfig:
     return EngineConfig.model_validate(sections)
 
 
-def build_engine(model: str, **settings: Any) -> Engine:
-    """A real engine (loads the model) from flat settings."""
+def build_engine(model: str, block_store: BlockStore | None = None, **settings: Any) -> Engine:
+    """A real engine (loads the model) from flat settings; ``block_store``: the fleet cache's store (then on)."""
+    if block_store is not None:
+        settings.setdefault("enabled", True)
+        return Engine.from_config(engine_config(model, **settings), block_store_for=lambda _: block_store)
     return Engine.from_config(engine_config(model, **settings))

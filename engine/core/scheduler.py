@@ -93,6 +93,10 @@ class Scheduler:
         self._next_seq_no = 0
         self._next_paced_step = 0.0  # the predicted-KV budget's pacing of long admissions (_is_paced)
         self._policy = PreemptionPolicy(config, block_manager, self._queues)
+        # Prompt blocks the prefix cache indexed since the last take_new_prompt_blocks() (collected only when
+        # something publishes them: the fleet cache, engine/kv/fleet_cache.py).
+        self.collects_new_prompt_blocks = False
+        self._new_prompt_blocks: list[tuple[Request, int, int]] = []
 
     @property
     def num_waiting(self) -> int:
@@ -163,6 +167,8 @@ class Scheduler:
                     break  # only new requests backfill
                 is_placed = self._schedule_swapped(request, plan)
             else:
+                if request.is_fetching_kv:
+                    continue  # NOTE: its prompt blocks are on their way from the fleet's store
                 if self._is_paced(request, plan):
                     if plan.num_paced_skips_left > 0:
                         plan.num_paced_skips_left -= 1
@@ -229,8 +235,13 @@ class Scheduler:
                 request.num_computed_tokens += chunk.num_tokens
             if self.prefix_cache is not None:
                 known_token_ids = request.all_token_ids + new_token_ids[:num_accepted]  # verified, not yet appended
-                self.prefix_cache.register(known_token_ids, self.block_manager.get_block_ids(request.request_id),
-                                           request.prefix_entry_ids, request.num_computed_tokens)
+                block_ids = self.block_manager.get_block_ids(request.request_id)
+                indexed = self.prefix_cache.register(known_token_ids, block_ids, request.prefix_entry_ids,
+                                                     request.num_computed_tokens)
+                if self.collects_new_prompt_blocks and indexed:
+                    num_prompt_blocks = request.num_prompt_tokens // self.block_manager.block_size
+                    self._new_prompt_blocks.extend((request, i, block_ids[i]) for i in indexed
+                                                   if i < num_prompt_blocks)
             if new_token_ids:
                 logprobs = model_output.logprobs.get(chunk.request_id)
                 for index, token_id in enumerate(new_token_ids):  # NOTE: each one may stop it
@@ -289,6 +300,12 @@ class Scheduler:
     def has_finished(self) -> bool:
         """Whether requests finished since the last :meth:`take_finished`."""
         return bool(self._finished)
+
+    def take_new_prompt_blocks(self) -> list[tuple[Request, int, int]]:
+        """``(request, block index, device block id)`` of the prompt blocks indexed since the last call (when
+        :attr:`collects_new_prompt_blocks`): computed by this engine, verified, full."""
+        blocks, self._new_prompt_blocks = self._new_prompt_blocks, []
+        return blocks
 
     def take_finished(self) -> list[Request]:
         """The requests finished since the last call, in the order they finished."""
@@ -422,6 +439,7 @@ class Scheduler:
         if self.prefix_cache is not None:
             self.block_manager.share(request.request_id, hit_block_ids)
             request.num_computed_tokens, request.prefix_entry_ids = num_hit_tokens, hit_entry_ids
+            request.num_cached_prompt_tokens = num_hit_tokens
             self.prefix_cache.count_query(request.num_schedulable_tokens, num_hit_tokens)
         self._admit(request, num_tokens, plan)
         return True

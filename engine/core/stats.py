@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from tokenmill.engine.core.request import PreemptionCause
+from tokenmill.engine.kv.fleet_cache import FleetCacheStats
 from tokenmill.engine.kv.prefix_cache import PrefixStats
 
 
@@ -112,6 +113,7 @@ class EngineStats:
     prefix: PrefixStats = field(default_factory=PrefixStats)
     speculation: SpeculationCounters = field(default_factory=SpeculationCounters)
     length: LengthStats = field(default_factory=LengthStats)
+    fleet: FleetCacheStats = field(default_factory=FleetCacheStats)
 
     @property
     def gpu_usage(self) -> float:

@@ -105,7 +105,7 @@ class PrefixCache:
         self.stats.num_hit_tokens += num_hit_tokens
 
     def register(self, token_ids: list[int], block_ids: list[int], entry_ids: list[int],
-                 num_computed_tokens: int) -> None:
+                 num_computed_tokens: int) -> list[int]:
         """Index the request's full blocks computed since the last call; extends ``entry_ids``.
 
         Args:
@@ -114,10 +114,14 @@ class PrefixCache:
             entry_ids: the entry ids of its leading blocks found or registered so far (updated).
             num_computed_tokens: tokens whose KV is in those blocks.
 
+        Returns:
+            The table indexes of the blocks it indexed (not those whose content was indexed already).
+
         NOTE: a block whose content another block already holds is not indexed (the two stay
         separate copies); the chain goes on through the existing entry.
         """
         num_full = min(num_computed_tokens // self.block_size, len(block_ids))
+        indexed = []
         for index in range(len(entry_ids), num_full):
             start = index * self.block_size
             parent = entry_ids[-1] if entry_ids else ROOT
@@ -133,6 +137,8 @@ class PrefixCache:
             self._key_to_entry[key] = (entry_id, block_id)
             self._block_to_key[block_id] = key
             entry_ids.append(entry_id)
+            indexed.append(index)
+        return indexed
 
     def check_invariants(self) -> None:
         """Raise InvariantError unless the two maps mirror each other."""

@@ -107,6 +107,24 @@ class KVCache:
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         self.device_pool[:, :, dst] = self.device_pool[:, :, src]
 
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Each device block's keys and values, every layer, as bytes laid out ``[layer, key | value, offset_in_block,
+        kv_head, head_dim]`` (the fleet cache's wire value, engine/kv/block_store.py)."""
+        index = torch.tensor(block_ids, device=self.device)
+        gathered = self.device_pool[:, :, index].permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+        raw = gathered.view(torch.uint8).reshape(len(block_ids), -1).numpy()
+        return [row.tobytes() for row in raw]
+
+    def write_blocks(self, block_ids: list[int], blocks: list[bytes]) -> None:
+        """Overwrite device blocks with bytes :meth:`read_blocks` gave (on an engine of the same model, dtype
+        and block layout)."""
+        spec = self.spec
+        shape = (len(block_ids), spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        raw = torch.frombuffer(bytearray(b"".join(blocks)), dtype=torch.uint8)
+        values = raw.view(spec.dtype).view(shape).permute(1, 2, 0, 3, 4, 5)
+        index = torch.tensor(block_ids, device=self.device)
+        self.device_pool[:, :, index] = values.to(self.device)
+
     def swap_out(self, device_to_host: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks (pairs of ``(device_block_id, host_block_id)``)."""
         self._finish_host_writes()

@@ -6,7 +6,9 @@ NOTE: measurements behind these choices: ops/bench/README.md, "Figures behind th
 from __future__ import annotations
 
 import gc
+import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,8 @@ from tokenmill.engine.errors import EngineError, ModelLoadError
 from tokenmill.engine.kernels import cpu_linear
 from tokenmill.engine.kernels.attention import AttentionBackend, cpu_kernel, select_backend
 from tokenmill.engine.kv.block_manager import BlockManager
+from tokenmill.engine.kv.block_store import BlockStore, namespace
+from tokenmill.engine.kv.fleet_cache import FleetCache
 from tokenmill.engine.kv.prefix_cache import PrefixCache
 from tokenmill.engine.model import native_decoder
 from tokenmill.engine.model.draft_proposer import DraftModelProposer
@@ -53,10 +57,21 @@ class EngineParts:
     # Structured output, shared by the engine (admission) and the sampler; None: a model without a
     # tokenizer (structured requests are refused).
     grammars: GrammarCompiler | None
+    fleet: FleetCache | None = None  # prompt blocks shared through the fleet's store ([engine.fleet_cache])
 
 
-def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
+BlockStoreFactory = Callable[[bytes], BlockStore]  # the fleet's store of one namespace (engine/kv/block_store.py)
+
+
+def build_engine_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStoreFactory | None = None
+                       ) -> EngineParts:
     """Load the model, size the KV cache and wire the parts.
+
+    Args:
+        config: the engine's settings.
+        clock: the engine's clock.
+        block_store_for: the fleet's block store for a namespace (the worker's Redis); needed with
+            ``[engine.fleet_cache] enabled``.
 
     Raises:
         ModelLoadError: the model cannot be found or is not a decoder-only model.
@@ -103,7 +118,34 @@ def build_engine_parts(config: EngineConfig, clock: Clock) -> EngineParts:
     )
     reference = ModelRunner(loaded, kv_cache, Sampler(grammars), backend)
     runner = with_fast_paths(reference, grammars, config, max_request_tokens)
-    return EngineParts(scheduler, runner, loaded.tokenizer, limits, grammars)
+    fleet = None
+    if config.fleet_cache.enabled and prefix_cache is not None:
+        if block_store_for is None:
+            raise EngineError("[engine.fleet_cache] enabled needs the fleet's block store: run the engine in a "
+                              "worker (its Redis holds the blocks)")
+        root = namespace(loaded.model.config.model_type, weights_fingerprint(loaded.model), str(loaded.dtype),
+                         spec.block_size, (spec.num_layers, spec.num_kv_heads, spec.head_dim))
+        fleet = FleetCache(config.fleet_cache, block_store_for(root), root, kv_cache, spec.bytes_per_block,
+                           block_manager, prefix_cache)
+        scheduler.collects_new_prompt_blocks = True
+        logger.info("fleet cache on: namespace %s", root.hex())
+    return EngineParts(scheduler, runner, loaded.tokenizer, limits, grammars, fleet)
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A digest of the loaded weights: every materialised parameter's and buffer's name, shape and first values.
+
+    NOTE: packed linear layers keep no plain weight (engine/kernels/cpu_linear.py; the packing differs by CPU),
+    so they are left out; the embeddings and norms that remain tell two checkpoints of one architecture apart.
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta or not tensor.numel():
+            continue
+        head = tensor.detach().reshape(-1)[:64].to("cpu", torch.float32)
+        digest.update(f"{name}/{tuple(tensor.shape)}".encode())
+        digest.update(head.numpy().tobytes())
+    return digest.hexdigest()
 
 
 def with_fast_paths(reference: ModelRunner, grammars: GrammarCompiler | None, config: EngineConfig,

@@ -1,0 +1,409 @@
+"""The fleet-wide prefix cache: full prompt blocks one engine computes are published to a block store
+(engine/kv/block_store.py), and an engine whose local prefix cache misses fetches the next blocks from it
+when fetching beats computing them again. Standard library only; never torch, never redis.
+
+Life of a lookup (engine thread unless named)::
+
+    add_request ─> look_up: local match k blocks, the prompt has n ─ n - k >= min_blocks? ─> fleet thread:
+                   contains(k..n) -> m leading blocks held ─ worth fetching m? (cost model) ─> get(k..k+m)
+    each step   ─> poll: a done fetch is written into free device blocks and indexed by the local prefix cache
+                   (cached, evictable), so the admission that follows hits them like any local prefix
+    after step  ─> publish: blocks the step computed and indexed (prompt blocks only) are copied out of the
+                   device pool and put to the store by the publish thread (those it already holds skipped)
+
+A request waits (``Request.is_fetching_kv``) while its blocks travel, at most ``max_wait_s``. Whatever ends
+in the request computing blocks the store held is counted as a fallback with its reason: the store failed,
+the fetch was too slow, the device pool had no room, the blocks were gone by admission, or the cost model
+judged computing cheaper. Only verified tokens are ever in indexed blocks (the scheduler indexes nothing
+else), and partial blocks are never published.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tokenmill.engine.config import FleetCacheConfig
+from tokenmill.engine.core.request import Request, RequestStatus
+from tokenmill.engine.kv.block_manager import BlockManager
+from tokenmill.engine.kv.block_store import BlockStore, block_digests
+from tokenmill.engine.kv.prefix_cache import PrefixCache
+
+logger = logging.getLogger(__name__)
+
+KNOWN_DIGESTS = 1 << 16  # digests this engine published or fetched lately: not published again
+EWMA_WEIGHT = 0.2  # weight of the newest measurement in the cost model's moving averages
+MIN_PREFILL_TOKENS = 32  # steps computing fewer prompt tokens say little about the prefill rate
+
+
+class BlockIO(Protocol):
+    """What the fleet cache needs of the KV pool (engine/model/kv_cache.py)."""
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Each device block's keys and values, every layer, as bytes."""
+
+    def write_blocks(self, block_ids: list[int], blocks: list[bytes]) -> None:
+        """Overwrite device blocks with bytes :meth:`read_blocks` gave (on any engine of the namespace)."""
+
+
+class Fallback(str, enum.Enum):
+    """Why a request computed prompt blocks the fleet's store held (or may have held)."""
+
+    ERROR = "error"  # the store failed (unreachable, a bad reply)
+    TIMEOUT = "timeout"  # the fetch took longer than max_wait_s
+    NO_ROOM = "no_room"  # the device pool had no free blocks to load them into
+    EVICTED = "evicted"  # loaded, but reused for other work before the request was admitted
+    COST = "cost"  # the cost model judged computing them cheaper than fetching
+
+
+@dataclass
+class FleetCacheStats:
+    """Counters since the engine started; all zero with the fleet cache off."""
+
+    is_on: bool = False
+    num_lookups: int = 0  # requests whose missing prompt blocks were looked up in the store
+    num_hits: int = 0  # lookups that loaded at least one block
+    num_hit_blocks: int = 0  # blocks fetched and loaded into the device pool
+    num_fetched_blocks: int = 0  # blocks fetched (one fetch serves every request waiting for the same blocks)
+    num_fetched_bytes: int = 0
+    fetch_seconds: float = 0.0  # wall time of the lookups that fetched (contains + get)
+    num_published_blocks: int = 0  # blocks put to the store
+    num_published_bytes: int = 0
+    num_publish_errors: int = 0  # puts the store refused (those blocks stay local)
+    fallbacks: dict[str, int] = field(default_factory=lambda: {reason.value: 0 for reason in Fallback})
+    fallback_blocks: int = 0  # blocks the store held that were computed again instead (all reasons)
+
+    @property
+    def num_fallbacks(self) -> int:
+        return sum(self.fallbacks.values())
+
+    def copy(self) -> FleetCacheStats:
+        return FleetCacheStats(**{**self.__dict__, "fallbacks": dict(self.fallbacks)})
+
+
+@dataclass
+class _Fetched:
+    """A lookup's answer from the fleet thread."""
+
+    keys: list[bytes]  # the addresses it looked up
+    blocks: list[bytes]  # the leading blocks it fetched (possibly none)
+    num_held: int  # leading blocks the store held
+    seconds: float  # wall time of the lookup
+    is_too_dear: bool = False  # held, but the cost model chose computing
+
+
+@dataclass
+class _Lookup:
+    request: Request
+    first_index: int  # the prompt block the fetch starts at (the local cache held those before)
+    future: Future[_Fetched]
+    started_s: float
+    first_key: bytes  # the address of that block
+    is_follower: bool = False  # it waits for another request's fetch of the same blocks
+
+
+class TransferCost:
+    """Fetch or compute: measured fetch bandwidth and latency against the measured prefill rate.
+
+    NOTE: before both are measured it says fetch: the first fetches measure the store, and a prefill
+    step measures the model.
+    """
+
+    def __init__(self, block_bytes: int, block_size: int) -> None:
+        self.block_bytes = block_bytes
+        self.block_size = block_size
+        self.prefill_tokens_per_s: float | None = None
+        self.fetch_bytes_per_s: float | None = None
+        self.fetch_latency_s = 0.0
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens >= MIN_PREFILL_TOKENS and seconds > 0:
+            self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, num_tokens / seconds)
+
+    def observe_fetch(self, num_bytes: int, seconds: float, latency_s: float) -> None:
+        self.fetch_latency_s = _ewma(self.fetch_latency_s, latency_s)
+        transfer_s = seconds - latency_s
+        if num_bytes and transfer_s > 0:
+            self.fetch_bytes_per_s = _ewma(self.fetch_bytes_per_s, num_bytes / transfer_s)
+
+    def fetch_beats_compute(self, num_blocks: int) -> bool:
+        if self.prefill_tokens_per_s is None or self.fetch_bytes_per_s is None:
+            return True
+        fetch_s = self.fetch_latency_s + num_blocks * self.block_bytes / self.fetch_bytes_per_s
+        return fetch_s < num_blocks * self.block_size / self.prefill_tokens_per_s
+
+
+def _ewma(average: float | None, value: float) -> float:
+    return value if average is None else (1 - EWMA_WEIGHT) * average + EWMA_WEIGHT * value
+
+
+class FleetCache:
+    """Looks up, loads and publishes one engine's prompt blocks in a shared :class:`BlockStore`.
+
+    Args:
+        config: ``[engine.fleet_cache]``.
+        store: the fleet's store.
+        root: the namespace every digest chain starts from (:func:`block_store.namespace`).
+        block_io: reads and writes device blocks' bytes.
+        block_bytes: bytes of one block.
+        block_manager: the device pool the fetched blocks are loaded into.
+        prefix_cache: the local index they join.
+        clock: seconds, for waits (the engine's wall clock, not a test's scripted one).
+    """
+
+    def __init__(self, config: FleetCacheConfig, store: BlockStore, root: bytes, block_io: BlockIO,
+                 block_bytes: int, block_manager: BlockManager, prefix_cache: PrefixCache,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.store = store
+        self.root = root
+        self.block_size = block_manager.block_size
+        self.cost = TransferCost(block_bytes, self.block_size)
+        self._block_io = block_io
+        self._block_bytes = block_bytes
+        self._block_manager = block_manager
+        self._prefix_cache = prefix_cache
+        self._clock = clock
+        self._stats = FleetCacheStats(is_on=True)
+        self._lookups: dict[str, _Lookup] = {}
+        self._fetching: dict[bytes, _Lookup] = {}  # first block address -> the lookup fetching from there
+        self._loaded: dict[str, tuple[Request, int]] = {}  # request id -> (it, its prompt blocks held once loaded)
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+        # NOTE: two threads, so a large publish never delays a lookup a waiting request needs.
+        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-fleet-fetch")
+        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-fleet-publish")
+        self._publishes: list[Future[None]] = []
+
+    def stats(self) -> FleetCacheStats:
+        return self._stats.copy()
+
+    @property
+    def num_fetching(self) -> int:
+        return len(self._lookups)
+
+    def digests(self, request: Request) -> list[bytes]:
+        """The store addresses of the request's full prompt blocks (computed once per request)."""
+        if request.block_digests is None:
+            request.block_digests = block_digests(self.root, request.prompt_token_ids, self.block_size)
+        return request.block_digests
+
+    # ---- engine thread: lookups ------------------------------------------------------------------
+
+    def look_up(self, request: Request) -> None:
+        """Start fetching the prompt blocks the local cache lacks, if enough are missing; the request
+        waits for them (:attr:`Request.is_fetching_kv`) until :meth:`poll` loads them or gives up."""
+        # NOTE: as the prefix cache's match, one prompt token is always left to compute (it gives the logits).
+        num_blocks = (request.num_prompt_tokens - 1) // self.block_size
+        num_local = len(self._prefix_cache.match(request.prompt_token_ids)[0])
+        if num_blocks - num_local < self.config.min_blocks:
+            return
+        keys = self.digests(request)[num_local:num_blocks]
+        leader = self._fetching.get(keys[0])
+        if leader is not None:  # NOTE: requests that arrive together with one prompt prefix fetch it once
+            lookup = _Lookup(request, num_local, leader.future, self._clock(), keys[0], is_follower=True)
+        else:
+            lookup = _Lookup(request, num_local, self._fetcher.submit(self._fetch, keys), self._clock(), keys[0])
+            self._fetching[keys[0]] = lookup
+        self._lookups[request.request_id] = lookup
+        request.is_fetching_kv = True
+        self._stats.num_lookups += 1
+
+    def _fetch(self, keys: list[bytes]) -> _Fetched:
+        """Fleet thread: how many leading blocks the store holds, and those blocks if worth fetching."""
+        started_s = time.perf_counter()
+        held = self.store.contains(keys)
+        num_held = held.index(False) if False in held else len(held)
+        latency_s = time.perf_counter() - started_s
+        if num_held < self.config.min_blocks:
+            return _Fetched(keys, [], num_held, latency_s)
+        if not self.cost.fetch_beats_compute(num_held):
+            return _Fetched(keys, [], num_held, latency_s, is_too_dear=True)
+        values = self.store.get(keys[:num_held])
+        blocks = []
+        for value in values:  # NOTE: a block evicted since contains() ends the run
+            if value is None or len(value) != self._block_bytes:
+                break
+            blocks.append(value)
+        seconds = time.perf_counter() - started_s
+        self.cost.observe_fetch(sum(map(len, blocks)), seconds, latency_s)
+        return _Fetched(keys, blocks, num_held, seconds)
+
+    def poll(self, wait_s: float = 0.0) -> None:
+        """Load finished fetches into the device pool and release their requests; give up on slow ones.
+
+        Args:
+            wait_s: wait this long for a fetch to finish when none has (the engine has nothing else to run).
+        """
+        self._check_admitted()
+        if not self._lookups:
+            return
+        if wait_s > 0 and not any(lookup.future.done() for lookup in self._lookups.values()):
+            wait_futures([lookup.future for lookup in self._lookups.values()], timeout=wait_s,
+                         return_when="FIRST_COMPLETED")
+        now_s = self._clock()
+        for request_id, lookup in list(self._lookups.items()):
+            request = lookup.request
+            if request.status is not RequestStatus.WAITING:  # aborted (or finished) while it waited
+                self._end(lookup)
+                continue
+            if lookup.future.done():
+                self._end(lookup)
+                self._finish_lookup(lookup)
+            elif now_s - lookup.started_s > self.config.max_wait_s:
+                self._end(lookup)
+                num_blocks = (request.num_prompt_tokens - 1) // self.block_size - lookup.first_index
+                self._fall_back(Fallback.TIMEOUT, num_blocks)
+                logger.warning("fleet cache: blocks did not arrive within max_wait_s; computing them",
+                               extra={"event": "fleet_fetch_timeout", "request_id": request_id})
+
+    def _end(self, lookup: _Lookup) -> None:
+        """The request stops waiting for this lookup (its fetch is cancelled unless another request waits for it)."""
+        del self._lookups[lookup.request.request_id]
+        lookup.request.is_fetching_kv = False
+        if self._fetching.get(lookup.first_key) is lookup:
+            del self._fetching[lookup.first_key]
+        if not any(other.future is lookup.future for other in self._lookups.values()):
+            lookup.future.cancel()
+
+    def _finish_lookup(self, lookup: _Lookup) -> None:
+        try:
+            fetched = lookup.future.result()
+        except Exception as exc:  # noqa: BLE001 - the store failed: compute the blocks, count it
+            num_blocks = (lookup.request.num_prompt_tokens - 1) // self.block_size - lookup.first_index
+            self._fall_back(Fallback.ERROR, num_blocks)
+            logger.warning("fleet cache: lookup failed (%s: %s); computing the blocks", type(exc).__name__, exc,
+                           extra={"event": "fleet_store_error", "request_id": lookup.request.request_id})
+            return
+        if fetched.is_too_dear:
+            self._fall_back(Fallback.COST, fetched.num_held)
+            return
+        if not fetched.blocks:
+            return  # a miss: nothing was there to fetch
+        if not lookup.is_follower:
+            self._stats.fetch_seconds += fetched.seconds
+            self._stats.num_fetched_blocks += len(fetched.blocks)
+            self._stats.num_fetched_bytes += sum(map(len, fetched.blocks))
+        blocks = fetched.blocks
+        if lookup.is_follower:  # NOTE: the leader's prompt may go on differently after the blocks they share
+            own_keys = self.digests(lookup.request)[lookup.first_index:lookup.first_index + len(blocks)]
+            num_shared = next((i for i, (a, b) in enumerate(zip(own_keys, fetched.keys)) if a != b), len(own_keys))
+            blocks = blocks[:num_shared]
+        num_loaded = self._load(lookup, blocks)
+        if isinstance(num_loaded, Fallback):
+            self._fall_back(num_loaded, len(blocks))
+            return
+        self._stats.num_hits += 1
+        self._stats.num_hit_blocks += num_loaded
+        self._loaded[lookup.request.request_id] = (lookup.request, lookup.first_index + len(blocks))
+
+    def _load(self, lookup: _Lookup, blocks: list[bytes]) -> int | Fallback:
+        """Write fetched blocks into free device blocks and index them (cached, evictable), after the
+        leading blocks the local cache holds now.
+
+        Returns:
+            The blocks written; or why none could be: no room, or the local blocks the fetched ones follow
+            were reused meanwhile (the chain would have a gap).
+        """
+        token_ids = lookup.request.prompt_token_ids
+        pool = self._block_manager.gpu_pool
+        hit_block_ids, entry_ids = self._prefix_cache.match(token_ids)
+        num_local = len(hit_block_ids)
+        if num_local < lookup.first_index:
+            return Fallback.EVICTED
+        wanted = blocks[num_local - lookup.first_index:]
+        if not wanted:
+            return 0  # another request computed or fetched them meanwhile
+        pool.share(hit_block_ids)  # NOTE: pinned, so taking blocks below cannot evict the chain it extends
+        try:
+            new_block_ids = pool.take(len(wanted))
+            if new_block_ids is None:
+                return Fallback.NO_ROOM
+            self._block_io.write_blocks(new_block_ids, wanted)
+            num_tokens = (num_local + len(wanted)) * self.block_size
+            self._prefix_cache.register(token_ids, hit_block_ids + new_block_ids, entry_ids, num_tokens)
+            pool.release(new_block_ids)  # indexed: they stay cached until a hit takes them
+        finally:
+            pool.release(hit_block_ids)
+        for digest in self.digests(lookup.request)[num_local:num_local + len(wanted)]:
+            self._remember(digest)
+        return len(wanted)
+
+    def _check_admitted(self) -> None:
+        """Blocks loaded for a request and lost before it was admitted (reused by other work) count as a
+        fallback: it computed them again."""
+        for request_id, (request, num_loaded) in list(self._loaded.items()):
+            if request.status is RequestStatus.WAITING:
+                continue
+            del self._loaded[request_id]
+            num_lost = num_loaded - request.num_cached_prompt_tokens // self.block_size
+            if num_lost > 0 and not request.is_finished:
+                self._fall_back(Fallback.EVICTED, num_lost)
+
+    def _fall_back(self, reason: Fallback, num_blocks: int) -> None:
+        self._stats.fallbacks[reason.value] += 1
+        self._stats.fallback_blocks += max(0, num_blocks)
+
+    # ---- engine thread: publishing ---------------------------------------------------------------
+
+    def publish(self, blocks: list[tuple[Request, int, int]]) -> None:
+        """Copy newly computed prompt blocks out of the device pool and put them to the store off the engine
+        thread; blocks this engine published or fetched lately are skipped.
+
+        Args:
+            blocks: ``(request, block index in its prompt, device block id)`` of blocks the prefix cache just
+                indexed (the scheduler collects them after each step).
+        """
+        keys, block_ids = [], []
+        for request, index, block_id in blocks:
+            digest = self.digests(request)[index]
+            if digest not in self._known:
+                self._remember(digest)
+                keys.append(digest)
+                block_ids.append(block_id)
+        if not keys:
+            return
+        # NOTE: copied now, on the engine thread: the blocks may be reused by the next step.
+        values = self._block_io.read_blocks(block_ids)
+        self._publishes = [f for f in self._publishes if not f.done()]
+        self._publishes.append(self._publisher.submit(self._put, keys, values))
+
+    def _put(self, keys: list[bytes], values: list[bytes]) -> None:
+        """Publish thread: put what the store does not hold yet."""
+        try:
+            held = self.store.contains(keys)
+            missing = [i for i, is_held in enumerate(held) if not is_held]
+            self.store.put([keys[i] for i in missing], [values[i] for i in missing])
+        except Exception as exc:  # noqa: BLE001 - the blocks stay local; counted and logged
+            self._stats.num_publish_errors += 1
+            for key in keys:
+                self._known.pop(key, None)
+            logger.warning("fleet cache: publishing %d blocks failed (%s: %s)", len(keys), type(exc).__name__, exc,
+                           extra={"event": "fleet_store_error"})
+            return
+        self._stats.num_published_blocks += len(missing)
+        self._stats.num_published_bytes += sum(len(values[i]) for i in missing)
+
+    def _remember(self, digest: bytes) -> None:
+        self._known[digest] = None
+        self._known.move_to_end(digest)
+        if len(self._known) > KNOWN_DIGESTS:
+            self._known.popitem(last=False)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every publish started so far is done; whether they all finished in time."""
+        pending = [f for f in self._publishes if not f.done()]
+        return not wait_futures(pending, timeout=timeout_s).not_done
+
+    def close(self) -> None:
+        """Stop the threads (publishes in flight finish; lookups are dropped)."""
+        for lookup in self._lookups.values():
+            lookup.future.cancel()
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
+        self._publisher.shutdown(wait=True)

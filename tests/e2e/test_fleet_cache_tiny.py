@@ -1,0 +1,150 @@
+"""The fleet cache on tiny models: a second engine (a second worker, or one restarted cold) takes the prompt
+blocks a first one computed from the shared block store, and its greedy outputs stay token-identical to
+Hugging Face ``generate``; a failing, slow or foreign store only costs recomputation, counted."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.parity_helpers import hf_greedy, load_reference, random_prompts
+from tests.engine_helpers import build_engine
+from tests.tiny_models import VOCAB_SIZE
+from tokenmill.engine import SamplingParams
+from tokenmill.engine.kv.block_store import LocalBlockStore
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 12
+PREFIX_TOKENS = 64
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "block16": dict(block_size=16),
+    "block4-chunked": dict(block_size=4, max_prefill_chunk=7, max_num_batched_tokens=64),
+    "swap-preemption": dict(block_size=4, preemption_mode="swap", max_prefill_chunk=32, max_num_batched_tokens=64,
+                            kv_cache_memory=None),
+}
+
+
+def _prompts(seed: int = 5) -> list[list[int]]:
+    """Eight prompts behind one shared 64-token prefix (a system prompt), of different tails."""
+    shared = random_prompts(VOCAB_SIZE, 1, seed=99, min_len=PREFIX_TOKENS, max_len=PREFIX_TOKENS)[0]
+    return [shared + tail for tail in random_prompts(VOCAB_SIZE, 8, seed=seed, min_len=3, max_len=30)]
+
+
+def _engine(path: Path, store: Any, **settings: Any) -> Any:
+    options: dict[str, Any] = dict(device="cpu", dtype="float64", kv_cache_memory="8MiB", swap_space="8MiB",
+                                   min_blocks=1)
+    options.update(settings)
+    if options.get("kv_cache_memory") is None:
+        options["kv_cache_memory"] = _tight_pool(path)
+    return build_engine(str(path), block_store=store, **options)
+
+
+def _tight_pool(path: Path) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = config.hidden_size // config.num_attention_heads
+    bytes_per_token = config.num_hidden_layers * 2 * num_kv_heads * head_dim * 8
+    return (PREFIX_TOKENS + 30 + MAX_TOKENS + 16) * 3 * bytes_per_token
+
+
+def _greedy(engine: Any, prompts: Sequence[list[int]]) -> list[list[int]]:
+    return [out.token_ids for out in engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)]
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_second_engine_fetches_the_prefix_and_matches_hf(family: str, scenario: str,
+                                                        tiny_model_dirs: dict[str, Path]) -> None:
+    path = tiny_model_dirs[family]
+    prompts = _prompts()
+    reference = load_reference(path, __import__("torch").float64, "cpu")
+    expected = [hf_greedy(reference, p, MAX_TOKENS) for p in prompts]
+    store = LocalBlockStore()
+    first = _engine(path, store, **SCENARIOS[scenario])
+    assert _greedy(first, prompts) == expected
+    assert first.fleet is not None and first.fleet.flush(timeout_s=10)
+    published = first.stats().fleet
+    assert published.num_published_blocks > 0 and len(store) == published.num_published_blocks
+    assert published.num_hits == 0  # the first engine found nothing to fetch
+
+    second = _engine(path, store, **SCENARIOS[scenario])
+    assert _greedy(second, prompts) == expected
+    fleet = second.stats().fleet
+    assert fleet.num_hits >= 1 and fleet.num_hit_blocks >= PREFIX_TOKENS // SCENARIOS[scenario]["block_size"] - 1
+    assert fleet.num_fetched_bytes == fleet.num_fetched_blocks * second.limits.kv_block_bytes
+    assert fleet.num_fetched_blocks == fleet.num_hit_blocks  # requests sharing the prefix fetched it once
+    assert fleet.num_fallbacks == 0, fleet.fallbacks
+    # The second engine computed fewer prompt tokens: the fetched blocks were prefix-cache hits.
+    assert second.stats().prefix.num_hit_tokens > first.stats().prefix.num_hit_tokens
+    assert not second.has_unfinished() and second.stats().num_used_gpu_blocks == 0
+
+
+def test_parallel_samples_and_prefix_hits_after_a_fetch(tiny_model_dirs: dict[str, Path]) -> None:
+    """n > 1 samples share the fetched blocks copy-on-write; seeded samples are the same with the cache on and off."""
+    path = tiny_model_dirs["llama"]
+    prompts = _prompts(seed=8)[:3]
+    params = SamplingParams(max_tokens=MAX_TOKENS, n=3, temperature=0.9, seed=11)
+    local = build_engine(str(path), device="cpu", dtype="float64", kv_cache_memory="8MiB", block_size=4)
+    expected = [[s.token_ids for s in out.samples] for out in local.generate(prompts, params, progress=False)]
+    store = LocalBlockStore()
+    _engine(path, store, block_size=4).generate(prompts, params, progress=False)
+    second = _engine(path, store, block_size=4)
+    got = [[s.token_ids for s in out.samples] for out in second.generate(prompts, params, progress=False)]
+    assert got == expected
+    assert second.stats().fleet.num_hit_blocks > 0
+
+
+def test_foreign_blocks_never_match(tiny_model_dirs: dict[str, Path]) -> None:
+    """Blocks of another model, dtype or block size live under another namespace: never fetched."""
+    store = LocalBlockStore()
+    prompts = _prompts()
+    _greedy(_engine(tiny_model_dirs["llama"], store, block_size=4), prompts)
+    for family, settings in (("gpt2", dict(block_size=4)), ("llama", dict(block_size=8)),
+                             ("llama", dict(block_size=4, dtype="float32"))):
+        other = _engine(tiny_model_dirs[family], store, **settings)
+        _greedy(other, prompts)
+        assert other.stats().fleet.num_hits == 0, (family, settings)
+
+
+class _FailingStore(LocalBlockStore):
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        raise ConnectionError("store down")
+
+    def put(self, keys: Sequence[bytes], blocks: Sequence[bytes]) -> None:
+        raise ConnectionError("store down")
+
+
+class _SlowStore(LocalBlockStore):
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        time.sleep(1.0)
+        return super().get(keys)
+
+
+def test_a_failing_store_costs_recomputation_counted(tiny_model_dirs: dict[str, Path]) -> None:
+    path = tiny_model_dirs["llama"]
+    prompts = _prompts()
+    expected = _greedy(build_engine(str(path), device="cpu", dtype="float64", kv_cache_memory="8MiB"), prompts)
+    engine = _engine(path, _FailingStore())
+    assert _greedy(engine, prompts) == expected
+    engine.fleet.flush(timeout_s=10)
+    fleet = engine.stats().fleet
+    assert fleet.fallbacks["error"] >= 1 and fleet.num_publish_errors >= 1 and fleet.num_hits == 0
+
+
+def test_a_slow_fetch_is_given_up_and_counted(tiny_model_dirs: dict[str, Path]) -> None:
+    path = tiny_model_dirs["llama"]
+    prompts = _prompts()[:2]
+    store = _SlowStore()
+    expected = _greedy(_engine(path, store), prompts)
+    engine = _engine(path, store, max_wait_s=0.1)
+    assert _greedy(engine, prompts) == expected
+    fleet = engine.stats().fleet
+    assert fleet.fallbacks["timeout"] >= 1 and fleet.fallback_blocks > 0
