@@ -201,7 +201,7 @@ class LengthConfig(_Frozen):
 
 
 class FleetCacheConfig(_Frozen):
-    """KV blocks shared across the fleet (engine/kv/fleet_cache.py): full prompt blocks a worker computes are
+    """KV blocks shared across the fleet (engine/core/fleet_cache.py): full prompt blocks a worker computes are
     published to a block store (the fleet's Redis), and a worker that misses locally fetches them when fetching
     beats computing them again. Greedy outputs are the same with it on or off."""
 

@@ -32,7 +32,7 @@ from tokenmill.protocol.outcomes import ErrorCode
 from tokenmill.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from tokenmill.engine.kv.fleet_cache import FleetCache
+    from tokenmill.engine.core.fleet_cache import FleetCache
     from tokenmill.engine.model.model_setup import BlockStoreFactory
     from tokenmill.engine.sample.grammar import Grammars
 
@@ -133,7 +133,8 @@ class Engine:
             raise PromptError(ErrorCode.VALIDATION, str(exc)) from None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None, length_group: str | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None, length_group: str | None = None,
+                    is_handed_off: bool = False) -> None:
         """Queue a request. Per-request problems never raise: they finish the request with an
         ``error`` output on the next :meth:`step`.
 
@@ -146,6 +147,8 @@ class Engine:
             length_group: the job it belongs to (a bulk job, a batch): its output length is predicted from
                 that job's finished requests first, and the stats report the job's predicted backlog
                 (engine/core/length_predictor.py). None: predicted from its prompt and kind only.
+            is_handed_off: a prefill worker published its prompt blocks to the fleet's store: the fleet cache
+                fetches them whatever they cost, and counts the blocks it had to compute instead.
 
         Raises:
             ValueError: ``request_id`` is already live.
@@ -162,7 +165,7 @@ class Engine:
             self.processor.reject(request_id, exc.code, str(exc), arrival, num_prompt_tokens=exc.num_prompt_tokens)
             return
         request = Request(request_id, list(prompt_token_ids), params, arrival_time_s=arrival, priority=priority,
-                          length_group=length_group)
+                          length_group=length_group, is_handed_off=is_handed_off)
         self.scheduler.add_request(request)
         if self.fleet is not None:
             self.fleet.look_up(request)
@@ -336,6 +339,11 @@ class Engine:
             Final outputs in input order.
         """
         return run_offline(self, prompts, params, progress=progress, priorities=priorities)
+
+    def close(self) -> None:
+        """Let go of the engine's threads: publishes to the fleet's store in flight finish first."""
+        if self.fleet is not None:
+            self.fleet.close()
 
     def stats(self) -> EngineStats:
         """Queues, KV usage, totals and the scheduler's counters."""

@@ -27,6 +27,7 @@ class Lane:
     stream: str  # the stream's key
     priority: int  # its priority lane k (0 = most urgent)
     model: str | None  # the model its requests name; None for the shared lanes (requests naming none)
+    is_decode: bool = False  # a decode pool's lane: requests a prefill worker computed the prompt of
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,11 @@ class Keys:
         """``prefix:queue``, or ``{prefix:queue}`` (one cluster slot) with ``hash_tag``."""
         return f"{{{self.prefix}:{self.queue}}}" if self.hash_tag else f"{self.prefix}:{self.queue}"
 
-    def lane(self, k: int, model: str | None = None) -> str:
+    def lane(self, k: int, model: str | None = None, is_decode: bool = False) -> str:
         """Request stream of priority lane ``k`` (0 = most urgent): the shared one, which holds the
-        requests naming no model, or the lane of ``model``, which holds those naming it.
+        requests naming no model, or the lane of ``model``, which holds those naming it. With ``is_decode``
+        the decode pool's stream of that lane (``...:decode:lane:k``): prefill workers hand requests there
+        once their prompt's KV blocks are in the fleet's store (docs/design.md, "Prefill and decode pools").
 
         NOTE: a model name may hold any character (``org/name``, ``a:b``, braces): it is percent-encoded
         (everything but letters, digits and ``_.-~``; ``:`` is ``%3A``), so one key names one model, the
@@ -71,31 +74,41 @@ class Keys:
         """
         if not 0 <= k < self.num_lanes:
             raise ValueError(f"lane {k} out of range 0..{self.num_lanes - 1}")
+        base = f"{self.base}:decode" if is_decode else self.base
         if model is None:
-            return f"{self.base}:lane:{k}"
-        return f"{self.base}:model:{quote(model, safe='')}:lane:{k}"
+            return f"{base}:lane:{k}"
+        return f"{base}:model:{quote(model, safe='')}:lane:{k}"
 
     @property
     def lanes(self) -> list[str]:
         """The shared request streams (requests naming no model), most urgent first."""
         return [self.lane(k) for k in range(self.num_lanes)]
 
-    def lanes_for(self, models: Iterable[str]) -> list[Lane]:
+    def lanes_for(self, models: Iterable[str], is_decode: bool = False) -> list[Lane]:
         """The shared lanes and the lanes of every one of ``models``, in the order a worker reads them:
-        lane 0 of all of them before lane 1, the shared lane first within a lane, then models by name."""
+        lane 0 of all of them before lane 1, the shared lane first within a lane, then models by name;
+        with ``is_decode`` the decode pool's lanes of them."""
         names: list[str | None] = [None, *sorted(set(models))]
-        return [Lane(self.lane(k, model), k, model) for k in range(self.num_lanes) for model in names]
+        return [Lane(self.lane(k, model, is_decode), k, model, is_decode)
+                for k in range(self.num_lanes) for model in names]
+
+    def decode_lane(self, lane: Lane) -> Lane:
+        """The decode pool's lane a request of ``lane`` is handed to after its prefill."""
+        return Lane(self.lane(lane.priority, lane.model, is_decode=True), lane.priority, lane.model, is_decode=True)
 
     def parse_lane(self, stream: str) -> Lane | None:
         """The lane of this queue that ``stream`` names (shared or a model's), or None when it names none."""
         head, is_lane, number = stream.rpartition(":lane:")
-        model_prefix = f"{self.base}:model:"
-        if not is_lane or (head != self.base and not head.startswith(model_prefix)):
+        is_decode = head.startswith(f"{self.base}:decode")
+        base = f"{self.base}:decode" if is_decode else self.base
+        model_prefix = f"{base}:model:"
+        if not is_lane or (head != base and not head.startswith(model_prefix)):
             return None
-        model = None if head == self.base else unquote(head[len(model_prefix):])
+        model = None if head == base else unquote(head[len(model_prefix):])
         try:
-            lane = Lane(stream, int(number), model)
-            return lane if self.lane(lane.priority, model) == stream else None  # NOTE: only the one spelling
+            lane = Lane(stream, int(number), model, is_decode)
+            # NOTE: only the one spelling
+            return lane if self.lane(lane.priority, model, is_decode) == stream else None
         except ValueError:  # not a number, or out of range
             return None
 

@@ -70,6 +70,10 @@ class WorkerConfig(BaseModel):
     metrics_port: int | None = Field(None, ge=1, le=65535, description="serve Prometheus metrics on this port")
     metrics_host: str = Field("127.0.0.1", min_length=1, description="address the metrics endpoint binds; "
                               "0.0.0.0 to let a remote Prometheus scrape it")
+    role: Literal["both", "prefill", "decode"] = Field(
+        "both", description="prefill: compute prompts' KV, publish it to the fleet's store and hand each request to "
+        "the decode pool; decode: take handed-off requests, fetch their KV and generate; both: either (needs "
+        "[engine.fleet_cache] enabled unless both)")
     log_json: bool = Field(False, description="one JSON object per log line")
     log_level: Annotated[LogLevel, BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)] = "INFO"
 
@@ -95,6 +99,13 @@ class Settings(FileSettings):
     def served_model_name(self) -> str:
         """The model name this worker answers to and announces (see :func:`default_served_name`)."""
         return self.worker.served_model_name or default_served_name(self.engine.model.name)
+
+    @model_validator(mode="after")
+    def _check_role(self) -> Settings:
+        if self.worker.role != "both" and not self.engine.fleet_cache.enabled:
+            raise ValueError(f"[worker] role {self.worker.role!r} needs [engine.fleet_cache] enabled: the prompt's KV "
+                             "travels from the prefill pool to the decode pool through the fleet's store")
+        return self
 
     @model_validator(mode="after")
     def _check_echo_options(self) -> Settings:

@@ -66,7 +66,8 @@ def triage(entry: Entry, now_s: float, policy: IntakePolicy) -> Admit | Finish |
     if request.deadline is not None and request.deadline <= now_s:
         return answer(request, entry, "expired", "deadline passed before the request started", policy.worker,
                       status="expired")
-    return Admit(request, entry, now_s)
+    lane = policy.keys.parse_lane(entry.stream)
+    return Admit(request, entry, now_s, is_handed_off=lane is not None and lane.is_decode)
 
 
 def answer(request: GenerationRequest, entry: Entry, code: str, message: str, worker: str,

@@ -9,14 +9,17 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.output.prompts import PromptError
 from tokenmill.engine.output.request_output import RequestOutput
 from tokenmill.producer.schema import ErrorCode, GenerationResult
+from tokenmill.protocol.outcomes import FinishReason
+from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.convert import build_result
-from tokenmill.worker.messages import Abort, Admit, Entry, Finish, Incoming, Outgoing, Prepared, TokenDelta
+from tokenmill.worker.messages import Abort, Admit, Entry, Finish, Handoff, Incoming, Outgoing, Prepared, TokenDelta
 from tokenmill.worker.metrics import WorkerMetrics
 from tokenmill.worker.preparation import Preparation
 from tokenmill.worker.state import Load
@@ -24,6 +27,9 @@ from tokenmill.worker.state import Load
 log = logging.getLogger("tokenmill.worker")
 
 HANDOVER = "handover"  # abort status of work given back to the queue on shutdown: no result
+# NOTE: what a prefill worker runs: the prompt and one greedy token, so every full prompt block is computed and
+# published; the decode worker computes the last prompt token again and samples with the request's own parameters.
+PREFILL_PARAMS = SamplingParams(max_tokens=1)
 
 
 @dataclass
@@ -32,6 +38,7 @@ class _Live:
     extra_entries: list[Entry] = field(default_factory=list)  # duplicates of the same id, acked together
     is_started: bool = False  # produced tokens; deadlines no longer apply
     abort_status: str | None = None  # why the worker aborted it: cancelled / expired / handover
+    is_prefill: bool = False  # a prefill worker's: computes the prompt's KV, then hands the request to decode
 
 
 class EngineLoop:
@@ -44,10 +51,11 @@ class EngineLoop:
         load: shared counters this loop publishes after every step.
         worker_name: recorded in every result.
         metrics: receives the engine's stats after every step; None = no metrics.
+        role: ``[worker] role``: ``prefill`` runs each request's prompt only and hands it to the decode pool.
     """
 
     def __init__(self, engine: Engine, inbox: queue.Queue[Incoming], outbox: queue.Queue[Outgoing],
-                 load: Load, worker_name: str, metrics: WorkerMetrics | None = None) -> None:
+                 load: Load, worker_name: str, metrics: WorkerMetrics | None = None, role: str = "both") -> None:
         self._metrics = metrics
         self._engine = engine
         self._inbox = inbox
@@ -55,12 +63,16 @@ class EngineLoop:
         self._load = load
         self._worker_name = worker_name
         self._live: dict[str, _Live] = {}
+        self._role = role
+        # Prefilled requests waiting for their blocks' publish to finish before they are handed off.
+        self._handoffs: list[tuple[Future[None], _Live]] = []
         self.is_admitting = True  # False while draining: admits stay pending in Redis
         self._preparation = Preparation(engine, inbox)
 
     @property
     def num_live(self) -> int:
-        return len(self._live)
+        """Requests this loop still owes an answer or a hand-off."""
+        return len(self._live) + len(self._handoffs)
 
     def run_once(self, idle_wait_s: float) -> None:
         """One iteration: take commands, expire overdue waiting requests, step if there is work.
@@ -73,6 +85,8 @@ class EngineLoop:
         if self._engine.has_unfinished():
             for output in self._engine.step():
                 self._handle_output(output)
+        if self._handoffs:
+            self._hand_off_published()
         stats = self._engine.stats()
         if self._metrics is not None:
             self._metrics.observe_engine(stats)
@@ -127,17 +141,20 @@ class EngineLoop:
         if prepared.prompt_token_ids is None:
             self._finish_early(admit, _error_code(prepared.error), str(prepared.error))
             return
+        is_prefill = self._role == "prefill" and not admit.is_handed_off
         try:
             # NOTE: a reply stream is a job's (each bulk job and batch has its own): its finished requests predict
             # the next ones' lengths best, and the heartbeat reports its predicted backlog under that name.
-            self._engine.add_request(request.id, prepared.prompt_token_ids, request.params, priority=admit.entry.lane,
-                                     length_group=request.reply_to)
+            self._engine.add_request(request.id, prepared.prompt_token_ids,
+                                     PREFILL_PARAMS if is_prefill else request.params, priority=admit.entry.lane,
+                                     length_group=request.reply_to, is_handed_off=admit.is_handed_off)
         except Exception as exc:  # one request's failure must not stop the engine thread
             log.exception("admission failed", extra={"event": "error", "request_id": request.id})
             self._finish_early(admit, ErrorCode.INTERNAL, f"admission failed: {type(exc).__name__}: {exc}")
             return
-        self._live[request.id] = _Live(admit)
-        log.info("claimed", extra={"event": "claimed", "request_id": request.id, "lane": admit.entry.lane})
+        self._live[request.id] = _Live(admit, is_prefill=is_prefill)
+        log.info("claimed", extra={"event": "claimed", "request_id": request.id, "lane": admit.entry.lane,
+                                   "prefill_only": is_prefill, "handed_off": admit.is_handed_off})
 
     def _finish_early(self, admit: Admit, code: ErrorCode | str, message: str) -> None:
         result = GenerationResult.failure(admit.request.id, code, message, worker=self._worker_name,
@@ -157,12 +174,17 @@ class EngineLoop:
             return
         live.is_started = live.is_started or bool(output.token_ids)
         request = live.admit.request
-        if request.stream_tokens and output.text_delta and live.abort_status != HANDOVER:
+        if request.stream_tokens and output.text_delta and live.abort_status != HANDOVER and not live.is_prefill:
             self._outbox.put(TokenDelta(request.id, output.text_delta))
         if not output.finished:
             return
         del self._live[output.request_id]
         if live.abort_status == HANDOVER:
+            return
+        if live.is_prefill and live.abort_status is None and output.finish_reason in (FinishReason.LENGTH,
+                                                                                      FinishReason.STOP):
+            assert self._engine.fleet is not None  # NOTE: a prefill role needs the fleet cache (worker/config.py)
+            self._handoffs.append((self._engine.fleet.barrier(), live))
             return
         try:
             result = build_result(output, live.admit, self._worker_name, live.abort_status)
@@ -174,6 +196,18 @@ class EngineLoop:
         self._load.count_finished(len(output.token_ids))
         for entry in [live.admit.entry, *live.extra_entries]:
             self._outbox.put(Finish(result, entry, request.reply_to, request.stream_tokens))
+
+
+    def _hand_off_published(self) -> None:
+        """Hand the prefilled requests whose blocks are published to the decode pool (the writer moves each entry)."""
+        waiting = []
+        for published, live in self._handoffs:
+            if not published.done():
+                waiting.append((published, live))
+                continue
+            for entry in [live.admit.entry, *live.extra_entries]:
+                self._outbox.put(Handoff(entry, live.admit.request.id))
+        self._handoffs = waiting
 
 
 def _error_code(exc: Exception | None) -> ErrorCode:

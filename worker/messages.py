@@ -27,6 +27,7 @@ class Admit:
     request: GenerationRequest
     entry: Entry
     intake_time_s: float  # unix time the worker read (or reclaimed) the entry
+    is_handed_off: bool = False  # read from a decode pool's lane: a prefill worker published its prompt's KV
 
 
 @dataclass
@@ -65,6 +66,16 @@ class Finish:
 
 
 @dataclass
+class Handoff:
+    """Engine thread -> writer: move ``entry`` (its fields as they are) to its lane's decode pool stream and ack
+    it, atomically; the prompt's KV blocks are in the fleet's store. Nothing is moved when the request was
+    answered meanwhile."""
+
+    entry: Entry
+    request_id: str
+
+
+@dataclass
 class DeadLetter:
     """Any thread -> writer: move ``entry`` to the dead-letter stream and ack it.
 
@@ -76,5 +87,5 @@ class DeadLetter:
     result: GenerationResult | None = None
 
 
-Outgoing = TokenDelta | Finish | DeadLetter
+Outgoing = TokenDelta | Finish | DeadLetter | Handoff
 Incoming = Admit | Prepared | Abort

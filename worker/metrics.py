@@ -1,6 +1,7 @@
 """Prometheus metrics of one worker, on its own ``CollectorRegistry``: request outcomes and
 latencies, token throughput, the engine's queues / KV / preemptions / swap / speculative decoding / output-length
-prediction, lane depth, and the predicted backlog in tokens (what autoscaling on work, not entries, reads).
+prediction / fleet prefix cache, lane depth, and the predicted backlog in tokens (what autoscaling on work, not
+entries, reads).
 
 Imports prometheus_client lazily (it ships with the engine extra) and redis only for typing;
 never the engine object. Every method is safe to call from the thread named in its docstring.
@@ -14,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.core.stats import EngineStats
+from tokenmill.engine.core.fleet_cache import Fallback
 from tokenmill.producer.keys import CONSUMER_GROUP, Keys, Lane
 from tokenmill.producer.schema import GenerationResult
 from tokenmill.worker.backlog import engine_backlog_tokens
@@ -51,6 +53,30 @@ _ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = 
      lambda s: s.length.num_outlived),
     ("tokenmill_length_deferred_admissions", "steps whose next admission the predicted-KV budget held back",
      lambda s: s.length.num_deferred_admissions),
+    ("tokenmill_fleet_cache_lookups", "requests whose prompt blocks missing locally were looked up in the fleet's "
+     "store", lambda s: s.fleet.num_lookups),
+    ("tokenmill_fleet_cache_hits", "fleet-store lookups that loaded at least one block into the device pool",
+     lambda s: s.fleet.num_hits),
+    ("tokenmill_fleet_cache_hit_blocks", "prompt blocks fetched from the fleet's store and loaded into the device pool "
+     "(not computed)", lambda s: s.fleet.num_hit_blocks),
+    ("tokenmill_fleet_cache_fetched_blocks", "blocks fetched from the fleet's store (one fetch serves every request "
+     "waiting for the same blocks)", lambda s: s.fleet.num_fetched_blocks),
+    ("tokenmill_fleet_cache_fetched_bytes", "KV bytes fetched from the fleet's store",
+     lambda s: s.fleet.num_fetched_bytes),
+    ("tokenmill_fleet_cache_fetch_seconds", "wall time of the fleet-store lookups that fetched blocks (contains + get)",
+     lambda s: s.fleet.fetch_seconds),
+    ("tokenmill_fleet_cache_published_blocks", "computed prompt blocks put to the fleet's store",
+     lambda s: s.fleet.num_published_blocks),
+    ("tokenmill_fleet_cache_published_bytes", "KV bytes put to the fleet's store",
+     lambda s: s.fleet.num_published_bytes),
+    ("tokenmill_fleet_cache_publish_errors", "puts to the fleet's store that failed (their blocks stay local)",
+     lambda s: s.fleet.num_publish_errors),
+    ("tokenmill_fleet_cache_fallback_blocks", "blocks the fleet's store held that were computed again instead "
+     "(all reasons)", lambda s: s.fleet.fallback_blocks),
+    ("tokenmill_fleet_cache_handoffs", "requests a prefill worker handed to this decode engine",
+     lambda s: s.fleet.num_handoffs),
+    ("tokenmill_fleet_cache_handoff_recomputed_blocks", "full prompt blocks of handed-off requests this engine "
+     "computed itself (not found in the fleet's store)", lambda s: s.fleet.handoff_recomputed_blocks),
 )
 # (metric name, help, value): output-length prediction's errors, exported once known (never as a perfect 0).
 _LENGTH_ERRORS: tuple[tuple[str, str, Callable[[EngineStats], float | None]], ...] = (
@@ -99,6 +125,11 @@ class _EngineCollector:
         for cause, count in stats.counters.cause_to_num_preemptions.items():
             preemptions.add_metric([cause.value], float(count))
         yield preemptions
+        fallbacks = CounterMetricFamily("tokenmill_fleet_cache_fallbacks", "requests that computed prompt blocks the "
+                                        "fleet's store held (or may have held), by reason", labels=["reason"])
+        for reason in Fallback:  # NOTE: every reason from the start (at 0), so rate() sees each series' first rise
+            fallbacks.add_metric([reason.value], float(stats.fleet.fallbacks.get(reason.value, 0)))
+        yield fallbacks
         for name, text, counter in _ENGINE_COUNTERS:
             yield CounterMetricFamily(name, text, value=float(counter(stats)))
         spec = stats.speculation
@@ -139,7 +170,7 @@ class WorkerMetrics:
         model: the model as configured (info label; :meth:`name_model` names it as the engine does once built).
         keys: key layout of the served queue.
         lanes: the lanes the worker reads (:meth:`Keys.lanes_for`), sampled each beat; their series are labelled
-            ``queue``, ``lane`` and ``model`` (empty for the shared lanes).
+            ``queue``, ``pool`` (request or decode), ``lane`` and ``model`` (empty for the shared lanes).
         is_redis_healthy: read at scrape time for ``tokenmill_redis_healthy`` (see worker/health.py).
     """
 
@@ -167,6 +198,9 @@ class WorkerMetrics:
                                 ["status"], registry=reg)
         self.duplicates = Counter("tokenmill_duplicate_results", "results not stored: the id was already answered",
                                   registry=reg)
+        self.handoffs = Counter("tokenmill_handoffs", "requests a prefill worker handed to the decode pool once their "
+                                "prompt's KV was published (answered = the request had a result already: only acked)",
+                                ["outcome"], registry=reg)
         self.queue_s = Histogram("tokenmill_request_queue_seconds", "submission to first scheduled",
                                  buckets=LATENCY_BUCKETS_S, registry=reg)
         self.ttft_s = Histogram("tokenmill_request_ttft_seconds", "submission to first token",
@@ -179,7 +213,8 @@ class WorkerMetrics:
         self.prompt_tokens = Counter("tokenmill_prompt_tokens", "prompt tokens of finished requests", registry=reg)
         self.tokens_per_s = Gauge("tokenmill_generation_tokens_per_second",
                                   "completion tokens per second over the last heartbeat interval", registry=reg)
-        lane_labels = ["queue", "lane", "model"]
+        # NOTE: pool: "request" for the lanes producers write, "decode" for the decode pool's (prefill hand-offs)
+        lane_labels = ["queue", "pool", "lane", "model"]
         self.lane_length = Gauge("tokenmill_lane_length", "XLEN of the lane stream (acked entries included "
                                  "until trimmed)", lane_labels, registry=reg)
         self.lane_pending = Gauge("tokenmill_lane_pending", "entries delivered to the group, not yet acked",
@@ -198,6 +233,10 @@ class WorkerMetrics:
     def observe_engine(self, stats: EngineStats) -> None:
         """Engine thread, after every step: keep ``engine.stats()`` for the next scrape."""
         self.engine_stats = stats
+
+    def observe_handoff(self, is_moved: bool) -> None:
+        """Writer thread, after a hand-off was written."""
+        self.handoffs.labels("handed_off" if is_moved else "answered").inc()
 
     def observe_result(self, result: GenerationResult | None, is_stored: bool) -> None:
         """Writer thread, after a result (or a dead letter without one) was written."""
@@ -238,7 +277,7 @@ class WorkerMetrics:
         queue = self.keys.queue
         for position, lane in enumerate(self.lanes):
             length, pending, groups = replies[3 * position: 3 * position + 3]
-            labels = (queue, str(lane.priority), lane.model or "")
+            labels = (queue, "decode" if lane.is_decode else "request", str(lane.priority), lane.model or "")
             if isinstance(length, int):
                 self.lane_length.labels(*labels).set(length)
             if isinstance(pending, dict):

@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 
-from tokenmill.producer.keys import CONSUMER_GROUP, Keys
+from tokenmill.producer.keys import CONSUMER_GROUP, Keys, Lane
 from tokenmill.producer.schema import ErrorCode, GenerationResult, peek_request_id
 from tokenmill.worker.backoff import Backoff
 from tokenmill.worker.config import WorkerConfig
@@ -35,6 +35,17 @@ from tokenmill.worker.reclaim import Reclaimer
 from tokenmill.worker.state import Load
 
 log = logging.getLogger("tokenmill.worker")
+
+
+def lanes_for_role(keys: Keys, model_names: frozenset[str], role: str, is_fleet_cache_on: bool) -> list[Lane]:
+    """The lanes a worker of ``role`` reads, most urgent first: a prefill worker the request lanes, a decode
+    worker the decode pool's, a worker doing both the request lanes and, with the fleet cache on (a fleet that may
+    have prefill workers), the decode pool's too (within a priority the decode lane first: its prompt is computed
+    already)."""
+    request_lanes = keys.lanes_for(model_names) if role != "decode" else []
+    reads_decode = role == "decode" or (role == "both" and is_fleet_cache_on)
+    decode_lanes = keys.lanes_for(model_names, is_decode=True) if reads_decode else []
+    return sorted(decode_lanes + request_lanes, key=lambda lane: (lane.priority, not lane.is_decode))
 
 # Redis error replies that pass on their own: retried with backoff for as long as they last.
 TRANSIENT_ERROR_PREFIXES = ("OOM", "LOADING", "BUSY", "TRYAGAIN", "MASTERDOWN", "CLUSTERDOWN", "READONLY")
@@ -54,17 +65,18 @@ class Reader:
         outbox: immediate answers and dead letters for the writer.
         model_names: the names a request's ``model`` may give (served and configured): the reader reads
             their lanes besides the shared ones, and so only ever takes requests it can serve.
+        lanes: the lanes it reads (:func:`lanes_for_role`); default: the request lanes of ``model_names``.
         health: records the reader's failing Redis calls (and decides when it gives up).
     """
 
     def __init__(self, client: redis.Redis, keys: Keys, config: WorkerConfig, load: Load,
                  inbox: queue.Queue[Incoming], outbox: queue.Queue[Outgoing], model_names: frozenset[str],
-                 health: RedisHealth) -> None:
+                 health: RedisHealth, lanes: list[Lane] | None = None) -> None:
         self._client, self._keys, self._config, self._load = client, keys, config, load
         self._health = health
         self._inbox, self._outbox = inbox, outbox
         self._model_names = model_names
-        lanes = keys.lanes_for(model_names)
+        lanes = lanes if lanes is not None else keys.lanes_for(model_names)
         # Stream -> priority lane of every stream this worker reads, most urgent first (docs/design.md, "Redis keys").
         self._stream_to_lane = {lane.stream: lane.priority for lane in lanes}
         # NOTE: reclaim keeps the heartbeat's pace: it looks once per beat, and claims only entries idle

@@ -13,7 +13,7 @@ from redis.commands.core import Script
 
 from tokenmill.producer.keys import CONSUMER_GROUP, DONE_TTL_S, Keys
 from tokenmill.producer.schema import SCHEMA_VERSION, ErrorCode, GenerationResult, encode_result
-from tokenmill.worker.messages import DeadLetter, Finish
+from tokenmill.worker.messages import DeadLetter, Finish, Handoff
 
 # NOTE: one script, so "stored + notified + replied + acked" is a single atomic step. The
 # result is stored only if absent (SET NX); only the call that stored it notifies (done list,
@@ -65,6 +65,25 @@ return 0
 """
 
 
+# NOTE: a prefill worker's hand-off, one atomic step: the entry's fields, unchanged, go to the decode pool's
+# lane and the entry is acked and deleted. A request already answered (a reclaimed duplicate) is only acked,
+# so a request is never handed off after its result exists; a hand-off re-run after a failed reply adds a
+# second decode entry at worst, which the finish step's SET NX answers once.
+#   KEYS: 1 result, 2 lane stream, 3 decode stream.  ARGV: 1 group, 2 entry id, 3.. fields as name, value
+HANDOFF_LUA = """
+local moved = 0
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  local fields = {}
+  for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
+  redis.call('XADD', KEYS[3], '*', unpack(fields))
+  moved = 1
+end
+redis.pcall('XACK', KEYS[2], ARGV[1], ARGV[2])
+redis.pcall('XDEL', KEYS[2], ARGV[2])
+return moved
+"""
+
+
 @dataclass(frozen=True)
 class PositionedDelta:
     """A token delta with its place in this run's text: ``offset`` is the byte where ``data`` starts.
@@ -79,15 +98,15 @@ class PositionedDelta:
     offset: int
 
 
-Writable = Finish | DeadLetter | PositionedDelta
+Writable = Finish | DeadLetter | Handoff | PositionedDelta
 
 
 @dataclass(frozen=True)
 class FlushOutcome:
     """What happened to one finish / dead-letter item of a flush."""
 
-    item: Finish | DeadLetter  # what was written: the item, or an error result if it could not be encoded
-    is_stored: bool = False  # the result was newly stored (False: an answer was already there)
+    item: Finish | DeadLetter | Handoff  # what was written: the item, or an error result if it could not be encoded
+    is_stored: bool = False  # the result was newly stored, or the request handed off (False: answered already)
     error: redis.RedisError | None = None  # Redis refused this item; nothing of it was written
 
 
@@ -129,6 +148,7 @@ class ResultWriter:
         self._ttl_ms = {"result": int(result_ttl_s * 1000), "done": DONE_TTL_S * 1000,
                         "tokens": int(token_ttl_s * 1000)}
         self._script: Script = client.register_script(FINISH_LUA)
+        self._handoff_script: Script = client.register_script(HANDOFF_LUA)
 
     def flush(self, items: list[Writable]) -> list[FlushOutcome]:
         """Write ``items`` in order, in one round trip.
@@ -142,10 +162,13 @@ class ResultWriter:
                 script load); the caller retries every item (a finish is idempotent by id).
         """
         pipe = self._client.pipeline(transaction=False)
-        finishes: list[tuple[int, Finish | DeadLetter]] = []
+        finishes: list[tuple[int, Finish | DeadLetter | Handoff]] = []
         for item in items:
             if isinstance(item, PositionedDelta):
                 self._add_token_delta(pipe, item)
+            elif isinstance(item, Handoff):
+                finishes.append((len(pipe), item))
+                self._add_handoff(pipe, item)
             else:
                 item, payload = encodable(item)
                 finishes.append((len(pipe), item))
@@ -164,6 +187,20 @@ class ResultWriter:
         key = self._keys.tokens(item.request_id)
         pipe.xadd(key, {"t": item.data, "o": item.offset})
         pipe.pexpire(key, self._ttl_ms["tokens"])
+
+    def _add_handoff(self, pipe: Any, item: Handoff) -> None:
+        args: list[Any] = [CONSUMER_GROUP, item.entry.entry_id]
+        for name, value in item.entry.fields.items():
+            args.extend((name, value))
+        self._handoff_script(keys=[self._keys.result(item.request_id), item.entry.stream, self.decode_stream(item)],
+                             args=args, client=pipe)
+
+    def decode_stream(self, item: Handoff) -> str:
+        """The decode pool's stream of the lane the entry was read from (same priority, same model)."""
+        lane = self._keys.parse_lane(item.entry.stream)
+        if lane is None:  # NOTE: cannot happen: a prefill worker reads request lanes only
+            return self._keys.lane(item.entry.lane, is_decode=True)
+        return self._keys.decode_lane(lane).stream
 
     def _add_finish(self, pipe: Any, item: Finish | DeadLetter, payload: bytes | None) -> None:
         entry = item.entry

@@ -16,7 +16,9 @@ import redis
 
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.errors import EngineError
+from tokenmill.engine.kv.block_store import BlockStore
 from tokenmill.producer.connection import connect
+from tokenmill.worker.block_store import redis_block_store
 from tokenmill.worker.config import Settings
 from tokenmill.worker.errors import StartupError
 from tokenmill.worker.health import RedisHealth
@@ -25,7 +27,7 @@ from tokenmill.worker.logs import setup_logging
 from tokenmill.worker.loop import EngineLoop
 from tokenmill.worker.messages import Incoming, Outgoing
 from tokenmill.worker.metrics import WorkerMetrics
-from tokenmill.worker.reader import Reader
+from tokenmill.worker.reader import Reader, lanes_for_role
 from tokenmill.worker.state import Load
 from tokenmill.worker.writer import Writer
 
@@ -34,14 +36,22 @@ log = logging.getLogger("tokenmill.worker")
 IDLE_WAIT_S = 0.05  # engine thread: wait for commands this long when it has nothing to run
 
 
-def build_engine(settings: Settings) -> Engine:
-    """The engine of ``settings.engine``: a model (imports torch; slow) or the echo model (no torch).
+def build_engine(settings: Settings, client: redis.Redis | None = None) -> Engine:
+    """The engine of ``settings.engine``: a model (imports torch; slow) or the echo model (no torch). With
+    ``[engine.fleet_cache] enabled`` its block store is ``client``'s Redis (worker/block_store.py).
 
     Raises:
         StartupError: the model cannot be found or loaded, or the engine cannot be sized.
     """
+    fleet = settings.engine.fleet_cache
+
+    def block_store_for(namespace: bytes) -> BlockStore:
+        if client is None:
+            raise StartupError("[engine.fleet_cache] enabled needs the worker's Redis")
+        return redis_block_store(client, settings.queue.keys.prefix, namespace, fleet.max_store_bytes, fleet.ttl_s)
+
     try:
-        return Engine.from_config(settings.engine)
+        return Engine.from_config(settings.engine, block_store_for=block_store_for if fleet.enabled else None)
     except EngineError as exc:
         raise StartupError(str(exc)) from exc
 
@@ -82,22 +92,23 @@ class Worker:
         served = settings.served_model_name
         # NOTE: the names a request may give this worker's model by; it reads their lanes (docs/design.md).
         model_names = frozenset({served, model, settings.engine.model.name})
+        lanes = lanes_for_role(keys, model_names, config.role, settings.engine.fleet_cache.enabled)
         # NOTE: one registry per worker, so several workers can live in one process (tests).
         self.metrics = None
         if config.metrics_port is not None:
-            self.metrics = WorkerMetrics(self.name, model, keys, keys.lanes_for(model_names),
+            self.metrics = WorkerMetrics(self.name, model, keys, lanes,
                                          is_redis_healthy=lambda: health.is_healthy)
             self._serve_metrics(self.metrics, config.metrics_port, config.metrics_host)
         try:
-            self._engine = engine if engine is not None else build_engine(settings)
+            self._engine = engine if engine is not None else build_engine(settings, self._client)
         except BaseException:
             if self.metrics is not None:
                 self.metrics.close()
             raise
         if self.metrics is not None:
             self.metrics.name_model(self._engine.model_name)
-        self._loop = EngineLoop(self._engine, inbox, outbox, load, self.name, self.metrics)
-        self._reader = Reader(self._client, keys, config, load, inbox, outbox, model_names, health)
+        self._loop = EngineLoop(self._engine, inbox, outbox, load, self.name, self.metrics, config.role)
+        self._reader = Reader(self._client, keys, config, load, inbox, outbox, model_names, health, lanes)
         self._writer = Writer(self._client, settings.queue, config, load, outbox, model, served, model_names, health,
                               self.metrics)
         self._stopping = threading.Event()
@@ -190,6 +201,7 @@ class Worker:
         for event in (self._reader.stopping, self._reader.closing, self._writer.closing):
             event.set()
         self._loop.close()
+        self._engine.close()
         # NOTE: the writer may spend drain_timeout_s retrying results Redis refuses
         for thread in threads:
             thread.join(timeout=self.settings.worker.block_ms / 1000 + self.settings.worker.drain_timeout_s + 5.0)

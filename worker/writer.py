@@ -19,7 +19,7 @@ from tokenmill.worker.backoff import Backoff
 from tokenmill.worker.config import WorkerConfig
 from tokenmill.worker.health import RedisHealth
 from tokenmill.worker.heartbeat import RUNNING, STOPPED, Heartbeat, forget_old, write_heartbeat
-from tokenmill.worker.messages import DeadLetter, Finish, Outgoing, TokenDelta
+from tokenmill.worker.messages import DeadLetter, Finish, Handoff, Outgoing, TokenDelta
 from tokenmill.worker.metrics import WorkerMetrics
 from tokenmill.worker.results import PositionedDelta, ResultWriter, Writable
 from tokenmill.worker.state import Load
@@ -162,6 +162,8 @@ class Writer:
                 offset = self._stream_bytes.get(item.request_id, 0)
                 self._stream_bytes[item.request_id] = offset + len(data)
                 out.append(PositionedDelta(item.request_id, data, offset))
+            elif isinstance(item, Handoff):
+                out.append(item)
             else:
                 if item.result is not None:
                     self._stream_bytes.pop(item.result.id, None)
@@ -193,7 +195,13 @@ class Writer:
             first = next(o.error for o in outcomes if o.error is not None)
             raise redis.ResponseError(f"{len(self._unwritten)} result(s) not written: {first}")
 
-    def _log_written(self, item: Finish | DeadLetter, was_stored: bool) -> None:
+    def _log_written(self, item: Finish | DeadLetter | Handoff, was_stored: bool) -> None:
+        if isinstance(item, Handoff):
+            if self._metrics is not None:
+                self._metrics.observe_handoff(was_stored)
+            log.info("handed off", extra={"event": "handed_off", "request_id": item.request_id,
+                                          "stream": self._results.decode_stream(item), "duplicate": not was_stored})
+            return
         result = item.result
         if self._metrics is not None:
             self._metrics.observe_result(result, was_stored)

@@ -92,10 +92,11 @@ class Request:
     error_message: str | None = None  # why, for a person (set with FINISHED_ERROR)
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, when asked for
     prefix_entry_ids: list[int] = field(default_factory=list)  # prefix-cache entries of its leading full blocks
-    # Fleet cache (engine/kv/fleet_cache.py): the store addresses of its full prompt blocks (computed once), and
+    # Fleet cache (engine/core/fleet_cache.py): the store addresses of its full prompt blocks (computed once), and
     # whether its prompt blocks are being fetched from the store (it waits to be admitted until they are in).
     block_digests: list[bytes] | None = field(default=None, repr=False)
     is_fetching_kv: bool = False
+    is_handed_off: bool = False  # a prefill worker computed and published its prompt blocks (a decode pool's request)
     num_cached_prompt_tokens: int = 0  # prompt tokens its latest admission found in the prefix cache
     # Speculative decoding: tokens proposed for this step only (never in output_token_ids until the
     # model verified them), and the speculator's own per-request state (engine/spec/).

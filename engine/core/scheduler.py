@@ -94,7 +94,7 @@ class Scheduler:
         self._next_paced_step = 0.0  # the predicted-KV budget's pacing of long admissions (_is_paced)
         self._policy = PreemptionPolicy(config, block_manager, self._queues)
         # Prompt blocks the prefix cache indexed since the last take_new_prompt_blocks() (collected only when
-        # something publishes them: the fleet cache, engine/kv/fleet_cache.py).
+        # something publishes them: the fleet cache, engine/core/fleet_cache.py).
         self.collects_new_prompt_blocks = False
         self._new_prompt_blocks: list[tuple[Request, int, int]] = []
 

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from tokenmill.engine.core.request import PreemptionCause
-from tokenmill.engine.kv.fleet_cache import FleetCacheStats
+from tokenmill.engine.core.fleet_cache import FleetCacheStats
 from tokenmill.engine.kv.prefix_cache import PrefixStats
 
 

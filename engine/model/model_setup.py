@@ -24,7 +24,7 @@ from tokenmill.engine.kernels import cpu_linear
 from tokenmill.engine.kernels.attention import AttentionBackend, cpu_kernel, select_backend
 from tokenmill.engine.kv.block_manager import BlockManager
 from tokenmill.engine.kv.block_store import BlockStore, namespace
-from tokenmill.engine.kv.fleet_cache import FleetCache
+from tokenmill.engine.core.fleet_cache import FleetCache
 from tokenmill.engine.kv.prefix_cache import PrefixCache
 from tokenmill.engine.model import native_decoder
 from tokenmill.engine.model.draft_proposer import DraftModelProposer

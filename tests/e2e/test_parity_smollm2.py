@@ -11,6 +11,7 @@ import torch
 from tests.e2e.parity_helpers import DEVICES, assert_parity, attention_backend, hf_greedy, load_reference
 from tests.engine_helpers import build_engine
 from tokenmill.engine import Engine, SamplingParams
+from tokenmill.engine.kv.block_store import LocalBlockStore
 from tokenmill.engine.model.model_runner import ModelRunner
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -117,3 +118,29 @@ def test_smollm2_outputs_read_well(engine_and_reference: Any) -> None:
     )
     assert "Paris" in outputs[0].text
     assert outputs[0].finish_reason == "stop"
+
+
+def test_smollm2_fleet_cache_and_prefill_handoff_match_hf(engine_and_reference: Any) -> None:
+    """A second engine fetches the chat template's prefix from the fleet's store, and a decode engine continues
+    requests a prefill engine computed the prompts of (one token each, as a prefill worker runs them): both
+    still match Hugging Face."""
+    _, reference, prompts, expected, device = engine_and_reference
+    settings = {"kv_cache_memory": "256MiB", "attention_backend": attention_backend("kernel", device),
+                "block_size": 4, "min_blocks": 1}
+    store = LocalBlockStore()
+    first = build_engine("smollm2-135m", block_store=store, device=device, dtype="float32", **settings)
+    first.generate(prompts[:4], SamplingParams(max_tokens=1), progress=False)  # the prefill pool's part
+    assert first.fleet is not None and first.fleet.flush(timeout_s=30)
+    second = build_engine("smollm2-135m", block_store=store, device=device, dtype="float32", **settings)
+    for i, prompt in enumerate(prompts):
+        second.add_request(f"r{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS), is_handed_off=i < 4)
+    outputs: dict[str, list[int]] = {}
+    while second.has_unfinished():
+        for out in second.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+    for i, (prompt, want) in enumerate(zip(prompts, expected)):
+        assert_parity(outputs[f"r{i}"], want, prompt, reference)
+    fleet = second.stats().fleet
+    assert fleet.num_handoffs == 4 and fleet.handoff_recomputed_blocks == 0, fleet
+    assert fleet.num_hit_blocks > 0 and fleet.num_fallbacks == 0, fleet

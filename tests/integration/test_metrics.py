@@ -55,9 +55,10 @@ def test_scrape_during_a_run_shows_the_work(redis_url: str, redis_client: redis.
         assert samples[f"tokenmill_request_{name}_seconds_sum"] > 0
     assert samples["tokenmill_request_tpot_seconds_count"] == 10
     for model in ("", "echo"):  # the shared lanes, and those of the model the worker serves
-        assert samples[f"tokenmill_lane_length{{lane=0,model={model},queue=default}}"] == 0  # answered: deleted
-        assert samples[f"tokenmill_lane_pending{{lane=0,model={model},queue=default}}"] == 0
-        assert samples[f"tokenmill_lane_lag{{lane=0,model={model},queue=default}}"] == 0
+        # answered: deleted
+        assert samples[f"tokenmill_lane_length{{lane=0,model={model},pool=request,queue=default}}"] == 0
+        assert samples[f"tokenmill_lane_pending{{lane=0,model={model},pool=request,queue=default}}"] == 0
+        assert samples[f"tokenmill_lane_lag{{lane=0,model={model},pool=request,queue=default}}"] == 0
     assert samples["tokenmill_dead_letters{queue=default}"] == 0
     for name in ("running", "waiting", "swapped"):
         assert f"tokenmill_requests_{name}" in samples
@@ -128,7 +129,7 @@ def test_scrape_shows_the_predicted_backlog_and_the_predictors_accuracy(redis_ur
     assert after["tokenmill_length_outlived_total"] >= 0 and after["tokenmill_length_deferred_admissions_total"] >= 0
     assert 0 <= after["tokenmill_length_log_error"] < after["tokenmill_length_max_tokens_log_error"]
     for model in ("", "echo"):
-        assert after[f"tokenmill_predicted_lane_backlog_tokens{{lane=0,model={model},queue=default}}"] == 0
+        assert after[f"tokenmill_predicted_lane_backlog_tokens{{lane=0,model={model},pool=request,queue=default}}"] == 0
 
 
 def scrape_when_up(port: int, timeout_s: float = 10.0) -> dict[str, float]:

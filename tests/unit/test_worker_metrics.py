@@ -1,6 +1,6 @@
-"""The worker's Prometheus registry without Redis or a model: the engine's stats (speculative decoding and
-output-length prediction included) as exported at scrape time, and the Grafana dashboard asking only for series
-the worker exports."""
+"""The worker's Prometheus registry without Redis or a model: the engine's stats (speculative decoding,
+output-length prediction and the fleet prefix cache included) as exported at scrape time, and the Grafana
+dashboard asking only for series the worker exports."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.engine.core.stats import EngineStats, GroupBacklog, LengthStats, SpeculationCounters
+from tokenmill.engine.core.fleet_cache import Fallback, FleetCacheStats
 from tokenmill.producer.keys import Keys
 from tokenmill.worker.metrics import WorkerMetrics
 
@@ -79,6 +80,51 @@ def test_speculation_counters_are_exported_with_positions_lengths_and_the_cost_m
     assert samples["tokenmill_spec_acceptance_ratio"] == pytest.approx(0.8)
 
 
+def _fleet(scale: int) -> FleetCacheStats:
+    """Counters after ``scale`` rounds of: 10 lookups, 6 hits loading 40 blocks of 1 KiB (2 of them fetched once
+    for two requests), 12 blocks published, 1 failed put, 3 fallbacks (2 timeouts, 1 cost) over 9 blocks."""
+    fallbacks = {reason.value: 0 for reason in Fallback}
+    fallbacks.update(timeout=2 * scale, cost=scale)
+    return FleetCacheStats(
+        is_on=True, num_lookups=10 * scale, num_hits=6 * scale, num_hit_blocks=40 * scale,
+        num_fetched_blocks=38 * scale, num_fetched_bytes=38 * 1024 * scale, fetch_seconds=0.25 * scale,
+        num_published_blocks=12 * scale, num_published_bytes=12 * 1024 * scale, num_publish_errors=scale,
+        fallbacks=fallbacks, fallback_blocks=9 * scale)
+
+
+def test_fleet_cache_counters_are_exported_with_every_fallback_reason() -> None:
+    metrics = _metrics()
+    samples = _samples(metrics)  # fleet cache off (or not yet used): every series present, at zero
+    names = ("lookups", "hits", "hit_blocks", "fetched_blocks", "fetched_bytes", "fetch_seconds", "published_blocks",
+             "published_bytes", "publish_errors", "fallback_blocks")
+    for name in names:
+        assert samples[f"tokenmill_fleet_cache_{name}_total"] == 0
+    reasons = {"error", "timeout", "no_room", "evicted", "cost"}
+    assert {reason.value for reason in Fallback} == reasons
+    for reason in reasons:
+        assert samples[f"tokenmill_fleet_cache_fallbacks_total{{reason={reason}}}"] == 0
+
+    metrics.observe_engine(EngineStats(fleet=_fleet(1)))
+    samples = _samples(metrics)
+    assert [samples[f"tokenmill_fleet_cache_{name}_total"] for name in names] == \
+        [10, 6, 40, 38, 38 * 1024, pytest.approx(0.25), 12, 12 * 1024, 1, 9]
+    assert samples["tokenmill_fleet_cache_fallbacks_total{reason=timeout}"] == 2
+    assert samples["tokenmill_fleet_cache_fallbacks_total{reason=cost}"] == 1
+    assert samples["tokenmill_fleet_cache_fallbacks_total{reason=no_room}"] == 0
+
+    # A later snapshot: the counters follow the engine's cumulative totals (no double counting across scrapes).
+    metrics.observe_engine(EngineStats(fleet=_fleet(3)))
+    _samples(metrics)
+    samples = _samples(metrics)
+    assert [samples[f"tokenmill_fleet_cache_{name}_total"] for name in names] == \
+        [30, 18, 120, 114, 114 * 1024, pytest.approx(0.75), 36, 36 * 1024, 3, 27]
+    assert samples["tokenmill_fleet_cache_fallbacks_total{reason=timeout}"] == 6
+    assert samples["tokenmill_fleet_cache_fallbacks_total{reason=cost}"] == 3
+    assert samples["tokenmill_fleet_cache_fallbacks_total{reason=error}"] == 0
+    assert sum(samples[f"tokenmill_fleet_cache_fallbacks_total{{reason={r}}}"] for r in reasons) == \
+        _fleet(3).num_fallbacks
+
+
 # What an engine predicting lengths reports after some work: two jobs in it, errors measured.
 LENGTH = LengthStats(is_on=True, num_observed=40, num_estimates=90, num_outlived=7, num_deferred_admissions=3,
                      backlog_tokens=1500.0, group_backlog={"job-a": GroupBacklog(4, 1000.0, 300.0)},
@@ -107,15 +153,17 @@ def test_the_dashboard_asks_only_for_series_the_worker_exports() -> None:
     exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
     exprs.append(dashboard["templating"]["list"][1]["query"]["query"])
     metrics = _metrics()
-    metrics.observe_engine(EngineStats(speculation=_speculation(1), length=LENGTH))
-    metrics.lane_length.labels("default", "0", "").set(0)  # labelled series show once sampled
+    metrics.observe_engine(EngineStats(speculation=_speculation(1), length=LENGTH, fleet=_fleet(1)))
+    metrics.lane_length.labels("default", "request", "0", "").set(0)  # labelled series show once sampled
     for gauge in (metrics.lane_pending, metrics.lane_lag, metrics.lane_backlog_tokens):
-        gauge.labels("default", "0", "").set(0)
+        gauge.labels("default", "request", "0", "").set(0)
     metrics.dead_letters.labels("default").set(0)
     metrics.requests.labels("ok").inc()
     exported = {name.split("{")[0] for name in _samples(metrics)}
     asked = {name for expr in exprs for name in re.findall(r"\btokenmill_[a-z0-9_]+", expr)}
     assert {"tokenmill_spec_accepted_tokens_total", "tokenmill_spec_draft_tokens_total"} <= asked
+    assert {"tokenmill_fleet_cache_fetched_bytes_total", "tokenmill_fleet_cache_published_bytes_total",
+            "tokenmill_fleet_cache_hit_blocks_total", "tokenmill_fleet_cache_fallbacks_total"} <= asked
     assert asked - exported == set()
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))

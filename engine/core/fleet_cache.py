@@ -79,6 +79,8 @@ class FleetCacheStats:
     num_publish_errors: int = 0  # puts the store refused (those blocks stay local)
     fallbacks: dict[str, int] = field(default_factory=lambda: {reason.value: 0 for reason in Fallback})
     fallback_blocks: int = 0  # blocks the store held that were computed again instead (all reasons)
+    num_handoffs: int = 0  # requests a prefill worker handed to this (decode) engine
+    handoff_recomputed_blocks: int = 0  # of their full prompt blocks, those this engine computed after all
 
     @property
     def num_fallbacks(self) -> int:
@@ -175,6 +177,7 @@ class FleetCache:
         self._lookups: dict[str, _Lookup] = {}
         self._fetching: dict[bytes, _Lookup] = {}  # first block address -> the lookup fetching from there
         self._loaded: dict[str, tuple[Request, int]] = {}  # request id -> (it, its prompt blocks held once loaded)
+        self._handed_off: dict[str, Request] = {}  # handed-off requests not admitted yet
         self._known: OrderedDict[bytes, None] = OrderedDict()
         # NOTE: two threads, so a large publish never delays a lookup a waiting request needs.
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-fleet-fetch")
@@ -199,31 +202,39 @@ class FleetCache:
     def look_up(self, request: Request) -> None:
         """Start fetching the prompt blocks the local cache lacks, if enough are missing; the request
         waits for them (:attr:`Request.is_fetching_kv`) until :meth:`poll` loads them or gives up."""
+        if request.is_handed_off:
+            self._stats.num_handoffs += 1
+            self._handed_off[request.request_id] = request
+        self._start_lookup(request)
+
+    def _start_lookup(self, request: Request) -> None:
         # NOTE: as the prefix cache's match, one prompt token is always left to compute (it gives the logits).
         num_blocks = (request.num_prompt_tokens - 1) // self.block_size
         num_local = len(self._prefix_cache.match(request.prompt_token_ids)[0])
-        if num_blocks - num_local < self.config.min_blocks:
+        if num_blocks - num_local < (1 if request.is_handed_off else self.config.min_blocks):
             return
         keys = self.digests(request)[num_local:num_blocks]
         leader = self._fetching.get(keys[0])
         if leader is not None:  # NOTE: requests that arrive together with one prompt prefix fetch it once
             lookup = _Lookup(request, num_local, leader.future, self._clock(), keys[0], is_follower=True)
         else:
-            lookup = _Lookup(request, num_local, self._fetcher.submit(self._fetch, keys), self._clock(), keys[0])
+            future = self._fetcher.submit(self._fetch, keys, request.is_handed_off)
+            lookup = _Lookup(request, num_local, future, self._clock(), keys[0])
             self._fetching[keys[0]] = lookup
         self._lookups[request.request_id] = lookup
         request.is_fetching_kv = True
         self._stats.num_lookups += 1
 
-    def _fetch(self, keys: list[bytes]) -> _Fetched:
-        """Fleet thread: how many leading blocks the store holds, and those blocks if worth fetching."""
+    def _fetch(self, keys: list[bytes], is_handed_off: bool) -> _Fetched:
+        """Fleet thread: how many leading blocks the store holds, and those blocks if worth fetching (always, for a
+        handed-off request: its prefill was computed for the purpose)."""
         started_s = time.perf_counter()
         held = self.store.contains(keys)
         num_held = held.index(False) if False in held else len(held)
         latency_s = time.perf_counter() - started_s
-        if num_held < self.config.min_blocks:
+        if num_held < (1 if is_handed_off else self.config.min_blocks):
             return _Fetched(keys, [], num_held, latency_s)
-        if not self.cost.fetch_beats_compute(num_held):
+        if not is_handed_off and not self.cost.fetch_beats_compute(num_held):
             return _Fetched(keys, [], num_held, latency_s, is_too_dear=True)
         values = self.store.get(keys[:num_held])
         blocks = []
@@ -291,14 +302,19 @@ class FleetCache:
             self._stats.num_fetched_blocks += len(fetched.blocks)
             self._stats.num_fetched_bytes += sum(map(len, fetched.blocks))
         blocks = fetched.blocks
+        request = lookup.request
         if lookup.is_follower:  # NOTE: the leader's prompt may go on differently after the blocks they share
-            own_keys = self.digests(lookup.request)[lookup.first_index:lookup.first_index + len(blocks)]
-            num_shared = next((i for i, (a, b) in enumerate(zip(own_keys, fetched.keys)) if a != b), len(own_keys))
+            num_blocks = (request.num_prompt_tokens - 1) // self.block_size
+            own_keys = self.digests(request)[lookup.first_index:num_blocks]
+            num_shared = next((i for i, (a, b) in enumerate(zip(own_keys, fetched.keys)) if a != b),
+                              min(len(own_keys), len(fetched.keys)))
             blocks = blocks[:num_shared]
         num_loaded = self._load(lookup, blocks)
         if isinstance(num_loaded, Fallback):
             self._fall_back(num_loaded, len(blocks))
             return
+        if lookup.is_follower and num_shared < len(own_keys) and len(blocks) == num_shared:
+            self._start_lookup(request)  # its own blocks after the shared ones
         self._stats.num_hits += 1
         self._stats.num_hit_blocks += num_loaded
         self._loaded[lookup.request.request_id] = (lookup.request, lookup.first_index + len(blocks))
@@ -337,7 +353,14 @@ class FleetCache:
 
     def _check_admitted(self) -> None:
         """Blocks loaded for a request and lost before it was admitted (reused by other work) count as a
-        fallback: it computed them again."""
+        fallback: it computed them again. So do a handed-off request's prompt blocks it computed itself."""
+        for request_id, handed_off in list(self._handed_off.items()):
+            if handed_off.status is not RequestStatus.WAITING:
+                del self._handed_off[request_id]
+                num_blocks = (handed_off.num_prompt_tokens - 1) // self.block_size
+                if not handed_off.is_finished:
+                    num_cached = handed_off.num_cached_prompt_tokens // self.block_size
+                    self._stats.handoff_recomputed_blocks += num_blocks - num_cached
         for request_id, (request, num_loaded) in list(self._loaded.items()):
             if request.status is RequestStatus.WAITING:
                 continue
@@ -395,6 +418,11 @@ class FleetCache:
         self._known.move_to_end(digest)
         if len(self._known) > KNOWN_DIGESTS:
             self._known.popitem(last=False)
+
+    def barrier(self) -> Future[None]:
+        """Done once every publish started so far is done (the publish thread runs them in order): a prefill
+        worker hands a request on only after its blocks are in the store."""
+        return self._publisher.submit(lambda: None)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every publish started so far is done; whether they all finished in time."""
