@@ -27,6 +27,11 @@ def worker(
     log_json: Annotated[bool | None, typer.Option("--log-json/--log-text", help="JSON log lines")] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = None,
     burst: Annotated[bool, typer.Option(help="exit when every lane is empty and nothing is in flight")] = False,
+    role: Annotated[str | None, typer.Option(help="both, prefill or decode: prefill workers compute prompts and "
+                                             "hand requests to decode workers (needs --fleet-cache)")] = None,
+    fleet_cache: Annotated[bool | None, typer.Option("--fleet-cache/--no-fleet-cache",
+                                                     help="share prompt KV blocks across the fleet through Redis")
+                           ] = None,
     queue: QueueOption = None,
 ) -> None:
     """Serve one queue: read requests, run them on the engine, write results."""
@@ -39,8 +44,8 @@ def worker(
     overrides: dict[str, Any] = {
         **state.overrides,
         "worker": {"name": name, "max_waiting": max_waiting, "drain_timeout_s": drain_timeout,
-                   "metrics_port": metrics_port, "log_json": log_json, "log_level": log_level},
-        "engine": {"model": {"name": model, "device": device}},
+                   "metrics_port": metrics_port, "log_json": log_json, "log_level": log_level, "role": role},
+        "engine": {"model": {"name": model, "device": device}, "fleet_cache": {"enabled": fleet_cache}},
     }
     settings = or_exit(lambda: Settings.load(state.config_file, overrides), Settings)
     try:

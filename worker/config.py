@@ -102,6 +102,8 @@ class Settings(FileSettings):
 
     @model_validator(mode="after")
     def _check_role(self) -> Settings:
+        if self.worker.role != "both" and is_echo_model(self.engine.model.name):
+            raise ValueError(f"[worker] role {self.worker.role!r} needs a model with a KV cache; echo has none")
         if self.worker.role != "both" and not self.engine.fleet_cache.enabled:
             raise ValueError(f"[worker] role {self.worker.role!r} needs [engine.fleet_cache] enabled: the prompt's KV "
                              "travels from the prefill pool to the decode pool through the fleet's store")

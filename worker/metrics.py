@@ -14,8 +14,8 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.engine.core.stats import EngineStats
 from tokenmill.engine.core.fleet_cache import Fallback
+from tokenmill.engine.core.stats import EngineStats
 from tokenmill.producer.keys import CONSUMER_GROUP, Keys, Lane
 from tokenmill.producer.schema import GenerationResult
 from tokenmill.worker.backlog import engine_backlog_tokens

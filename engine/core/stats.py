@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from tokenmill.engine.core.request import PreemptionCause
 from tokenmill.engine.core.fleet_cache import FleetCacheStats
+from tokenmill.engine.core.request import PreemptionCause
 from tokenmill.engine.kv.prefix_cache import PrefixStats
 
 

@@ -16,6 +16,7 @@ import torch
 
 from tokenmill.engine.config import CacheConfig, EngineConfig
 from tokenmill.engine.core.clock import Clock
+from tokenmill.engine.core.fleet_cache import FleetCache
 from tokenmill.engine.core.length_predictor import build_length_predictor
 from tokenmill.engine.core.limits import ModelLimits
 from tokenmill.engine.core.scheduler import Scheduler
@@ -24,7 +25,6 @@ from tokenmill.engine.kernels import cpu_linear
 from tokenmill.engine.kernels.attention import AttentionBackend, cpu_kernel, select_backend
 from tokenmill.engine.kv.block_manager import BlockManager
 from tokenmill.engine.kv.block_store import BlockStore, namespace
-from tokenmill.engine.core.fleet_cache import FleetCache
 from tokenmill.engine.kv.prefix_cache import PrefixCache
 from tokenmill.engine.model import native_decoder
 from tokenmill.engine.model.draft_proposer import DraftModelProposer

@@ -15,8 +15,8 @@ pytest.importorskip("prometheus_client")
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenmill.engine.core.stats import EngineStats, GroupBacklog, LengthStats, SpeculationCounters
 from tokenmill.engine.core.fleet_cache import Fallback, FleetCacheStats
+from tokenmill.engine.core.stats import EngineStats, GroupBacklog, LengthStats, SpeculationCounters
 from tokenmill.producer.keys import Keys
 from tokenmill.worker.metrics import WorkerMetrics
 
