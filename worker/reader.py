@@ -327,7 +327,14 @@ class Reader:
         now_s = time.time()
         decided = [self._triage(e, now_s) for e in entries]
         admits = [d for d in decided if isinstance(d, Admit)]
-        cancelled = self._cancelled_ids([a.request.id for a in admits])
+        try:
+            cancelled = self._cancelled_ids([a.request.id for a in admits])
+        except redis.RedisError:
+            # NOTE: held entries are skipped by the pending check: let go of them, so the check after
+            # the reconnect takes them back (they are still pending under this name).
+            self._load.release([(e.stream, e.entry_id) for e in entries])
+            self._needs_pending_check = True
+            raise
         for item in decided:
             if isinstance(item, Admit) and item.request.id in cancelled:
                 self._outbox.put(answer(item.request, item.entry, "cancelled", "cancelled before it ran",

@@ -358,7 +358,9 @@ class FleetCache:
             if handed_off.status is not RequestStatus.WAITING:
                 del self._handed_off[request_id]
                 num_blocks = (handed_off.num_prompt_tokens - 1) // self.block_size
-                if not handed_off.is_finished:
+                # NOTE: admitted, whatever its status now (one may finish in its admission step: max_tokens=1, EOS);
+                # a request that finished waiting (aborted, never fits) computed nothing.
+                if handed_off.first_scheduled_time_s is not None:
                     num_cached = handed_off.num_cached_prompt_tokens // self.block_size
                     self._stats.handoff_recomputed_blocks += num_blocks - num_cached
         for request_id, (request, num_loaded) in list(self._loaded.items()):
@@ -366,7 +368,7 @@ class FleetCache:
                 continue
             del self._loaded[request_id]
             num_lost = num_loaded - request.num_cached_prompt_tokens // self.block_size
-            if num_lost > 0 and not request.is_finished:
+            if num_lost > 0 and request.first_scheduled_time_s is not None:
                 self._fall_back(Fallback.EVICTED, num_lost)
 
     def _fall_back(self, reason: Fallback, num_blocks: int) -> None:
@@ -383,6 +385,7 @@ class FleetCache:
             blocks: ``(request, block index in its prompt, device block id)`` of blocks the prefix cache just
                 indexed (the scheduler collects them after each step).
         """
+        self._check_admitted()  # NOTE: after every step, so the books include requests admitted and finished in it
         keys, block_ids = [], []
         for request, index, block_id in blocks:
             digest = self.digests(request)[index]
