@@ -255,7 +255,8 @@ def status(
         return
     console = Console()
     print_rows(console, f"queue {stats['queue']}", LANE_COLUMNS,
-               [[str(lane["lane"]), lane["model"] or "-", str(lane["depth"]), str(lane["pending"]),
+               [[str(lane["lane"]) + (" decode" if lane["pool"] == "decode" else ""), lane["model"] or "-",
+                 str(lane["depth"]), str(lane["pending"]),
                  "-" if lane["lag"] is None else str(lane["lag"])] for lane in stats["lanes"]],
                right_aligned=("lane", "depth", "pending", "lag"))
     print_line(console, f"dead letters: {stats['dead']}   cancel marks: {stats['cancelled']}   "

@@ -376,13 +376,14 @@ def next_batch(keys: Keys, pending: dict[str, None], offset: int, deadline: Dead
 
 def all_lanes(keys: Keys, registered: Iterable[bytes | str]) -> list[Lane]:
     """Every lane of the queue: the shared ones and those of each model in ``registered`` (the reply
-    to SMEMBERS of :attr:`Keys.models`), most urgent first.
+    to SMEMBERS of :attr:`Keys.models`), most urgent first, then the decode pool's lanes of them (prefill workers'
+    hand-offs; :func:`shape_stats` leaves out those that do not exist).
 
     NOTE: anyone may write to the set: a name that is not UTF-8 is read with replacement characters,
     which names lanes that hold nothing, never an error.
     """
     models = [name.decode(errors="replace") if isinstance(name, bytes) else name for name in registered]
-    return keys.lanes_for(models)
+    return keys.lanes_for(models) + keys.lanes_for(models, is_decode=True)
 
 
 def queue_stats_commands(pipe: Any, keys: Keys, lanes: Sequence[Lane]) -> None:
@@ -403,8 +404,11 @@ def shape_stats(keys: Keys, lanes: Sequence[Lane], replies: Sequence[Any], *, st
     for position, lane in enumerate(lanes):
         depth, pending, groups = replies[3 * position: 3 * position + 3]
         group = _find_group(groups)
+        if lane.is_decode and not depth and group is None:
+            continue  # NOTE: no prefill worker ever handed off through it (no fleet of pools)
         lane_stats.append({
             "lane": lane.priority,
+            "pool": "decode" if lane.is_decode else "request",
             "model": lane.model,
             "stream": lane.stream,
             "depth": depth,
