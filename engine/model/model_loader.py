@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,7 +127,12 @@ def _materialize_gguf(gguf: Path, cache_dir: Path) -> Path:
     partial = target.with_name(target.name + f".partial-{os.getpid()}")
     model.save_pretrained(partial, safe_serialization=True)
     tokenizer.save_pretrained(partial)
-    partial.rename(target)  # atomic: concurrent loaders never see half a directory
+    try:
+        partial.rename(target)  # atomic: concurrent loaders never see half a directory
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+        shutil.rmtree(partial, ignore_errors=True)  # another process finished first: its copy is the same
     return target
 
 

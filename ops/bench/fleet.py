@@ -196,7 +196,7 @@ def run_cache_mode(args: argparse.Namespace, prefix_text: str, is_fleet: bool) -
         "mode": "fleet" if is_fleet else "local", "wall_s": wall_s,
         "ttft_p50_s": percentile([r.timings.ttft for r in results], 50),
         "ttft_p90_s": percentile([r.timings.ttft for r in results], 90),
-        "b_first_ttft_s": first_b, "b_first_ttft_p50_s": percentile(first_b, 50),
+        "b_first_ttft_s": first_b[0], "b_first_ttfts_s": first_b, "b_first_ttft_mean_s": statistics.mean(first_b),
         "num_by_worker": {name: len(rs) for name, rs in by_worker.items()},
         "prompt_tokens_per_request": sum(r.usage.prompt_tokens for r in results) / len(results),
         "computed_prompt_tokens_per_request": sum(computed.values()) / len(results),
@@ -212,22 +212,29 @@ def part_cache(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
     modes = [run_cache_mode(args, prefix_text, is_fleet) for is_fleet in (False, True)]
     local, fleet = modes
     same = sum(a == b for a, b in zip(local["texts"], fleet["texts"]))
-    rows = [[m["mode"], fmt(m["b_first_ttft_p50_s"], 3), fmt(m["ttft_p50_s"], 3), fmt(m["ttft_p90_s"], 3),
+    rows = [[m["mode"], fmt(m["b_first_ttft_s"], 3), fmt(m["b_first_ttft_mean_s"], 3), fmt(m["ttft_p50_s"], 3),
+             fmt(m["ttft_p90_s"], 3),
              fmt(m["restart_ttft_s"], 3), fmt(m["computed_prompt_tokens_per_request"], 0),
              fmt(m["fetched_bytes_per_request"] / 2**20, 2), fmt(m["published_bytes_per_request"] / 2**20, 2),
              f"{m['num_by_worker']['A']}/{m['num_by_worker']['B']}"] for m in modes]
     print_table(f"fleet cache vs local prefix caching: {args.num_requests} requests sharing a "
                 f"{args.prefix_tokens}-token prefix, {args.in_flight} in flight, over 2 workers",
-                ["mode", f"B's first {args.first} TTFT p50 s", "TTFT p50 s", "TTFT p90 s", "restarted TTFT s",
+                ["mode", "B's first TTFT s", f"B's first {args.first} TTFT mean s", "TTFT p50 s", "TTFT p90 s",
+                 "restarted TTFT s",
                  "prompt tok computed/req", "MiB fetched/req", "MiB published/req", "answered A/B"], rows)
-    first_ratio = local["b_first_ttft_p50_s"] / fleet["b_first_ttft_p50_s"]
+    # NOTE: with local caching only B's first request computes the prefix (the next ones hit B's own cache):
+    # the first request is the one the fleet cache is for; the mean of the first few shows how soon it stops mattering.
+    first_ratio = local["b_first_ttft_s"] / fleet["b_first_ttft_s"]
+    first_n_ratio = local["b_first_ttft_mean_s"] / fleet["b_first_ttft_mean_s"]
     restart_ratio = local["restart_ttft_s"] / fleet["restart_ttft_s"]
-    print(f"second worker's first requests: {first_ratio:.1f}x lower TTFT (target >= 5x); restarted worker's first "
+    print(f"second worker's first request: {first_ratio:.1f}x lower TTFT (target >= 5x), its first {args.first}: "
+          f"{first_n_ratio:.1f}x; restarted worker's first "
           f"request: {restart_ratio:.1f}x; prompt tokens per request {fleet['prompt_tokens_per_request']:.0f}; "
           f"identical texts {same}/{len(local['texts'])}")
     for mode in modes:
         del mode["texts"]
-    return {"local": local, "fleet": fleet, "first_ttft_ratio": first_ratio, "restart_ttft_ratio": restart_ratio,
+    return {"local": local, "fleet": fleet, "first_ttft_ratio": first_ratio, "first_n_ttft_ratio": first_n_ratio,
+            "restart_ttft_ratio": restart_ratio,
             "identical_texts": same}
 
 
