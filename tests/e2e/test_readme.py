@@ -33,6 +33,8 @@ SKIPPED = {
     "make lint": "ruff over the checkout: make test runs it, so CI does",
     ".venv/bin/pytest": "runs the suite, this test included",
     "tokenmill --config configs/gpu.toml": "needs a GPU and a model under /models",
+    "tokenmill worker --fleet-cache": "workers of a prefill / decode split run until stopped; "
+                                      "tests/e2e/test_fleet_workers.py runs the same roles",
 }
 BACKGROUND = ("tokenmill --config configs/cpu-small.toml worker", "tokenmill serve")  # started first, kept running
 SKIPPED_PYTHON = {"from celery": "needs a Celery worker process (tests/integration/test_celery.py covers it)"}
