@@ -89,12 +89,26 @@ class ModelConfig(_Frozen):
         "random weights, no checkpoint (for measuring speed at any shape); without tokenizer files beside it, "
         "prompts must be token ids"
     )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="processes the model is sharded over (Megatron-style tensor parallelism, "
+        "engine/model/tensor_parallel.py): each holds 1/N of every layer's attention heads, KV heads and MLP, and "
+        "its own KV pool; the engine's process is rank 0 and starts N - 1 followers. num_attention_heads and "
+        "intermediate_size must divide by N; on CUDA one visible GPU per rank; on CPU num_threads and the cache "
+        "sizes count per rank. 1: no sharding"
+    )
 
     @model_validator(mode="after")
     def _check_random_init(self) -> ModelConfig:
         if self.random_init and (self.name == "echo" or self.name.startswith("echo:") or self.name.endswith(".gguf")):
             raise ValueError("random_init builds a model from a config.json: name must be a directory holding one "
                              f"or a .json file, not {self.name!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_tensor_parallel(self) -> ModelConfig:
+        if self.tensor_parallel_size > 1 and (self.name == "echo" or self.name.startswith("echo:")):
+            raise ValueError(f"tensor_parallel_size = {self.tensor_parallel_size}: the echo model has no weights to "
+                             "shard; use tensor_parallel_size = 1")
         return self
 
 

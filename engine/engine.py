@@ -23,7 +23,7 @@ from tokenmill.engine.core.scheduler import Scheduler
 from tokenmill.engine.core.stats import EngineStats
 from tokenmill.engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput, StepRunner
 from tokenmill.engine.echo import build_echo_parts, is_echo_model
-from tokenmill.engine.errors import GrammarError
+from tokenmill.engine.errors import DeviceLost, GrammarError
 from tokenmill.engine.offline import GenerationOutput, run_offline
 from tokenmill.engine.output.output_processor import OutputProcessor
 from tokenmill.engine.output.prompts import Prompt, PromptError, tokenize_prompt
@@ -266,6 +266,8 @@ class Engine:
             plan = SchedulerOutput(chunks=plan.chunks)
         try:
             return self.runner.execute(plan)
+        except DeviceLost:
+            raise  # no request's fault: the engine cannot step again
         except Exception as exc:  # noqa: BLE001 - traced to its requests; the engine lives on
             return self._isolate(plan.chunks, exc)
 
@@ -287,6 +289,8 @@ class Engine:
             group = pending.pop()
             try:
                 output = self.runner.execute(SchedulerOutput(chunks=group))
+            except DeviceLost:
+                raise
             except Exception as exc:  # noqa: BLE001 - narrowed down until it names one request
                 if len(group) == 1:
                     failures[group[0].request_id] = exc
@@ -341,9 +345,13 @@ class Engine:
         return run_offline(self, prompts, params, progress=progress, priorities=priorities)
 
     def close(self) -> None:
-        """Let go of the engine's threads: publishes to the fleet's store in flight finish first."""
+        """Let go of the engine's threads: publishes to the fleet's store in flight finish first; then of its
+        processes (a tensor-parallel runner's follower ranks)."""
         if self.fleet is not None:
             self.fleet.close()
+        close_runner = getattr(self.runner, "close", None)  # NOTE: only the model's runner has processes to stop
+        if close_runner is not None:
+            close_runner()
 
     def stats(self) -> EngineStats:
         """Queues, KV usage, totals and the scheduler's counters."""

@@ -13,6 +13,12 @@ class InvariantError(EngineError):
     """An internal invariant broke (a bug, never bad input). Tests must fail loudly on it."""
 
 
+class DeviceLost(EngineError):
+    """Part of the engine's compute is gone (a tensor-parallel rank exited or hangs): no step can run again.
+    No request's fault, so never contained to the step's requests: it ends the engine (a worker stops and its
+    entries are reclaimed by the fleet)."""
+
+
 class GrammarError(EngineError, ValueError):
     """A structured-output spec (JSON schema, regex, grammar) cannot be compiled."""
 

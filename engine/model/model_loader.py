@@ -26,6 +26,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from tokenmill.engine.errors import ModelLoadError
 from tokenmill.engine.kernels.cpu_linear import pack_linears
+from tokenmill.engine.model.tensor_parallel import Shard, ShardPlan, shard_model
 from tokenmill.engine.output.no_tokenizer import NoTokenizer
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class LoadedModel:
     max_model_len: int  # longest sequence (prompt + output) the model can attend over
     eos_token_ids: frozenset[int]
     source: str  # the resolved path or id, for logs
+    shard: ShardPlan | None = None  # the part of each layer this rank holds (tensor parallelism); None: whole
 
 
 def default_cache_dir() -> Path:
@@ -202,6 +204,7 @@ def load_model(
     cache_dir: str | None = None,
     random_init: bool = False,
     linear_kernel: str = "auto",
+    shard: Shard | None = None,
 ) -> LoadedModel:
     """Load model and tokenizer, set to eval, on the device, with our attention function.
 
@@ -209,9 +212,12 @@ def load_model(
         random_init: build ``model`` (a directory with ``config.json``, or a config ``.json`` file) with
             random weights instead of loading a checkpoint.
         linear_kernel: how a CPU model's linear layers are packed (``[engine.execution] linear_kernel``).
+        shard: keep only this rank's part of every layer (engine/model/tensor_parallel.py), cut before the
+            model moves to its device and before its linear layers are packed; None: the whole model.
 
     Raises:
-        ModelLoadError: missing model, unsupported or non-decoder architecture.
+        ModelLoadError: missing model, unsupported or non-decoder architecture, or one that does not split
+            over ``shard``'s ranks.
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -221,6 +227,7 @@ def load_model(
         config, hf_model, tokenizer, source = _load_checkpoint(model, torch_dtype, attn_implementation, cache_dir)
     if not getattr(hf_model, "_supports_attention_backend", False):
         raise ModelLoadError(f"{model}: architecture {type(hf_model).__name__} does not support custom attention")
+    plan = shard_model(hf_model, shard) if shard is not None else None
     hf_model.to(torch_device).eval()
     hf_model.requires_grad_(False)
     if torch_device.type == "cpu":
@@ -234,6 +241,7 @@ def load_model(
         max_model_len=_max_model_len(config, max_model_len),
         eos_token_ids=_eos_ids(hf_model, tokenizer),
         source=source,
+        shard=plan,
     )
 
 

@@ -1,5 +1,8 @@
 """Executes one SchedulerOutput: swap copies, one flattened forward over every scheduled token,
 then sampling from the logits of each sequence's last token. Knows nothing of queues.
+
+With tensor parallelism this is rank 0's runner: each step's block copies and inputs go to the follower
+ranks first (engine/model/tp_leader.py), whose forwards run beside this one (engine/model/tp_follower.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from tokenmill.engine.model.step_inputs import StepInputs
 from tokenmill.engine.sample.context import SamplingContext
 from tokenmill.engine.sample.sampler import Sampler
 
+# The lists of one step's inputs (engine/model/step_inputs.py), in the order they are packed.
+STEP_INPUT_NAMES = ("input_ids", "positions", "slots", "sample_indices", "seq_lens", "query_start", "tables")
+
 
 class StepForward(Protocol):
     """A stand-in for :meth:`ModelRunner.forward` that model setup may hand the runner: the CPU's native
@@ -27,6 +33,15 @@ class StepForward(Protocol):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
                 step: StepAttention) -> torch.Tensor: ...
+
+
+class StepBroadcast(Protocol):
+    """The follower ranks of a tensor-parallel model (engine/model/tp_leader.py): each step goes to them before
+    it runs here."""
+
+    def send_step(self, scheduler_output: SchedulerOutput, batch: PreparedBatch | None) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -38,6 +53,27 @@ class PreparedBatch:
     attention: StepAttention
     sample_indices: torch.Tensor  # [S] batch index of each row sampled: each chunk's last 1 + draft tokens
     sample_chunks: list[ScheduledChunk]  # the chunk of each row of the sampled logits
+    inputs: StepInputs  # the host lists the tensors above came from (what tensor-parallel followers get)
+
+
+def step_tensors(inputs: StepInputs, num_decodes: int, kv_cache: KVCache, backend: AttentionBackend,
+                 device: torch.device) -> tuple[dict[str, torch.Tensor], StepAttention]:
+    """One step's inputs on ``device`` (:data:`STEP_INPUT_NAMES`, flat) and its attention metadata; the same on
+    every tensor-parallel rank, whose inputs came from rank 0's."""
+    on_device = inputs.upload(device)
+    seq_lens, query_start = inputs.values("seq_lens"), inputs.values("query_start")
+    meta = AttentionMetadata(
+        slot_mapping=on_device["slots"],
+        block_tables=on_device["tables"].view(len(seq_lens), -1).to(torch.int32),
+        seq_lens=on_device["seq_lens"].to(torch.int32),
+        query_start_loc=on_device["query_start"].to(torch.int32),
+        num_decodes=num_decodes,
+        max_seq_len=max(seq_lens),
+        max_query_len=max(end - start for start, end in zip(query_start, query_start[1:])),
+        seq_lens_host=seq_lens,
+        query_start_host=query_start,
+    )
+    return on_device, StepAttention(kv_cache, meta, backend)
 
 
 class ModelRunner:
@@ -56,10 +92,13 @@ class ModelRunner:
             run in place of :meth:`forward`; None: eager.
         static_decode: decode steps at static shapes (CUDA graphs), run when a step fits a bucket;
             None: every step runs through the forward.
+        tensor_parallel: the follower ranks of a sharded model, sent every step before it runs here (then
+            neither fast path is given); None: the model is whole.
     """
 
     def __init__(self, loaded: LoadedModel, kv_cache: KVCache, sampler: Sampler, backend: AttentionBackend, *,
-                 native_decoder: StepForward | None = None, static_decode: StaticDecode | None = None) -> None:
+                 native_decoder: StepForward | None = None, static_decode: StaticDecode | None = None,
+                 tensor_parallel: StepBroadcast | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -70,6 +109,7 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self.static_decode = static_decode
         self.native_decoder = native_decoder
+        self.tensor_parallel = tensor_parallel
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Swap out, swap in, run the forward, sample.
@@ -80,19 +120,21 @@ class ModelRunner:
         Returns:
             One sampled token for every chunk with ``needs_sample``.
         """
+        chunks = scheduler_output.chunks
+        planned = self._plan(chunks)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.send_step(scheduler_output, planned if isinstance(planned, PreparedBatch) else None)
         # NOTE: this order: swap-outs read blocks a copy or swap-in may reuse; copies read shared
         # blocks a swap-in may reuse (their other owner was preempted this step).
         self.kv_cache.swap_out(scheduler_output.swap_out)
         self.kv_cache.copy_blocks(scheduler_output.copy_blocks)
         self.kv_cache.swap_in(scheduler_output.swap_in)
-        chunks = scheduler_output.chunks
-        if not chunks:
+        if planned is None:
             return ModelOutput()
-        if self.static_decode is not None and self.static_decode.fits(chunks):
-            logits, sample_chunks = self.static_decode.run(chunks), chunks
+        if isinstance(planned, PreparedBatch):
+            logits, sample_chunks = self._forward(planned), planned.sample_chunks
         else:
-            batch = self.prepare(chunks)
-            logits, sample_chunks = self._forward(batch), batch.sample_chunks
+            logits, sample_chunks = planned.run(chunks), chunks
         if not sample_chunks:
             return ModelOutput()
         # NOTE: a chunk with draft tokens samples one row after each of its last 1 + k tokens, each
@@ -114,6 +156,15 @@ class ModelRunner:
             if logprobs[0] is not None:
                 output.logprobs[chunk.request_id] = [entry for entry in logprobs if entry is not None]
         return output
+
+    def _plan(self, chunks: list[ScheduledChunk]) -> PreparedBatch | StaticDecode | None:
+        """How a step's chunks run: in a static decode bucket, through the forward (prepared here, before
+        the step's block copies, so tensor-parallel followers get both in one message), or not at all."""
+        if not chunks:
+            return None
+        if self.static_decode is not None and self.static_decode.fits(chunks):
+            return self.static_decode
+        return self.prepare(chunks)
 
     def _forward(self, batch: PreparedBatch) -> torch.Tensor:
         forward = self.native_decoder.forward if self.native_decoder is not None else self.forward
@@ -162,22 +213,17 @@ class ModelRunner:
         inputs.add("query_start", query_start)
         inputs.add("tables", [b for c in ordered
                               for b in c.block_ids[:width] + [0] * (width - len(c.block_ids[:width]))])
-        on_device = inputs.upload(self.device)
-        meta = AttentionMetadata(
-            slot_mapping=on_device["slots"],
-            block_tables=on_device["tables"].view(len(ordered), width).to(torch.int32),
-            seq_lens=on_device["seq_lens"].to(torch.int32),
-            query_start_loc=on_device["query_start"].to(torch.int32),
-            num_decodes=len(decodes),
-            max_seq_len=max(seq_lens),
-            max_query_len=max(c.num_tokens for c in ordered),
-            seq_lens_host=seq_lens,
-            query_start_host=query_start,
-        )
+        on_device, attention = step_tensors(inputs, len(decodes), self.kv_cache, self.backend, self.device)
         return PreparedBatch(
             input_ids=on_device["input_ids"].view(1, -1),
             position_ids=on_device["positions"].view(1, -1),
-            attention=StepAttention(self.kv_cache, meta, self.backend),
+            attention=attention,
             sample_indices=on_device["sample_indices"],
             sample_chunks=sample_chunks,
+            inputs=inputs,
         )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers, if any (the engine's :meth:`close`)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()

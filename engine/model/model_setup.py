@@ -8,13 +8,14 @@ from __future__ import annotations
 import gc
 import hashlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tokenmill.engine.config import CacheConfig, EngineConfig
+from tokenmill.engine.config import CacheConfig, EngineConfig, ModelConfig
 from tokenmill.engine.core.clock import Clock
 from tokenmill.engine.core.fleet_cache import FleetCache
 from tokenmill.engine.core.length_predictor import build_length_predictor
@@ -34,6 +35,8 @@ from tokenmill.engine.model.memory_profile import StepProfile, cuda_peak_bytes, 
 from tokenmill.engine.model.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from tokenmill.engine.model.model_runner import ModelRunner
 from tokenmill.engine.model.static_decode import StaticDecode, cuda_graph_runner, decode_buckets
+from tokenmill.engine.model.tensor_parallel import Shard
+from tokenmill.engine.model.tp_leader import TensorParallelLeader
 from tokenmill.engine.output.no_tokenizer import NoTokenizer
 from tokenmill.engine.sample.grammar import GrammarCompiler
 from tokenmill.engine.sample.grammar_drafts import GrammarForcedProposer
@@ -74,17 +77,27 @@ def build_engine_parts(config: EngineConfig, clock: Clock, block_store_for: Bloc
             ``[engine.fleet_cache] enabled``.
 
     Raises:
-        ModelLoadError: the model cannot be found or is not a decoder-only model.
-        EngineError: the KV budget holds not a single block.
+        ModelLoadError: the model cannot be found, is not a decoder-only model, or does not split over
+            ``tensor_parallel_size`` ranks (or a follower rank failed to load it).
+        EngineError: the KV budget holds not a single block, or a setting does not go with tensor parallelism.
     """
+    leader = _start_tensor_parallel(config)
+    try:
+        return _build_parts(config, clock, block_store_for, leader)
+    except BaseException:
+        if leader is not None:
+            leader.close()
+        raise
+
+
+def _build_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStoreFactory | None,
+                 leader: TensorParallelLeader | None) -> EngineParts:
+    """:func:`build_engine_parts`; ``leader``: the tensor-parallel followers, started (None: no tensor parallelism)."""
     model_config = config.model
-    if model_config.num_threads:
-        torch.set_num_threads(model_config.num_threads)
     _prebuild_cpu_extensions(config)
-    loaded = load_model(model_config.name, device=model_config.device, dtype=model_config.dtype,
-                        attn_implementation=register(), max_model_len=model_config.max_model_len,
-                        cache_dir=model_config.cache_dir, random_init=model_config.random_init,
-                        linear_kernel=config.execution.linear_kernel)
+    loaded = load_engine_model(config, leader.shard if leader is not None else None)
+    if leader is not None:
+        leader.connect(loaded.device)
     spec = kv_cache_spec(loaded, config.cache.block_size)
     backend = select_backend(config.execution.attention_backend, loaded.device)
     logger.info("attention backend: %s", backend.name)
@@ -96,6 +109,8 @@ def build_engine_parts(config: EngineConfig, clock: Clock, block_store_for: Bloc
         gc.collect()  # NOTE: the profile's pool and activations go back to the device before free memory is read
         torch.cuda.empty_cache()
     num_gpu_blocks, num_cpu_blocks = size_kv_cache(config.cache, spec, loaded.device, profiles)
+    if leader is not None:
+        leader.share_cache(num_gpu_blocks, num_cpu_blocks, backend.name)
     kv_cache = KVCache(spec, num_gpu_blocks, num_cpu_blocks, loaded.device)
     block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, spec.block_size)
     prefix_cache = PrefixCache(block_manager) if config.cache.enable_prefix_caching else None
@@ -110,13 +125,13 @@ def build_engine_parts(config: EngineConfig, clock: Clock, block_store_for: Bloc
     limits = ModelLimits(model_name=model_config.name, source=loaded.source, vocab_size=loaded.model.config.vocab_size,
                          max_request_tokens=max_request_tokens,
                          is_cache_bound=max_request_tokens < loaded.max_model_len,
-                         kv_block_bytes=spec.bytes_per_block)
+                         kv_block_bytes=spec.bytes_per_block * model_config.tensor_parallel_size)
     logger.info(
         "engine ready: model=%s device=%s dtype=%s kv_blocks=%d (+%d host) block_size=%d max_model_len=%d",
         model_config.name, loaded.device, loaded.dtype, num_gpu_blocks, num_cpu_blocks, spec.block_size,
         loaded.max_model_len,
     )
-    reference = ModelRunner(loaded, kv_cache, Sampler(grammars), backend)
+    reference = ModelRunner(loaded, kv_cache, Sampler(grammars), backend, tensor_parallel=leader)
     runner = with_fast_paths(reference, grammars, config, max_request_tokens)
     fleet = None
     if config.fleet_cache.enabled and prefix_cache is not None:
@@ -130,6 +145,52 @@ def build_engine_parts(config: EngineConfig, clock: Clock, block_store_for: Bloc
         scheduler.collects_new_prompt_blocks = True
         logger.info("fleet cache on: namespace %s", root.hex())
     return EngineParts(scheduler, runner, loaded.tokenizer, limits, grammars, fleet)
+
+
+def load_engine_model(config: EngineConfig, shard: Shard | None = None) -> LoadedModel:
+    """The engine's model as ``config`` asks, with its CPU threads set; the same on every tensor-parallel rank,
+    each passing its ``shard`` (None: the whole model)."""
+    model_config = config.model
+    threads = threads_per_rank(model_config)
+    if threads:
+        torch.set_num_threads(threads)
+    return load_model(model_config.name, device=model_config.device, dtype=model_config.dtype,
+                      attn_implementation=register(), max_model_len=model_config.max_model_len,
+                      cache_dir=model_config.cache_dir, random_init=model_config.random_init,
+                      linear_kernel=config.execution.linear_kernel, shard=shard)
+
+
+def threads_per_rank(config: ModelConfig) -> int | None:
+    """CPU threads of one rank: ``num_threads``; unset with tensor parallelism on the CPU, this process's cores
+    shared out between the ranks (torch's default would give each rank every core); else None (torch's default)."""
+    if config.num_threads or config.tensor_parallel_size == 1 or config.device == "cuda" or \
+            (config.device == "auto" and torch.cuda.is_available()):
+        return config.num_threads
+    return max(1, len(os.sched_getaffinity(0)) // config.tensor_parallel_size)
+
+
+def _start_tensor_parallel(config: EngineConfig) -> TensorParallelLeader | None:
+    """Check that the settings go with ``tensor_parallel_size`` and start the followers (None: size 1).
+
+    Raises:
+        ModelLoadError: on CUDA, fewer visible GPUs than ranks.
+        EngineError: the fleet cache is on, or the CUDA KV pool is left to the memory profile.
+    """
+    size = config.model.tensor_parallel_size
+    if size == 1:
+        return None
+    if config.fleet_cache.enabled:
+        raise EngineError(f"tensor_parallel_size = {size}: [engine.fleet_cache] is not supported with tensor "
+                          "parallelism (each rank holds a slice of every block); turn one of them off")
+    if resolve_device(config.model.device).type == "cuda":
+        found = torch.cuda.device_count()
+        if size > found:
+            raise ModelLoadError(f"tensor_parallel_size = {size} needs one GPU per rank, but torch sees {found} "
+                                 "(CUDA_VISIBLE_DEVICES?)")
+        if config.cache.kv_cache_bytes is None:
+            raise EngineError(f"tensor_parallel_size = {size} on CUDA: set [engine.cache] kv_cache_memory (per rank); "
+                              "the memory profile that sizes the pool otherwise runs one rank's forward alone")
+    return TensorParallelLeader(config)
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
@@ -154,6 +215,11 @@ def with_fast_paths(reference: ModelRunner, grammars: GrammarCompiler | None, co
     allows and this machine supports, each checked against (or captured from) the reference's eager
     forward; the reference itself when there are none. Logs the choice once."""
     decoder, static = None, None
+    if reference.tensor_parallel is not None:
+        logger.info("tensor parallelism: the forward runs eagerly (Hugging Face modules, one all-reduce after each "
+                    "o_proj and down_proj); the native C++ decoder stack and CUDA graphs are off; attention=%s",
+                    reference.backend.name)
+        return reference
     if config.execution.compile == "auto" and reference.device.type == "cpu":
         decoder = native_decoder.native_decoder_for(reference)
     elif captures_decode_steps(config, reference.device, reference.backend):
@@ -196,7 +262,7 @@ def _prebuild_cpu_extensions(config: EngineConfig) -> None:
         return
     if config.execution.attention_backend in ("auto", "cpu"):
         cpu_kernel.build_in_background()
-    if config.execution.compile == "auto":
+    if config.execution.compile == "auto" and config.model.tensor_parallel_size == 1:
         native_decoder.build_in_background()
     cpu_linear.prebuild_kernel_for(resolve_dtype(config.model.dtype, device), config.execution.linear_kernel)
 
@@ -216,12 +282,13 @@ def capture_decode_steps(runner: ModelRunner, max_num_seqs: int, max_request_tok
 
 
 def kv_cache_spec(loaded: LoadedModel, block_size: int) -> KVCacheSpec:
-    """The shape of one KV block of this model."""
+    """The shape of one KV block of this model (of its shard's KV heads, with tensor parallelism)."""
     model_config = loaded.model.config
     num_heads = model_config.num_attention_heads
     return KVCacheSpec(
         num_layers=model_config.num_hidden_layers,
-        num_kv_heads=getattr(model_config, "num_key_value_heads", None) or num_heads,
+        num_kv_heads=loaded.shard.num_kv_heads if loaded.shard is not None else
+        getattr(model_config, "num_key_value_heads", None) or num_heads,
         head_dim=getattr(model_config, "head_dim", None) or model_config.hidden_size // num_heads,
         block_size=block_size,
         dtype=loaded.dtype,

@@ -1,0 +1,115 @@
+"""A tensor-parallel follower rank (1 .. N - 1), a process rank 0 starts (engine/model/tp_leader.py):
+
+    python -m tokenmill.engine.model.tp_follower --rank R --world-size N --port P --parent-pid PID
+
+It reads the engine's config from rank 0's store, loads the model and keeps its shard (as rank 0 does),
+meets the other ranks, builds a KV pool of rank 0's size over its own KV heads, then runs each step rank 0
+broadcasts (engine/model/tp_step.py): the block copies, then the decoder layers over the step's inputs,
+whose all-reduces pair with the other ranks'. Rank 0 alone computes logits and samples, so a follower
+stops at the final norm. It exits when told to stop, when a collective fails, or when rank 0's process is
+gone. Imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, not in __all__
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.kernels.attention import AttentionBackend, select_backend
+from tokenmill.engine.model.kv_cache import KVCache
+from tokenmill.engine.model.model_loader import LoadedModel
+from tokenmill.engine.model.model_runner import step_tensors
+from tokenmill.engine.model.model_setup import kv_cache_spec, load_engine_model
+from tokenmill.engine.model.tensor_parallel import Shard
+from tokenmill.engine.model.tp_group import SETUP_TIMEOUT, ProcessGroups, TensorParallelLost
+from tokenmill.engine.model.tp_step import receive_step
+
+logger = logging.getLogger(__name__)
+
+PARENT_CHECK_S = 0.5  # how often a follower checks that rank 0's process is still its parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"tensor-parallel rank {args.rank}: %(levelname)s %(name)s: %(message)s")
+    _exit_with_parent(args.parent_pid)
+    store = TCPStore("127.0.0.1", args.port, args.world_size, False, timeout=SETUP_TIMEOUT)
+    config = EngineConfig.model_validate_json(store.get("config"))
+    groups = ProcessGroups(args.rank, args.world_size)
+    try:
+        loaded = _load(config, Shard(args.rank, args.world_size, groups.all_reduce))
+    except Exception as exc:  # reported to rank 0, which raises it
+        logger.exception("loading the model failed")
+        store.set(f"error/{args.rank}", f"{type(exc).__name__}: {exc}")
+        return 1
+    store.set(f"ready/{args.rank}", "1")
+    groups.connect(store, loaded.device)
+    num_gpu_blocks, num_cpu_blocks, backend_name = store.get("kv_cache").decode().split(",")
+    spec = kv_cache_spec(loaded, config.cache.block_size)
+    kv_cache = KVCache(spec, int(num_gpu_blocks), int(num_cpu_blocks), loaded.device)
+    backend = select_backend(backend_name, loaded.device)  # type: ignore[arg-type]
+    try:
+        serve(groups, loaded.model.get_decoder(), kv_cache, backend, loaded.device)
+    except TensorParallelLost as lost:
+        logger.error("%s", lost)
+        return 1
+    return 0
+
+
+@torch.inference_mode()
+def serve(groups: ProcessGroups, decoder: Any, kv_cache: KVCache, backend: AttentionBackend,
+          device: torch.device) -> None:
+    """Run rank 0's steps until it says stop: each step's block copies (in the runner's order), then the
+    decoder layers (``decoder``: the causal LM's base model, without its LM head) over its inputs.
+
+    Raises:
+        TensorParallelLost: rank 0 (or another follower) is gone.
+    """
+    while (message := receive_step(groups)) is not None:
+        kv_cache.swap_out(message.swap_out)
+        kv_cache.copy_blocks(message.copy_blocks)
+        kv_cache.swap_in(message.swap_in)
+        if message.inputs is None:
+            continue
+        on_device, attention = step_tensors(message.inputs, message.num_decodes, kv_cache, backend, device)
+        decoder(input_ids=on_device["input_ids"].view(1, -1), position_ids=on_device["positions"].view(1, -1),
+                use_cache=False, tokenmill_step=attention)
+
+
+def _load(config: EngineConfig, shard: Shard) -> LoadedModel:
+    """This rank's shard of the model, loaded as rank 0 loads its own, on its device (CUDA: its rank's GPU)."""
+    if config.model.device != "cpu" and torch.cuda.is_available():
+        torch.cuda.set_device(shard.rank)
+    return load_engine_model(config, shard)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit at once when rank 0's process is gone (the follower is then re-parented), whatever it is doing."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tm-tp-parent-watch", daemon=True).start()
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="a tensor-parallel follower rank (started by the engine)")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True, help="rank 0's store, on 127.0.0.1")
+    parser.add_argument("--parent-pid", type=int, required=True, help="rank 0's process")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

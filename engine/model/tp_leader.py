@@ -1,0 +1,163 @@
+"""Rank 0's side of tensor parallelism: start the follower processes, meet them once each has loaded its
+shard, send them every step (engine/model/tp_step.py), notice when one is gone, and stop them.
+
+Followers are plain subprocesses (``python -m tokenmill.engine.model.tp_follower``), not forks: each loads
+the model from the same config (passed through the store) and shards it itself. They never outlive rank 0:
+they leave their loop on :meth:`TensorParallelLeader.close`, are terminated when the leader is collected or
+the interpreter exits, and exit by themselves when rank 0's process is gone (a watchdog, and their broken
+connections). A follower that fails is noticed before the next step (its exit status) or in the step
+(its connections close, or the step times out): :class:`~engine.model.tp_group.TensorParallelLost`.
+Imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import weakref
+
+import torch
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, not in __all__
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.core.step_io import SchedulerOutput
+from tokenmill.engine.errors import ModelLoadError
+from tokenmill.engine.model.model_runner import PreparedBatch
+from tokenmill.engine.model.tensor_parallel import Shard
+from tokenmill.engine.model.tp_group import SETUP_TIMEOUT, ProcessGroups, TensorParallelLost
+from tokenmill.engine.model.tp_step import StepMessage, send_step, send_stop
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 10.0  # a stopped follower exits by itself within this, else it is killed
+_EXIT_NOTICE_S = 2.0  # after a failed collective, how long a follower that closed its connections may take to exit
+_POLL_S = 0.05
+
+
+class TensorParallelLeader:
+    """Starts ``tensor_parallel_size - 1`` followers of ``config`` on construction.
+
+    Args:
+        config: the engine's settings; every follower loads ``config.model`` as this rank does.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.world_size = config.model.tensor_parallel_size
+        self.groups = ProcessGroups(0, self.world_size, explain=self._follower_states)
+        self._store = TCPStore("127.0.0.1", 0, self.world_size, True, timeout=SETUP_TIMEOUT,
+                                    wait_for_workers=False)
+        self._store.set("config", config.model_dump_json())
+        self._followers = [
+            subprocess.Popen([sys.executable, "-m", "tokenmill.engine.model.tp_follower", "--rank", str(rank),
+                              "--world-size", str(self.world_size), "--port", str(self._store.port),
+                              "--parent-pid", str(os.getpid())])
+            for rank in range(1, self.world_size)]
+        self._end = weakref.finalize(self, _end_processes, self._followers)
+        self._connected = False
+        logger.info("tensor parallelism: %d ranks; followers started (pids %s)", self.world_size,
+                    [p.pid for p in self._followers])
+
+    @property
+    def shard(self) -> Shard:
+        """Rank 0's shard: what it loads of the model."""
+        return Shard(0, self.world_size, self.groups.all_reduce)
+
+    @property
+    def follower_pids(self) -> list[int]:
+        return [process.pid for process in self._followers]
+
+    def connect(self, device: torch.device) -> None:
+        """Wait until every follower has loaded its shard, then meet them (:meth:`ProcessGroups.connect`).
+
+        Raises:
+            ModelLoadError: a follower failed to load (its reason), or exited.
+        """
+        pending = set(range(1, self.world_size))
+        deadline = time.monotonic() + SETUP_TIMEOUT.total_seconds()
+        while pending:
+            for rank in sorted(pending):
+                if self._store.check([f"error/{rank}"]):
+                    raise ModelLoadError(f"tensor-parallel rank {rank}: {self._store.get(f'error/{rank}').decode()}")
+                if self._store.check([f"ready/{rank}"]):
+                    pending.discard(rank)
+                elif self._followers[rank - 1].poll() is not None:
+                    raise ModelLoadError(f"tensor-parallel rank {rank} exited while loading the model: "
+                                         f"{_exit_status(self._followers[rank - 1])} (its log is above)")
+            if pending:
+                if time.monotonic() > deadline:
+                    raise ModelLoadError(f"tensor-parallel ranks {sorted(pending)} did not load the model in "
+                                         f"{SETUP_TIMEOUT.total_seconds():.0f} s")
+                time.sleep(_POLL_S)
+        self.groups.connect(self._store, device)
+        self._connected = True
+
+    def share_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, backend_name: str) -> None:
+        """Give the followers rank 0's KV pool sizes and attention backend: every rank runs the same ones."""
+        self._store.set("kv_cache", f"{num_gpu_blocks},{num_cpu_blocks},{backend_name}")
+
+    def send_step(self, scheduler_output: SchedulerOutput, batch: PreparedBatch | None) -> None:
+        """Send the followers a step's block copies and (``batch``) forward inputs, before rank 0 runs it.
+
+        Raises:
+            TensorParallelLost: a follower is gone.
+        """
+        self._check_alive()
+        message = StepMessage(scheduler_output.swap_out, scheduler_output.copy_blocks, scheduler_output.swap_in,
+                              batch.inputs if batch is not None else None,
+                              batch.attention.meta.num_decodes if batch is not None else 0)
+        if message.inputs is not None or message.swap_out or message.copy_blocks or message.swap_in:
+            send_step(self.groups, message)
+
+    def close(self) -> None:
+        """Stop the followers: ask them to leave their loop, then end any that did not."""
+        if self._connected and self._end.alive and all(p.poll() is None for p in self._followers):
+            try:
+                send_stop(self.groups)
+            except TensorParallelLost:
+                logger.warning("tensor parallelism: a follower was gone before it was stopped")
+            _wait_for_exit(self._followers, STOP_GRACE_S)
+        self._connected = False
+        self._end()
+
+    def _check_alive(self) -> None:
+        dead = [(rank, p) for rank, p in enumerate(self._followers, start=1) if p.poll() is not None]
+        if dead:
+            raise TensorParallelLost("tensor-parallel " + "; ".join(
+                f"rank {rank} (pid {p.pid}) exited: {_exit_status(p)}" for rank, p in dead)
+                + "; the engine cannot step without it")
+
+    def _follower_states(self) -> str:
+        """What became of the followers, for a failed collective's message."""
+        _wait_for_exit(self._followers, _EXIT_NOTICE_S)
+        return "; ".join(f"follower rank {rank} (pid {p.pid}) " +
+                         (f"exited: {_exit_status(p)}" if p.poll() is not None else "is still running (stuck?)")
+                         for rank, p in enumerate(self._followers, start=1))
+
+
+def _exit_status(process: subprocess.Popen[bytes]) -> str:
+    code = process.returncode
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def _wait_for_exit(processes: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+
+
+def _end_processes(processes: list[subprocess.Popen[bytes]]) -> None:
+    """Terminate the followers still running and reap every one (the leader's finalizer: close, collection, exit)."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    _wait_for_exit(processes, STOP_GRACE_S)
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait()

@@ -1,0 +1,139 @@
+"""Tensor parallelism on the CPU: the same greedy workload through one engine of two ranks
+(``tensor_parallel_size = 2``, one thread per rank) and one of one rank with two threads, in the same run:
+output tokens per second and their ratio.
+
+    python ops/bench/tensor_parallel.py                     # 16 prompts x 128 output tokens, float32
+    python ops/bench/tensor_parallel.py --quick --json out.json
+
+SmolLM2-135M has 9 attention heads (3 KV heads), which do not split over 2 ranks (the split rules,
+engine/model/tensor_parallel.py). So by default every engine here runs a model of SmolLM2-135M's exact
+shapes but 12 heads of 48 dimensions (4 KV heads): the same q/k/v/o, MLP and LM-head matrices, the same
+attention FLOPs, random weights (``random_init``), token-id prompts. ``--keep-heads`` runs the checkpoint as it
+is (only where its heads divide by the ranks). The one-rank engine is timed twice: with its default fast path
+(the native C++ decoder stack) and eager (``compile = "off"``), the path every rank of a tensor-parallel
+engine takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# NOTE: run as a script, this folder comes first on sys.path: take it off and import the helpers as
+# ops.bench.* from the repository root.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parents[1]))
+
+from ops.bench.common import machine_info, print_table, write_json
+from ops.bench.throughput import resolve_model_dir
+
+RUNS = (  # (name, tensor_parallel_size, threads per rank, compile)
+    ("1 rank x 2 threads, native stack", 1, 2, "auto"),
+    ("1 rank x 2 threads, eager", 1, 2, "off"),
+    ("2 ranks x 1 thread (eager)", 2, 1, "auto"),
+)
+
+
+def divisible_shape(config: dict[str, Any], ranks: int) -> dict[str, Any]:
+    """``config`` with the fewest attention heads, at least its own, that split over ``ranks`` while every
+    projection keeps its shape (hidden size and KV width unchanged; head_dim and KV heads follow)."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_width = config.get("num_key_value_heads", heads) * (hidden // heads)
+    for new_heads in range(heads, 4 * heads + 1):
+        head_dim, kv_heads = hidden // new_heads, kv_width // (hidden // new_heads)
+        if (hidden % new_heads == 0 and kv_width % head_dim == 0 and new_heads % ranks == 0
+                and new_heads % kv_heads == 0 and (kv_heads % ranks == 0 or ranks % kv_heads == 0)):
+            return {**config, "num_attention_heads": new_heads, "num_key_value_heads": kv_heads, "head_dim": head_dim}
+    raise SystemExit(f"no head count near {heads} splits {hidden} over {ranks} ranks")
+
+
+def run_engine(model: str, random_init: bool, ranks: int, threads: int, compile_mode: str,
+               prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """One engine over the workload; its output tokens per second (after a warm-up request)."""
+    from tokenmill.engine import Engine, EngineConfig, SamplingParams
+
+    config = EngineConfig.model_validate({
+        "model": {"name": model, "device": "cpu", "dtype": "float32", "num_threads": threads,
+                  "random_init": random_init, "tensor_parallel_size": ranks},
+        "execution": {"compile": compile_mode},
+        "speculative": {"method": "off"},
+    })
+    engine = Engine.from_config(config)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        engine.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True), progress=False)
+        start = time.perf_counter()
+        outputs = engine.generate(prompts, params, progress=False)
+        elapsed = time.perf_counter() - start
+    finally:
+        engine.close()
+    tokens = sum(len(out.token_ids) for out in outputs)
+    return {"ranks": ranks, "threads_per_rank": threads, "compile": compile_mode, "output_tokens": tokens,
+            "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed, "token_ids": [out.token_ids for out in outputs]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir = Path(resolve_model_dir(args.model))
+    config = json.loads((model_dir / "config.json").read_text())
+    model, random_init = str(model_dir), False
+    with tempfile.TemporaryDirectory() as scratch:
+        if not args.keep_heads and config["num_attention_heads"] % 2:
+            reshaped = divisible_shape(config, 2)
+            model, random_init = str(Path(scratch) / "config.json"), True
+            Path(model).write_text(json.dumps(reshaped))
+            print(f"{args.model}: {config['num_attention_heads']} heads do not split over 2 ranks; running its "
+                  f"shapes with {reshaped['num_attention_heads']} heads x {reshaped['head_dim']} "
+                  f"({reshaped['num_key_value_heads']} KV heads), random weights")
+        rng = random.Random(0)
+        prompts = [[rng.randrange(100, config["vocab_size"]) for _ in range(rng.randint(64, 256))]
+                   for _ in range(args.prompts)]
+        results = {}
+        for name, ranks, threads, compile_mode in RUNS:
+            results[name] = run_engine(model, random_init, ranks, threads, compile_mode, prompts, args.max_tokens)
+            print(f"{name}: {results[name]['tokens_per_s']:.1f} tokens/s", flush=True)
+    baseline = results[RUNS[0][0]]["tokens_per_s"]
+    eager = results[RUNS[1][0]]["tokens_per_s"]
+    tp = results[RUNS[2][0]]
+    # NOTE: in float32 the all-reduce adds two partial products where one rank adds them all in one order:
+    # a near-tie can go either way, so this counts, it does not assert (the tests compare float64).
+    same = sum(a == b for a, b in zip(tp["token_ids"], results[RUNS[1][0]]["token_ids"]))
+    print_table(f"{args.prompts} prompts x {args.max_tokens} output tokens, greedy, float32 "
+                f"({'random weights, reshaped heads' if random_init else args.model})",
+                ["engine", "tokens/s", "seconds", "x vs native", "x vs eager"],
+                [[name, r["tokens_per_s"], r["elapsed_s"], r["tokens_per_s"] / baseline, r["tokens_per_s"] / eager]
+                 for name, r in results.items()])
+    print(f"\nprompts whose greedy tokens are the same on 2 ranks as on 1 eager rank: {same} of {len(prompts)}")
+    for result in results.values():
+        del result["token_ids"]
+    write_json(args.json, {"machine": machine_info(), "model": args.model, "reshaped_heads": random_init,
+                           "prompts": args.prompts, "max_tokens": args.max_tokens, "runs": results,
+                           "tp2_vs_native": tp["tokens_per_s"] / baseline, "tp2_vs_eager": tp["tokens_per_s"] / eager,
+                           "tp2_prompts_equal_eager": same})
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", help="alias, directory or hub id (default: %(default)s)")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt")
+    parser.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens, for development")
+    parser.add_argument("--keep-heads", action="store_true", help="run the checkpoint itself (its heads must "
+                        "divide by 2)")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.prompts, args.max_tokens = 4, 32
+    return args
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
