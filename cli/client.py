@@ -33,6 +33,7 @@ from tokenmill.protocol.heartbeat import STALE_AFTER_S
 
 EXIT_NOT_READY = 2  # result: not landed (yet), or the wait ran out
 LANE_COLUMNS = ("lane", "model", "depth", "pending", "lag")  # model: "-" for the shared lanes
+SHARD_COLUMNS = ("shard", "keys", "depth", "pending", "lag")
 WORKER_COLUMNS = ("name", "state", "model", "age s", "running", "waiting", "tok/s", "finished", "prefix hit",
                   "backlog tok", "spec acc")
 
@@ -242,10 +243,12 @@ def status(
     stale_after: Annotated[float | None, typer.Option(
         help=f"heartbeat age (s) after which a worker is stale (default: [worker] stale_after_s, "
              f"as the workers judge it: {STALE_AFTER_S:g})")] = None,
+    per_shard: Annotated[bool, typer.Option("--shards", help="also a table of each shard's depth, pending and "
+                                                             "lag (a queue with [queue] shards > 1)")] = False,
     queue: QueueOption = None,
 ) -> None:
-    """Lane depths (shared and per model), pending, dead letters, the predicted backlog in tokens and its ETA, and
-    workers (heartbeat age, tokens/s, predicted backlog, speculation)."""
+    """Lane depths (shared and per model, summed over the queue's shards), pending, dead letters, the predicted
+    backlog in tokens and its ETA, and workers (heartbeat age, tokens/s, predicted backlog, speculation)."""
     with_queue(ctx, queue)
     stale_after_s = stale_after if stale_after is not None else client_settings(ctx).worker.stale_after_s
     with open_producer(ctx) as producer:
@@ -257,13 +260,33 @@ def status(
     print_rows(console, f"queue {stats['queue']}", LANE_COLUMNS,
                [[str(lane["lane"]) + (" decode" if lane["pool"] == "decode" else ""), lane["model"] or "-",
                  str(lane["depth"]), str(lane["pending"]),
-                 "-" if lane["lag"] is None else str(lane["lag"])] for lane in stats["lanes"]],
+                 "-" if lane["lag"] is None else str(lane["lag"])] for lane in _summed_lanes(stats["lanes"])],
                right_aligned=("lane", "depth", "pending", "lag"))
+    if per_shard:
+        print_rows(console, f"shards ({len(stats['shards'])})", SHARD_COLUMNS,
+                   [[str(shard["shard"]), shard["base"], str(shard["depth"]), str(shard["pending"]),
+                     "-" if shard["lag"] is None else str(shard["lag"])] for shard in stats["shards"]],
+                   right_aligned=("shard", "depth", "pending", "lag"))
     print_line(console, f"dead letters: {stats['dead']}   cancel marks: {stats['cancelled']}   "
                         f"live workers: {stats['num_live_workers']}")
     print_line(console, f"backlog tok: {_tokens_cell(stats['backlog_tokens'])}   "
                         f"ETA: {format_duration(stats['eta_s'])}")
     print_rows(console, "workers", WORKER_COLUMNS, _worker_rows(stats), right_aligned=WORKER_COLUMNS[3:])
+
+
+def _summed_lanes(lanes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The lanes of every shard added up per (pool, lane, model), in their order; a lag is unknown (None) once
+    any shard's is."""
+    summed: dict[tuple[str, int, str | None], dict[str, Any]] = {}
+    for lane in lanes:
+        key = (lane["pool"], lane["lane"], lane["model"])
+        if key not in summed:
+            summed[key] = {**lane, "depth": 0, "pending": 0, "lag": 0}
+        total = summed[key]
+        total["depth"] += lane["depth"]
+        total["pending"] += lane["pending"]
+        total["lag"] = None if total["lag"] is None or lane["lag"] is None else total["lag"] + int(lane["lag"])
+    return list(summed.values())
 
 
 def _worker_rows(stats: dict[str, Any]) -> list[list[str]]:
@@ -309,14 +332,14 @@ def dead(
     if do_requeue and not ids and not requeue_all:
         raise fail("error: --requeue needs dead-letter/request IDs or --all")
     with open_producer(ctx) as producer:
-        letters = dead_letters.read(producer.client, producer.keys, None if do_requeue else limit)
+        letters = dead_letters.read(producer.client, producer.layout, None if do_requeue else limit)
         if not do_requeue:
             _print_letters(letters, as_json)
             return
         chosen, missing = dead_letters.select(letters, None if requeue_all else ids)
         for letter in chosen:
             try:
-                new_id = dead_letters.requeue(producer.client, producer.keys, letter)
+                new_id = dead_letters.requeue(producer.client, producer.layout, letter)
             except ValueError as exc:
                 typer.echo(f"skipped {letter.dead_id}: {exc}", err=True)
                 continue

@@ -46,7 +46,8 @@ class AsyncProducer:
 
     def _setup(self, config: ProducerConfig, client: redis.asyncio.Redis | None) -> None:
         self.config = config
-        self.keys = config.keys
+        self.layout = config.layout  # the queue's shards (producer/shards.py)
+        self.keys = self.layout.home  # the queue's own keys: heartbeats, reply streams (all of them for one shard)
         self._owns_client = client is None
         self._client = client
         self._connect_lock = asyncio.Lock()
@@ -87,13 +88,13 @@ class AsyncProducer:
             SubmitUncertain: Redis failed or timed out during the XADD; resubmitting with the
                 same ``request_id`` is safe (one id, one result).
         """
-        request = common.build_request(self.keys, options)
+        request = common.build_placed(self.layout, options)
         await self._enqueue([request])
         return request.id
 
     async def submit_many(self, requests: Iterable[GenerationRequest | Mapping[str, Any]]) -> list[str]:
         """Enqueue many requests pipelined; see :meth:`producer.Producer.submit_many`."""
-        batch = [common.coerce_request(self.keys, item) for item in requests]
+        batch = [common.coerce_placed(self.layout, item) for item in requests]
         for start in range(0, len(batch), self.config.submit_chunk_size):
             await self._enqueue(batch[start:start + self.config.submit_chunk_size])
         return [request.id for request in batch]
@@ -103,12 +104,12 @@ class AsyncProducer:
         client = await self.connect()
         with common.uncertain_on_redis_error(requests):
             pipe = client.pipeline(transaction=False)
-            common.queue_submit_commands(pipe, self.keys, requests)
+            common.queue_submit_commands(pipe, self.layout, requests)
             await pipe.execute()
 
     async def get(self, request_id: str) -> GenerationResult | None:
         """The result if it has landed, else None; never blocks."""
-        raw = await self._get(self.keys.result(request_id))
+        raw = await self._get(self.layout.for_id(request_id).result(request_id))
         return None if raw is None else common.finish(raw, raise_on_error=False)
 
     async def result(self, request_id: str, timeout: float | None = None, *,
@@ -120,12 +121,13 @@ class AsyncProducer:
             JobFailed: the result is not ok and ``raise_on_error`` is set.
         """
         deadline = Deadline(timeout)
-        result_key, done_key = self.keys.result(request_id), self.keys.done(request_id)
+        keys = self.layout.for_id(request_id)
+        result_key, done_key = keys.result(request_id), keys.done(request_id)
         raw = await self._get(result_key)
         while raw is None:
             if deadline.is_expired:
                 raise common.timeout_error([request_id], timeout)
-            popped = await self._blpop([done_key], deadline)
+            popped = await self._blpop([done_key], deadline, common.WAIT_SLICE_S)
             # NOTE: after any wake-up (token or slice end) the result key is the truth.
             raw = await (self._take(result_key, done_key, popped[1]) if popped else self._get(result_key))
         return common.finish(raw, raise_on_error=raise_on_error)
@@ -142,20 +144,21 @@ class AsyncProducer:
         pending = dict.fromkeys(request_ids)
         for result in await self._collect(pending):
             yield result
-        offset = 0
+        turn = 0
         while pending:
-            key_to_id = common.next_batch(self.keys, pending, offset, deadline, timeout)
-            popped = await self._blpop(list(key_to_id), deadline)
+            batch = common.next_batch(self.layout, pending, turn, deadline, timeout)
+            popped = await self._blpop(list(batch.key_to_id), deadline, batch.slice_cap_s)
             if popped is None:
-                offset += len(key_to_id)
-                for result in await self._collect(pending):
+                turn += 1
+                for result in await self._collect(pending, [i for i in batch.recheck_ids if i in pending]):
                     yield result
                 continue
-            request_id = key_to_id[popped[0].decode()]
-            raw = await self._take(self.keys.result(request_id), self.keys.done(request_id), popped[1])
+            request_id = batch.key_to_id[popped[0].decode()]
+            keys = self.layout.for_id(request_id)
+            raw = await self._take(keys.result(request_id), keys.done(request_id), popped[1])
             if raw is not None and common.take_pending(pending, request_id):
                 yield common.finish(raw, raise_on_error=False)
-            for result in await self._collect(pending, [i for i in key_to_id.values() if i in pending]):
+            for result in await self._collect(pending, [i for i in batch.key_to_id.values() if i in pending]):
                 yield result
 
     async def cancel(self, request_id: str) -> None:
@@ -167,21 +170,22 @@ class AsyncProducer:
         if request_ids:
             client = await self.connect()
             pipe = client.pipeline(transaction=False)
-            common.queue_cancel_commands(pipe, self.keys, request_ids, self.config.queue.result_ttl_s)
+            common.queue_cancel_commands(pipe, self.layout, request_ids, self.config.queue.result_ttl_s)
             await pipe.execute()
 
     async def stream(self, request_id: str, timeout: float | None = None) -> AsyncIterator[str]:
         """Yield text deltas as the worker writes them; see :meth:`producer.Producer.stream`."""
         client = await self.connect()
         deadline = Deadline(timeout)
-        reader, tokens_key = common.TokenStreamReader(), self.keys.tokens(request_id)
+        keys = self.layout.for_id(request_id)
+        reader, tokens_key = common.TokenStreamReader(), keys.tokens(request_id)
         while True:
             block_ms = max(1, int(deadline.slice_s(common.STREAM_SLICE_S) * 1000))
             reply = await client.xread({tokens_key: reader.last_id}, count=512, block=block_ms)
             texts = reader.feed(reply)
             for text in texts:
                 yield text
-            if reader.is_done or (not texts and not reply and await client.exists(self.keys.result(request_id))):
+            if reader.is_done or (not texts and not reply and await client.exists(keys.result(request_id))):
                 return
             if not reply and deadline.is_expired:
                 raise common.timeout_error([request_id], timeout)
@@ -189,11 +193,15 @@ class AsyncProducer:
     async def stats(self, *, stale_after_s: float = STALE_AFTER_S) -> dict[str, Any]:
         """Queue, lane and worker stats; see :meth:`producer.Producer.stats`."""
         client = await self.connect()
-        lanes = common.all_lanes(self.keys, await client.smembers(self.keys.models))
         pipe = client.pipeline(transaction=False)
-        common.queue_stats_commands(pipe, self.keys, lanes)
+        for keys in self.layout.shards:
+            pipe.smembers(keys.models)
+        registered: set[bytes] = set().union(*await pipe.execute())
+        lanes = common.all_lanes(self.layout, registered)
+        pipe = client.pipeline(transaction=False)
+        common.queue_stats_commands(pipe, self.layout, lanes)
         replies = await pipe.execute(raise_on_error=False)
-        return common.shape_stats(self.keys, lanes, replies, stale_after_s=stale_after_s)
+        return common.shape_stats(self.layout, lanes, replies, stale_after_s=stale_after_s)
 
     async def _get(self, key: str) -> bytes | None:
         client = await self.connect()
@@ -202,19 +210,21 @@ class AsyncProducer:
     async def _collect(self, pending: dict[str, None], ids: list[str] | None = None) -> list[GenerationResult]:
         """Every result of ``ids`` (default: all pending) that has landed (dropped from ``pending``)."""
         client = await self.connect()
-        ids, results = (list(pending) if ids is None else ids), []
-        for start in range(0, len(ids), common.MGET_CHUNK):
-            chunk = ids[start:start + common.MGET_CHUNK]
-            raws = cast("list[bytes | None]", await client.mget([self.keys.result(i) for i in chunk]))
-            for request_id, raw in zip(chunk, raws):
-                if raw is not None and common.take_pending(pending, request_id):
-                    results.append(common.finish(raw, raise_on_error=False))
+        ids = list(pending) if ids is None else ids
+        results: list[GenerationResult] = []
+        if not ids:
+            return results
+        pipe = client.pipeline(transaction=False)
+        shape = common.queue_result_reads(pipe, self.layout, ids)
+        for request_id, raw in zip(ids, shape(await pipe.execute())):
+            if raw is not None and common.take_pending(pending, request_id):
+                results.append(common.finish(raw, raise_on_error=False))
         return results
 
-    async def _blpop(self, keys: list[str], deadline: Deadline) -> tuple[bytes, bytes] | None:
-        """BLPOP for at most one wait slice; (key, token) or None."""
+    async def _blpop(self, keys: list[str], deadline: Deadline, slice_cap_s: float) -> tuple[bytes, bytes] | None:
+        """BLPOP for at most one wait slice (``slice_cap_s`` at most); (key, token) or None."""
         client = await self.connect()
-        popped = await client.blpop(keys, timeout=deadline.slice_s(common.WAIT_SLICE_S))
+        popped = await client.blpop(keys, timeout=deadline.slice_s(slice_cap_s))
         return cast("tuple[bytes, bytes] | None", popped)
 
     async def _take(self, result_key: str, done_key: str, token: bytes) -> bytes | None:

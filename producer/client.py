@@ -53,7 +53,8 @@ class Producer:
 
     def _setup(self, config: ProducerConfig, client: redis.Redis | None) -> None:
         self.config = config
-        self.keys = config.keys
+        self.layout = config.layout  # the queue's shards (producer/shards.py)
+        self.keys = self.layout.home  # the queue's own keys: heartbeats, reply streams (all of them for one shard)
         self._owns_client = client is None
         self.client = client if client is not None else connect(config.redis)
         self._rearm = self.client.register_script(common.REARM_SCRIPT)
@@ -93,6 +94,7 @@ class Producer:
                 ``stream_tokens``; ``metadata`` (JSON-compatible, echoed back); ``model``.
 
         A cancel mark left on the same id by an earlier request is cleared in the same round trip.
+        On a sharded queue a generated id is chosen on the shard of the queue's placement (producer/shards.py).
 
         Returns:
             The request id.
@@ -103,7 +105,7 @@ class Producer:
                 been applied. Submit again with the same ``request_id``: that is safe, because
                 the id is the idempotency key (one id, one result).
         """
-        request = common.build_request(self.keys, options)
+        request = common.build_placed(self.layout, options)
         self._enqueue([request])
         return request.id
 
@@ -122,7 +124,7 @@ class Producer:
             SchemaError: an item is invalid; all items are validated before any is sent.
             SubmitUncertain: Redis failed during a chunk; resubmitting the same requests is safe.
         """
-        batch = [common.coerce_request(self.keys, item) for item in requests]
+        batch = [common.coerce_placed(self.layout, item) for item in requests]
         for start in range(0, len(batch), self.config.submit_chunk_size):
             self._enqueue(batch[start:start + self.config.submit_chunk_size])
         return [request.id for request in batch]
@@ -139,28 +141,51 @@ class Producer:
             SchemaError: an item is invalid; nothing was sent.
             SubmitUncertain: Redis failed during a chunk; calling again with the same requests is safe.
         """
-        batch = [common.coerce_request(self.keys, item) for item in requests]
+        batch = [common.coerce_placed(self.layout, item) for item in requests]
         first_submits: list[float] = []
         for start in range(0, len(batch), self.config.submit_chunk_size):
             chunk = batch[start:start + self.config.submit_chunk_size]
             with common.uncertain_on_redis_error(chunk):
-                pipe = self.client.pipeline(transaction=False)
-                common.queue_submit_once_commands(pipe, self._submit_once, self.keys, chunk, time.time(),
-                                                  self.config.queue.result_ttl_s)
-                first_submits += [float(value) for value in pipe.execute()]
+                first_submits += [float(value) for value in self._submit_once_chunk(chunk)]
         return first_submits
+
+    def _submit_once_chunk(self, chunk: Sequence[GenerationRequest]) -> list[Any]:
+        """One pipelined round trip of submit-once scripts; on a cluster node that lacks the script (a replica
+        promoted by a failover: redis-py's cluster pipeline loads none) it is loaded and the chunk sent again,
+        which the scripts' markers make safe."""
+        for attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            common.queue_submit_once_commands(pipe, self._submit_once, self.layout, chunk, time.time(),
+                                              self.config.queue.result_ttl_s)
+            try:
+                replies: list[Any] = pipe.execute()
+                return replies
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                self.client.script_load(common.SUBMIT_ONCE_SCRIPT)
+        raise AssertionError("unreachable")
 
     def _enqueue(self, requests: Sequence[GenerationRequest]) -> None:
         """One round trip: clear stale cancel marks of the ids, XADD each request."""
         with common.uncertain_on_redis_error(requests):
             pipe = self.client.pipeline(transaction=False)
-            common.queue_submit_commands(pipe, self.keys, requests)
+            common.queue_submit_commands(pipe, self.layout, requests)
             pipe.execute()
 
     def get(self, request_id: str) -> GenerationResult | None:
         """The result if it has landed, else None; never blocks."""
-        raw = cast("bytes | None", self.client.get(self.keys.result(request_id)))
+        raw = cast("bytes | None", self.client.get(self.layout.for_id(request_id).result(request_id)))
         return None if raw is None else common.finish(raw, raise_on_error=False)
+
+    def raw_results(self, request_ids: Sequence[str]) -> list[bytes | None]:
+        """The stored (msgpack) result of each id, None where none has landed, in one pipelined round trip
+        (:func:`producer.common.queue_result_reads`)."""
+        if not request_ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        shape = common.queue_result_reads(pipe, self.layout, request_ids)
+        return cast("list[bytes | None]", shape(pipe.execute()))
 
     def result(self, request_id: str, timeout: float | None = None, *,
                raise_on_error: bool = False) -> GenerationResult:
@@ -176,12 +201,13 @@ class Producer:
             JobFailed: the result is not ok and ``raise_on_error`` is set.
         """
         deadline = Deadline(timeout)
-        result_key, done_key = self.keys.result(request_id), self.keys.done(request_id)
+        keys = self.layout.for_id(request_id)
+        result_key, done_key = keys.result(request_id), keys.done(request_id)
         raw = cast("bytes | None", self.client.get(result_key))
         while raw is None:
             if deadline.is_expired:
                 raise common.timeout_error([request_id], timeout)
-            popped = self._blpop([done_key], deadline)
+            popped = self._blpop([done_key], deadline, common.WAIT_SLICE_S)
             # NOTE: after any wake-up (token or slice end) the result key is the truth.
             if popped:
                 raw = self._take(result_key, done_key, popped[1])
@@ -201,10 +227,10 @@ class Producer:
     def as_completed(self, request_ids: Iterable[str], timeout: float | None = None) -> Iterator[GenerationResult]:
         """Yield results as they land, each id once.
 
-        One BLPOP watches up to 256 done lists at a time (rotating over larger sets). Each
-        wake-up also collects, with one MGET, every other result of that batch that has landed
-        meanwhile (so a busy queue costs about one round trip per batch, not per result), and
-        all pending ids are re-checked whenever a wait slice ends.
+        One BLPOP watches up to 256 done lists at a time (rotating over larger sets; on a cluster, those of
+        one shard, the shards in turn: :func:`producer.common.next_batch`). Each wake-up also collects, with
+        one MGET, every other result of that batch that has landed meanwhile (so a busy queue costs about one
+        round trip per batch, not per result), and pending ids are re-checked whenever a wait slice ends.
 
         Raises:
             ResultTimeout: some results did not land within ``timeout`` seconds.
@@ -212,19 +238,20 @@ class Producer:
         deadline = Deadline(timeout)
         pending = dict.fromkeys(request_ids)
         yield from self._collect(pending)
-        offset = 0
+        turn = 0
         while pending:
-            key_to_id = common.next_batch(self.keys, pending, offset, deadline, timeout)
-            popped = self._blpop(list(key_to_id), deadline)
+            batch = common.next_batch(self.layout, pending, turn, deadline, timeout)
+            popped = self._blpop(list(batch.key_to_id), deadline, batch.slice_cap_s)
             if popped is None:
-                offset += len(key_to_id)
-                yield from self._collect(pending)
+                turn += 1
+                yield from self._collect(pending, [i for i in batch.recheck_ids if i in pending])
                 continue
-            request_id = key_to_id[popped[0].decode()]
-            raw = self._take(self.keys.result(request_id), self.keys.done(request_id), popped[1])
+            request_id = batch.key_to_id[popped[0].decode()]
+            keys = self.layout.for_id(request_id)
+            raw = self._take(keys.result(request_id), keys.done(request_id), popped[1])
             if raw is not None and common.take_pending(pending, request_id):
                 yield common.finish(raw, raise_on_error=False)
-            yield from self._collect(pending, [i for i in key_to_id.values() if i in pending])
+            yield from self._collect(pending, [i for i in batch.key_to_id.values() if i in pending])
 
     def cancel(self, request_id: str) -> None:
         """Ask the workers to cancel ``request_id``; its result will say ``cancelled``.
@@ -238,7 +265,7 @@ class Producer:
         """Cancel every id of ``request_ids`` in one round trip (see :meth:`cancel`)."""
         if request_ids:
             pipe = self.client.pipeline(transaction=False)
-            common.queue_cancel_commands(pipe, self.keys, request_ids, self.config.queue.result_ttl_s)
+            common.queue_cancel_commands(pipe, self.layout, request_ids, self.config.queue.result_ttl_s)
             pipe.execute()
 
     def locate(self, request_ids: Sequence[str]) -> dict[str, common.RequestState]:
@@ -264,7 +291,7 @@ class Producer:
         if rest:
             pipe = self.client.pipeline(transaction=False)
             for request_id in rest:
-                pipe.exists(self.keys.result(request_id))
+                pipe.exists(self.layout.for_id(request_id).result(request_id))
             for request_id, exists in zip(rest, pipe.execute()):
                 found[request_id] = "finished" if exists else "unknown"
         return {request_id: found[request_id] for request_id in request_ids}
@@ -279,21 +306,22 @@ class Producer:
             ResultTimeout: neither happened within ``timeout`` seconds.
         """
         deadline = Deadline(timeout)
-        reader, tokens_key = common.TokenStreamReader(), self.keys.tokens(request_id)
+        keys = self.layout.for_id(request_id)
+        reader, tokens_key = common.TokenStreamReader(), keys.tokens(request_id)
         while True:
             block_ms = max(1, int(deadline.slice_s(common.STREAM_SLICE_S) * 1000))
             reply = self.client.xread({tokens_key: reader.last_id}, count=512, block=block_ms)
             texts = reader.feed(reply)
             for text in texts:
                 yield text
-            if reader.is_done or (not texts and not reply and self.client.exists(self.keys.result(request_id))):
+            if reader.is_done or (not texts and not reply and self.client.exists(keys.result(request_id))):
                 return
             if not reply and deadline.is_expired:
                 raise common.timeout_error([request_id], timeout)
 
     def stats(self, *, stale_after_s: float = STALE_AFTER_S) -> dict[str, Any]:
         """Queue depth, pending, lag (Redis >= 7, else None) per lane (the shared lanes and those of every
-        model requests were routed to); dead letters; workers.
+        model requests were routed to, of every shard); dead letters; workers.
 
         Args:
             stale_after_s: a worker whose heartbeat ``ts`` is older than this counts as stale (default:
@@ -301,7 +329,8 @@ class Producer:
                 says ``stopped`` is stale at once (``stale_workers`` holds both).
 
         Returns:
-            ``{"queue", "models", "lanes": [{"lane", "model", "stream", "depth", "pending", "lag", "has_group"}],
+            ``{"queue", "models", "lanes": [{"lane", "pool", "model", "shard", "stream", "depth", "pending", "lag",
+            "has_group"}], "shards": [{"shard", "base", "depth", "pending", "lag"}],
             "depth", "pending", "dead", "cancelled", "num_live_workers", "workers",
             "stale_workers", "backlog_tokens", "eta_s"}``; a shared lane's ``model`` is None, and ``depth`` and
             ``pending`` add up every lane; ``backlog_tokens`` is the completion tokens the queue's work is predicted
@@ -309,27 +338,28 @@ class Producer:
         """
         lanes = self._lanes()
         pipe = self.client.pipeline(transaction=False)
-        common.queue_stats_commands(pipe, self.keys, lanes)
+        common.queue_stats_commands(pipe, self.layout, lanes)
         replies = pipe.execute(raise_on_error=False)
-        return common.shape_stats(self.keys, lanes, replies, stale_after_s=stale_after_s)
+        return common.shape_stats(self.layout, lanes, replies, stale_after_s=stale_after_s)
 
     def _lanes(self) -> list[Lane]:
-        """Every lane of the queue: the shared ones and those of every registered model."""
-        return common.all_lanes(self.keys, cast("set[bytes]", self.client.smembers(self.keys.models)))
+        """Every lane of the queue, of every shard: the shared ones and those of every registered model."""
+        pipe = self.client.pipeline(transaction=False)
+        for keys in self.layout.shards:
+            pipe.smembers(keys.models)
+        registered: set[bytes] = set().union(*cast("list[set[bytes]]", pipe.execute()))
+        return common.all_lanes(self.layout, registered)
 
     def _collect(self, pending: dict[str, None], ids: list[str] | None = None) -> Iterator[GenerationResult]:
         """Yield (and drop from ``pending``) every result of ``ids`` (default: all pending) that has landed."""
         ids = list(pending) if ids is None else ids
-        for start in range(0, len(ids), common.MGET_CHUNK):
-            chunk = ids[start:start + common.MGET_CHUNK]
-            raws = cast("list[bytes | None]", self.client.mget([self.keys.result(i) for i in chunk]))
-            for request_id, raw in zip(chunk, raws):
-                if raw is not None and common.take_pending(pending, request_id):
-                    yield common.finish(raw, raise_on_error=False)
+        for request_id, raw in zip(ids, self.raw_results(ids)):
+            if raw is not None and common.take_pending(pending, request_id):
+                yield common.finish(raw, raise_on_error=False)
 
-    def _blpop(self, keys: list[str], deadline: Deadline) -> tuple[bytes, bytes] | None:
-        """BLPOP for at most one wait slice; (key, token) or None."""
-        popped = self.client.blpop(keys, timeout=deadline.slice_s(common.WAIT_SLICE_S))
+    def _blpop(self, keys: list[str], deadline: Deadline, slice_cap_s: float) -> tuple[bytes, bytes] | None:
+        """BLPOP for at most one wait slice (``slice_cap_s`` at most); (key, token) or None."""
+        popped = self.client.blpop(keys, timeout=deadline.slice_s(slice_cap_s))
         return cast("tuple[bytes, bytes] | None", popped)
 
     def _take(self, result_key: str, done_key: str, token: bytes) -> bytes | None:

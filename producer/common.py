@@ -7,8 +7,9 @@ from __future__ import annotations
 import codecs
 import math
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Literal, TypedDict
 
 import redis
@@ -32,6 +33,7 @@ from tokenmill.producer.schema import (
     encode_request,
     peek_request_id,
 )
+from tokenmill.producer.shards import QueueLayout
 from tokenmill.protocol.heartbeat import Heartbeat, decode_heartbeat
 
 # Longest single blocking command; a wait longer than this is a loop of such slices, each
@@ -41,6 +43,10 @@ WAIT_SLICE_S = MAX_BLOCK_S
 # finished without a token stream (e.g. errors, or stream_tokens=False).
 STREAM_SLICE_S = 0.5
 DONE_KEYS_PER_BLPOP = 256
+# NOTE: on a cluster one BLPOP watches the done lists of one shard only: while results are awaited on several
+# shards, each wait is this short, in turn over the shards (a result on another shard waits at most about this
+# long per shard to be seen).
+SHARDED_WAIT_SLICE_S = 0.05
 MGET_CHUNK = 1000
 LOCATE_PAGE = 1000  # lane entries per XRANGE while looking requests up (Producer.locate)
 
@@ -170,6 +176,29 @@ def coerce_request(keys: Keys, item: GenerationRequest | Mapping[str, Any]) -> G
     return item
 
 
+def build_placed(layout: QueueLayout, options: Mapping[str, Any]) -> GenerationRequest:
+    """:func:`build_request` on the queue's shards: without a ``request_id`` the id is chosen on the shard of the
+    queue's placement (producer/shards.py); a given id decides its shard itself.
+
+    Raises:
+        SchemaError: code ``validation``.
+    """
+    request = build_request(layout.home, options)
+    return request if options.get("request_id") is not None else layout.placed(request)
+
+
+def coerce_placed(layout: QueueLayout, item: GenerationRequest | Mapping[str, Any]) -> GenerationRequest:
+    """:func:`coerce_request` on the queue's shards: a dict item without ``request_id`` is placed
+    (:func:`build_placed`); a ``GenerationRequest`` keeps its id (the caller may know it already).
+
+    Raises:
+        SchemaError: code ``validation``.
+    """
+    if isinstance(item, GenerationRequest):
+        return coerce_request(layout.home, item)
+    return build_placed(layout, item)
+
+
 def _check_for_queue(keys: Keys, request: GenerationRequest) -> None:
     reason = check_reply_to(request, keys)
     if reason is not None:
@@ -213,26 +242,38 @@ def as_chat(options: Mapping[str, Any], system: str | None = None) -> dict[str, 
     return {**{k: v for k, v in options.items() if k != "prompt"}, "messages": messages}
 
 
-def queue_submit_commands(pipe: Any, keys: Keys, requests: Sequence[GenerationRequest]) -> None:
+def by_shard(layout: QueueLayout, requests: Sequence[GenerationRequest]) -> dict[int, list[GenerationRequest]]:
+    """``requests`` by the shard each lives on, in order within a shard."""
+    groups: dict[int, list[GenerationRequest]] = {}
+    for request in requests:
+        groups.setdefault(layout.shard_of(request.id), []).append(request)
+    return groups
+
+
+def queue_submit_commands(pipe: Any, layout: QueueLayout, requests: Sequence[GenerationRequest]) -> None:
     """Queue the commands that enqueue ``requests`` (sync or asyncio pipeline, one round trip), each on
-    its priority lane: the shared one, or its model's when it names one (the model is registered too).
+    its shard's priority lane: the shared one, or its model's when it names one (the model is registered too).
 
     NOTE: the ids are first removed from the cancel set: a cancel mark lives ``result_ttl_s`` and
     would otherwise cancel a later submit of the same id before it ran. ZREM precedes the XADDs
-    on the same connection, so no worker can see an entry while its old mark still stands.
+    on the same connection (a shard's keys are one node's), so no worker can see an entry while its old
+    mark still stands.
     """
-    pipe.zrem(keys.cancel, *[request.id for request in requests])
-    models = {request.model for request in requests if request.model is not None}
-    if models:
-        pipe.sadd(keys.models, *sorted(models))
-    for request in requests:
-        pipe.xadd(keys.lane(request.priority, request.model), encode_request(request))
+    for shard, shard_requests in by_shard(layout, requests).items():
+        keys = layout.shards[shard]
+        pipe.zrem(keys.cancel, *[request.id for request in shard_requests])
+        models = {request.model for request in shard_requests if request.model is not None}
+        if models:
+            pipe.sadd(keys.models, *sorted(models))
+        for request in shard_requests:
+            pipe.xadd(keys.lane(request.priority, request.model), encode_request(request))
 
 
-def queue_submit_once_commands(pipe: Any, script: Any, keys: Keys, requests: Sequence[GenerationRequest],
+def queue_submit_once_commands(pipe: Any, script: Any, layout: QueueLayout, requests: Sequence[GenerationRequest],
                                now_s: float, ttl_s: float) -> None:
     """Queue one :data:`SUBMIT_ONCE_SCRIPT` call per request (each replies with its first submit time)."""
     for request in requests:
+        keys = layout.for_id(request.id)
         fields = encode_request(request)
         script_keys = [keys.submitted(request.id), keys.lane(request.priority, request.model), keys.cancel]
         args = [repr(now_s), int(ttl_s * 1000), fields["d"], fields["v"], request.id]
@@ -247,11 +288,17 @@ def ids_in_entries(entries: Sequence[tuple[bytes, Mapping[bytes, bytes]]], wante
     return [rid for _, fields in entries if (rid := peek_request_id(dict(fields))) is not None and rid in wanted]
 
 
-def queue_cancel_commands(pipe: Any, keys: Keys, request_ids: Sequence[str], mark_ttl_s: float) -> None:
-    """Queue the commands that cancel ``request_ids`` and trim marks older than ``mark_ttl_s``."""
+def queue_cancel_commands(pipe: Any, layout: QueueLayout, request_ids: Sequence[str], mark_ttl_s: float) -> None:
+    """Queue the commands that cancel ``request_ids`` (in the cancel set of each one's shard) and trim marks
+    older than ``mark_ttl_s``."""
     now = time.time()
-    pipe.zadd(keys.cancel, dict.fromkeys(request_ids, now))
-    pipe.zremrangebyscore(keys.cancel, "-inf", now - mark_ttl_s)
+    shard_to_ids: dict[int, list[str]] = {}
+    for request_id in request_ids:
+        shard_to_ids.setdefault(layout.shard_of(request_id), []).append(request_id)
+    for shard, ids in shard_to_ids.items():
+        cancel = layout.shards[shard].cancel
+        pipe.zadd(cancel, dict.fromkeys(ids, now))
+        pipe.zremrangebyscore(cancel, "-inf", now - mark_ttl_s)
 
 
 @contextmanager
@@ -357,49 +404,80 @@ def take_pending(pending: dict[str, None], request_id: str) -> bool:
     return True
 
 
-def done_keys(keys: Keys, request_ids: Sequence[str]) -> dict[str, str]:
-    """Done-list key to request id."""
-    return {keys.done(request_id): request_id for request_id in request_ids}
+@dataclass(frozen=True)
+class WaitBatch:
+    """One BLPOP of a wait for many results: the done lists it watches and for how long, and the ids to
+    re-check (one MGET per slot group) when it times out."""
+
+    key_to_id: dict[str, str]  # done-list key -> request id
+    slice_cap_s: float  # the longest this wait may block
+    recheck_ids: list[str]
 
 
-def next_batch(keys: Keys, pending: dict[str, None], offset: int, deadline: Deadline,
-               timeout_s: float | None) -> dict[str, str]:
-    """Done-list key to request id of the next batch of ``pending`` to BLPOP on (see :func:`rotate`).
+def next_batch(layout: QueueLayout, pending: dict[str, None], turn: int, deadline: Deadline,
+               timeout_s: float | None) -> WaitBatch:
+    """The ``turn``-th BLPOP of a wait for ``pending``: up to ``DONE_KEYS_PER_BLPOP`` done lists of one slot
+    group (all ids on one instance; one shard's on a cluster, the shards in turn), rotating over larger sets.
+    After a timeout every pending id is re-checked; on a cluster with several shards awaited, the batch's ids
+    only (each id's turn comes once per round), since its waits are short (:data:`SHARDED_WAIT_SLICE_S`).
 
     Raises:
         ResultTimeout: ``deadline`` has passed with results still pending.
     """
     if deadline.is_expired:
         raise timeout_error(list(pending), timeout_s)
-    return done_keys(keys, rotate(list(pending), offset))
+    groups = layout.slot_groups(list(pending))
+    group = groups[turn % len(groups)]
+    ids = rotate(group, turn // len(groups) * DONE_KEYS_PER_BLPOP)
+    key_to_id = {layout.for_id(request_id).done(request_id): request_id for request_id in ids}
+    if len(groups) == 1:
+        return WaitBatch(key_to_id, WAIT_SLICE_S, list(pending))
+    return WaitBatch(key_to_id, SHARDED_WAIT_SLICE_S, ids)
 
 
-def all_lanes(keys: Keys, registered: Iterable[bytes | str]) -> list[Lane]:
-    """Every lane of the queue: the shared ones and those of each model in ``registered`` (the reply
-    to SMEMBERS of :attr:`Keys.models`), most urgent first, then the decode pool's lanes of them (prefill workers'
-    hand-offs; :func:`shape_stats` leaves out those that do not exist).
+def queue_result_reads(pipe: Any, layout: QueueLayout, request_ids: Sequence[str]) -> Callable[[list[Any]], list[Any]]:
+    """Queue the reads of the results of ``request_ids`` (sync or asyncio pipeline); returns what turns the
+    pipeline's replies into one raw result (or None) per id. One MGET per ``MGET_CHUNK`` ids; on a cluster one
+    GET per id (redis-py's cluster pipeline refuses MGET), which it sends to each node at once."""
+    keys = [layout.for_id(request_id).result(request_id) for request_id in request_ids]
+    if layout.is_cluster:
+        for key in keys:
+            pipe.get(key)
+        return lambda replies: replies
+    for start in range(0, len(keys), MGET_CHUNK):
+        pipe.mget(keys[start:start + MGET_CHUNK])
+    return lambda replies: [raw for chunk in replies for raw in chunk]
+
+
+def all_lanes(layout: QueueLayout, registered: Iterable[bytes | str]) -> list[Lane]:
+    """Every lane of the queue, of every shard: the shared ones and those of each model in ``registered`` (the
+    replies to SMEMBERS of the shards' :attr:`Keys.models`), most urgent first, then the decode pool's lanes of
+    them (prefill workers' hand-offs; :func:`shape_stats` leaves out those that do not exist).
 
     NOTE: anyone may write to the set: a name that is not UTF-8 is read with replacement characters,
     which names lanes that hold nothing, never an error.
     """
     models = [name.decode(errors="replace") if isinstance(name, bytes) else name for name in registered]
-    return keys.lanes_for(models) + keys.lanes_for(models, is_decode=True)
+    return layout.lanes_for(models) + layout.lanes_for(models, is_decode=True)
 
 
-def queue_stats_commands(pipe: Any, keys: Keys, lanes: Sequence[Lane]) -> None:
+def queue_stats_commands(pipe: Any, layout: QueueLayout, lanes: Sequence[Lane]) -> None:
     """Queue the commands whose replies :func:`shape_stats` reads (sync or asyncio pipeline)."""
     for lane in lanes:
         pipe.xlen(lane.stream)
         pipe.xpending(lane.stream, CONSUMER_GROUP)
         pipe.xinfo_groups(lane.stream)
-    pipe.xlen(keys.dead)
-    pipe.zcard(keys.cancel)
-    pipe.hgetall(keys.workers)
+    for keys in layout.shards:
+        pipe.xlen(keys.dead)
+        pipe.zcard(keys.cancel)
+    pipe.hgetall(layout.home.workers)
 
 
-def shape_stats(keys: Keys, lanes: Sequence[Lane], replies: Sequence[Any], *, stale_after_s: float) -> dict[str, Any]:
+def shape_stats(layout: QueueLayout, lanes: Sequence[Lane], replies: Sequence[Any], *,
+                stale_after_s: float) -> dict[str, Any]:
     """Stats of ``lanes`` from the replies of :func:`queue_stats_commands` (errors returned, not raised) and
-    the workers hash, with the queue's predicted backlog in completion tokens and its ETA (producer/eta.py)."""
+    the workers hash, with the queue's predicted backlog in completion tokens and its ETA (producer/eta.py).
+    Depth, pending, dead letters and cancel marks add up every shard; ``shards`` has each shard's."""
     lane_stats = []
     for position, lane in enumerate(lanes):
         depth, pending, groups = replies[3 * position: 3 * position + 3]
@@ -410,13 +488,17 @@ def shape_stats(keys: Keys, lanes: Sequence[Lane], replies: Sequence[Any], *, st
             "lane": lane.priority,
             "pool": "decode" if lane.is_decode else "request",
             "model": lane.model,
+            "shard": lane.shard,
             "stream": lane.stream,
             "depth": depth,
             "pending": 0 if isinstance(pending, Exception) else int(pending["pending"]),
             "lag": None if group is None else group.get("lag"),
             "has_group": group is not None,
         })
-    dead, num_cancelled, workers = replies[3 * len(lanes):]
+    rest = replies[3 * len(lanes):]
+    dead = sum(int(n) for n in rest[0:-1:2] if isinstance(n, int))
+    num_cancelled = sum(int(n) for n in rest[1:-1:2] if isinstance(n, int))
+    workers = rest[-1]
     now = time.time()
     live: dict[str, Any] = {}
     stale: dict[str, Any] = {}
@@ -432,9 +514,10 @@ def shape_stats(keys: Keys, lanes: Sequence[Lane], replies: Sequence[Any], *, st
             live[name] = beat.model_dump()
             live_beats.append(beat)
     return {
-        "queue": keys.base,
+        "queue": layout.home.base,
         "models": sorted({lane.model for lane in lanes if lane.model is not None}),
         "lanes": lane_stats,
+        "shards": _shard_stats(layout, lane_stats),
         "depth": sum(lane["depth"] for lane in lane_stats),
         "pending": sum(lane["pending"] for lane in lane_stats),
         "dead": dead,
@@ -444,6 +527,18 @@ def shape_stats(keys: Keys, lanes: Sequence[Lane], replies: Sequence[Any], *, st
         "stale_workers": stale,
         **queue_eta(live_beats, _undelivered(lane_stats)).as_dict(),
     }
+
+
+def _shard_stats(layout: QueueLayout, lane_stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Depth, pending and lag (None where a lane's is unknown) of each shard, summed over its lanes."""
+    out = []
+    for shard, keys in enumerate(layout.shards):
+        lanes = [lane for lane in lane_stats if lane["shard"] == shard]
+        lags = [lane["lag"] for lane in lanes]
+        out.append({"shard": shard, "base": keys.base, "depth": sum(lane["depth"] for lane in lanes),
+                    "pending": sum(lane["pending"] for lane in lanes),
+                    "lag": None if any(lag is None for lag in lags) else sum(int(lag) for lag in lags)})
+    return out
 
 
 def _undelivered(lane_stats: list[dict[str, Any]]) -> int | None:

@@ -12,7 +12,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import Annotated, Any, Literal, cast
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -27,9 +27,12 @@ from typing_extensions import Self
 
 from tokenmill.producer.errors import ConfigError
 from tokenmill.producer.keys import DEFAULT_NUM_LANES, DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
+from tokenmill.producer.shards import MAX_SHARDS, QueueLayout
 from tokenmill.protocol.heartbeat import STALE_AFTER_S
 
 URL_SCHEMES = ("redis", "rediss", "unix")
+# A Redis Cluster: the node URL as redis:// / rediss://, with "+cluster" saying what it is (producer/connection.py).
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 # NOTE: the producer never blocks in one command for longer than this, so a socket timeout
 # above it can never cut a healthy BLPOP / XREAD short.
 MAX_BLOCK_S = 5.0
@@ -59,23 +62,41 @@ class QueueConfig(_Frozen):
     num_lanes: int = Field(DEFAULT_NUM_LANES, ge=1, le=64, description="priority lanes; lane k runs at priority k")
     hash_tag: bool = Field(False, description="keys as {prefix:name}:... so a queue lives in one Redis Cluster slot")
     result_ttl_s: float = Field(86_400.0, gt=0, description="how long results and cancel marks live")
+    # NOTE: shards > 1 on one Redis instance is allowed: it spreads the pending lists and lanes over keys (the
+    # same names a cluster uses, so moving to one is a key copy), though one instance's core stays the limit.
+    shards: int = Field(1, ge=1, le=MAX_SHARDS, description="streams the queue is spread over, one cluster slot "
+                        "each (producer/shards.py); every producer and worker of the queue must agree on it")
+    placement: Literal["prefix", "id"] = Field(
+        "prefix", description="shard of a request: by its prompt's first characters (shared prefixes meet one "
+        "worker's prefix cache; ids the producer generates only) or by its id")
+    readers_per_shard: int = Field(0, ge=0, description="live workers reading each shard, chosen by rendezvous "
+                                   "hashing over the heartbeats (worker/shard_claims.py); 0 = every worker reads "
+                                   "every shard")
 
     @model_validator(mode="after")
     def _check_keys(self) -> QueueConfig:
-        _ = self.keys  # raises ValueError with the reason
+        _ = self.layout(is_cluster=False)  # raises ValueError with the reason
         return self
 
     @property
     def keys(self) -> Keys:
-        """Key layout of this queue."""
-        return Keys(self.prefix, self.name, self.num_lanes, self.hash_tag)
+        """Key layout of this queue off a cluster (its queue-wide keys when sharded: :meth:`layout`)."""
+        return self.layout(is_cluster=False).home
+
+    def layout(self, is_cluster: bool) -> QueueLayout:
+        """The queue's keys: its own and its shards' (hash-tagged on a cluster or with several shards)."""
+        return QueueLayout.build(self.prefix, self.name, self.num_lanes, num_shards=self.shards,
+                                 hash_tag=self.hash_tag, placement=self.placement, is_cluster=is_cluster)
 
 
 class RedisConfig(_Frozen):
     """Where Redis is and how to reach it: ``url`` if set, else the ``REDIS_URL`` environment
     variable, else the embedded Redis under ``embedded_dir`` (see :mod:`producer.embedded`)."""
 
-    url: str | None = Field(None, description="redis://, rediss:// (TLS) or unix:// URL; user:password@ for ACLs")
+    url: str | None = Field(None, description="redis://, rediss:// (TLS) or unix:// URL; user:password@ for ACLs; "
+                            "redis+cluster:// / rediss+cluster:// for a node of a Redis Cluster")
+    cluster: bool = Field(False, description="the URL is a node of a Redis Cluster: connect with redis-py's "
+                          "cluster client (MOVED/ASK, failover) and keep every script's keys in one slot")
     embedded_dir: Path | None = Field(None, description="data dir of the embedded Redis; "
                                       "None = $TOKENMILL_HOME/redis or ~/.cache/tokenmill/redis")
     connect_timeout_s: float = Field(default=5.0, gt=0, description="TCP/unix connect timeout per attempt")
@@ -92,8 +113,9 @@ class RedisConfig(_Frozen):
         if value is None:
             return None
         parts = urlsplit(value)
-        if parts.scheme not in URL_SCHEMES:
-            raise ValueError(f"url scheme must be one of {', '.join(s + '://' for s in URL_SCHEMES)}, got {value!r}")
+        if parts.scheme not in URL_SCHEMES + CLUSTER_SCHEMES:
+            raise ValueError(f"url scheme must be one of {', '.join(s + '://' for s in URL_SCHEMES + CLUSTER_SCHEMES)}"
+                             f", got {value!r}")
         if parts.scheme == "unix" and not parts.path:
             raise ValueError("a unix:// url needs a socket path, e.g. unix:///run/redis.sock")
         if parts.scheme != "unix" and not parts.hostname:
@@ -106,7 +128,15 @@ class RedisConfig(_Frozen):
             raise ValueError("max_backoff_s must be >= retry_backoff_s")
         if self.socket_timeout_s is not None and self.socket_timeout_s <= MAX_BLOCK_S:
             raise ValueError(f"socket_timeout_s must exceed {MAX_BLOCK_S} s (the longest blocking wait) or be None")
+        if self.cluster and self.url is not None and urlsplit(self.url).scheme == "unix":
+            raise ValueError("cluster = true needs a redis:// or rediss:// node address (a cluster has no unix socket)")
         return self
+
+    @property
+    def is_cluster(self) -> bool:
+        """Whether Redis is a cluster: ``cluster = true``, or a ``+cluster`` scheme (of ``url``, else ``REDIS_URL``)."""
+        url = self.url or os.environ.get(REDIS_URL_ENV) or ""
+        return self.cluster or urlsplit(url).scheme in CLUSTER_SCHEMES
 
 
 class ProducerConfig(_Frozen):
@@ -117,9 +147,14 @@ class ProducerConfig(_Frozen):
     submit_chunk_size: int = Field(default=500, ge=1, le=100_000, description="requests per pipelined round trip")
 
     @property
+    def layout(self) -> QueueLayout:
+        """The queue's keys, its own and its shards' (producer/shards.py)."""
+        return self.queue.layout(self.redis.is_cluster)
+
+    @property
     def keys(self) -> Keys:
-        """Key layout of the queue."""
-        return self.queue.keys
+        """The queue's own keys (all of them for a queue of one shard): heartbeats, reply streams, files."""
+        return self.layout.home
 
 
 class ServeConfig(_Frozen):

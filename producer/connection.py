@@ -1,7 +1,10 @@
 """The one Redis connection factory of tokenmill, sync and asyncio; the worker uses it too.
 
 Picks the server (config url > $REDIS_URL > embedded Redis), then retries with backoff,
-PINGs and logs. Never imports torch, the engine or the worker.
+PINGs and logs. With ``[redis] cluster = true`` or a ``redis+cluster://`` / ``rediss+cluster://`` URL
+the client is redis-py's cluster client (it follows MOVED/ASK and refreshes its slot map after a
+failover); it is typed as ``redis.Redis`` for the callers, which use only commands both serve, each
+naming keys of one slot (producer/shards.py). Never imports torch, the engine or the worker.
 """
 
 from __future__ import annotations
@@ -10,19 +13,39 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
+import redis.asyncio.cluster
+import redis.asyncio.retry
+import redis.cluster
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ClusterError, RedisClusterException, TryAgainError
+from redis.retry import Retry
 
 from tokenmill.producer import embedded
-from tokenmill.producer.config import RedisConfig
+from tokenmill.producer.config import CLUSTER_SCHEMES, RedisConfig
 from tokenmill.producer.errors import RedisUnavailable
 
 logger = logging.getLogger("tokenmill.connection")
 
-_RETRYABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
+# Everything a call of either client may raise for Redis' sake: the cluster client's own exceptions
+# (a slot no node covers, no node reachable) are not RedisErrors.
+REDIS_ERRORS = (redis.RedisError, RedisClusterException)
+# A cluster in transition: a failover (CLUSTERDOWN, MASTERDOWN, READONLY from a demoted primary), a slot
+# migration (TRYAGAIN for a multi-key command, MOVED / ASK the client did not follow), no node reachable
+# for a moment. They pass on their own: retried with backoff like a lost connection.
+# NOTE: redis-py strips the error code from these exceptions' messages: match the classes, not the text.
+CLUSTER_TRANSIENT_ERRORS = (
+    ClusterError, TryAgainError, redis.exceptions.AskError, redis.ReadOnlyError, RedisClusterException)
+_RETRYABLE = (redis.ConnectionError, redis.TimeoutError, OSError, *CLUSTER_TRANSIENT_ERRORS)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` passes on its own (a lost connection, a cluster failing over or resharding)."""
+    return isinstance(exc, (redis.ConnectionError, redis.TimeoutError, *CLUSTER_TRANSIENT_ERRORS))
 
 
 def resolve_url(config: RedisConfig) -> str:
@@ -38,7 +61,18 @@ def resolve_url(config: RedisConfig) -> str:
     if url:
         RedisConfig(url=url)  # NOTE: validates an env URL exactly like a configured one
         return url
+    if config.cluster:
+        raise RedisUnavailable("[redis] cluster = true needs a url (a node of the cluster); the embedded Redis is one "
+                               "instance")
     return embedded.start(config.embedded_dir).url
+
+
+def node_url(url: str) -> str:
+    """``url`` with a ``+cluster`` scheme as the plain one redis-py reads (``redis+cluster://`` is ``redis://``)."""
+    parts = urlsplit(url)
+    if parts.scheme in CLUSTER_SCHEMES:
+        return urlunsplit(parts._replace(scheme=parts.scheme.removesuffix("+cluster")))
+    return url
 
 
 def redact_url(url: str) -> str:
@@ -60,6 +94,33 @@ def _client_kwargs(config: RedisConfig, *, probe: bool = False) -> dict[str, Any
         "socket_timeout": config.connect_timeout_s if probe else config.socket_timeout_s,
         "health_check_interval": config.health_check_interval_s,
     }
+
+
+def _cluster_kwargs(config: RedisConfig, *, is_async: bool = False) -> dict[str, Any]:
+    """The cluster client's own retry: it re-sends a command after MOVED / ASK / TRYAGAIN / CLUSTERDOWN and a
+    lost node (refreshing its slot map), with our backoff, for about as long as a failover takes
+    (``cluster-node-timeout`` plus an election); what outlasts it reaches our own retry loops."""
+    retry_class = redis.asyncio.retry.Retry if is_async else Retry
+    retry = retry_class(ExponentialWithJitterBackoff(base=config.retry_backoff_s, cap=config.max_backoff_s),
+                        retries=max(3, config.connect_retries))
+    return {"retry": retry, "require_full_coverage": False}
+
+
+def _sync_client(url: str, config: RedisConfig, *, probe: bool = False) -> redis.Redis:
+    if config.is_cluster:
+        cluster = redis.cluster.RedisCluster.from_url(node_url(url), **_client_kwargs(config, probe=probe),
+                                                      **_cluster_kwargs(config))
+        return cast(redis.Redis, cluster)
+    return redis.Redis.from_url(url, **_client_kwargs(config, probe=probe))
+
+
+def _async_client(url: str, config: RedisConfig, *, probe: bool = False) -> redis.asyncio.Redis:
+    if config.is_cluster:
+        kwargs = {**_client_kwargs(config, probe=probe), **_cluster_kwargs(config, is_async=True)}
+        kwargs.pop("health_check_interval")  # NOTE: per-node connections of the asyncio cluster client take none
+        cluster = redis.asyncio.cluster.RedisCluster.from_url(node_url(url), **kwargs)
+        return cast(redis.asyncio.Redis, cluster)
+    return redis.asyncio.Redis.from_url(url, **_client_kwargs(config, probe=probe))
 
 
 def _unreachable(url: str, attempts: int, last_error: Exception | None) -> RedisUnavailable:
@@ -104,23 +165,24 @@ def connect(config: RedisConfig | None = None) -> redis.Redis:
     """
     config = config or RedisConfig()
     url = resolve_url(config)
-    probe = redis.Redis.from_url(url, **_client_kwargs(config, probe=True))
     attempts = 1 + config.connect_retries
     last_error: Exception | None = None
-    try:
-        for attempt in range(attempts):
+    for attempt in range(attempts):
+        try:
+            # NOTE: inside the loop: the cluster client reads the slot map when it is built
+            probe = _sync_client(url, config, probe=True)
             try:
                 probe.ping()
-            except _RETRYABLE as exc:
-                last_error = exc
-                delay_s = _after_failed_ping(config, url, attempt, exc)
-                if delay_s is not None:
-                    time.sleep(delay_s)
-            else:
-                logger.info("connected to Redis at %s", redact_url(url))
-                return redis.Redis.from_url(url, **_client_kwargs(config))
-    finally:
-        probe.close()
+            finally:
+                probe.close()
+        except _RETRYABLE as exc:
+            last_error = exc
+            delay_s = _after_failed_ping(config, url, attempt, exc)
+            if delay_s is not None:
+                time.sleep(delay_s)
+        else:
+            logger.info("connected to Redis at %s", redact_url(url))
+            return _sync_client(url, config)
     raise _unreachable(url, attempts, last_error) from last_error
 
 
@@ -128,21 +190,21 @@ async def aconnect(config: RedisConfig | None = None) -> redis.asyncio.Redis:
     """The asyncio twin of :func:`connect` (same resolution, retries and errors)."""
     config = config or RedisConfig()
     url = await asyncio.to_thread(resolve_url, config)  # may start the embedded server
-    probe = redis.asyncio.Redis.from_url(url, **_client_kwargs(config, probe=True))
     attempts = 1 + config.connect_retries
     last_error: Exception | None = None
-    try:
-        for attempt in range(attempts):
+    for attempt in range(attempts):
+        try:
+            probe = _async_client(url, config, probe=True)
             try:
                 await probe.ping()
-            except _RETRYABLE as exc:
-                last_error = exc
-                delay_s = _after_failed_ping(config, url, attempt, exc)
-                if delay_s is not None:
-                    await asyncio.sleep(delay_s)
-            else:
-                logger.info("connected to Redis at %s", redact_url(url))
-                return redis.asyncio.Redis.from_url(url, **_client_kwargs(config))
-    finally:
-        await probe.aclose()
+            finally:
+                await probe.aclose()
+        except _RETRYABLE as exc:
+            last_error = exc
+            delay_s = _after_failed_ping(config, url, attempt, exc)
+            if delay_s is not None:
+                await asyncio.sleep(delay_s)
+        else:
+            logger.info("connected to Redis at %s", redact_url(url))
+            return _async_client(url, config)
     raise _unreachable(url, attempts, last_error) from last_error

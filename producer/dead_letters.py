@@ -1,6 +1,8 @@
 """Dead letters of a queue: read them, and requeue them onto their lane as fresh deliveries.
 
-Imports redis and producer (keys, schema) only; never the engine or the worker.
+Each shard of a queue has its dead-letter stream (the worker writes it in the same script as the answer);
+reading goes over every shard's. Imports redis and producer (keys, shards, schema) only; never the engine
+or the worker.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import redis
 
 from tokenmill.producer.keys import Keys
 from tokenmill.producer.schema import ErrorCode, decode_result, peek_request_id
+from tokenmill.producer.shards import QueueLayout
 
 # Fields the worker adds when it dead-letters an entry; the rest are the original entry's.
 _DEAD_FIELDS = (b"reason", b"stream", b"entry_id")
@@ -27,20 +30,29 @@ class DeadLetter:
     reason: str
     stream: str  # the lane it came from
     fields: dict[bytes, bytes]  # the original entry's fields (d, v)
+    dead_stream: str = ""  # the dead-letter stream holding it (its shard's)
 
     def as_dict(self) -> dict[str, Any]:
         return {"dead_id": self.dead_id, "request_id": self.request_id, "reason": self.reason, "stream": self.stream}
 
 
-def read(client: redis.Redis, keys: Keys, limit: int | None = None) -> list[DeadLetter]:
-    """Dead letters, oldest first (at most ``limit``)."""
-    entries = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(keys.dead, count=limit))
-    letters = []
-    for entry_id, fields in entries:
-        original = {name: value for name, value in fields.items() if name not in _DEAD_FIELDS}
-        letters.append(DeadLetter(entry_id.decode(), peek_request_id(original),
-                                  fields.get(b"reason", b"").decode(errors="replace"),
-                                  fields.get(b"stream", b"").decode(errors="replace"), original))
+def _layout(keys: Keys | QueueLayout) -> QueueLayout:
+    return keys if isinstance(keys, QueueLayout) else QueueLayout.single(keys)
+
+
+def read(client: redis.Redis, keys: Keys | QueueLayout, limit: int | None = None) -> list[DeadLetter]:
+    """Dead letters, oldest first (at most ``limit``; of every shard, shard by shard)."""
+    letters: list[DeadLetter] = []
+    for shard in _layout(keys).shards:
+        count = None if limit is None else limit - len(letters)
+        if count is not None and count <= 0:
+            break
+        entries = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(shard.dead, count=count))
+        for entry_id, fields in entries:
+            original = {name: value for name, value in fields.items() if name not in _DEAD_FIELDS}
+            letters.append(DeadLetter(entry_id.decode(), peek_request_id(original),
+                                      fields.get(b"reason", b"").decode(errors="replace"),
+                                      fields.get(b"stream", b"").decode(errors="replace"), original, shard.dead))
     return letters
 
 
@@ -58,7 +70,7 @@ def select(letters: list[DeadLetter], ids: Collection[str] | None) -> tuple[list
     return chosen, missing
 
 
-def requeue(client: redis.Redis, keys: Keys, letter: DeadLetter) -> str:
+def requeue(client: redis.Redis, keys: Keys | QueueLayout, letter: DeadLetter) -> str:
     """Move one dead letter back to its lane (a fresh entry, delivery count 0): the shared lane or the
     model's it came from (the model is registered again, as a submit does).
 
@@ -70,16 +82,19 @@ def requeue(client: redis.Redis, keys: Keys, letter: DeadLetter) -> str:
     Raises:
         ValueError: the letter's stream is not a lane of this queue.
     """
-    lane = keys.parse_lane(letter.stream)
-    if lane is None:
-        raise ValueError(f"stream {letter.stream!r} is not a lane of queue {keys.base}")
+    layout = _layout(keys)
+    shard = layout.shard_of_stream(letter.stream)
+    lane = None if shard is None else layout.shards[shard].parse_lane(letter.stream)
+    if shard is None or lane is None:
+        raise ValueError(f"stream {letter.stream!r} is not a lane of queue {layout.home.base}")
+    keys = layout.shards[shard]  # NOTE: the lane's shard holds its dead letters and its requests' answers
     pipe = client.pipeline(transaction=True)
     if letter.request_id is not None and _has_dead_answer(client, keys, letter.request_id):
         pipe.delete(keys.result(letter.request_id), keys.done(letter.request_id))
     if lane.model is not None:
         pipe.sadd(keys.models, lane.model)
     pipe.xadd(letter.stream, letter.fields)  # type: ignore[arg-type]
-    pipe.xdel(keys.dead, letter.dead_id)
+    pipe.xdel(letter.dead_stream or keys.dead, letter.dead_id)
     replies = pipe.execute()
     new_id = replies[-2]
     return new_id.decode() if isinstance(new_id, bytes) else str(new_id)

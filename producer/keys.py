@@ -28,6 +28,7 @@ class Lane:
     priority: int  # its priority lane k (0 = most urgent)
     model: str | None  # the model its requests name; None for the shared lanes (requests naming none)
     is_decode: bool = False  # a decode pool's lane: requests a prefill worker computed the prompt of
+    shard: int = 0  # the queue's shard it belongs to (producer/shards.py); 0 for a queue of one shard
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,17 @@ class Keys:
         num_lanes: priority lanes 0..num_lanes-1, shared and of each model alike (:meth:`lane`).
         hash_tag: wrap ``prefix:queue`` in braces (``{prefix:queue}:lane:0`` ...) so every key
             of the queue hashes to one Redis Cluster slot (multi-key Lua and XREADGROUP need it).
+        shard: the keys of shard ``k`` of a queue spread over several (producer/shards.py): its lanes and
+            what scripts touch with them (results, done lists, token streams, dedupe markers, the cancel set,
+            dead letters, models) under ``{prefix:queue:k}``, one cluster slot per shard; the queue-wide keys
+            (heartbeats, reply streams, files, batches) stay the queue's own (:attr:`home_base`).
     """
 
     prefix: str = DEFAULT_PREFIX
     queue: str = DEFAULT_QUEUE
     num_lanes: int = DEFAULT_NUM_LANES
     hash_tag: bool = False
+    shard: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prefix or not self.queue:
@@ -54,13 +60,23 @@ class Keys:
             raise ValueError("queue names must not contain ':'")
         if self.num_lanes < 1:
             raise ValueError("num_lanes must be >= 1")
-        if self.hash_tag and any(ch in self.prefix + self.queue for ch in "{}"):
-            raise ValueError("with hash_tag, prefix and queue must not contain '{' or '}'")
+        if self.shard is not None and self.shard < 0:
+            raise ValueError("shard must be >= 0")
+        if (self.hash_tag or self.shard is not None) and any(ch in self.prefix + self.queue for ch in "{}"):
+            raise ValueError("with hash_tag or shards, prefix and queue must not contain '{' or '}'")
 
     @property
     def base(self) -> str:
-        """``prefix:queue``, or ``{prefix:queue}`` (one cluster slot) with ``hash_tag``."""
+        """``prefix:queue``; ``{prefix:queue}`` (one cluster slot) with ``hash_tag``; ``{prefix:queue:k}``
+        for shard ``k``."""
+        if self.shard is not None:
+            return f"{{{self.prefix}:{self.queue}:{self.shard}}}"
         return f"{{{self.prefix}:{self.queue}}}" if self.hash_tag else f"{self.prefix}:{self.queue}"
+
+    @property
+    def home_base(self) -> str:
+        """Base of the queue-wide keys: ``{prefix:queue}`` for a shard's keys, else :attr:`base`."""
+        return f"{{{self.prefix}:{self.queue}}}" if self.shard is not None else self.base
 
     def lane(self, k: int, model: str | None = None, is_decode: bool = False) -> str:
         """Request stream of priority lane ``k`` (0 = most urgent): the shared one, which holds the
@@ -89,12 +105,13 @@ class Keys:
         lane 0 of all of them before lane 1, the shared lane first within a lane, then models by name;
         with ``is_decode`` the decode pool's lanes of them."""
         names: list[str | None] = [None, *sorted(set(models))]
-        return [Lane(self.lane(k, model, is_decode), k, model, is_decode)
+        return [Lane(self.lane(k, model, is_decode), k, model, is_decode, self.shard or 0)
                 for k in range(self.num_lanes) for model in names]
 
     def decode_lane(self, lane: Lane) -> Lane:
         """The decode pool's lane a request of ``lane`` is handed to after its prefill."""
-        return Lane(self.lane(lane.priority, lane.model, is_decode=True), lane.priority, lane.model, is_decode=True)
+        return Lane(self.lane(lane.priority, lane.model, is_decode=True), lane.priority, lane.model, is_decode=True,
+                    shard=lane.shard)
 
     def parse_lane(self, stream: str) -> Lane | None:
         """The lane of this queue that ``stream`` names (shared or a model's), or None when it names none."""
@@ -106,7 +123,7 @@ class Keys:
             return None
         model = None if head == base else unquote(head[len(model_prefix):])
         try:
-            lane = Lane(stream, int(number), model, is_decode)
+            lane = Lane(stream, int(number), model, is_decode, self.shard or 0)
             # NOTE: only the one spelling
             return lane if self.lane(lane.priority, model, is_decode) == stream else None
         except ValueError:  # not a number, or out of range
@@ -134,10 +151,16 @@ class Keys:
         """Submit-once marker (value: unix submit time) of a request enqueued by the Celery tasks."""
         return f"{self.base}:sub:{request_id}"
 
+    def replied(self, request_id: str) -> str:
+        """Marker that the result of ``request_id`` was added to its reply stream, on the reply streams' slot:
+        written by the worker when the reply stream is on another cluster slot than the request's shard, so a
+        re-run after a crash between the result and the reply sends it exactly once (worker/results.py)."""
+        return f"{self.home_base}:replied:{request_id}"
+
     @property
     def reply_prefix(self) -> str:
-        """Namespace of reply streams: a request's ``reply_to`` must start with it (docs/design.md)."""
-        return f"{self.base}:reply:"
+        """Namespace of reply streams (queue-wide): a request's ``reply_to`` must start with it (docs/design.md)."""
+        return f"{self.home_base}:reply:"
 
     def reply(self, name: str) -> str:
         """Reply stream ``name`` of this queue (results are XADDed to it as ``d`` + ``v``).
@@ -164,22 +187,22 @@ class Keys:
     def file(self, file_id: str) -> str:
         """Hash of one file of the OpenAI Files API (``tokenmill serve``): fields ``meta`` (JSON), ``account``
         (the owner's key hash), ``chunks`` and the content in 1 MiB fields ``chunk:0`` .. ``chunk:{chunks - 1}``."""
-        return f"{self.base}:file:{file_id}"
+        return f"{self.home_base}:file:{file_id}"
 
     @property
     def files(self) -> str:
         """Sorted set of file ids by creation time (listing; ids whose hash expired are dropped lazily)."""
-        return f"{self.base}:files"
+        return f"{self.home_base}:files"
 
     def batch(self, batch_id: str) -> str:
         """Hash of one OpenAI batch (``tokenmill serve``): its object's fields, JSON-encoded, plus ``account``
         (the owner's key hash), ``owner`` and ``owner_ts`` (the serve process running it, and when it last said so)."""
-        return f"{self.base}:batch:{batch_id}"
+        return f"{self.home_base}:batch:{batch_id}"
 
     @property
     def batches(self) -> str:
         """Sorted set of batch ids by creation time."""
-        return f"{self.base}:batches"
+        return f"{self.home_base}:batches"
 
     @property
     def dead(self) -> str:
@@ -193,8 +216,8 @@ class Keys:
 
     @property
     def workers(self) -> str:
-        """Hash of worker heartbeats: field = worker name, value = msgpack stats with a timestamp."""
-        return f"{self.base}:workers"
+        """Hash of worker heartbeats (queue-wide): field = worker name, value = msgpack stats with a timestamp."""
+        return f"{self.home_base}:workers"
 
     def lane_of(self, priority: int | str) -> int:
         """Lane for a priority given as a lane number or one of ``PRIORITY_NAMES``.

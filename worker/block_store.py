@@ -2,7 +2,9 @@
 on different machines share, so a prompt prefix computed by one engine is loaded by the others.
 
 Key layout, under a prefix the caller builds per namespace (:func:`redis_block_store`:
-``tokenmill:kv:<namespace hex>``, so engines of another model, dtype or layout never meet)::
+``tokenmill:kv:<namespace hex>``, so engines of another model, dtype or layout never meet; on a Redis
+Cluster ``{tokenmill:kv:<namespace hex>}``, a hash tag that keeps every key a script names or builds on
+one slot)::
 
     <prefix>:<digest hex>   string: one block's raw bytes, with a lifetime (EX)
     <prefix>:lru            sorted set: digest hex -> last use (microseconds since the epoch)
@@ -40,8 +42,8 @@ from redis.commands.core import Script
 # ``lru`` until eviction pops it (it is among the least recently used, so it goes first). Until then the
 # counter over-counts: the cap is conservative, the store never holds more than ``max_bytes``.
 #
-# NOTE: evicted value keys are built from the prefix inside the script, not passed in KEYS: fine on the
-# fleet's single Redis; a cluster would need a hash tag in the prefix so every key lives on one slot.
+# NOTE: evicted value keys are built from the prefix inside the script, not passed in KEYS: on a cluster the
+# prefix is a hash tag (:func:`redis_block_store`), so they are on the slot of the keys the script names.
 #   KEYS: 1 lru, 2 sizes, 3 bytes, 4.. value keys
 #   ARGV: 1 value key prefix (ending in ':'), 2 lifetime s, 3 max bytes, 4 score of the first value key
 #         (the i-th gets score + i: a batch keeps its order), then digest hex and value per value key
@@ -141,9 +143,18 @@ class RedisBlockStore:
         pipe = self._client.pipeline(transaction=False)
         for value_key in value_keys:
             pipe.getex(value_key, ex=self.ttl_s)
-        self._touch(keys=[self.lru_key, *value_keys], args=[self._scores(len(keys)), *(k.hex() for k in keys)],
-                    client=pipe)
-        replies = pipe.execute()
+        touch_keys = [self.lru_key, *value_keys]
+        touch_args: list[int | str] = [self._scores(len(keys)), *(k.hex() for k in keys)]
+        self._touch(keys=touch_keys, args=touch_args, client=pipe)
+        replies = pipe.execute(raise_on_error=False)
+        for reply in replies[:len(keys)]:
+            if isinstance(reply, redis.RedisError):
+                raise reply
+        if isinstance(replies[-1], redis.exceptions.NoScriptError):
+            # NOTE: a cluster pipeline loads no script (a promoted replica may lack it): a call of its own does
+            self._touch(keys=touch_keys, args=touch_args)
+        elif isinstance(replies[-1], redis.RedisError):
+            raise replies[-1]
         return [None if value is None else bytes(value) for value in replies[:len(keys)]]
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -169,7 +180,7 @@ class RedisBlockStore:
 
 
 def redis_block_store(client: redis.Redis, prefix: str, namespace: bytes, max_bytes: int,
-                      ttl_s: float) -> RedisBlockStore:
+                      ttl_s: float, *, hash_tag: bool = False) -> RedisBlockStore:
     """The store of one namespace (:func:`~tokenmill.engine.kv.block_store.namespace`) under ``prefix``.
 
     Args:
@@ -178,8 +189,11 @@ def redis_block_store(client: redis.Redis, prefix: str, namespace: bytes, max_by
         namespace: the root of the engines' digest chains.
         max_bytes: the most value bytes the store keeps.
         ttl_s: a value's lifetime after its last use.
+        hash_tag: the namespace's keys as ``{prefix:kv:<hex>}:...``, one Redis Cluster slot (a cluster needs it:
+            a script's keys must share a slot); the namespace's blocks then live on one node.
     """
-    return RedisBlockStore(client, f"{prefix}:kv:{namespace.hex()}", max_bytes, ttl_s)
+    key_prefix = f"{prefix}:kv:{namespace.hex()}"
+    return RedisBlockStore(client, f"{{{key_prefix}}}" if hash_tag else key_prefix, max_bytes, ttl_s)
 
 
 def _chunks(pairs: list[tuple[bytes, bytes]], max_bytes: int) -> Iterator[list[tuple[bytes, bytes]]]:

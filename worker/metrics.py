@@ -18,6 +18,7 @@ from tokenmill.engine.core.fleet_cache import Fallback
 from tokenmill.engine.core.stats import EngineStats
 from tokenmill.producer.keys import CONSUMER_GROUP, Keys, Lane
 from tokenmill.producer.schema import GenerationResult
+from tokenmill.producer.shards import QueueLayout
 from tokenmill.worker.backlog import engine_backlog_tokens
 
 if TYPE_CHECKING:
@@ -168,13 +169,15 @@ class WorkerMetrics:
         worker: the worker's name (an info label; series carry no per-worker label, the
             scrape target's ``instance`` tells workers apart).
         model: the model as configured (info label; :meth:`name_model` names it as the engine does once built).
-        keys: key layout of the served queue.
-        lanes: the lanes the worker reads (:meth:`Keys.lanes_for`), sampled each beat; their series are labelled
-            ``queue``, ``pool`` (request or decode), ``lane`` and ``model`` (empty for the shared lanes).
+        keys: the served queue's shards (or, for a queue of one shard, its keys).
+        lanes: the lanes the worker reads, of every shard (:meth:`QueueLayout.lanes_for`), sampled each beat; their
+            series are labelled ``queue``, ``pool`` (request or decode), ``lane`` and ``model`` (empty for the shared
+            lanes) and add up the shards (what autoscaling reads); ``tokenmill_shard_*`` have each shard's, summed
+            over its lanes, labelled ``queue`` and ``shard``.
         is_redis_healthy: read at scrape time for ``tokenmill_redis_healthy`` (see worker/health.py).
     """
 
-    def __init__(self, worker: str, model: str, keys: Keys, lanes: Sequence[Lane],
+    def __init__(self, worker: str, model: str, keys: Keys | QueueLayout, lanes: Sequence[Lane],
                  is_redis_healthy: Callable[[], bool]) -> None:
         from prometheus_client import (  # noqa: PLC0415 - optional extra
             CollectorRegistry,
@@ -184,7 +187,8 @@ class WorkerMetrics:
             Info,
         )
 
-        self.keys = keys
+        self.layout = keys if isinstance(keys, QueueLayout) else QueueLayout.single(keys)
+        self.keys = self.layout.home
         self.lanes = list(lanes)
         self.registry = CollectorRegistry()
         self.engine_stats = EngineStats()  # latest engine.stats(); replaced whole, never mutated
@@ -192,7 +196,7 @@ class WorkerMetrics:
         self._thread: threading.Thread | None = None
         reg = self.registry
         self._info = Info("tokenmill_worker", "the worker behind this endpoint", registry=reg)
-        self._info_labels = {"worker": worker, "model": model, "queue": keys.queue, "prefix": keys.prefix}
+        self._info_labels = {"worker": worker, "model": model, "queue": self.keys.queue, "prefix": self.keys.prefix}
         self._info.info(self._info_labels)
         self.requests = Counter("tokenmill_requests", "results written, by status (dead = dead-lettered, no id)",
                                 ["status"], registry=reg)
@@ -224,8 +228,15 @@ class WorkerMetrics:
         self.lane_backlog_tokens = Gauge(
             "tokenmill_predicted_lane_backlog_tokens", "entries not yet delivered to the group times this worker's "
             "predicted mean completion length", lane_labels, registry=reg)
-        self.dead_letters = Gauge("tokenmill_dead_letters", "entries in the dead-letter stream", ["queue"],
+        self.dead_letters = Gauge("tokenmill_dead_letters", "entries in the dead-letter streams", ["queue"],
                                   registry=reg)
+        shard_labels = ["queue", "shard"]
+        self.shard_depth = Gauge("tokenmill_shard_length", "XLEN of the shard's lanes, summed", shard_labels,
+                                 registry=reg)
+        self.shard_pending = Gauge("tokenmill_shard_pending", "entries of the shard's lanes delivered, not yet acked",
+                                   shard_labels, registry=reg)
+        self.shard_lag = Gauge("tokenmill_shard_lag", "entries of the shard's lanes not yet delivered (Redis >= 7)",
+                               shard_labels, registry=reg)
         Gauge("tokenmill_redis_healthy", "1 while the worker reaches Redis, 0 once a thread's calls failed "
               "several times in a row", registry=reg).set_function(lambda: float(is_redis_healthy()))
         reg.register(_EngineCollector(self))
@@ -272,23 +283,36 @@ class WorkerMetrics:
             pipe.xlen(lane.stream)
             pipe.xpending(lane.stream, CONSUMER_GROUP)
             pipe.xinfo_groups(lane.stream)
-        pipe.xlen(self.keys.dead)
+        for keys in self.layout.shards:
+            pipe.xlen(keys.dead)
         replies = pipe.execute(raise_on_error=False)
         queue = self.keys.queue
+        # labels -> length, pending, lag, summed over shards
+        by_lane: dict[tuple[str, str, str, str], list[int | None]] = {}
+        by_shard: dict[int, list[int | None]] = {}
         for position, lane in enumerate(self.lanes):
             length, pending, groups = replies[3 * position: 3 * position + 3]
+            sample = [length if isinstance(length, int) else None,
+                      int(pending.get("pending", 0)) if isinstance(pending, dict) else None, _group_lag(groups)]
             labels = (queue, "decode" if lane.is_decode else "request", str(lane.priority), lane.model or "")
-            if isinstance(length, int):
+            for sums in (by_lane.setdefault(labels, [0, 0, 0]), by_shard.setdefault(lane.shard, [0, 0, 0])):
+                sums[:] = [_add(total, value) for total, value in zip(sums, sample)]
+        for labels, (length, pending, lag) in by_lane.items():
+            if length is not None:
                 self.lane_length.labels(*labels).set(length)
-            if isinstance(pending, dict):
-                self.lane_pending.labels(*labels).set(int(pending.get("pending", 0)))
-            lag = _group_lag(groups)
+            if pending is not None:
+                self.lane_pending.labels(*labels).set(pending)
             if lag is not None:
                 self.lane_lag.labels(*labels).set(lag)
                 if mean_length is not None:
                     self.lane_backlog_tokens.labels(*labels).set(lag * mean_length)
-        if isinstance(replies[-1], int):
-            self.dead_letters.labels(queue).set(replies[-1])
+        for shard, sums in by_shard.items():
+            for gauge, value in zip((self.shard_depth, self.shard_pending, self.shard_lag), sums):
+                if value is not None:
+                    gauge.labels(queue, str(shard)).set(value)
+        dead = replies[3 * len(self.lanes):]
+        if all(isinstance(count, int) for count in dead):
+            self.dead_letters.labels(queue).set(sum(dead))
 
     def name_model(self, model: str) -> None:
         """The model as the engine names it, once built (the endpoint is up before the model loads)."""
@@ -318,6 +342,11 @@ class WorkerMetrics:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+
+
+def _add(total: int | None, value: int | None) -> int | None:
+    """A sum over lanes: unknown (None) once any part is."""
+    return None if total is None or value is None else total + value
 
 
 def _group_lag(groups: Any) -> int | None:

@@ -8,7 +8,11 @@ this name) are suspects: each runs alone, so a request that kills workers takes 
 with it (docs/design.md, "Reclaim by heartbeats"). The worker also checks its own pending list
 against what it holds and takes back entries whose delivery never reached it.
 
-Imports redis and producer (keys, schema); never the engine object (it only sees queues and Load).
+On a sharded queue (producer/shards.py) it reads and reclaims the lanes of the shards it claims
+(worker/shard_claims.py; every shard by default), the shards in turn within a priority; it compares its
+pending list with what it holds on every shard's lanes (it may have read a shard it no longer claims).
+
+Imports redis and producer (keys, shards, schema); never the engine object (it only sees queues and Load).
 """
 
 from __future__ import annotations
@@ -22,26 +26,30 @@ from typing import Any
 
 import redis
 
+from tokenmill.producer.connection import REDIS_ERRORS, is_transient
 from tokenmill.producer.keys import CONSUMER_GROUP, Keys, Lane
 from tokenmill.producer.schema import ErrorCode, GenerationResult, peek_request_id
+from tokenmill.producer.shards import QueueLayout
 from tokenmill.worker.backoff import Backoff
 from tokenmill.worker.config import WorkerConfig
 from tokenmill.worker.health import RedisHealth
-from tokenmill.worker.heartbeat import as_text
+from tokenmill.worker.heartbeat import as_text, read_heartbeats
 from tokenmill.worker.intake import IntakePolicy, answer, triage
 from tokenmill.worker.messages import Abort, Admit, DeadLetter, Entry, Finish, Incoming, Outgoing
 from tokenmill.worker.pending import OwnDelivery, Pending, list_pending
 from tokenmill.worker.reclaim import Reclaimer
+from tokenmill.worker.shard_claims import ShardClaims
 from tokenmill.worker.state import Load
 
 log = logging.getLogger("tokenmill.worker")
 
 
-def lanes_for_role(keys: Keys, model_names: frozenset[str], role: str, is_fleet_cache_on: bool) -> list[Lane]:
-    """The lanes a worker of ``role`` reads, most urgent first: a prefill worker the request lanes, a decode
-    worker the decode pool's, a worker doing both the request lanes and, with the fleet cache on (a fleet that may
-    have prefill workers), the decode pool's too (within a priority the decode lane first: its prompt is computed
-    already)."""
+def lanes_for_role(keys: Keys | QueueLayout, model_names: frozenset[str], role: str,
+                   is_fleet_cache_on: bool) -> list[Lane]:
+    """The lanes a worker of ``role`` reads (of every shard), most urgent first: a prefill worker the request lanes,
+    a decode worker the decode pool's, a worker doing both the request lanes and, with the fleet cache on (a fleet
+    that may have prefill workers), the decode pool's too (within a priority the decode lane first: its prompt is
+    computed already)."""
     request_lanes = keys.lanes_for(model_names) if role != "decode" else []
     reads_decode = role == "decode" or (role == "both" and is_fleet_cache_on)
     decode_lanes = keys.lanes_for(model_names, is_decode=True) if reads_decode else []
@@ -51,6 +59,9 @@ def lanes_for_role(keys: Keys, model_names: frozenset[str], role: str, is_fleet_
 TRANSIENT_ERROR_PREFIXES = ("OOM", "LOADING", "BUSY", "TRYAGAIN", "MASTERDOWN", "CLUSTERDOWN", "READONLY")
 MAX_HARD_ERRORS = 10  # other errors in a row (with backoff, about half a minute) end the reader
 PENDING_PAGE = 1000  # entries per XPENDING while comparing the pending list with what is held
+# NOTE: on a cluster one XREADGROUP names one shard's lanes: an idle worker blocks on the shards in turn, this
+# long each (after a non-blocking look at every one), so a request on any shard waits about this long at most.
+SHARD_BLOCK_MS = 25
 
 
 class Reader:
@@ -58,7 +69,7 @@ class Reader:
 
     Args:
         client: Redis client (thread-safe pool; a blocking read holds one connection).
-        keys: key layout of the served queue.
+        keys: the served queue's shards (or, for a queue of one shard, its keys).
         config: worker settings (batch sizes, block time, reclaim policy, cancellation poll).
         load: shared counters (backpressure, the engine's live ids).
         inbox: admits and aborts for the engine thread.
@@ -67,32 +78,42 @@ class Reader:
             their lanes besides the shared ones, and so only ever takes requests it can serve.
         lanes: the lanes it reads (:func:`lanes_for_role`); default: the request lanes of ``model_names``.
         health: records the reader's failing Redis calls (and decides when it gives up).
+        readers_per_shard: how many live workers read each shard (worker/shard_claims.py); 0 = all of them.
     """
 
-    def __init__(self, client: redis.Redis, keys: Keys, config: WorkerConfig, load: Load,
+    def __init__(self, client: redis.Redis, keys: Keys | QueueLayout, config: WorkerConfig, load: Load,
                  inbox: queue.Queue[Incoming], outbox: queue.Queue[Outgoing], model_names: frozenset[str],
-                 health: RedisHealth, lanes: list[Lane] | None = None) -> None:
-        self._client, self._keys, self._config, self._load = client, keys, config, load
+                 health: RedisHealth, lanes: list[Lane] | None = None, readers_per_shard: int = 0) -> None:
+        self._layout = keys if isinstance(keys, QueueLayout) else QueueLayout.single(keys)
+        self._client, self._keys, self._config, self._load = client, self._layout.home, config, load
         self._health = health
         self._inbox, self._outbox = inbox, outbox
         self._model_names = model_names
-        lanes = lanes if lanes is not None else keys.lanes_for(model_names)
-        # Stream -> priority lane of every stream this worker reads, most urgent first (docs/design.md, "Redis keys").
-        self._stream_to_lane = {lane.stream: lane.priority for lane in lanes}
+        # Every lane this worker may read, of every shard, most urgent first (docs/design.md, "Redis keys").
+        self._all_lanes = lanes if lanes is not None else self._layout.lanes_for(model_names)
+        self._lane_of = {lane.stream: lane for lane in self._all_lanes}
+        self._claims = ShardClaims(config.name, self._layout.num_shards, readers_per_shard, config.stale_after_s)
         # NOTE: reclaim keeps the heartbeat's pace: it looks once per beat, and claims only entries idle
         # for half a beat (longer than two reclaimers racing, shorter than any dead worker's silence).
-        self._reclaimer = Reclaimer(client, keys, lanes, config.name, config.stale_after_s,
+        self._reclaimer = Reclaimer(client, self._keys, self._all_lanes, config.name, config.stale_after_s,
                                     min_idle_ms=int(config.heartbeat_interval_s * 500))
+        self._reading: list[Lane] = []
+        # Stream -> priority lane of every stream this worker reads now (those of the shards it claims).
+        self._stream_to_lane: dict[str, int] = {}
+        self._read_claimed()
+        self._turn = 0  # rotates the shards' order within a priority, and the shard an idle read blocks on
         self._own = OwnDelivery(client, config.name)
-        self._intake = IntakePolicy(keys, model_names, config.name, config.max_request_bytes)
+        # NOTE: one policy per shard: a lane parses as its shard's; reply streams are queue-wide in every one
+        self._intake = [IntakePolicy(keys, model_names, config.name, config.max_request_bytes)
+                        for keys in self._layout.shards]
         self._backoff = Backoff()
         self._next_reclaim_s = self._next_cancel_poll_s = 0.0
         self._next_pending_check_s = time.monotonic() + config.pending_check_interval_s
         self._needs_groups = True  # (re-)create the consumer groups before the next read
         self._needs_pending_check = False  # a connection failed: a reply may have been lost on the way
-        # Lanes whose entries already delivered to this consumer name are still to be taken (a
+        # Lanes (of every shard) whose entries already delivered to this consumer name are still to be taken (a
         # restart under the same --name), with the id to list after (None: from the start).
-        self._backlog: dict[str, str | None] = dict.fromkeys(self._stream_to_lane)
+        self._backlog: dict[str, str | None] = dict.fromkeys(self._lane_of)
         # NOTE: entries whose worker died holding them, held here (pending for this worker, counts
         # unchanged) until each runs alone.
         self._suspects: deque[Pending] = deque()
@@ -100,9 +121,16 @@ class Reader:
         self.closing = threading.Event()  # set by the worker: poll cancellations no more, end the thread
         self.drained = threading.Event()  # set in burst mode when every lane came back empty
 
+    def _read_claimed(self) -> None:
+        """Read (and reclaim from) the lanes of the shards claimed now; new lanes get their groups first."""
+        self._reading = [lane for lane in self._all_lanes if lane.shard in self._claims.shards]
+        self._stream_to_lane = {lane.stream: lane.priority for lane in self._reading}
+        self._reclaimer.lanes = self._reading
+        self._needs_groups = True
+
     def _ensure_groups(self) -> None:
         """Create the consumer group on every lane read (MKSTREAM, from id 0) if missing, and register
-        the model names (so stats list their lanes)."""
+        the model names in every shard (so stats list their lanes)."""
         for stream in self._stream_to_lane:
             try:
                 self._client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
@@ -110,7 +138,8 @@ class Reader:
                 if "BUSYGROUP" not in str(exc):
                     raise
         if self._model_names:
-            self._client.sadd(self._keys.models, *sorted(self._model_names))
+            for keys in self._layout.shards:
+                self._client.sadd(keys.models, *sorted(self._model_names))
         self._needs_groups = False
 
     def run(self, burst: bool) -> None:
@@ -135,7 +164,7 @@ class Reader:
                 num_hard_errors = 0
                 self._backoff.reset()
                 self._health.succeeded("tm-reader")
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 num_hard_errors = self._on_redis_error(exc, num_hard_errors)
 
     def _read_once(self, burst: bool) -> bool:
@@ -178,8 +207,9 @@ class Reader:
             self._dispatch(entries)
         return False
 
-    def _on_redis_error(self, exc: redis.RedisError, num_hard_errors: int) -> int:
-        """Log, repair or back off after a failed round; returns the new count of hard errors.
+    def _on_redis_error(self, exc: Exception, num_hard_errors: int) -> int:
+        """Log, repair or back off after a failed round; returns the new count of hard errors. A cluster failing
+        over or moving slots (CLUSTERDOWN, TRYAGAIN, MOVED, no node reachable) is transient, like a lost connection.
 
         Raises:
             redis.RedisError: ``exc`` again after too many hard errors in a row.
@@ -191,15 +221,15 @@ class Reader:
             self._backlog.clear()  # a new group has no pending entries of ours
             self._needs_groups = True
             return num_hard_errors
-        is_lost_connection = isinstance(exc, (redis.ConnectionError, redis.TimeoutError))
         # NOTE: a command that ran but whose reply never came (an XREADGROUP, a claim) left entries in
         # this worker's pending list that it does not hold: look for them once Redis answers again.
-        self._needs_pending_check = self._needs_pending_check or is_lost_connection
-        is_transient = is_lost_connection or message.startswith(TRANSIENT_ERROR_PREFIXES)
-        log.warning("redis unavailable" if is_transient else "redis error",
-                    extra={"event": "redis_error", "error": message})
+        is_passing = is_transient(exc)
+        self._needs_pending_check = self._needs_pending_check or is_passing
+        is_passing = is_passing or message.startswith(TRANSIENT_ERROR_PREFIXES)
+        log.warning("redis unavailable" if is_passing else "redis error",
+                    extra={"event": "redis_error", "error": message, "error_type": type(exc).__name__})
         self._health.failed("tm-reader", exc)
-        if not is_transient:
+        if not is_passing:
             num_hard_errors += 1
             if num_hard_errors >= MAX_HARD_ERRORS:
                 raise exc
@@ -217,20 +247,38 @@ class Reader:
             self._inbox.put(Abort(request_id, "cancelled"))
 
     def _read_lanes(self, count: int, block_ms: int | None) -> list[Entry]:
-        """Up to ``count`` new entries, lane 0 (of every model) first; blocks only when every lane is empty."""
+        """Up to ``count`` new entries, lane 0 (of every model and shard) first, the shards in turn within a lane;
+        blocks only when every lane is empty (on a cluster, on one shard's lanes: :data:`SHARD_BLOCK_MS`)."""
+        self._turn += 1
+        num_shards = self._layout.num_shards
+        order = sorted(self._reading, key=lambda lane: (lane.priority, not lane.is_decode,
+                                                        (lane.shard - self._turn) % num_shards))
         entries: list[Entry] = []
-        for stream in self._stream_to_lane:
+        for lane in order:
             if len(entries) < count:
-                entries += self._xreadgroup({stream: ">"}, count - len(entries), None)
-        if not entries and block_ms is not None:
-            entries = self._xreadgroup(dict.fromkeys(self._stream_to_lane, ">"), count, block_ms)
+                entries += self._xreadgroup({lane.stream: ">"}, count - len(entries), None)
+        groups = self._block_groups(order)
+        if not entries and block_ms is not None and groups:
+            if len(groups) > 1:
+                block_ms = min(block_ms, SHARD_BLOCK_MS)
+            entries = self._xreadgroup(dict.fromkeys(groups[self._turn % len(groups)], ">"), count, block_ms)
         return entries
+
+    def _block_groups(self, lanes: list[Lane]) -> list[list[str]]:
+        """The lanes one blocking XREADGROUP may name together: all of them on one instance, one shard's on a
+        cluster (different slots cannot share a command)."""
+        if not self._layout.is_cluster:
+            return [[lane.stream for lane in lanes]] if lanes else []
+        by_shard: dict[int, list[str]] = {}
+        for lane in lanes:
+            by_shard.setdefault(lane.shard, []).append(lane.stream)
+        return [by_shard[shard] for shard in sorted(by_shard)]
 
     def _take_backlog(self, count: int) -> None:
         """The next page of entries an earlier process under this name left pending, most urgent lane
         first: suspects, since that process ended holding them (a page shorter than asked ends the lane)."""
         stream = next(iter(self._backlog))
-        page = list_pending(self._client, stream, self._stream_to_lane[stream], self._config.name, count,
+        page = list_pending(self._client, stream, self._lane_of[stream].priority, self._config.name, count,
                             after=self._backlog[stream])
         if len(page) < count:
             del self._backlog[stream]
@@ -248,11 +296,11 @@ class Reader:
         self._needs_pending_check = False
         self._next_pending_check_s = time.monotonic() + self._config.pending_check_interval_s
         lost: list[Pending] = []
-        for stream, lane in self._stream_to_lane.items():
+        for stream, lane in self._lane_of.items():
             held = self._load.held_ids(stream)
             after = None
             while True:
-                page = list_pending(self._client, stream, lane, self._config.name, PENDING_PAGE, after=after)
+                page = list_pending(self._client, stream, lane.priority, self._config.name, PENDING_PAGE, after=after)
                 lost += [p for p in page if p.entry_id not in held]
                 if len(page) < PENDING_PAGE:
                     break
@@ -275,16 +323,27 @@ class Reader:
         out = []
         for raw_stream, items in reply or []:
             stream = as_text(raw_stream)
-            out += [Entry(stream, as_text(eid), self._stream_to_lane[stream], dict(fields))
+            out += [Entry(stream, as_text(eid), self._lane_of[stream].priority, dict(fields))
                     for eid, fields in items if fields]
         return out
 
     def _take_reclaimed(self) -> tuple[int, int]:
-        """Claim dead consumers' entries (suspects), as many as the engine can take; returns (claimed, asked)."""
+        """Follow the live workers' claims on the shards, then claim dead consumers' entries (suspects) from the
+        lanes read, as many as the engine can take; returns (claimed, asked)."""
         capacity = max(1, self._load.capacity(self._config.max_waiting))
-        claimed = self._reclaimer.reclaim(capacity)
+        beats = read_heartbeats(self._client, self._keys)
+        if self._layout.is_sharded and self._claims.update(beats, time.time()):
+            log.info("shards claimed", extra={"event": "shards_claimed", "shards": sorted(self._claims.shards)})
+            self._read_claimed()
+            self._ensure_groups()
+        claimed = self._reclaimer.reclaim(capacity, beats)
         self._add_suspects(claimed)
         return len(claimed), capacity
+
+    @property
+    def claimed_shards(self) -> frozenset[int]:
+        """The shards this worker reads now (worker/shard_claims.py)."""
+        return self._claims.shards
 
     def _add_suspects(self, items: list[Pending]) -> None:
         self._load.hold(item.key for item in items)
@@ -323,13 +382,14 @@ class Reader:
         return DeadLetter(entry, reason, result)
 
     def _dispatch(self, entries: list[Entry]) -> None:
+        entries = self._moved_misplaced(entries)
         self._load.hold((e.stream, e.entry_id) for e in entries)
         now_s = time.time()
         decided = [self._triage(e, now_s) for e in entries]
         admits = [d for d in decided if isinstance(d, Admit)]
         try:
             cancelled = self._cancelled_ids([a.request.id for a in admits])
-        except redis.RedisError:
+        except REDIS_ERRORS:
             # NOTE: held entries are skipped by the pending check: let go of them, so the check after
             # the reconnect takes them back (they are still pending under this name).
             self._load.release([(e.stream, e.entry_id) for e in entries])
@@ -346,19 +406,53 @@ class Reader:
                 self._log_refusal(item)
                 self._outbox.put(item)
 
+    def _moved_misplaced(self, entries: list[Entry]) -> list[Entry]:
+        """``entries`` without those on a shard their id does not live on (written to a lane by hand, or by a
+        producer with another ``shards``): each is added to its own shard's lane and then acked and deleted here,
+        so its answer lands where its id is looked for. A crash in between leaves a copy: the finish's SET NX
+        answers the id once."""
+        if not self._layout.is_sharded:
+            return entries
+        kept = []
+        for entry in entries:
+            request_id = peek_request_id(entry.fields)
+            lane = self._lane_of.get(entry.stream)
+            if request_id is None or lane is None or self._layout.shard_of(request_id) == lane.shard:
+                kept.append(entry)
+                continue
+            target = self._layout.for_id(request_id).lane(lane.priority, lane.model, lane.is_decode)
+            self._client.xadd(target, entry.fields)  # type: ignore[arg-type]
+            pipe = self._client.pipeline(transaction=False)
+            pipe.xack(entry.stream, CONSUMER_GROUP, entry.entry_id)
+            pipe.xdel(entry.stream, entry.entry_id)
+            pipe.execute()
+            log.info("moved to its shard", extra={"event": "misplaced", "request_id": request_id, "stream": target})
+        return kept
+
     def _triage(self, entry: Entry, now_s: float) -> Admit | Finish | DeadLetter:
         """:func:`triage`, turning any failure into a dead letter that says why (never a lost entry)."""
         try:
-            return triage(entry, now_s, self._intake)
+            shard = self._layout.shard_of_stream(entry.stream)
+            return triage(entry, now_s, self._intake[shard or 0])
         except Exception as exc:  # one entry's problem must not stop the reader
             log.exception("triage failed", extra={"event": "triage_failed", "entry_id": entry.entry_id})
             return DeadLetter(entry, reason=f"{ErrorCode.INTERNAL.value}: triage failed: {type(exc).__name__}: {exc}")
 
     def _cancelled_ids(self, request_ids: list[str]) -> set[str]:
+        """The ids of ``request_ids`` with a cancel mark (in the cancel set of each one's shard)."""
         if not request_ids:
             return set()
-        scores = self._client.zmscore(self._keys.cancel, request_ids)
-        return {rid for rid, score in zip(request_ids, scores) if score is not None}
+        if not self._layout.is_sharded:
+            scores = self._client.zmscore(self._keys.cancel, request_ids)
+            return {rid for rid, score in zip(request_ids, scores) if score is not None}
+        shard_to_ids: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            shard_to_ids.setdefault(self._layout.shard_of(request_id), []).append(request_id)
+        pipe = self._client.pipeline(transaction=False)
+        for shard, ids in shard_to_ids.items():
+            pipe.zmscore(self._layout.shards[shard].cancel, ids)
+        return {rid for ids, scores in zip(shard_to_ids.values(), pipe.execute())
+                for rid, score in zip(ids, scores) if score is not None}
 
     @staticmethod
     def _log_refusal(item: Finish | DeadLetter) -> None:

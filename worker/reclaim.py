@@ -56,13 +56,27 @@ class Reclaimer:
         self._min_idle_ms = min_idle_ms
         self._delete_if_idle = client.register_script(DELETE_IF_IDLE_LUA)
 
-    def reclaim(self, limit: int) -> list[Pending]:
+    @property
+    def lanes(self) -> list[Lane]:
+        return self._lanes
+
+    @lanes.setter
+    def lanes(self, lanes: Sequence[Lane]) -> None:
+        """The lanes to reclaim from from now on (those of the shards this worker reads: worker/shard_claims.py)."""
+        self._lanes = list(lanes)
+
+    def reclaim(self, limit: int, beats: dict[str, Heartbeat] | None = None) -> list[Pending]:
         """Claim up to ``limit`` entries of dead consumers, most urgent lane first; now pending for
         this worker, with the delivery counts they had.
 
         Dead consumers left with no pending entries are removed from the group.
+
+        Args:
+            limit: the most entries to claim.
+            beats: every worker's heartbeat, read just now; None reads them.
         """
-        beats = read_heartbeats(self._client, self._keys)
+        if beats is None:
+            beats = read_heartbeats(self._client, self._keys)
         now_s = time.time()
         claimed: list[Pending] = []
         for lane in self._lanes:

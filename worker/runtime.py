@@ -48,7 +48,8 @@ def build_engine(settings: Settings, client: redis.Redis | None = None) -> Engin
     def block_store_for(namespace: bytes) -> BlockStore:
         if client is None:
             raise StartupError("[engine.fleet_cache] enabled needs the worker's Redis")
-        return redis_block_store(client, settings.queue.keys.prefix, namespace, fleet.max_store_bytes, fleet.ttl_s)
+        return redis_block_store(client, settings.queue.keys.prefix, namespace, fleet.max_store_bytes, fleet.ttl_s,
+                                 hash_tag=settings.redis.is_cluster)
 
     try:
         return Engine.from_config(settings.engine, block_store_for=block_store_for if fleet.enabled else None)
@@ -86,17 +87,18 @@ class Worker:
         inbox: queue.Queue[Incoming] = queue.Queue()
         outbox: queue.Queue[Outgoing] = queue.Queue()
         self._load = load = Load()
-        keys, config = settings.queue.keys, settings.worker
+        # NOTE: the queue's shards (producer/shards.py): hash-tagged names on a cluster or with several shards
+        layout, config = settings.queue.layout(settings.redis.is_cluster), settings.worker
         model = engine.model_name if engine is not None else settings.engine.model.name  # as the engine names it
         health = RedisHealth(config.redis_give_up_s)
         served = settings.served_model_name
         # NOTE: the names a request may give this worker's model by; it reads their lanes (docs/design.md).
         model_names = frozenset({served, model, settings.engine.model.name})
-        lanes = lanes_for_role(keys, model_names, config.role, settings.engine.fleet_cache.enabled)
+        lanes = lanes_for_role(layout, model_names, config.role, settings.engine.fleet_cache.enabled)
         # NOTE: one registry per worker, so several workers can live in one process (tests).
         self.metrics = None
         if config.metrics_port is not None:
-            self.metrics = WorkerMetrics(self.name, model, keys, lanes,
+            self.metrics = WorkerMetrics(self.name, model, layout, lanes,
                                          is_redis_healthy=lambda: health.is_healthy)
             self._serve_metrics(self.metrics, config.metrics_port, config.metrics_host)
         try:
@@ -108,9 +110,10 @@ class Worker:
         if self.metrics is not None:
             self.metrics.name_model(self._engine.model_name)
         self._loop = EngineLoop(self._engine, inbox, outbox, load, self.name, self.metrics, config.role)
-        self._reader = Reader(self._client, keys, config, load, inbox, outbox, model_names, health, lanes)
+        self._reader = Reader(self._client, layout, config, load, inbox, outbox, model_names, health, lanes,
+                              readers_per_shard=settings.queue.readers_per_shard)
         self._writer = Writer(self._client, settings.queue, config, load, outbox, model, served, model_names, health,
-                              self.metrics)
+                              self.metrics, layout=layout)
         self._stopping = threading.Event()
         self._forced = threading.Event()
         self._failed = threading.Event()  # a thread died: exit non-zero at once

@@ -14,6 +14,8 @@ from collections.abc import Collection
 import redis
 
 from tokenmill.producer.config import QueueConfig
+from tokenmill.producer.connection import REDIS_ERRORS
+from tokenmill.producer.shards import QueueLayout
 from tokenmill.worker.backlog import predicted_backlog
 from tokenmill.worker.backoff import Backoff
 from tokenmill.worker.config import WorkerConfig
@@ -45,17 +47,20 @@ class Writer:
         model_names: every name whose lanes the worker reads, announced in the heartbeat (serve routes by it).
         health: records the writer's failing Redis calls (and decides when it gives up).
         metrics: counts written results; samples rate and lane depth each beat. None = no metrics.
+        layout: the queue's shards; default: ``queue_config``'s on one instance.
     """
 
     def __init__(self, client: redis.Redis, queue_config: QueueConfig, config: WorkerConfig, load: Load,
                  outbox: queue.Queue[Outgoing], model_name: str, served_model_name: str,
-                 model_names: Collection[str], health: RedisHealth, metrics: WorkerMetrics | None = None) -> None:
+                 model_names: Collection[str], health: RedisHealth, metrics: WorkerMetrics | None = None,
+                 layout: QueueLayout | None = None) -> None:
         self._health = health
         self._metrics = metrics
-        self._client, self._keys, self._config, self._load = client, queue_config.keys, config, load
+        self._layout = layout if layout is not None else queue_config.layout(is_cluster=False)
+        self._client, self._keys, self._config, self._load = client, self._layout.home, config, load
         self._outbox = outbox
         self._cancel_ttl_s = queue_config.result_ttl_s  # NOTE: a cancel mark is kept as long as a result
-        self._results = ResultWriter(client, self._keys, queue_config.result_ttl_s, config.token_ttl_s)
+        self._results = ResultWriter(client, self._layout, queue_config.result_ttl_s, config.token_ttl_s)
         self._beat = Heartbeat(name=config.name, ts=time.time(), model=model_name,
                                served_model_name=served_model_name, model_names=sorted(model_names))
         self._unwritten: list[Writable] = []  # items of a flush that failed, retried first
@@ -122,7 +127,7 @@ class Writer:
                 self._load.set_write_blocked(False)
                 self._backoff.reset()
                 self._health.succeeded("tm-writer")
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 self._load.set_write_blocked(True)
                 log.warning("redis write failed, retrying", extra={"event": "redis_error", "error": str(exc)})
                 self._health.failed("tm-writer", exc)
@@ -210,7 +215,8 @@ class Writer:
                                     "tokens": len(result.token_ids) if result else 0})
 
     def _trim(self) -> None:
-        """Forget old cancellations and long-silent workers' heartbeats."""
+        """Forget old cancellations (of every shard) and long-silent workers' heartbeats."""
         now_s = time.time()
-        self._client.zremrangebyscore(self._keys.cancel, "-inf", now_s - self._cancel_ttl_s)
+        for keys in self._layout.shards:
+            self._client.zremrangebyscore(keys.cancel, "-inf", now_s - self._cancel_ttl_s)
         forget_old(self._client, self._keys, now_s)

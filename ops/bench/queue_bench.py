@@ -4,6 +4,12 @@ same Redis server in the same run.
 
     python ops/bench/queue_bench.py            # full run (~1-2 min)
     python ops/bench/queue_bench.py --quick    # small, for development
+    python ops/bench/queue_bench.py --cluster  # one queue over 3 shards of a local Redis Cluster vs one instance
+
+With --cluster the script starts its own servers from the redis-server binary (tests/cluster_helpers.py):
+a cluster of 3 primaries (no replicas) and one plain instance, the same echo worker processes on each, in
+the same run; it reports requests/s, p50 added latency and the Redis servers' CPU seconds over the
+throughput phase (INFO CPU), i.e. requests per Redis core-second: where one instance saturates.
 
 Redis: --redis-url, else REDIS_URL, else redis://127.0.0.1:6379/0. Every key this script writes
 carries a unique prefix and is deleted at the end; nothing is flushed.
@@ -157,6 +163,88 @@ def _tokenmill_drain(producer: Any, num: int) -> dict[str, Any]:
     return {"drain_elapsed_s": elapsed, "drain_requests_per_s": num / elapsed}
 
 
+# ----------------------------------------------------------------------------- sharded (--cluster)
+
+
+def _redis_cpu_s(clients: list[Any]) -> float:
+    """CPU seconds (user + sys, main thread and children) the servers behind ``clients`` used so far."""
+    return sum(float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+               for info in (client.info("cpu") for client in clients))
+
+
+def bench_sharded(setup: str, args: argparse.Namespace, log_dir: Path, workdir: Path) -> dict[str, Any]:
+    """Echo workers on one plain Redis instance (``setup = "single"``, 1 shard) or over 3 shards of a local
+    cluster of 3 primaries (``"cluster"``): throughput, p50 round trip and the servers' CPU seconds."""
+    from tests.cluster_helpers import start_cluster, start_server
+    from tokenmill.producer.client import Producer
+    from tokenmill.producer.config import ProducerConfig, QueueConfig, RedisConfig
+
+    if setup == "cluster":
+        cluster = start_cluster(workdir, num_primaries=3, replicas_per_primary=0)
+        nodes, url, shards = cluster.nodes, cluster.url, 3
+    else:
+        node = start_server(workdir)
+        nodes, url, shards = [node], f"redis://127.0.0.1:{node.port}", 1
+    prefix = f"tmbench-{os.getpid()}-{secrets.token_hex(3)}"
+    env = {"TOKENMILL_QUEUE__SHARDS": str(shards)}
+    procs = [spawn([sys.executable, "-m", "tokenmill.cli", "--prefix", prefix, "--redis-url", url, "worker",
+                    "--model", "echo", "--log-text", "--log-level", "WARNING", "--max-waiting",
+                    str(args.max_waiting)], log_dir / f"{setup}-worker-{i}.log", env)
+             for i in range(args.cluster_workers)]
+    config = ProducerConfig(redis=RedisConfig(url=url), queue=QueueConfig(prefix=prefix, shards=shards))
+    producer = Producer.from_config(config)
+    try:
+        deadline = time.monotonic() + 60
+        while producer.stats()["num_live_workers"] < len(procs):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"{setup}: workers did not start")
+            time.sleep(0.1)
+        list(producer.as_completed(producer.submit_many(
+            [{"prompt": f"{PROMPT} {i}", "max_tokens": MAX_TOKENS} for i in range(args.warmup)]), timeout=60))
+        cpu_before = _redis_cpu_s([n.client for n in nodes])
+        start = time.perf_counter()
+        ids = producer.submit_many([{"prompt": f"{PROMPT} {i}", "max_tokens": MAX_TOKENS}
+                                    for i in range(args.num_requests)])
+        num_ok = sum(r.status == "ok" for r in producer.as_completed(ids, timeout=600))
+        elapsed = time.perf_counter() - start
+        cpu_s = _redis_cpu_s([n.client for n in nodes]) - cpu_before
+        latencies = []
+        for i in range(args.num_latency):
+            t = time.perf_counter()
+            assert producer.result(producer.submit(prompt=f"{PROMPT} {i}", max_tokens=MAX_TOKENS), timeout=30).ok
+            latencies.append(time.perf_counter() - t)
+        return {"system": f"tokenmill_{setup}", "worker": f"{len(procs)} echo worker processes, {shards} shard(s), "
+                f"{len(nodes)} redis-server(s)", "num_requests": args.num_requests, "num_ok": num_ok,
+                "elapsed_s": elapsed, "requests_per_s": args.num_requests / elapsed, "redis_cpu_s": cpu_s,
+                "requests_per_redis_cpu_s": args.num_requests / cpu_s if cpu_s else None,
+                "latency": _latency_stats(latencies)}
+    finally:
+        for proc in procs:
+            stop(proc)
+        producer.close()
+        if setup == "cluster":
+            cluster.stop()
+        else:
+            node.client.close()
+            node.process.terminate()
+            node.process.wait(timeout=10)
+
+
+def print_sharded_report(results: dict[str, dict[str, Any]]) -> None:
+    rows = []
+    for result in results.values():
+        if "error" in result:
+            rows.append([result["system"], "FAILED", "-", "-", "-", "-", result["error"][:60]])
+            continue
+        per_core = result["requests_per_redis_cpu_s"]
+        rows.append([result["system"], f"{result['requests_per_s']:,.0f}",
+                     f"{result['num_ok']}/{result['num_requests']}", fmt(result["latency"]["p50_ms"], 2),
+                     f"{result['redis_cpu_s']:.2f}",
+                     "-" if per_core is None else f"{per_core:,.0f}", result["worker"]])
+    print_table("One queue on one Redis instance vs over 3 shards of a local Redis Cluster (same machine, same run)",
+                ["system", "requests/s", "ok", "p50 ms", "redis cpu s", "req per redis cpu-s", "setup"], rows)
+
+
 # ----------------------------------------------------------------------------- Celery side
 
 
@@ -276,6 +364,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--log-dir", default="", help="worker logs (default: a temporary folder)")
     parser.add_argument("--quick", action="store_true", help="500 requests, 50 round trips")
     parser.add_argument("--json", default="", help="write the JSON report here")
+    parser.add_argument("--cluster", action="store_true", help="instead: one queue over 3 shards of a local Redis "
+                        "Cluster vs one plain instance (servers started here), same echo workers")
+    parser.add_argument("--cluster-workers", type=int, default=3, help="echo worker processes with --cluster")
     args = parser.parse_args(argv)
     if args.quick:
         args.num_requests, args.num_latency, args.warmup = 500, 50, 20
@@ -286,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     args = parse_args(argv)
+    if args.cluster:
+        return main_sharded(args)
     systems = args.systems.split(",")
     print(f"redis {args.redis_url}; {args.num_requests} requests for throughput, {args.num_latency} sequential "
           f"round trips; prompt {len(PROMPT)} bytes, max_tokens {MAX_TOKENS}")
@@ -318,6 +411,30 @@ def main(argv: list[str] | None = None) -> int:
     summary = print_report(results)
     write_json(args.json, {"benchmark": "queue", "args": vars(args), "machine": machine_info(), "results": results,
                            "summary": summary})
+    return 0
+
+
+def main_sharded(args: argparse.Namespace) -> int:
+    import tempfile
+
+    print(f"{args.num_requests} requests for throughput, {args.num_latency} sequential round trips; "
+          f"{args.cluster_workers} echo workers; prompt ~{len(PROMPT) + 4} bytes, max_tokens {MAX_TOKENS}")
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="tm-queue-bench-") as tmp:
+        log_dir = Path(args.log_dir or tmp)
+        for setup in ("single", "cluster"):
+            print(f"running {setup} ...", flush=True)
+            workdir = Path(tmp) / setup
+            workdir.mkdir()
+            try:
+                results[setup] = bench_sharded(setup, args, log_dir, workdir)
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                results[setup] = {"system": f"tokenmill_{setup}", "error": f"{type(exc).__name__}: {exc}",
+                                  "log_tail": _log_tail(log_dir)}
+                print(f"  {setup} FAILED: {exc}\n{results[setup]['log_tail']}")
+    print_sharded_report(results)
+    write_json(args.json, {"benchmark": "queue_cluster", "args": vars(args), "machine": machine_info(),
+                           "results": results})
     return 0
 
 

@@ -251,9 +251,8 @@ class BulkJob:
         if not items:
             return
         num_attempts = self.options.retries + 1
-        keys = [self.producer.keys.result(request_id_of(self.job_id, item.item_id, attempt))
-                for item in items for attempt in range(num_attempts)]
-        raws = cast("list[bytes | None]", self.producer.client.mget(keys))
+        raws = self.producer.raw_results([request_id_of(self.job_id, item.item_id, attempt)
+                                          for item in items for attempt in range(num_attempts)])
         for position, item in enumerate(items):
             found = [(attempt, raw) for attempt, raw in
                      enumerate(raws[position * num_attempts:(position + 1) * num_attempts]) if raw is not None]
@@ -311,12 +310,9 @@ class BulkJob:
     def _recheck(self) -> None:
         self._last_recheck_s = time.monotonic()
         request_ids = list(self._flights)
-        for start in range(0, len(request_ids), common.MGET_CHUNK):
-            chunk = request_ids[start:start + common.MGET_CHUNK]
-            raws = cast("list[bytes | None]", self.producer.client.mget([self.producer.keys.result(i) for i in chunk]))
-            for raw in raws:
-                if raw is not None:
-                    self._land(decode_result(raw))
+        for raw in self.producer.raw_results(request_ids):
+            if raw is not None:
+                self._land(decode_result(raw))
 
     def _land(self, result: GenerationResult) -> None:
         flight = self._flights.pop(result.id, None)

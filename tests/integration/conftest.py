@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis
 
+from tests.cluster_helpers import LocalCluster, start_cluster
 from tokenmill.producer import AsyncProducer, Producer
 from tokenmill.producer.keys import DONE_TTL_S, Keys
 from tokenmill.producer.schema import SCHEMA_VERSION, GenerationResult, encode_result
@@ -89,3 +90,14 @@ def fake_worker(redis_url: str, keys: Keys) -> Iterator[FakeWorker]:
     yield fake
     fake.join()
     client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A Redis Cluster of 3 primaries with one replica each on free loopback ports (tests/cluster_helpers.py),
+    for the whole session; tests use their own key prefixes (and may fail primaries over or move slots)."""
+    cluster = start_cluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
