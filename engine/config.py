@@ -228,6 +228,10 @@ class FleetCacheConfig(_Frozen):
                             "beyond the local cache (a round trip costs more than a block or two)")
     max_wait_s: float = Field(5.0, gt=0, description="a request waits for its blocks at most this long, then "
                               "computes them (counted as a fallback)")
+    publish: Literal["reused", "all"] = Field(
+        "reused", description="which computed prompt blocks go to the store: reused = once a second request on "
+        "this worker uses them (shared prefixes travel, unique documents never do); all = every full prompt block "
+        "(a prefill worker always publishes all: its decode pool needs them)")
 
     @field_validator("max_bytes")
     @classmethod

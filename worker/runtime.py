@@ -51,8 +51,12 @@ def build_engine(settings: Settings, client: redis.Redis | None = None) -> Engin
         return redis_block_store(client, settings.queue.keys.prefix, namespace, fleet.max_store_bytes, fleet.ttl_s,
                                  hash_tag=settings.redis.is_cluster)
 
+    config = settings.engine
+    if settings.worker.role == "prefill" and fleet.publish != "all":
+        # NOTE: a prefill worker's blocks are for its decode pool, reused or not
+        config = config.model_copy(update={"fleet_cache": fleet.model_copy(update={"publish": "all"})})
     try:
-        return Engine.from_config(settings.engine, block_store_for=block_store_for if fleet.enabled else None)
+        return Engine.from_config(config, block_store_for=block_store_for if fleet.enabled else None)
     except EngineError as exc:
         raise StartupError(str(exc)) from exc
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import Literal
 
 from tokenmill.engine.config import SchedulerConfig
 from tokenmill.engine.core.clock import Clock
@@ -93,9 +94,10 @@ class Scheduler:
         self._next_seq_no = 0
         self._next_paced_step = 0.0  # the predicted-KV budget's pacing of long admissions (_is_paced)
         self._policy = PreemptionPolicy(config, block_manager, self._queues)
-        # Prompt blocks the prefix cache indexed since the last take_new_prompt_blocks() (collected only when
-        # something publishes them: the fleet cache, engine/core/fleet_cache.py).
-        self.collects_new_prompt_blocks = False
+        # Prompt blocks to publish since the last take_new_prompt_blocks(), collected only when something publishes
+        # them (the fleet cache, engine/core/fleet_cache.py): "computed" = each one the prefix cache indexes,
+        # "reused" = those an admission finds in the prefix cache (a second request uses them: shared).
+        self.collects_prompt_blocks: Literal["none", "computed", "reused"] = "none"
         self._new_prompt_blocks: list[tuple[Request, int, int]] = []
 
     @property
@@ -238,7 +240,7 @@ class Scheduler:
                 block_ids = self.block_manager.get_block_ids(request.request_id)
                 indexed = self.prefix_cache.register(known_token_ids, block_ids, request.prefix_entry_ids,
                                                      request.num_computed_tokens)
-                if self.collects_new_prompt_blocks and indexed:
+                if self.collects_prompt_blocks == "computed" and indexed:
                     num_prompt_blocks = request.num_prompt_tokens // self.block_manager.block_size
                     self._new_prompt_blocks.extend((request, i, block_ids[i]) for i in indexed
                                                    if i < num_prompt_blocks)
@@ -302,8 +304,8 @@ class Scheduler:
         return bool(self._finished)
 
     def take_new_prompt_blocks(self) -> list[tuple[Request, int, int]]:
-        """``(request, block index, device block id)`` of the prompt blocks indexed since the last call (when
-        :attr:`collects_new_prompt_blocks`): computed by this engine, verified, full."""
+        """``(request, block index, device block id)`` of the prompt blocks to publish since the last call (as
+        :attr:`collects_prompt_blocks` says): verified and full."""
         blocks, self._new_prompt_blocks = self._new_prompt_blocks, []
         return blocks
 
@@ -441,6 +443,10 @@ class Scheduler:
             request.num_computed_tokens, request.prefix_entry_ids = num_hit_tokens, hit_entry_ids
             request.num_cached_prompt_tokens = num_hit_tokens
             self.prefix_cache.count_query(request.num_schedulable_tokens, num_hit_tokens)
+            if self.collects_prompt_blocks == "reused":
+                num_prompt_blocks = request.num_prompt_tokens // self.block_manager.block_size
+                self._new_prompt_blocks.extend((request, i, block_id) for i, block_id in enumerate(hit_block_ids)
+                                               if i < num_prompt_blocks)
         self._admit(request, num_tokens, plan)
         return True
 

@@ -142,8 +142,8 @@ def _build_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStore
                          spec.block_size, (spec.num_layers, spec.num_kv_heads, spec.head_dim))
         fleet = FleetCache(config.fleet_cache, block_store_for(root), root, kv_cache, spec.bytes_per_block,
                            block_manager, prefix_cache)
-        scheduler.collects_new_prompt_blocks = True
-        logger.info("fleet cache on: namespace %s", root.hex())
+        scheduler.collects_prompt_blocks = "computed" if config.fleet_cache.publish == "all" else "reused"
+        logger.info("fleet cache on: namespace %s, publishing %s prompt blocks", root.hex(), config.fleet_cache.publish)
     return EngineParts(scheduler, runner, loaded.tokenizer, limits, grammars, fleet)
 
 

@@ -89,7 +89,8 @@ class Fleet:
         env = {"TOKENMILL_ENGINE__MODEL__DTYPE": self.args.dtype, "TOKENMILL_ENGINE__MODEL__DEVICE": "cpu",
                "TOKENMILL_ENGINE__MODEL__NUM_THREADS": "1", "TOKENMILL_ENGINE__CACHE__KV_CACHE_MEMORY": "3GiB",
                "TOKENMILL_ENGINE__FLEET_CACHE__MAX_BYTES": self.args.store_bytes,
-               "TOKENMILL_ENGINE__FLEET_CACHE__TTL_S": "900", "TOKENMILL_WORKER__MAX_WAITING": "64"}
+               "TOKENMILL_ENGINE__FLEET_CACHE__TTL_S": "900",
+               "TOKENMILL_WORKER__MAX_WAITING": str(self.args.max_waiting)}
         cmd = [sys.executable, "-m", "tokenmill.cli", "--redis-url", self.redis_url, "--prefix", self.prefix,
                "worker", "--model", self.args.model, "--name", name, "--metrics-port", str(port),
                "--role", role, "--fleet-cache" if fleet_cache else "--no-fleet-cache", "--log-json"]
@@ -314,6 +315,9 @@ def main() -> None:
     parser.add_argument("--split-requests", type=int, default=32)
     parser.add_argument("--split-prompt-tokens", type=int, default=1000)
     parser.add_argument("--split-max-tokens", type=int, default=16)
+    parser.add_argument("--max-waiting", type=int, default=8,
+                        help="each worker's admission window: small, so a burst spreads over both workers (with 64, "
+                             "the first worker to read claims a 32-request burst whole and the other idles)")
     parser.add_argument("--store-bytes", default="3GiB", help="the fleet store's byte cap")
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     parser.add_argument("--json", default="", help="write the JSON report here")

@@ -148,3 +148,39 @@ def test_a_slow_fetch_is_given_up_and_counted(tiny_model_dirs: dict[str, Path]) 
     assert _greedy(engine, prompts) == expected
     fleet = engine.stats().fleet
     assert fleet.fallbacks["timeout"] >= 1 and fleet.fallback_blocks > 0
+
+
+@pytest.mark.parametrize("publish", ["reused", "all"])
+def test_what_is_published_unique_prompts_travel_only_with_publish_all(
+        publish: str, tiny_model_dirs: dict[str, Path]) -> None:
+    """``reused`` publishes a prompt's blocks once a second request uses them (shared prefixes), never a unique
+    document's; ``all`` publishes every full prompt block."""
+    path = tiny_model_dirs["llama"]
+    store = LocalBlockStore()
+    engine = _engine(path, store, block_size=16, publish=publish)
+    unique = random_prompts(VOCAB_SIZE, 1, seed=7, min_len=70, max_len=70)[0]  # four full blocks
+    _greedy(engine, [unique])
+    assert engine.fleet is not None and engine.fleet.flush(timeout_s=10)
+    assert engine.stats().fleet.num_published_blocks == (4 if publish == "all" else 0)
+    _greedy(engine, [unique[:40] + [1, 2, 3]])  # its first two blocks used again
+    assert engine.fleet.flush(timeout_s=10)
+    assert engine.stats().fleet.num_published_blocks == (4 if publish == "all" else 2)
+    assert len(store) == engine.stats().fleet.num_published_blocks
+
+
+def test_a_prefill_worker_publishes_every_prompt_block(tiny_model_dirs: dict[str, Path],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import tokenmill.worker.runtime as runtime
+    from tokenmill.worker.config import Settings
+
+    store = LocalBlockStore()
+    monkeypatch.setattr(runtime, "redis_block_store", lambda *args, **kwargs: store)
+    settings = Settings.model_validate({"engine": {"model": {"name": str(tiny_model_dirs["llama"]), "device": "cpu"},
+                                                   "fleet_cache": {"enabled": True}},
+                                        "worker": {"role": "prefill"}})
+    assert settings.engine.fleet_cache.publish == "reused"  # the default, overridden for a prefill worker
+    engine = runtime.build_engine(settings, client=object())  # type: ignore[arg-type]
+    _greedy(engine, [random_prompts(VOCAB_SIZE, 1, seed=7, min_len=70, max_len=70)[0]])
+    assert engine.fleet is not None and engine.fleet.flush(timeout_s=10)
+    assert engine.stats().fleet.num_published_blocks == 4
+    engine.close()
