@@ -96,6 +96,11 @@ class ModelConfig(_Frozen):
         "intermediate_size must divide by N; on CUDA one visible GPU per rank; on CPU num_threads and the cache "
         "sizes count per rank. 1: no sharding"
     )
+    tensor_parallel_cpu_all_reduce: Literal["shared_memory", "gloo"] = Field(
+        "shared_memory", description="how CPU ranks sum their partial outputs (two all-reduces per decoder layer): "
+        "shared_memory: through a segment in /dev/shm (microseconds; gloo when there is none); gloo: over loopback "
+        "TCP (about a millisecond each), the plain reference path. CUDA ranks use NCCL"
+    )
 
     @model_validator(mode="after")
     def _check_random_init(self) -> ModelConfig:

@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         store.set(f"error/{args.rank}", f"{type(exc).__name__}: {exc}")
         return 1
     store.set(f"ready/{args.rank}", "1")
-    groups.connect(store, loaded.device)
+    shared_memory = store.get("shared_memory").decode()
+    groups.connect(store, loaded.device, Path(shared_memory) if shared_memory else None)
     num_gpu_blocks, num_cpu_blocks, backend_name = store.get("kv_cache").decode().split(",")
     spec = kv_cache_spec(loaded, config.cache.block_size)
     kv_cache = KVCache(spec, int(num_gpu_blocks), int(num_cpu_blocks), loaded.device)

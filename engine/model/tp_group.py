@@ -3,6 +3,10 @@ all-reduces (NCCL on CUDA, gloo on CPU; a short timeout, as every rank is inside
 for rank 0's step messages (gloo over host tensors; no practical timeout, as a follower waits there for as
 long as the engine idles).
 
+On CPU the forward's all-reduces go through a shared-memory segment when rank 0 made one
+(engine/model/shm_all_reduce.py: microseconds where gloo's loopback TCP takes about a millisecond); the gloo
+group is made either way and is the plain reference path.
+
 The groups are made directly from a store (``ProcessGroupGloo(store, ...)``), not through
 ``torch.distributed.init_process_group``: no process-wide default group, so one process may hold several
 tensor-parallel engines in turn (tests) or at once. Imports torch.
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]  # public, not in __all__
 
 from tokenmill.engine.errors import DeviceLost
+from tokenmill.engine.model.shm_all_reduce import SharedMemoryAllReduce
 
 # A collective inside a step: every rank is computing the same step, so a wait this long means a rank is gone
 # or stuck (a rank that exits is noticed at once: its connections close).
@@ -37,17 +43,36 @@ class ProcessGroups:
 
     Args:
         explain: says what became of the other ranks, for the message of a failed collective (rank 0's).
+        check_peers: raises when another rank is gone (rank 0's: its followers' exit status), for waits in
+            the shared-memory all-reduce, which no closed connection ends.
     """
 
-    def __init__(self, rank: int, world_size: int, explain: Callable[[], str] | None = None) -> None:
+    def __init__(self, rank: int, world_size: int, explain: Callable[[], str] | None = None,
+                 check_peers: Callable[[], None] | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self._explain = explain
+        self._check_peers = check_peers or (lambda: None)
         self._compute: Any = None
         self._control: Any = None
+        self._shared_memory: SharedMemoryAllReduce | None = None
 
-    def connect(self, store: Store, device: torch.device) -> None:
-        """Meet the other ranks through ``store`` (each rank calls this once; it returns when all have)."""
+    @property
+    def uses_shared_memory(self) -> bool:
+        return self._shared_memory is not None
+
+    def connect(self, store: Store, device: torch.device, shared_memory: Path | None = None) -> None:
+        """Meet the other ranks through ``store`` (each rank calls this once; it returns when all have).
+
+        Args:
+            shared_memory: the segment rank 0 made for the CPU all-reduce (every rank gets the same one, or
+                none: gloo). Mapped before the groups are made, so when rank 0's connect returns every rank has
+                mapped it and rank 0 may unlink it.
+        """
+        if shared_memory is not None:
+            self._shared_memory = SharedMemoryAllReduce(
+                shared_memory, self.rank, self.world_size, self._check_peers, STEP_TIMEOUT.total_seconds(),
+                lambda: self._lost("an all-reduce", TimeoutError(f"no answer in {STEP_TIMEOUT}")))
         self._control = dist.ProcessGroupGloo(PrefixStore("control", store), self.rank, self.world_size,
                                               IDLE_TIMEOUT)
         if device.type == "cuda":
@@ -65,6 +90,9 @@ class ProcessGroups:
         Raises:
             TensorParallelLost: a rank is gone or stuck.
         """
+        if self._shared_memory is not None:
+            self._shared_memory(tensor)
+            return
         try:
             self._compute.allreduce([tensor]).wait()
         except RuntimeError as exc:

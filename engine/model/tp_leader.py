@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import weakref
+from pathlib import Path
 
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, not in __all__
@@ -26,6 +27,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.step_io import SchedulerOutput
 from tokenmill.engine.errors import ModelLoadError
+from tokenmill.engine.model import shm_all_reduce
 from tokenmill.engine.model.model_runner import PreparedBatch
 from tokenmill.engine.model.tensor_parallel import Shard
 from tokenmill.engine.model.tp_group import SETUP_TIMEOUT, ProcessGroups, TensorParallelLost
@@ -47,7 +49,8 @@ class TensorParallelLeader:
 
     def __init__(self, config: EngineConfig) -> None:
         self.world_size = config.model.tensor_parallel_size
-        self.groups = ProcessGroups(0, self.world_size, explain=self._follower_states)
+        self._cpu_all_reduce = config.model.tensor_parallel_cpu_all_reduce
+        self.groups = ProcessGroups(0, self.world_size, explain=self._follower_states, check_peers=self._check_alive)
         self._store = TCPStore("127.0.0.1", 0, self.world_size, True, timeout=SETUP_TIMEOUT,
                                     wait_for_workers=False)
         self._store.set("config", config.model_dump_json())
@@ -92,8 +95,31 @@ class TensorParallelLeader:
                     raise ModelLoadError(f"tensor-parallel ranks {sorted(pending)} did not load the model in "
                                          f"{SETUP_TIMEOUT.total_seconds():.0f} s")
                 time.sleep(_POLL_S)
-        self.groups.connect(self._store, device)
+        segment = self._shared_memory_segment(device)
+        self._store.set("shared_memory", str(segment) if segment is not None else "")
+        try:
+            self.groups.connect(self._store, device, segment)
+        finally:
+            if segment is not None:
+                shm_all_reduce.unlink_segment(segment)
         self._connected = True
+        logger.info("tensor parallelism: the forward's all-reduces go through %s",
+                    "shared memory" if self.groups.uses_shared_memory else "NCCL" if device.type == "cuda" else "gloo")
+
+    def _shared_memory_segment(self, device: torch.device) -> Path | None:
+        """The CPU all-reduce's segment, or None (CUDA, gloo asked for, or no room: gloo, logged)."""
+        if device.type != "cpu" or self._cpu_all_reduce != "shared_memory":
+            return None
+        if not shm_all_reduce.available():
+            logger.warning("tensor parallelism: no writable %s; the all-reduces go through gloo (slower)",
+                           shm_all_reduce.SHM_DIR)
+            return None
+        try:
+            return shm_all_reduce.create_segment(self.world_size)
+        except OSError as exc:
+            logger.warning("tensor parallelism: no shared-memory segment (%s); the all-reduces go through gloo "
+                           "(slower)", exc)
+            return None
 
     def share_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, backend_name: str) -> None:
         """Give the followers rank 0's KV pool sizes and attention backend: every rank runs the same ones."""

@@ -11,7 +11,8 @@ shapes but 12 heads of 48 dimensions (4 KV heads): the same q/k/v/o, MLP and LM-
 attention FLOPs, random weights (``random_init``), token-id prompts. ``--keep-heads`` runs the checkpoint as it
 is (only where its heads divide by the ranks). The one-rank engine is timed twice: with its default fast path
 (the native C++ decoder stack) and eager (``compile = "off"``), the path every rank of a tensor-parallel
-engine takes.
+engine takes. The two-rank engine is timed with its all-reduces through shared memory (the default) and
+through gloo (the reference path, ``tensor_parallel_cpu_all_reduce = "gloo"``).
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ sys.path.insert(0, str(_HERE.parents[1]))
 from ops.bench.common import machine_info, print_table, write_json
 from ops.bench.throughput import resolve_model_dir
 
-RUNS = (  # (name, tensor_parallel_size, threads per rank, compile)
-    ("1 rank x 2 threads, native stack", 1, 2, "auto"),
-    ("1 rank x 2 threads, eager", 1, 2, "off"),
-    ("2 ranks x 1 thread (eager)", 2, 1, "auto"),
+RUNS = (  # (name, tensor_parallel_size, threads per rank, compile, CPU all-reduce)
+    ("1 rank x 2 threads, native stack", 1, 2, "auto", "shared_memory"),
+    ("1 rank x 2 threads, eager", 1, 2, "off", "shared_memory"),
+    ("2 ranks x 1 thread, shared memory", 2, 1, "auto", "shared_memory"),
+    ("2 ranks x 1 thread, gloo", 2, 1, "auto", "gloo"),
 )
 
 
@@ -54,14 +56,15 @@ def divisible_shape(config: dict[str, Any], ranks: int) -> dict[str, Any]:
     raise SystemExit(f"no head count near {heads} splits {hidden} over {ranks} ranks")
 
 
-def run_engine(model: str, random_init: bool, ranks: int, threads: int, compile_mode: str,
+def run_engine(model: str, random_init: bool, ranks: int, threads: int, compile_mode: str, all_reduce: str,
                prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     """One engine over the workload; its output tokens per second (after a warm-up request)."""
     from tokenmill.engine import Engine, EngineConfig, SamplingParams
 
     config = EngineConfig.model_validate({
         "model": {"name": model, "device": "cpu", "dtype": "float32", "num_threads": threads,
-                  "random_init": random_init, "tensor_parallel_size": ranks},
+                  "random_init": random_init, "tensor_parallel_size": ranks,
+                  "tensor_parallel_cpu_all_reduce": all_reduce},
         "execution": {"compile": compile_mode},
         "speculative": {"method": "off"},
     })
@@ -75,7 +78,8 @@ def run_engine(model: str, random_init: bool, ranks: int, threads: int, compile_
     finally:
         engine.close()
     tokens = sum(len(out.token_ids) for out in outputs)
-    return {"ranks": ranks, "threads_per_rank": threads, "compile": compile_mode, "output_tokens": tokens,
+    return {"ranks": ranks, "threads_per_rank": threads, "compile": compile_mode, "all_reduce": all_reduce,
+            "output_tokens": tokens,
             "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed, "token_ids": [out.token_ids for out in outputs]}
 
 
@@ -96,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [[rng.randrange(100, config["vocab_size"]) for _ in range(rng.randint(64, 256))]
                    for _ in range(args.prompts)]
         results = {}
-        for name, ranks, threads, compile_mode in RUNS:
-            results[name] = run_engine(model, random_init, ranks, threads, compile_mode, prompts, args.max_tokens)
+        for name, ranks, threads, compile_mode, all_reduce in RUNS:
+            results[name] = run_engine(model, random_init, ranks, threads, compile_mode, all_reduce, prompts,
+                                       args.max_tokens)
             print(f"{name}: {results[name]['tokens_per_s']:.1f} tokens/s", flush=True)
     baseline = results[RUNS[0][0]]["tokens_per_s"]
     eager = results[RUNS[1][0]]["tokens_per_s"]
@@ -111,12 +116,17 @@ def main(argv: list[str] | None = None) -> int:
                 [[name, r["tokens_per_s"], r["elapsed_s"], r["tokens_per_s"] / baseline, r["tokens_per_s"] / eager]
                  for name, r in results.items()])
     print(f"\nprompts whose greedy tokens are the same on 2 ranks as on 1 eager rank: {same} of {len(prompts)}")
+    gloo = results[RUNS[3][0]]
+    same_transport = sum(a == b for a, b in zip(tp["token_ids"], gloo["token_ids"]))
+    print(f"prompts whose greedy tokens are the same through shared memory as through gloo: {same_transport} of "
+          f"{len(prompts)}")
     for result in results.values():
         del result["token_ids"]
     write_json(args.json, {"machine": machine_info(), "model": args.model, "reshaped_heads": random_init,
                            "prompts": args.prompts, "max_tokens": args.max_tokens, "runs": results,
                            "tp2_vs_native": tp["tokens_per_s"] / baseline, "tp2_vs_eager": tp["tokens_per_s"] / eager,
-                           "tp2_prompts_equal_eager": same})
+                           "tp2_prompts_equal_eager": same, "tp2_shared_memory_vs_gloo": tp["tokens_per_s"] /
+                           gloo["tokens_per_s"], "tp2_prompts_equal_over_both_transports": same_transport})
     return 0
 
 

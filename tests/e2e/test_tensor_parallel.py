@@ -1,4 +1,5 @@
-"""Tensor parallelism (``[engine.model] tensor_parallel_size``): two ranks (gloo, CPU) give the greedy tokens of
+"""Tensor parallelism (``[engine.model] tensor_parallel_size``): two ranks (CPU; all-reduces through shared
+memory, and through gloo in one test) give the greedy tokens of
 one rank, token for token, in float64, for a GQA model whose KV heads split across the ranks (llama: 4 heads,
 2 KV heads) and one whose single KV head is replicated on both (qwen2: 4 heads, 1 KV head), over prompts of
 mixed lengths with chunked prefill, prefix-cache hits and swap preemption. A follower killed mid-run ends
@@ -89,6 +90,24 @@ def test_two_ranks_match_one(family: str, scenario: str, tiny_model_dirs: dict[s
     assert stats.prefix.num_hit_tokens > 0, stats.prefix
     if scenario == "swap-preemption":
         assert stats.counters.num_swapped_out_blocks > 0 and stats.counters.num_swapped_in_blocks > 0, stats
+
+
+@pytest.mark.timeout(300)
+def test_gloo_all_reduce_gives_the_shared_memory_tokens(tiny_model_dirs: dict[str, Path]) -> None:
+    """The CPU all-reduce's fast path (a shared-memory segment, the default) and its plain reference path (gloo)
+    give the same tokens as one rank."""
+    path = tiny_model_dirs["llama"]
+    expected, _ = _generate(path, _settings(path, "chunked-prefix", 1))
+    for transport in ("shared_memory", "gloo"):
+        settings = dict(_settings(path, "chunked-prefix", 2), tensor_parallel_cpu_all_reduce=transport)
+        engine = build_engine(str(path), **settings)
+        try:
+            uses_shared_memory = engine.runner.tensor_parallel.groups.uses_shared_memory  # type: ignore[attr-defined]
+        finally:
+            engine.close()
+        assert uses_shared_memory == (transport == "shared_memory")
+        got, _ = _generate(path, settings)
+        assert got == expected, f"two ranks over {transport} diverged from one rank"
 
 
 def _running(pid: int) -> bool:
