@@ -18,6 +18,7 @@ before it. Imports torch.
 from __future__ import annotations
 
 import os
+import platform
 import time
 import uuid
 from collections.abc import Callable
@@ -33,8 +34,9 @@ CHECK_AFTER_S = 0.01  # a wait this long checks that the other ranks are still a
 
 
 def available() -> bool:
-    """Whether this host has a shared-memory file system to map the segment from."""
-    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+    """Whether this host has a shared-memory file system to map the segment from, on a CPU whose store order
+    the protocol relies on (x86-64; elsewhere, e.g. ARM's weaker order, gloo)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
 
 def slot_bytes_for(world_size: int) -> int:

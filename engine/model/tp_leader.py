@@ -111,8 +111,8 @@ class TensorParallelLeader:
         if device.type != "cpu" or self._cpu_all_reduce != "shared_memory":
             return None
         if not shm_all_reduce.available():
-            logger.warning("tensor parallelism: no writable %s; the all-reduces go through gloo (slower)",
-                           shm_all_reduce.SHM_DIR)
+            logger.warning("tensor parallelism: no writable %s on an x86-64 CPU; the all-reduces go through gloo "
+                           "(slower)", shm_all_reduce.SHM_DIR)
             return None
         try:
             return shm_all_reduce.create_segment(self.world_size)
