@@ -201,13 +201,14 @@ class LengthConfig(_Frozen):
     predict: bool = Field(True, description="predict every request's output length from finished requests' "
                           "(CPU microseconds per request); off: no prediction, budget and ordering as below ignored")
     budget_kv: bool = Field(False, description="admit a waiting request only while the running and swapped "
-                            "requests' predicted peak KV still fits the device pool, each running for its "
-                            "`confidence` quantile of remaining length (long admissions paced, shorter work "
+                            "requests' predicted peak KV still fits the device pool (each running for its mean "
+                            "remaining length, plus a margin for the set's tail; long admissions paced, shorter work "
                             "backfilled), so the running set rarely outgrows the pool and preempts; off: admit while "
                             "the next chunk fits. Off by default: on a CPU, where a swap is a memory copy, it cost "
                             "~8% tokens/s in ops/bench/length.py for no preemptions; on where preempting is dear")
-    confidence: float = Field(0.9, gt=0.5, lt=1.0, description="quantile of each request's predicted length the "
-                              "KV budget plans for")
+    confidence: float = Field(0.9, gt=0.5, lt=1.0, description="quantile of each request's predicted length that "
+                              "defines its tail: the KV budget plans every request's mean plus the root sum of "
+                              "squares of their tails past the mean (a few of many run long, not all)")
     ordering: Literal["fcfs", "shortest", "longest", "auto"] = Field(
         "fcfs", description="order of waiting requests inside one priority level (aging still applies): fcfs: "
         "arrival; shortest: shortest predicted output first (lower mean completion time in a backlog); longest: "

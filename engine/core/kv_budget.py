@@ -3,12 +3,19 @@ hold at once, at its highest over the time they run, fits the device pool. Stand
 
 Without prediction the scheduler admits whenever the next chunk fits, and a running set that grows past the
 pool preempts (swap or recompute). With it, each committed request (running, or swapped and due back) and the
-candidate are taken to run for their predicted remaining length at the length config's ``confidence``
-quantile (the tail, not the median: lengths are heavy-tailed), growing one token per step and freeing their
-blocks when done. Their KV at step t is ``sum over those still running at t of (tokens now + t)``; its maximum
-is reached just before one of them finishes, so it is evaluated there (sorted by remaining length, with suffix
-sums: O(n log n)). Summing every request's final size instead would plan for all of them ending at once and
-hold back the staggered work a pool normally carries (a request near its end frees its blocks soon).
+candidate are taken to run for their predicted mean remaining length, growing one token per step and freeing
+their blocks when done. Their KV at step t is ``sum over those still running at t of (tokens now + t)``; its
+maximum is reached just before one of them finishes, so it is evaluated there (sorted by remaining length,
+with suffix sums: O(n log n)). Summing every request's final size instead would plan for all of them ending at
+once and hold back the staggered work a pool normally carries (a request near its end frees its blocks soon).
+
+The tail is planned for the set, not for each request: on top of that expected peak comes a margin, the
+root sum of squares of each request's tail excess (its length config's ``confidence`` quantile minus its
+mean). Lengths are heavy-tailed and independent across requests, so a few of many requests run long, not all
+of them: planning every request at its own 0.9 quantile sums tails that do not happen together (in
+ops/bench/length.py, where 1 list answer in 10 loops to ``max_tokens``, it planned every list answer at
+``max_tokens`` and kept the pool a third used). One request alone is planned at about its quantile, as before;
+a request whose quantile is its mean (one that always runs to ``max_tokens``) adds no margin.
 
 Only requests at least as urgent as the candidate are counted: less urgent ones would yield their room to it
 (priority preemption), so a bulk lane full of long work never holds back an urgent request.
@@ -53,21 +60,23 @@ class PredictedKvBudget:
         fits, found by bisection (the room only grows as requests finish, up to their growth in between)."""
         runs = self._runs([r for r in committed if r is not candidate])
         own = self._runs([candidate])
-        starts = sorted({0.0, *(steps_left for steps_left, _ in runs)})
+        starts = sorted({0.0, *(steps_left for steps_left, _, _ in runs)})
         low, high = 0, len(starts) - 1  # NOTE: once every committed request finished it fits alone
         while low < high:
             middle = (low + high) // 2
             start = starts[middle]
-            later = [(steps_left - start, num_tokens + start) for steps_left, num_tokens in runs if steps_left > start]
+            later = [(steps_left - start, num_tokens + start, excess) for steps_left, num_tokens, excess in runs
+                     if steps_left > start]
             if self._peak_blocks(sorted(later + own)) <= self.num_pool_blocks:
                 high = middle
             else:
                 low = middle + 1
         return starts[low]
 
-    def pacing_steps(self, request: Request) -> float:
-        """Steps to leave between admissions of requests like this one so that, once the pool is the limit,
-        their phases stay spread out: its predicted run times its mean KV over the run, over the pool.
+    def pacing_tokens(self, request: Request) -> float:
+        """Output tokens a request like this one should have generated before the next long one is admitted so
+        that, once the pool is the limit, their phases stay spread out: its predicted run times its mean KV over
+        the run, over the pool. (In tokens, not steps: with speculative decoding a step may add several.)
 
         Why: requests admitted together also end together, so a pool filled with long requests started at once
         is full only at their end and half empty on average (they grow from their prompt), and the next ones can
@@ -81,20 +90,28 @@ class PredictedKvBudget:
         """Device blocks ``requests`` are predicted to hold at once, at most, over the steps they run."""
         return self._peak_blocks(self._runs(requests))
 
-    def _runs(self, requests: list[Request]) -> list[tuple[float, float]]:
-        """(steps left, tokens now) per sequence, by steps left; each sample of an unforked request is one."""
-        return sorted((self.estimate_of(r).high_remaining(r.num_output_tokens), r.num_tokens)
-                      for r in requests for _ in range(r.num_seats))
+    def _runs(self, requests: list[Request]) -> list[tuple[float, float, float]]:
+        """(mean steps left, tokens now, tail excess) per sequence, by steps left; each sample of an unforked
+        request is one. The tail excess: its ``confidence`` quantile of remaining length minus the mean."""
+        runs = []
+        for request in requests:
+            estimate = self.estimate_of(request)
+            mean_left = estimate.mean_remaining(request.num_output_tokens)
+            excess = max(0.0, estimate.high_remaining(request.num_output_tokens) - mean_left)
+            runs += [(mean_left, float(request.num_tokens), excess)] * request.num_seats
+        return sorted(runs)
 
-    def _peak_blocks(self, runs: list[tuple[float, float]]) -> int:
+    def _peak_blocks(self, runs: list[tuple[float, float, float]]) -> int:
+        """The expected profile's peak plus the set's tail margin (the module's docstring)."""
         peak_blocks = 0.0
         num_tokens_after = 0.0  # tokens now of the sequences from this one on (they all still run)
         for index in range(len(runs) - 1, -1, -1):
-            steps_left, num_tokens = runs[index]
+            steps_left, num_tokens, _ = runs[index]
             num_tokens_after += num_tokens
             num_running = len(runs) - index
             # NOTE: just before this sequence's last token every later one has grown as much; each
             # sequence's last block is half empty on average.
             tokens = num_tokens_after + num_running * (steps_left - 1)
             peak_blocks = max(peak_blocks, tokens / self.block_size + num_running / 2)
-        return math.ceil(peak_blocks)
+        margin_tokens = math.sqrt(sum(excess * excess for _, _, excess in runs))
+        return math.ceil(peak_blocks + margin_tokens / self.block_size)

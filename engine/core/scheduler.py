@@ -92,7 +92,9 @@ class Scheduler:
         self._finished: list[Request] = []  # finished since the last take_finished()
         self._groups: dict[str, ParallelGroup] = {}  # n > 1 requests that forked, until every sample finished
         self._next_seq_no = 0
-        self._next_paced_step = 0.0  # the predicted-KV budget's pacing of long admissions (_is_paced)
+        # the predicted-KV budget's pacing of long admissions (_is_paced): the last paced request, the output tokens
+        # it should have before the next, and the step by which pacing ends anyway
+        self._paced_after: tuple[Request, float, float] | None = None
         self._policy = PreemptionPolicy(config, block_manager, self._queues)
         # Prompt blocks to publish since the last take_new_prompt_blocks(), collected only when something publishes
         # them (the fleet cache, engine/core/fleet_cache.py): "computed" = each one the prefix cache indexes,
@@ -186,9 +188,9 @@ class Scheduler:
                     continue  # it takes those blocks from the cache next step instead of computing them too
                 is_placed = self._schedule_waiting(request, hit, plan)
                 if is_placed and self._kv_budget is not None:
-                    num_steps = self._kv_budget.pacing_steps(request)
-                    if num_steps >= 1:
-                        self._next_paced_step = plan.index + num_steps
+                    num_tokens = self._kv_budget.pacing_tokens(request)
+                    if num_tokens >= 1:
+                        self._paced_after = (request, num_tokens, plan.index + num_tokens)
             if not is_placed:
                 break  # head-of-line: nothing less urgent may take the room it waits for
         if self.speculator is not None:
@@ -664,14 +666,20 @@ class Scheduler:
             r, aging_interval_s, sign * predictor.current(r).median_remaining(r.num_output_tokens))
 
     def _is_paced(self, request: Request, plan: StepPlan) -> bool:
-        """Whether a long request waits for its turn: the last long admission was fewer than its pacing interval
-        ago (``PredictedKvBudget.pacing_steps``: long requests started together end together, in waves that
-        leave the pool half empty on average), and the pool is the limit (with it, the committed requests'
-        predicted peak would pass half the pool). Never the only request."""
+        """Whether a long request waits for its turn: the last long admission has generated fewer output tokens
+        than its pacing interval (``PredictedKvBudget.pacing_tokens``: long requests started together end
+        together, in waves that leave the pool half empty on average), and the pool is the limit (with it, the
+        committed requests' predicted peak would pass half the pool). Never the only request; never longer than
+        the interval counted in steps (at least a token each while that request runs), so a paced request that
+        was preempted, or finished early, holds nothing back."""
         budget = self._kv_budget
-        if budget is None or not self._queues.running or plan.index >= self._next_paced_step:
+        if budget is None or not self._queues.running or self._paced_after is None:
             return False
-        if budget.pacing_steps(request) < 1:
+        last, num_tokens, last_step = self._paced_after
+        if last.is_finished or last.num_output_tokens >= num_tokens or plan.index >= last_step:
+            self._paced_after = None
+            return False
+        if budget.pacing_tokens(request) < 1:
             return False
         peak_blocks = budget.predicted_peak_blocks([*self._committed_before(request, plan), request])
         if peak_blocks <= budget.num_pool_blocks / 2:

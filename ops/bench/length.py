@@ -12,6 +12,8 @@ the same job on a fresh engine in this process:
 - ``on-fcfs``: prediction + ``budget_kv`` (admit while the predicted peak KV fits), arrival order;
 - ``on-shortest`` / ``on-longest``: the same, shortest / longest predicted output first;
 - ``on-auto`` (not in the default list): ordering ``auto`` (one length group: longest first).
+- ``order-shortest`` / ``order-longest`` (not in the default list): prediction and ordering without the KV
+  budget (admission as ``off``: preemption absorbs what does not fit), shortest / longest predicted first.
 
 Reported: makespan, output tokens/s, preemptions, completion times, deferred admissions; the prediction
 error (median |log predicted - log actual|) against planning with ``max_tokens``; the error of a bulk ETA
@@ -86,6 +88,8 @@ MODES: dict[str, dict[str, Any]] = {
     "on-shortest": {"predict": True, "budget_kv": True, "ordering": "shortest"},
     "on-longest": {"predict": True, "budget_kv": True, "ordering": "longest"},
     "on-auto": {"predict": True, "budget_kv": True, "ordering": "auto"},
+    "order-shortest": {"predict": True, "budget_kv": False, "ordering": "shortest"},
+    "order-longest": {"predict": True, "budget_kv": False, "ordering": "longest"},
 }
 DEFAULT_MODES = "off,on-fcfs,on-shortest,on-longest"
 ERROR_POINTS = (20, 100, 200)  # finished requests
@@ -430,6 +434,19 @@ def print_targets(results: dict[str, dict[str, Any]], num_requests: int, max_tok
         ratio = longest["makespan_s"] / fcfs["makespan_s"]
         summary["makespan_ratio_longest_vs_fcfs"] = ratio
         rows.append(["makespan, on-longest / on-fcfs", f"{ratio:.2f}x", "<= 1.00x", "PASS" if ratio <= 1.0 else "FAIL"])
+    order_shortest, order_longest = results.get("order-shortest"), results.get("order-longest")
+    if off and order_shortest:
+        ratio = off["completion_mean_s"] / order_shortest["completion_mean_s"]
+        summary["mean_completion_ratio_off_vs_order_shortest"] = ratio
+        rows.append(["mean completion, off / order-shortest (no budget)", f"{ratio:.2f}x", ">= 1.5x",
+                     "PASS" if ratio >= 1.5 else "FAIL"])
+        tput = order_shortest["tokens_per_s"] / off["tokens_per_s"]
+        rows.append(["output tok/s, order-shortest / off", f"{tput:.2f}x", "(info)", ""])
+    if off and order_longest:
+        ratio = order_longest["makespan_s"] / off["makespan_s"]
+        summary["makespan_ratio_order_longest_vs_off"] = ratio
+        rows.append(["makespan, order-longest / off (no budget)", f"{ratio:.2f}x", "<= 1.00x",
+                     "PASS" if ratio <= 1.0 else "FAIL"])
     predicted = [r for r in results.values() if r["length_config"].get("predict")]
     if predicted:
         last = error_rows(predicted[0], max_tokens, num_requests)[-1]

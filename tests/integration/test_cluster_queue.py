@@ -1,7 +1,7 @@
 """One logical queue spread over 3 shards of a real Redis Cluster (3 primaries, one replica each): every
 script's keys share a slot, echo workers answer each request exactly once (Producer.result, as_completed and
-a reply stream unchanged), through a worker SIGKILLed mid-run, a primary failing over, a slot migrating,
-and workers joining and leaving (shards rebalance; none is left unread)."""
+a reply stream unchanged; the async producer too), through a worker SIGKILLed mid-run, a primary failing
+over, a slot migrating, and workers joining and leaving (shards rebalance; none is left unread)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from redis.crc import key_slot
 
 from tests.cluster_helpers import LocalCluster, wait_for
 from tests.worker_helpers import FAST_WORKER, start_worker_process
-from tokenmill.producer import Producer, common
+from tokenmill.producer import AsyncProducer, Producer, common
 from tokenmill.producer.config import ProducerConfig, QueueConfig, RedisConfig
 from tokenmill.producer.keys import CONSUMER_GROUP
 from tokenmill.producer.schema import GenerationRequest, GenerationResult, decode_result
@@ -177,6 +177,30 @@ def test_echo_workers_over_three_shards_answer_each_request_once(
         stats = producer.stats()
         assert len(shards) >= 2 and len(stats["shards"]) == NUM_SHARDS
         _assert_exactly_once(cluster_client, producer, ids, reply)
+
+
+async def test_the_async_producer_over_three_shards(redis_cluster: LocalCluster, cluster_client: redis.Redis,
+                                                   prefix: str) -> None:
+    """AsyncProducer on the cluster client: submit_many, result, as_completed, stream, cancel and stats over
+    3 shards, each request answered once."""
+    with _worker(_settings(redis_cluster, prefix, "w-async")):
+        async with AsyncProducer.from_config(_config(redis_cluster, prefix)) as producer:
+            ids = await producer.submit_many([{"prompt": f"async request {i:02d}", "raw": True, "max_tokens": 8}
+                                              for i in range(24)])
+            assert len({producer.layout.shard_of(request_id) for request_id in ids}) >= 2
+            first = await producer.result(ids[0], timeout=20)
+            collected = {result.id: result async for result in producer.as_completed(ids, timeout=30)}
+            assert first.ok and collected[ids[0]].text == first.text and set(collected) == set(ids)
+            assert all(result.ok and result.text for result in collected.values())
+            streamed = await producer.submit(prompt="stream me", raw=True, max_tokens=6, stream_tokens=True)
+            text = "".join([piece async for piece in producer.stream(streamed, timeout=20)])
+            assert text == (await producer.result(streamed, timeout=10)).text
+            stats = await producer.stats()
+            assert len(stats["shards"]) == NUM_SHARDS
+    # NOTE: each id's result key lives on its own shard's slot: exactly one each
+    layout = _config(redis_cluster, prefix).layout
+    for request_id in ids:
+        assert cluster_client.exists(layout.for_id(request_id).result(request_id)) == 1
 
 
 def test_sigkill_mid_run_second_worker_reclaims(redis_cluster: LocalCluster, cluster_client: redis.Redis,

@@ -19,6 +19,7 @@ from tests.unit.scheduler_helpers import (
 )
 from tokenmill.engine.config import EngineConfig, LengthConfig
 from tokenmill.engine.core.clock import FakeClock
+from tokenmill.engine.core.kv_budget import PredictedKvBudget
 from tokenmill.engine.core.length_history import LengthEstimate, LengthSamples
 from tokenmill.engine.core.length_predictor import LengthPredictor
 from tokenmill.engine.core.request import Request, RequestStatus
@@ -190,6 +191,27 @@ def test_the_predicted_kv_budget_avoids_the_preemptions_of_admitting_whatever_fi
     assert off.counters.num_preemptions >= 5
     assert on.counters.num_preemptions * 5 <= off.counters.num_preemptions
     assert on.counters.num_deferred_admissions > 0 and on.length.num_observed == 32 + 16
+
+
+def test_the_budget_plans_the_tail_of_the_set_not_of_every_request() -> None:
+    """Twenty requests whose lengths are 100 tokens, or 2,000 one time in ten (mean 290, 0.9 quantile 2,000):
+    planning each at its quantile would need ~42,000 tokens, but a few of twenty run long, not all, so the
+    budget plans their mean plus the root sum of squares of their tails (~14,000 tokens). One request alone
+    is planned at its quantile, and a request that always runs to the end adds no margin."""
+    tailed = LengthEstimate(0, 100.0, 290.0, 2000.0, 50, "prefix")
+    certain = LengthEstimate(0, 2000.0, 2000.0, 2000.0, 50, "prefix")
+    estimates: dict[str, LengthEstimate] = {}
+    budget = PredictedKvBudget(num_pool_blocks=4000, block_size=4, estimate_of=lambda r: estimates[r.request_id])
+    requests = [make_request(f"r{i}", prompt_token_ids=[1] * 8, max_tokens=2000) for i in range(20)]
+    for request in requests:
+        estimates[request.request_id] = tailed
+    blocks = budget.predicted_peak_blocks(requests)
+    assert 2000 * 20 / 4 > 2.5 * blocks  # far below every request at its quantile
+    assert blocks * 4 >= 20 * 290 + (2000 - 290) * 20 ** 0.5  # the mean plus the set's tail
+    alone = budget.predicted_peak_blocks(requests[:1])
+    assert 2000 <= alone * 4 <= 2000 + 8 + 8  # its quantile (plus its prompt and rounding)
+    estimates["r0"] = certain
+    assert budget.predicted_peak_blocks(requests[:1]) * 4 <= 2000 + 8 + 4
 
 
 def test_a_cold_predictor_admits_the_first_request_and_learns() -> None:
