@@ -128,7 +128,9 @@ def test_smollm2_fleet_cache_and_prefill_handoff_match_hf(engine_and_reference: 
     settings = {"kv_cache_memory": "256MiB", "attention_backend": attention_backend("kernel", device),
                 "block_size": 4, "min_blocks": 1}
     store = LocalBlockStore()
-    first = build_engine("smollm2-135m", block_store=store, device=device, dtype="float32", **settings)
+    # NOTE: publish "all", as a prefill worker does (worker/runtime.py): every computed prompt block travels
+    first = build_engine("smollm2-135m", block_store=store, device=device, dtype="float32", publish="all",
+                         **settings)
     first.generate(prompts[:4], SamplingParams(max_tokens=1), progress=False)  # the prefill pool's part
     assert first.fleet is not None and first.fleet.flush(timeout_s=30)
     second = build_engine("smollm2-135m", block_store=store, device=device, dtype="float32", **settings)
