@@ -48,13 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     groups = ProcessGroups(args.rank, args.world_size)
     try:
         loaded = _load(config, Shard(args.rank, args.world_size, groups.all_reduce))
+        shared_memory = store.get("shared_memory").decode()  # NOTE: set once rank 0 has loaded its own shard
+        if shared_memory:
+            groups.use_shared_memory(Path(shared_memory))
     except Exception as exc:  # reported to rank 0, which raises it
         logger.exception("loading the model failed")
         store.set(f"error/{args.rank}", f"{type(exc).__name__}: {exc}")
         return 1
     store.set(f"ready/{args.rank}", "1")
-    shared_memory = store.get("shared_memory").decode()
-    groups.connect(store, loaded.device, Path(shared_memory) if shared_memory else None)
+    groups.connect(store, loaded.device)
     num_gpu_blocks, num_cpu_blocks, backend_name = store.get("kv_cache").decode().split(",")
     spec = kv_cache_spec(loaded, config.cache.block_size)
     kv_cache = KVCache(spec, int(num_gpu_blocks), int(num_cpu_blocks), loaded.device)

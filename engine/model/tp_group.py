@@ -61,18 +61,20 @@ class ProcessGroups:
     def uses_shared_memory(self) -> bool:
         return self._shared_memory is not None
 
-    def connect(self, store: Store, device: torch.device, shared_memory: Path | None = None) -> None:
-        """Meet the other ranks through ``store`` (each rank calls this once; it returns when all have).
+    def use_shared_memory(self, segment: Path) -> None:
+        """Map the segment rank 0 made for the CPU all-reduce (engine/model/shm_all_reduce.py); every rank maps
+        the same one before it reports ready, so a rank that cannot is reported like a failed load, and rank 0
+        may unlink the segment once :meth:`connect` returns.
 
-        Args:
-            shared_memory: the segment rank 0 made for the CPU all-reduce (every rank gets the same one, or
-                none: gloo). Mapped before the groups are made, so when rank 0's connect returns every rank has
-                mapped it and rank 0 may unlink it.
+        Raises:
+            OSError, ValueError: the segment cannot be mapped.
         """
-        if shared_memory is not None:
-            self._shared_memory = SharedMemoryAllReduce(
-                shared_memory, self.rank, self.world_size, self._check_peers, STEP_TIMEOUT.total_seconds(),
-                lambda: self._lost("an all-reduce", TimeoutError(f"no answer in {STEP_TIMEOUT}")))
+        self._shared_memory = SharedMemoryAllReduce(
+            segment, self.rank, self.world_size, self._check_peers, STEP_TIMEOUT.total_seconds(),
+            lambda: self._lost("an all-reduce", TimeoutError(f"no answer in {STEP_TIMEOUT}")))
+
+    def connect(self, store: Store, device: torch.device) -> None:
+        """Meet the other ranks through ``store`` (each rank calls this once; it returns when all have)."""
         self._control = dist.ProcessGroupGloo(PrefixStore("control", store), self.rank, self.world_size,
                                               IDLE_TIMEOUT)
         if device.type == "cuda":

@@ -79,6 +79,26 @@ class TensorParallelLeader:
         Raises:
             ModelLoadError: a follower failed to load (its reason), or exited.
         """
+        segment = self._shared_memory_segment(device)
+        self._store.set("shared_memory", str(segment) if segment is not None else "")
+        try:
+            if segment is not None:
+                self.groups.use_shared_memory(segment)
+            self._wait_until_loaded()
+            self.groups.connect(self._store, device)
+        finally:
+            if segment is not None:
+                shm_all_reduce.unlink_segment(segment)
+        self._connected = True
+        logger.info("tensor parallelism: the forward's all-reduces go through %s",
+                    "shared memory" if self.groups.uses_shared_memory else "NCCL" if device.type == "cuda" else "gloo")
+
+    def _wait_until_loaded(self) -> None:
+        """Until every follower has loaded its shard (and mapped the all-reduce's segment, if any).
+
+        Raises:
+            ModelLoadError: a follower failed (its reason), exited, or took longer than the setup timeout.
+        """
         pending = set(range(1, self.world_size))
         deadline = time.monotonic() + SETUP_TIMEOUT.total_seconds()
         while pending:
@@ -95,16 +115,6 @@ class TensorParallelLeader:
                     raise ModelLoadError(f"tensor-parallel ranks {sorted(pending)} did not load the model in "
                                          f"{SETUP_TIMEOUT.total_seconds():.0f} s")
                 time.sleep(_POLL_S)
-        segment = self._shared_memory_segment(device)
-        self._store.set("shared_memory", str(segment) if segment is not None else "")
-        try:
-            self.groups.connect(self._store, device, segment)
-        finally:
-            if segment is not None:
-                shm_all_reduce.unlink_segment(segment)
-        self._connected = True
-        logger.info("tensor parallelism: the forward's all-reduces go through %s",
-                    "shared memory" if self.groups.uses_shared_memory else "NCCL" if device.type == "cuda" else "gloo")
 
     def _shared_memory_segment(self, device: torch.device) -> Path | None:
         """The CPU all-reduce's segment, or None (CUDA, gloo asked for, or no room: gloo, logged)."""

@@ -26,9 +26,9 @@ from tests.engine_helpers import build_engine, engine_config
 from tests.tiny_models import VOCAB_SIZE
 from tokenmill.engine import Engine, ModelConfig, SamplingParams
 from tokenmill.engine.errors import EngineError, ModelLoadError
-from tokenmill.engine.model import model_setup
+from tokenmill.engine.model import model_setup, shm_all_reduce
 from tokenmill.engine.model.tensor_parallel import plan_shard
-from tokenmill.engine.model.tp_group import TensorParallelLost
+from tokenmill.engine.model.tp_group import ProcessGroups, TensorParallelLost
 
 pytestmark = pytest.mark.e2e
 
@@ -124,6 +124,22 @@ def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     return [pid for pid in pids if _running(pid)]
+
+
+@pytest.mark.timeout(120)
+def test_a_follower_that_cannot_map_the_segment_fails_the_load(tiny_model_dirs: dict[str, Path],
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    """A rank that cannot map the all-reduce's segment reports it as a failed load (rank 0 raises at once, no
+    hang at the meeting)."""
+    bad = tmp_path / "segment"
+    bad.write_bytes(b"too short")
+    monkeypatch.setattr(shm_all_reduce, "create_segment", lambda world_size: bad)
+    monkeypatch.setattr(ProcessGroups, "use_shared_memory", lambda self, segment: None)  # rank 0 alone skips it
+    path = tiny_model_dirs["llama"]
+    with pytest.raises(ModelLoadError, match=r"rank 1: ValueError: shared-memory segment"):
+        build_engine(str(path), **_settings(path, "chunked-prefix", 2))
+    assert not bad.exists(), "rank 0 unlinks the segment whatever happened"
 
 
 @pytest.mark.timeout(120)
