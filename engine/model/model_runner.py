@@ -41,6 +41,12 @@ class StepBroadcast(Protocol):
 
     def send_step(self, scheduler_output: SchedulerOutput, batch: PreparedBatch | None) -> None: ...
 
+    def send_probe(self, batch: PreparedBatch, fused_mlp: bool) -> None: ...
+
+    def count_disagreeing(self, agrees: bool) -> int: ...
+
+    def all_reduce(self, tensor: torch.Tensor) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -93,7 +99,8 @@ class ModelRunner:
         static_decode: decode steps at static shapes (CUDA graphs), run when a step fits a bucket;
             None: every step runs through the forward.
         tensor_parallel: the follower ranks of a sharded model, sent every step before it runs here (then
-            neither fast path is given); None: the model is whole.
+            no static decode steps; the native decoder stack, if given, runs on every rank); None: the model is
+            whole.
     """
 
     def __init__(self, loaded: LoadedModel, kv_cache: KVCache, sampler: Sampler, backend: AttentionBackend, *,

@@ -215,15 +215,13 @@ def with_fast_paths(reference: ModelRunner, grammars: GrammarCompiler | None, co
     allows and this machine supports, each checked against (or captured from) the reference's eager
     forward; the reference itself when there are none. Logs the choice once."""
     decoder, static = None, None
-    if reference.tensor_parallel is not None:
-        logger.info("tensor parallelism: the forward runs eagerly (Hugging Face modules, one all-reduce after each "
-                    "o_proj and down_proj); the native C++ decoder stack and CUDA graphs are off; attention=%s",
-                    reference.backend.name)
-        return reference
     if config.execution.compile == "auto" and reference.device.type == "cpu":
         decoder = native_decoder.native_decoder_for(reference)
     elif captures_decode_steps(config, reference.device, reference.backend):
-        static = capture_decode_steps(reference, config.scheduler.max_num_seqs, max_request_tokens)
+        if reference.tensor_parallel is not None:  # NOTE: a captured step would need its all-reduces captured too
+            logger.info("tensor parallelism: no CUDA graphs (each step runs eagerly, with NCCL's all-reduces)")
+        else:
+            static = capture_decode_steps(reference, config.scheduler.max_num_seqs, max_request_tokens)
     # NOTE: the linear layers' packing is chosen (and logged) as the model loads: engine/kernels/cpu_linear.py.
     logger.info("fast paths: forward=%s, decode steps=%s, attention=%s",
                 "native C++ decoder stack" if decoder is not None else "eager",
@@ -232,7 +230,7 @@ def with_fast_paths(reference: ModelRunner, grammars: GrammarCompiler | None, co
         return reference
     sampler = Sampler(grammars, argmax=native_decoder.greedy_token_ids if decoder is not None else None)
     return ModelRunner(reference.loaded, reference.kv_cache, sampler, reference.backend,
-                       native_decoder=decoder, static_decode=static)
+                       native_decoder=decoder, static_decode=static, tensor_parallel=reference.tensor_parallel)
 
 
 def draft_proposer_for(config: EngineConfig, loaded: LoadedModel) -> DraftModelProposer | None:
@@ -262,7 +260,7 @@ def _prebuild_cpu_extensions(config: EngineConfig) -> None:
         return
     if config.execution.attention_backend in ("auto", "cpu"):
         cpu_kernel.build_in_background()
-    if config.execution.compile == "auto" and config.model.tensor_parallel_size == 1:
+    if config.execution.compile == "auto":
         native_decoder.build_in_background()
     cpu_linear.prebuild_kernel_for(resolve_dtype(config.model.dtype, device), config.execution.linear_kernel)
 

@@ -6,13 +6,15 @@ It reads the engine's config from rank 0's store, loads the model and keeps its 
 meets the other ranks, builds a KV pool of rank 0's size over its own KV heads, then runs each step rank 0
 broadcasts (engine/model/tp_step.py): the block copies, then the decoder layers over the step's inputs,
 whose all-reduces pair with the other ranks'. Rank 0 alone computes logits and samples, so a follower
-stops at the final norm. It exits when told to stop, when a collective fails, or when rank 0's process is
-gone. Imports torch.
+stops at the final norm. The layers run eagerly, or through the native C++ decoder stack once a probe
+(rank 0's, at load) found it bitwise the eager forward on every rank (engine/model/native_decoder). It
+exits when told to stop, when a collective fails, or when rank 0's process is gone. Imports torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import threading
@@ -25,13 +27,15 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, 
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.kernels.attention import AttentionBackend, select_backend
+from tokenmill.engine.model.hf_attention import StepAttention
 from tokenmill.engine.model.kv_cache import KVCache
 from tokenmill.engine.model.model_loader import LoadedModel
 from tokenmill.engine.model.model_runner import step_tensors
 from tokenmill.engine.model.model_setup import kv_cache_spec, load_engine_model
+from tokenmill.engine.model.native_decoder import NativeDecoder, follower_probe
 from tokenmill.engine.model.tensor_parallel import Shard
 from tokenmill.engine.model.tp_group import SETUP_TIMEOUT, ProcessGroups, TensorParallelLost
-from tokenmill.engine.model.tp_step import receive_step
+from tokenmill.engine.model.tp_step import count_disagreeing, receive_step
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_cache = KVCache(spec, int(num_gpu_blocks), int(num_cpu_blocks), loaded.device)
     backend = select_backend(backend_name, loaded.device)  # type: ignore[arg-type]
     try:
-        serve(groups, loaded.model.get_decoder(), kv_cache, backend, loaded.device)
+        serve(groups, loaded.model, kv_cache, backend, loaded.device)
     except TensorParallelLost as lost:
         logger.error("%s", lost)
         return 1
@@ -70,14 +74,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @torch.inference_mode()
-def serve(groups: ProcessGroups, decoder: Any, kv_cache: KVCache, backend: AttentionBackend,
+def serve(groups: ProcessGroups, model: Any, kv_cache: KVCache, backend: AttentionBackend,
           device: torch.device) -> None:
     """Run rank 0's steps until it says stop: each step's block copies (in the runner's order), then the
-    decoder layers (``decoder``: the causal LM's base model, without its LM head) over its inputs.
+    decoder layers (``model``'s base model, without its LM head) over its inputs; a probe switches them to
+    the native stack when every rank agrees.
 
     Raises:
         TensorParallelLost: rank 0 (or another follower) is gone.
     """
+    base = model.get_decoder()
+    native: NativeDecoder | None = None
     while (message := receive_step(groups)) is not None:
         kv_cache.swap_out(message.swap_out)
         kv_cache.copy_blocks(message.copy_blocks)
@@ -85,8 +92,24 @@ def serve(groups: ProcessGroups, decoder: Any, kv_cache: KVCache, backend: Atten
         if message.inputs is None:
             continue
         on_device, attention = step_tensors(message.inputs, message.num_decodes, kv_cache, backend, device)
-        decoder(input_ids=on_device["input_ids"].view(1, -1), position_ids=on_device["positions"].view(1, -1),
-                use_cache=False, tokenmill_step=attention)
+        input_ids, positions = on_device["input_ids"].view(1, -1), on_device["positions"].view(1, -1)
+        eager = functools.partial(_eager_hidden_states, base, input_ids, positions, attention)
+        if message.probe_fused_mlp is not None:
+            decoder, agrees = follower_probe(model, kv_cache, backend.name, message.probe_fused_mlp,
+                                             groups.all_reduce, eager, (input_ids, positions, attention))
+            native = decoder if count_disagreeing(groups, agrees) == 0 else None
+        elif native is not None:
+            native.hidden_states(input_ids, positions, attention)
+        else:
+            eager()
+
+
+def _eager_hidden_states(base: Any, input_ids: torch.Tensor, positions: torch.Tensor,
+                         attention: StepAttention) -> torch.Tensor:
+    """The base model's output over a step, through the Hugging Face modules (the reference forward)."""
+    hidden: torch.Tensor = base(input_ids=input_ids, position_ids=positions, use_cache=False,
+                                tokenmill_step=attention).last_hidden_state
+    return hidden
 
 
 def _load(config: EngineConfig, shard: Shard) -> LoadedModel:

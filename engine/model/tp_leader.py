@@ -31,7 +31,7 @@ from tokenmill.engine.model import shm_all_reduce
 from tokenmill.engine.model.model_runner import PreparedBatch
 from tokenmill.engine.model.tensor_parallel import Shard
 from tokenmill.engine.model.tp_group import SETUP_TIMEOUT, ProcessGroups, TensorParallelLost
-from tokenmill.engine.model.tp_step import StepMessage, send_step, send_stop
+from tokenmill.engine.model.tp_step import StepMessage, count_disagreeing, send_step, send_stop
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,26 @@ class TensorParallelLeader:
                               batch.attention.meta.num_decodes if batch is not None else 0)
         if message.inputs is not None or message.swap_out or message.copy_blocks or message.swap_in:
             send_step(self.groups, message)
+
+    def send_probe(self, batch: PreparedBatch, fused_mlp: bool) -> None:
+        """Send the followers the native decoder stack's probe (engine/model/native_decoder): ``batch`` to run
+        eagerly and through a stack built with ``fused_mlp``, then :meth:`count_disagreeing`.
+
+        Raises:
+            TensorParallelLost: a follower is gone.
+        """
+        self._check_alive()
+        send_step(self.groups, StepMessage([], [], [], batch.inputs, batch.attention.meta.num_decodes,
+                                           probe_fused_mlp=fused_mlp))
+
+    def count_disagreeing(self, agrees: bool) -> int:
+        """How many ranks' native stacks differed from their eager forward on the probe (this one's: ``agrees``);
+        every rank learns the same count, so all take the same forward from then on."""
+        return count_disagreeing(self.groups, agrees)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over every rank, in place (what a shard's row-parallel layers do)."""
+        self.groups.all_reduce(tensor)
 
     def close(self) -> None:
         """Stop the followers: ask them to leave their loop, then end any that did not."""

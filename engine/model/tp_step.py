@@ -1,6 +1,8 @@
 """The message rank 0 broadcasts to tensor-parallel followers for each step: the step's KV block copies
 (swap-out, copy-on-write, swap-in: every rank's pool must stay in step) and the forward's integer inputs
-(engine/model/step_inputs.py: token ids, positions, slots, block tables, context lengths), or stop.
+(engine/model/step_inputs.py: token ids, positions, slots, block tables, context lengths), or stop. A probe is
+a step whose inputs every rank runs both eagerly and through the native decoder stack, at load
+(engine/model/native_decoder), to agree on which forward the steps after it take.
 
 On the wire, two broadcasts of int64 host tensors: a fixed-size header (what follows and how long each
 part is), then one payload holding the block pairs and the packed inputs. Imports torch.
@@ -19,7 +21,7 @@ from tokenmill.engine.model.tp_group import ProcessGroups
 
 Pairs = list[tuple[int, int]]
 
-_STOP, _STEP = 0, 1
+_STOP, _STEP, _PROBE_FUSED_MLP, _PROBE_ATEN_MLP = 0, 1, 2, 3
 # op, pairs of swap-out, copy and swap-in, decodes in the batch, whether inputs follow, each input list's length
 _HEADER_LEN = 6 + len(STEP_INPUT_NAMES)
 
@@ -33,6 +35,8 @@ class StepMessage:
     swap_in: Pairs
     inputs: StepInputs | None  # None: block copies only
     num_decodes: int = 0
+    # A probe of the native decoder stack, built with its fused SiLU-gated MLP (True) or ATen's (False); None: a step
+    probe_fused_mlp: bool | None = None
 
 
 def send_step(groups: ProcessGroups, message: StepMessage) -> None:
@@ -49,7 +53,9 @@ def send_step(groups: ProcessGroups, message: StepMessage) -> None:
             raise InvariantError(f"step inputs {names} are not the wire's {STEP_INPUT_NAMES}")
         lengths = [length for _, length in inputs.lengths]
     pairs = [message.swap_out, message.copy_blocks, message.swap_in]
-    header = [_STEP, *(len(p) for p in pairs), message.num_decodes, int(inputs is not None), *lengths]
+    op = _STEP if message.probe_fused_mlp is None else _PROBE_FUSED_MLP if message.probe_fused_mlp else \
+        _PROBE_ATEN_MLP
+    header = [op, *(len(p) for p in pairs), message.num_decodes, int(inputs is not None), *lengths]
     groups.broadcast(torch.tensor(header, dtype=torch.int64))
     parts = [torch.tensor([v for p in pairs for pair in p for v in pair], dtype=torch.int64)]
     if inputs is not None:
@@ -84,4 +90,12 @@ def receive_step(groups: ProcessGroups) -> StepMessage | None:
     inputs = StepInputs.received(payload[2 * num_pairs:], list(zip(STEP_INPUT_NAMES, lengths))) if has_inputs \
         else None
     return StepMessage(pairs[:num_swap_out], pairs[num_swap_out:num_swap_out + num_copy],
-                       pairs[num_swap_out + num_copy:], inputs, num_decodes)
+                       pairs[num_swap_out + num_copy:], inputs, num_decodes,
+                       None if op == _STEP else op == _PROBE_FUSED_MLP)
+
+
+def count_disagreeing(groups: ProcessGroups, agrees: bool) -> int:
+    """After a probe, on every rank: how many ranks' native stacks differed from their eager forward."""
+    verdict = torch.tensor([0.0 if agrees else 1.0])
+    groups.all_reduce(verdict)
+    return round(verdict.item())

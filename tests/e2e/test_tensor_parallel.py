@@ -2,11 +2,14 @@
 memory, and through gloo in one test) give the greedy tokens of
 one rank, token for token, in float64, for a GQA model whose KV heads split across the ranks (llama: 4 heads,
 2 KV heads) and one whose single KV head is replicated on both (qwen2: 4 heads, 1 KV head), over prompts of
-mixed lengths with chunked prefill, prefix-cache hits and swap preemption. A follower killed mid-run ends
-the engine with a clear error, never a hang, and no follower outlives rank 0. Bad sizes are refused."""
+mixed lengths with chunked prefill, prefix-cache hits and swap preemption. In float32 every rank runs the
+native C++ decoder stack and gives the tokens of every rank running eagerly; a probe that disagrees keeps
+every rank eager. A follower killed mid-run ends the engine with a clear error, never a hang, and no follower
+outlives rank 0. Bad sizes are refused."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -23,10 +26,13 @@ from transformers import AutoConfig, LlamaConfig
 
 from tests.e2e.parity_helpers import random_prompts
 from tests.engine_helpers import build_engine, engine_config
-from tests.tiny_models import VOCAB_SIZE
+from tests.tiny_models import VOCAB_SIZE, save_tiny_model
 from tokenmill.engine import Engine, ModelConfig, SamplingParams
+from tokenmill.engine.core.step_io import ScheduledChunk
 from tokenmill.engine.errors import EngineError, ModelLoadError
-from tokenmill.engine.model import model_setup, shm_all_reduce
+from tokenmill.engine.model import model_setup, native_decoder, shm_all_reduce
+from tokenmill.engine.model.model_runner import ModelRunner
+from tokenmill.engine.model.native_decoder import NativeDecoder
 from tokenmill.engine.model.tensor_parallel import plan_shard
 from tokenmill.engine.model.tp_group import ProcessGroups, TensorParallelLost
 
@@ -50,8 +56,8 @@ def _prompts() -> list[list[int]]:
     return [shared + p if i % 2 else p for i, p in enumerate(prompts)]
 
 
-def _settings(path: Path, scenario: str, tensor_parallel_size: int) -> dict[str, Any]:
-    settings = dict(SCENARIOS[scenario], device="cpu", dtype="float64", swap_space="8MiB",
+def _settings(path: Path, scenario: str, tensor_parallel_size: int, dtype: str = "float64") -> dict[str, Any]:
+    settings = dict(SCENARIOS[scenario], device="cpu", dtype=dtype, swap_space="8MiB",
                     tensor_parallel_size=tensor_parallel_size)
     if scenario == "swap-preemption":
         # NOTE: the KV budget is per rank, of that rank's KV heads: 200 tokens on every rank, which holds the
@@ -59,7 +65,8 @@ def _settings(path: Path, scenario: str, tensor_parallel_size: int) -> dict[str,
         config = AutoConfig.from_pretrained(path)
         kv_heads = max(1, config.num_key_value_heads // tensor_parallel_size)
         head_dim = config.hidden_size // config.num_attention_heads
-        settings["kv_cache_memory"] = 200 * config.num_hidden_layers * 2 * kv_heads * head_dim * 8  # float64
+        settings["kv_cache_memory"] = 200 * config.num_hidden_layers * 2 * kv_heads * head_dim * \
+            torch.finfo(getattr(torch, dtype)).bits // 8
     return settings
 
 
@@ -108,6 +115,87 @@ def test_gloo_all_reduce_gives_the_shared_memory_tokens(tiny_model_dirs: dict[st
         assert uses_shared_memory == (transport == "shared_memory")
         got, _ = _generate(path, settings)
         assert got == expected, f"two ranks over {transport} diverged from one rank"
+
+
+@pytest.fixture(scope="module")
+def float32_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny float32 models: the dtype whose linear layers are packed, so the native decoder stack applies."""
+    root = tmp_path_factory.mktemp("tiny-float32")
+    return {family: save_tiny_model(family, root / family, dtype=torch.float32) for family in ("llama", "qwen2")}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("family", "scenario"), [("llama", "chunked-prefix"), ("qwen2", "swap-preemption")])
+def test_the_native_stack_on_every_rank_gives_the_eager_tokens(family: str, scenario: str,
+                                                               float32_models: dict[str, Path]) -> None:
+    """With ``compile = "auto"`` every rank runs its shard's layers through the C++ decoder stack (the probe at
+    load agreed on every rank), and the tokens are those of every rank running eagerly: the stack is bitwise
+    the eager forward, with the all-reduces between its blocks."""
+    path = float32_models[family]
+    settings = _settings(path, scenario, 2, dtype="float32")
+    engine = build_engine(str(path), **settings)
+    try:
+        assert isinstance(engine.runner.native_decoder, NativeDecoder)  # type: ignore[attr-defined]
+    finally:
+        engine.close()
+    native, stats = _generate(path, settings)
+    eager, _ = _generate(path, dict(settings, compile="off"))
+    assert native == eager
+    if scenario == "swap-preemption":
+        assert stats.counters.num_swapped_out_blocks > 0, stats
+
+
+@pytest.mark.timeout(300)
+def test_a_probe_that_disagrees_on_rank_0_keeps_every_rank_in_step(float32_models: dict[str, Path],
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 0's stack disagrees with its eager forward with the fused MLP (a second probe, without it, every
+    rank runs too) and then without it: every rank stays eager, and the engine still steps with its followers."""
+    forward = NativeDecoder.forward
+
+    def off_by_a_little(self: NativeDecoder, *args: Any) -> torch.Tensor:
+        return forward(self, *args) * (1 + 1e-6)
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", torch.ops.tokenmill_native.vec_capability)
+    monkeypatch.setattr(NativeDecoder, "forward", off_by_a_little)
+    path = float32_models["llama"]
+    settings = _settings(path, "chunked-prefix", 2, dtype="float32")
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.model.native_decoder"):
+        engine = build_engine(str(path), **settings)
+    try:
+        assert engine.runner.native_decoder is None  # type: ignore[attr-defined]
+        assert sum("differs from eager" in r.message for r in caplog.records) == 2, caplog.text
+        outputs = engine.generate(_prompts()[:3], SamplingParams(max_tokens=4), progress=False)
+        assert all(len(out.token_ids) == 4 for out in outputs)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("can", [False, True])
+def test_a_follower_without_the_stack_runs_the_probe_eagerly_twice(can: bool, tiny_model_dirs: dict[str, Path],
+                                                                   float32_models: dict[str, Path]) -> None:
+    """A follower that cannot build the stack (here: float64, whose linear layers are not packed) runs its eager
+    forward twice, so its all-reduces still pair with the others', and reports that it differs; one that can
+    builds it and reports whether it agrees (here, without other ranks, an all-reduce that sums nothing)."""
+    path = float32_models["llama"] if can else tiny_model_dirs["llama"]
+    engine = build_engine(str(path), device="cpu", dtype="float32" if can else "float64", block_size=4,
+                          kv_cache_memory="4MiB")
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner)
+    batch = runner.prepare([ScheduledChunk("p", [11, 12, 13], 0, [0], True, SamplingParams(), 0)])
+    calls: list[int] = []
+
+    def eager() -> torch.Tensor:
+        calls.append(1)
+        hidden: torch.Tensor = runner.model.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                                                  use_cache=False, tokenmill_step=batch.attention).last_hidden_state
+        return hidden
+
+    decoder, agrees = native_decoder.follower_probe(runner.model, runner.kv_cache, runner.backend.name,
+                                                    fused_mlp=False, all_reduce=lambda tensor: None, eager=eager,
+                                                    native_inputs=(batch.input_ids, batch.position_ids,
+                                                                   batch.attention))
+    assert (decoder is not None, agrees, len(calls)) == ((True, True, 1) if can else (False, False, 2))
 
 
 def _running(pid: int) -> bool:

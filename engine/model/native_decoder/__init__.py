@@ -14,7 +14,13 @@ It applies to models whose decoder layer is exactly Llama's (``llama``, ``mistra
 configs, their q/k/v and gate/up layers packed by engine/kernels/cpu_linear.py) with the C++ attention
 backend; every other model runs eagerly. Before it is used, one probe step runs both ways and
 must agree bit for bit; otherwise the engine logs why and stays eager. ``compile = "off"`` keeps
-the eager path. Imports torch.
+the eager path.
+
+With tensor parallelism every rank runs its shard's layers through the stack, one C++ call per attention
+block and one per MLP block, with the all-reduce of each block's partial output between them, as the eager
+forward's row-parallel layers do (engine/model/tensor_parallel.py). The probe then runs on every rank at once
+(rank 0 sends it as a step, engine/model/tp_step.py) and the ranks sum their verdicts: the stack is used only
+where every rank's agrees with its eager forward. Imports torch.
 NOTE: measurements behind these choices: ops/bench/README.md (its per-machine sections and
 "Figures behind the kernels' comments").
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +40,7 @@ from tokenmill.engine.kernels.cpp_build import CppExtension
 from tokenmill.engine.kernels.cpu_linear import PANELS, PackedLinear, SiblingSlice
 from tokenmill.engine.model.hf_attention import StepAttention
 from tokenmill.engine.model.kv_cache import KVCache
+from tokenmill.engine.model.tensor_parallel import AllReduce, RowParallelLinear
 from tokenmill.engine.sample.sampler import greedy_token_ids as torch_greedy_token_ids
 from tokenmill.protocol.sampling import SamplingParams
 
@@ -57,11 +65,15 @@ class NativeDecoder:
 
     Args:
         model: a Llama-family Hugging Face causal LM whose linear layers are packed (see
-            :func:`ineligible_reason`).
+            :func:`ineligible_reason`); with tensor parallelism, this rank's shard of it.
         kv_cache: the pools the layers write to and attend over.
+        fused_mlp: silu(gate) * up in one C++ loop (None: where it rounds as ATen's operators).
+        all_reduce: with tensor parallelism, the sum over every rank that the shard's row-parallel layers
+            make (the same one); None: the model is whole.
     """
 
-    def __init__(self, model: Any, kv_cache: KVCache, fused_mlp: bool | None = None) -> None:
+    def __init__(self, model: Any, kv_cache: KVCache, fused_mlp: bool | None = None,
+                 all_reduce: AllReduce | None = None) -> None:
         self.model = model
         base = model.model
         config = model.config
@@ -71,35 +83,58 @@ class NativeDecoder:
         if fused_mlp is None:
             fused_mlp = torch.backends.cpu.get_cpu_capability() == torch.ops.tokenmill_native.vec_capability()
         self.fused_mlp = fused_mlp
-        panel_linears = attention.o_proj.kernel is PANELS  # one kernel for all (ineligible_reason)
+        self._all_reduce = all_reduce
+        self._num_layers = config.num_hidden_layers
+        panel_linears = _packed(attention.o_proj).kernel is PANELS  # one kernel for all (ineligible_reason)
+        # NOTE: the shard's head counts (the config's are the whole model's under tensor parallelism)
+        num_heads = attention.q_proj.out_features // head_dim
+        num_kv_heads = attention.k_proj.out_features // head_dim
         self._stack: Any = torch.classes.tokenmill_native.DecoderStack(
-            config.num_attention_heads, config.num_key_value_heads, head_dim,
-            base.layers[0].mlp.down_proj.in_features, float(attention.scaling), self.fused_mlp, panel_linears)
+            num_heads, num_kv_heads, head_dim, _packed(base.layers[0].mlp.down_proj).in_features,
+            float(attention.scaling), self.fused_mlp, panel_linears)
         for index, layer in enumerate(base.layers[: config.num_hidden_layers]):
             attn, mlp = layer.self_attn, layer.mlp
+            o_proj, down_proj = _packed(attn.o_proj), _packed(mlp.down_proj)
             key_cache, value_cache = kv_cache.layer(index)
             self._stack.add_layer(
                 layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon),
                 attn.q_proj.group.packed_weight, attn.q_proj.group.bias,
-                attn.o_proj.packed_weight, attn.o_proj.bias,
+                o_proj.packed_weight, o_proj.bias,
                 layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon),
                 mlp.gate_proj.group.packed_weight, mlp.gate_proj.group.bias,
-                mlp.down_proj.packed_weight, mlp.down_proj.bias,
+                down_proj.packed_weight, down_proj.bias,
                 key_cache, value_cache)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
                 step: StepAttention) -> torch.Tensor:
         """The model over one flattened batch: logits ``[len(logits_to_keep), vocab]``."""
+        hidden = self.hidden_states(input_ids, position_ids, step)
+        logits: torch.Tensor = self.model.lm_head(hidden[:, logits_to_keep, :])[0]
+        return logits
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: StepAttention
+                      ) -> torch.Tensor:
+        """The base model's output over one flattened batch (after the final norm), ``[1, T, hidden]``: what
+        a tensor-parallel follower computes of a step."""
         base = self.model.model
         embeddings = base.embed_tokens(input_ids)  # [1, T, hidden]
         cos, sin = base.rotary_emb(embeddings, position_ids=position_ids)  # [1, T, head_dim] each
         meta = step.meta
-        hidden = self._stack.forward(embeddings[0], cos[0], sin[0], meta.slot_mapping, meta.block_tables,
-                                     meta.seq_lens, meta.query_start_loc)
-        hidden = base.norm(hidden.unsqueeze(0))
-        logits: torch.Tensor = self.model.lm_head(hidden[:, logits_to_keep, :])[0]
-        return logits
+        tables = (cos[0], sin[0], meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+        if self._all_reduce is None:
+            hidden = self._stack.forward(embeddings[0], *tables)
+        else:
+            hidden, delta = embeddings[0], None
+            for index in range(self._num_layers):
+                hidden, o = self._stack.attention_block(index, hidden, delta, *tables)
+                self._all_reduce(o)
+                hidden, delta = self._stack.mlp_block(index, hidden, o)
+                self._all_reduce(delta)
+            hidden = hidden + delta
+        normed: torch.Tensor = base.norm(hidden.unsqueeze(0))
+        return normed
 
 
 def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
@@ -128,8 +163,8 @@ def ineligible_reason(model: Any, backend_name: str) -> str | None:
         if reason is not None:
             return f"{type(layer).__name__}: {reason}"
     kernels = {linear.kernel.name for layer in base.layers[: config.num_hidden_layers]
-               for linear in (layer.self_attn.q_proj.group, layer.self_attn.o_proj, layer.mlp.gate_proj.group,
-                              layer.mlp.down_proj)}
+               for linear in (layer.self_attn.q_proj.group, _packed(layer.self_attn.o_proj),
+                              layer.mlp.gate_proj.group, _packed(layer.mlp.down_proj))}
     if len(kernels) > 1:  # the stack calls one kernel for every layer
         return f"its linear layers are packed for different kernels ({sorted(kernels)})"
     return None
@@ -146,11 +181,16 @@ def _layer_ineligible_reason(layer: Any) -> str | None:
         return "q/k/v are not one packed group (packing is off for this dtype?)"
     if not _one_packed_group([getattr(mlp, name, None) for name in ("gate_proj", "up_proj")]):
         return "gate/up are not one packed group"
-    if not isinstance(attn.o_proj, PackedLinear) or not isinstance(mlp.down_proj, PackedLinear):
+    if not isinstance(_packed(attn.o_proj), PackedLinear) or not isinstance(_packed(mlp.down_proj), PackedLinear):
         return "o_proj / down_proj are not packed"
     if type(mlp.act_fn).__name__ not in ("SiLUActivation", "SiLU"):
         return f"activation {type(mlp.act_fn).__name__} is not SiLU"
     return None
+
+
+def _packed(linear: Any) -> Any:
+    """The layer that multiplies: a row-parallel layer's own linear (tensor parallelism), else the layer."""
+    return linear.linear if isinstance(linear, RowParallelLinear) else linear
 
 
 def _one_packed_group(layers: list[Any]) -> bool:
@@ -159,7 +199,9 @@ def _one_packed_group(layers: list[Any]) -> bool:
 
 
 def native_decoder_for(runner: ModelRunner) -> NativeDecoder | None:
-    """A verified :class:`NativeDecoder` for the runner's model, or None (logged) to stay eager."""
+    """A verified :class:`NativeDecoder` for the runner's model, or None (logged) to stay eager.
+
+    With tensor parallelism, every rank probes at once and the stack is used only if all of them agree."""
     reason = ineligible_reason(runner.model, runner.backend.name)
     if reason is None and not _EXTENSION.is_available():
         reason = "the C++ extension could not be built (see the log above)"
@@ -167,17 +209,18 @@ def native_decoder_for(runner: ModelRunner) -> NativeDecoder | None:
         logger.info("decoder layers run eagerly: %s", reason)
         return None
     start = time.perf_counter()
-    decoder = NativeDecoder(runner.model, runner.kv_cache)
+    all_reduce = runner.tensor_parallel.all_reduce if runner.tensor_parallel is not None else None
+    decoder = NativeDecoder(runner.model, runner.kv_cache, all_reduce=all_reduce)
     mismatch = probe_mismatch(runner, decoder)
     if mismatch is not None and decoder.fused_mlp:  # ATen's SiLU may round otherwise here: keep its own
         logger.info("the fused SiLU-gated MLP %s; using ATen's silu and mul", mismatch)
-        decoder = NativeDecoder(runner.model, runner.kv_cache, fused_mlp=False)
+        decoder = NativeDecoder(runner.model, runner.kv_cache, fused_mlp=False, all_reduce=all_reduce)
         mismatch = probe_mismatch(runner, decoder)
     if mismatch is not None:
         logger.warning("decoder layers run eagerly: the native stack %s", mismatch)
         return None
-    logger.info("decoder layers run natively (C++ stack, checked against eager in %.2f s)",
-                time.perf_counter() - start)
+    logger.info("decoder layers run natively (C++ stack%s, checked against eager in %.2f s)",
+                ", on every tensor-parallel rank" if all_reduce is not None else "", time.perf_counter() - start)
     return decoder
 
 
@@ -185,7 +228,9 @@ def probe_mismatch(runner: ModelRunner, decoder: NativeDecoder) -> str | None:
     """Run one mixed step (a prefill chunk over a cached prefix, two decodes) eagerly and natively.
 
     Every slot is in the KV cache's scratch block, which no request owns: both runs write the
-    same values there and read them back, so their logits must be bitwise equal.
+    same values there and read them back, so their logits must be bitwise equal. With tensor
+    parallelism the followers run the same probe on their shards (each comparing its base model's
+    output), and the ranks count those that differed.
 
     Returns:
         None when they are; else what differed.
@@ -196,8 +241,39 @@ def probe_mismatch(runner: ModelRunner, decoder: NativeDecoder) -> str | None:
               for i, (token_ids, start) in enumerate([([11], 6), ([12], 3), ([13, 14, 15, 16], 8)])]
     batch = runner.prepare(chunks)
     args = (batch.input_ids, batch.position_ids, batch.sample_indices, batch.attention)
+    if runner.tensor_parallel is not None:
+        runner.tensor_parallel.send_probe(batch, decoder.fused_mlp)
     eager = runner.forward(*args)
     native = decoder.forward(*args)
-    if torch.equal(eager, native):
+    agrees = torch.equal(eager, native)
+    others = runner.tensor_parallel.count_disagreeing(agrees) - (not agrees) if runner.tensor_parallel else 0
+    if agrees and not others:
         return None
-    return f"differs from eager by up to {(eager.float() - native.float()).abs().max().item():.3g} on a probe step"
+    if not agrees:
+        return f"differs from eager by up to {(eager.float() - native.float()).abs().max().item():.3g} on a probe step"
+    return f"differs from eager on {others} other tensor-parallel rank(s) on a probe step"
+
+
+def follower_probe(model: Any, kv_cache: KVCache, backend_name: str, fused_mlp: bool, all_reduce: AllReduce,
+                   eager: Callable[[], torch.Tensor], native_inputs: tuple[torch.Tensor, torch.Tensor, StepAttention]
+                   ) -> tuple[NativeDecoder | None, bool]:
+    """A tensor-parallel follower's side of :func:`probe_mismatch`: its shard's base model output eagerly
+    (``eager()``), then natively (or eagerly again where it cannot build the stack: each rank must make the same
+    all-reduces).
+
+    Returns:
+        The stack (None: this rank cannot build one), and whether its output equalled the eager one.
+    """
+    expected = eager()
+    reason = ineligible_reason(model, backend_name)
+    if reason is None and not _EXTENSION.is_available():
+        reason = "the C++ extension could not be built"
+    decoder = None
+    if reason is None:
+        decoder = NativeDecoder(model, kv_cache, fused_mlp=fused_mlp, all_reduce=all_reduce)
+        agrees = torch.equal(expected, decoder.hidden_states(*native_inputs))
+    else:
+        logger.warning("this rank cannot run the native decoder stack: %s", reason)
+        eager()
+        agrees = False
+    return decoder, agrees

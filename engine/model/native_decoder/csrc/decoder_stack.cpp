@@ -437,33 +437,56 @@ struct DecoderStack : torch::CustomClassHolder {
                            std::move(down_bias), std::move(key_cache), std::move(value_cache)});
   }
 
-  // hidden: [T, hidden] (the embeddings); cos, sin: [T, head_dim]; the rest is the step's paged
-  // attention metadata. Returns the last layer's output, [T, hidden] (before the final norm).
+  // One layer's attention block. hidden: the residual stream, [T, hidden]; delta: the previous MLP block's
+  // output, not yet added to it (none before the first layer); cos, sin: [T, head_dim]; the rest is the
+  // step's paged attention metadata. Returns (the residual stream with delta added, the o-projection's
+  // output). With tensor parallelism that output is this rank's partial sum: the caller all-reduces it.
+  std::tuple<Tensor, Tensor> attention_block(int64_t index, Tensor hidden, OptTensor delta, const Tensor& cos,
+                                             const Tensor& sin, const Tensor& slot_mapping,
+                                             const Tensor& block_tables, const Tensor& seq_lens,
+                                             const Tensor& query_start_loc) {
+    c10::InferenceMode guard;
+    Layer& layer = layers.at(index);
+    const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1);
+    const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+    auto [added, x] = add_rms_norm(hidden, delta, layer.input_norm, layer.input_eps);
+    Tensor qkv = linear(x, layer.qkv_weight, layer.qkv_bias, q_width + 2 * kv_width);
+    Tensor q = qkv.narrow(1, 0, q_width).view({tokens, num_heads, head_dim});
+    Tensor k = qkv.narrow(1, q_width, kv_width).view({tokens, num_kv_heads, head_dim});
+    Tensor v = qkv.narrow(1, q_width + kv_width, kv_width).view({tokens, num_kv_heads, head_dim});
+    q = rotary(q, cos, sin);
+    k = rotary(k, cos, sin);
+    reshape_and_cache(k, v, layer.key_cache, layer.value_cache, slot_mapping);
+    Tensor attn = paged_attention(q, layer.key_cache, layer.value_cache, block_tables, seq_lens, query_start_loc,
+                                  scale);
+    Tensor o = linear(attn.view({tokens, q_width}), layer.o_weight, layer.o_bias, hidden_size);
+    return {added, o};
+  }
+
+  // One layer's MLP block: (hidden + o, the MLP's output, not yet added to it). With tensor parallelism o is
+  // the all-reduced attention output and the MLP's output is this rank's partial sum, for the caller to
+  // all-reduce.
+  std::tuple<Tensor, Tensor> mlp_block(int64_t index, const Tensor& hidden, const Tensor& o) {
+    c10::InferenceMode guard;
+    Layer& layer = layers.at(index);
+    auto [added, x] = add_rms_norm(hidden, o, layer.post_norm, layer.post_eps);
+    Tensor gate_up = linear(x, layer.gate_up_weight, layer.gate_up_bias, 2 * intermediate_size);
+    Tensor gated = fused_mlp ? silu_and_mul(gate_up, intermediate_size)
+                             : at::silu(gate_up.narrow(1, 0, intermediate_size)) *
+                                   gate_up.narrow(1, intermediate_size, intermediate_size);
+    return {added, linear(gated, layer.down_weight, layer.down_bias, hidden.size(1))};
+  }
+
+  // Every layer, for a whole model (no tensor parallelism): hidden is the embeddings, [T, hidden]. Returns the
+  // last layer's output, [T, hidden] (before the final norm).
   Tensor forward(Tensor hidden, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens,
                  Tensor query_start_loc) {
     c10::InferenceMode guard;
-    const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1);
-    const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
-    OptTensor delta;  // the last sublayer's output, not yet added to `hidden`
-    for (Layer& layer : layers) {
-      auto [added, x] = add_rms_norm(hidden, delta, layer.input_norm, layer.input_eps);
-      hidden = added;
-      Tensor qkv = linear(x, layer.qkv_weight, layer.qkv_bias, q_width + 2 * kv_width);
-      Tensor q = qkv.narrow(1, 0, q_width).view({tokens, num_heads, head_dim});
-      Tensor k = qkv.narrow(1, q_width, kv_width).view({tokens, num_kv_heads, head_dim});
-      Tensor v = qkv.narrow(1, q_width + kv_width, kv_width).view({tokens, num_kv_heads, head_dim});
-      q = rotary(q, cos, sin);
-      k = rotary(k, cos, sin);
-      reshape_and_cache(k, v, layer.key_cache, layer.value_cache, slot_mapping);
-      Tensor attn = paged_attention(q, layer.key_cache, layer.value_cache, block_tables, seq_lens, query_start_loc,
-                                    scale);
-      Tensor o = linear(attn.view({tokens, q_width}), layer.o_weight, layer.o_bias, hidden_size);
-      std::tie(hidden, x) = add_rms_norm(hidden, o, layer.post_norm, layer.post_eps);
-      Tensor gate_up = linear(x, layer.gate_up_weight, layer.gate_up_bias, 2 * intermediate_size);
-      Tensor gated = fused_mlp ? silu_and_mul(gate_up, intermediate_size)
-                               : at::silu(gate_up.narrow(1, 0, intermediate_size)) *
-                                     gate_up.narrow(1, intermediate_size, intermediate_size);
-      delta = linear(gated, layer.down_weight, layer.down_bias, hidden_size);
+    OptTensor delta;  // the last MLP block's output, not yet added to `hidden`
+    for (int64_t index = 0; index < static_cast<int64_t>(layers.size()); ++index) {
+      auto [added, o] = attention_block(index, hidden, delta, cos, sin, slot_mapping, block_tables, seq_lens,
+                                        query_start_loc);
+      std::tie(hidden, delta) = mlp_block(index, added, o);
     }
     if (delta) hidden = hidden + *delta;
     return hidden;
@@ -479,5 +502,7 @@ TORCH_LIBRARY(tokenmill_native, m) {
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, bool, bool>())
       .def("add_layer", &DecoderStack::add_layer)
+      .def("attention_block", &DecoderStack::attention_block)
+      .def("mlp_block", &DecoderStack::mlp_block)
       .def("forward", &DecoderStack::forward);
 }
