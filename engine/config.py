@@ -205,10 +205,11 @@ class LengthConfig(_Frozen):
                             "remaining length, plus a margin for the set's tail; long admissions paced, shorter work "
                             "backfilled), so the running set rarely outgrows the pool and preempts; off: admit while "
                             "the next chunk fits. Off by default: on a CPU, where a swap is a memory copy, it cost "
-                            "~8% tokens/s in ops/bench/length.py for no preemptions; on where preempting is dear")
-    confidence: float = Field(0.9, gt=0.5, lt=1.0, description="quantile of each request's predicted length that "
-                              "defines its tail: the KV budget plans every request's mean plus the root sum of "
-                              "squares of their tails past the mean (a few of many run long, not all)")
+                            "~4% tokens/s in ops/bench/length.py for no preemptions; on where preempting is dear")
+    confidence: float = Field(0.9, gt=0.5, lt=1.0, description="how sure the KV budget's tail margin is to cover "
+                              "the running set's excess over its predicted mean (a few of many requests run long, "
+                              "not all: the margin is this normal quantile of the set's summed length variance, at "
+                              "least the largest request's own tail past its mean at this quantile)")
     ordering: Literal["fcfs", "shortest", "longest", "auto"] = Field(
         "fcfs", description="order of waiting requests inside one priority level (aging still applies): fcfs: "
         "arrival; shortest: shortest predicted output first (lower mean completion time in a backlog); longest: "

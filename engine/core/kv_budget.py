@@ -9,13 +9,17 @@ maximum is reached just before one of them finishes, so it is evaluated there (s
 with suffix sums: O(n log n)). Summing every request's final size instead would plan for all of them ending at
 once and hold back the staggered work a pool normally carries (a request near its end frees its blocks soon).
 
-The tail is planned for the set, not for each request: on top of that expected peak comes a margin, the
-root sum of squares of each request's tail excess (its length config's ``confidence`` quantile minus its
-mean). Lengths are heavy-tailed and independent across requests, so a few of many requests run long, not all
-of them: planning every request at its own 0.9 quantile sums tails that do not happen together (in
-ops/bench/length.py, where 1 list answer in 10 loops to ``max_tokens``, it planned every list answer at
-``max_tokens`` and kept the pool a third used). One request alone is planned at about its quantile, as before;
-a request whose quantile is its mean (one that always runs to ``max_tokens``) adds no margin.
+The tail is planned for the set, not for each request. Lengths are heavy-tailed and independent across
+requests, so a few of many requests run long, not all of them: on top of the expected peak comes a margin of
+``z`` standard deviations of the set's total remaining length (``z`` the normal quantile of the length
+config's ``confidence``; the variances of independent lengths add), and never less than the largest single
+request's tail past its mean (its ``confidence`` quantile minus its mean: one request running long is the
+likeliest excess, and one request alone is planned at about its quantile). A request whose length is certain
+(one that always runs to ``max_tokens``) adds no margin. Two cruder rules were measured in ops/bench/length.py,
+where 1 list answer in 10 loops to ``max_tokens``: every request at its own 0.9 quantile (every list answer
+planned at ``max_tokens``: the pool a third used), then the root sum of squares of the tails past the mean
+(each counted as if it ran long: the cover for 20 such answers was 6 of them looping, where 4 or more happen
+13% of the time).
 
 Only requests at least as urgent as the candidate are counted: less urgent ones would yield their room to it
 (priority preemption), so a bulk lane full of long work never holds back an urgent request.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from statistics import NormalDist
 
 from tokenmill.engine.core.length_history import LengthEstimate
 from tokenmill.engine.core.request import Request
@@ -37,13 +42,15 @@ class PredictedKvBudget:
         num_pool_blocks: device blocks in the pool.
         block_size: tokens per block.
         estimate_of: the current length estimate of a request (the predictor's, refreshed when stale).
+        confidence: the probability the set's tail margin covers (the length config's ``confidence``).
     """
 
     def __init__(self, num_pool_blocks: int, block_size: int,
-                 estimate_of: Callable[[Request], LengthEstimate]) -> None:
+                 estimate_of: Callable[[Request], LengthEstimate], confidence: float = 0.9) -> None:
         self.num_pool_blocks = num_pool_blocks
         self.block_size = block_size
         self.estimate_of = estimate_of
+        self._z = NormalDist().inv_cdf(confidence)
 
     def admits(self, candidate: Request, committed: Iterable[Request]) -> bool:
         """Whether ``candidate`` fits next to ``committed`` at the predicted peak (always when nothing is
@@ -60,13 +67,13 @@ class PredictedKvBudget:
         fits, found by bisection (the room only grows as requests finish, up to their growth in between)."""
         runs = self._runs([r for r in committed if r is not candidate])
         own = self._runs([candidate])
-        starts = sorted({0.0, *(steps_left for steps_left, _, _ in runs)})
+        starts = sorted({0.0, *(steps_left for steps_left, _, _, _ in runs)})
         low, high = 0, len(starts) - 1  # NOTE: once every committed request finished it fits alone
         while low < high:
             middle = (low + high) // 2
             start = starts[middle]
-            later = [(steps_left - start, num_tokens + start, excess) for steps_left, num_tokens, excess in runs
-                     if steps_left > start]
+            later = [(steps_left - start, num_tokens + start, excess, std)
+                     for steps_left, num_tokens, excess, std in runs if steps_left > start]
             if self._peak_blocks(sorted(later + own)) <= self.num_pool_blocks:
                 high = middle
             else:
@@ -90,28 +97,31 @@ class PredictedKvBudget:
         """Device blocks ``requests`` are predicted to hold at once, at most, over the steps they run."""
         return self._peak_blocks(self._runs(requests))
 
-    def _runs(self, requests: list[Request]) -> list[tuple[float, float, float]]:
-        """(mean steps left, tokens now, tail excess) per sequence, by steps left; each sample of an unforked
-        request is one. The tail excess: its ``confidence`` quantile of remaining length minus the mean."""
+    def _runs(self, requests: list[Request]) -> list[tuple[float, float, float, float]]:
+        """(mean steps left, tokens now, tail excess, standard deviation) per sequence, by steps left; each
+        sample of an unforked request is one. The tail excess: its ``confidence`` quantile of remaining length
+        minus the mean; the deviation, where the estimate has none, the excess over ``z``."""
         runs = []
         for request in requests:
             estimate = self.estimate_of(request)
             mean_left = estimate.mean_remaining(request.num_output_tokens)
             excess = max(0.0, estimate.high_remaining(request.num_output_tokens) - mean_left)
-            runs += [(mean_left, float(request.num_tokens), excess)] * request.num_seats
+            std = estimate.std_total if estimate.std_total is not None else excess / self._z
+            runs += [(mean_left, float(request.num_tokens), excess, std)] * request.num_seats
         return sorted(runs)
 
-    def _peak_blocks(self, runs: list[tuple[float, float, float]]) -> int:
+    def _peak_blocks(self, runs: list[tuple[float, float, float, float]]) -> int:
         """The expected profile's peak plus the set's tail margin (the module's docstring)."""
         peak_blocks = 0.0
         num_tokens_after = 0.0  # tokens now of the sequences from this one on (they all still run)
         for index in range(len(runs) - 1, -1, -1):
-            steps_left, num_tokens, _ = runs[index]
+            steps_left, num_tokens, _, _ = runs[index]
             num_tokens_after += num_tokens
             num_running = len(runs) - index
             # NOTE: just before this sequence's last token every later one has grown as much; each
             # sequence's last block is half empty on average.
             tokens = num_tokens_after + num_running * (steps_left - 1)
             peak_blocks = max(peak_blocks, tokens / self.block_size + num_running / 2)
-        margin_tokens = math.sqrt(sum(excess * excess for _, _, excess in runs))
+        margin_tokens = max((excess for _, _, excess, _ in runs), default=0.0)
+        margin_tokens = max(margin_tokens, self._z * math.sqrt(sum(std * std for _, _, _, std in runs)))
         return math.ceil(peak_blocks + margin_tokens / self.block_size)

@@ -9,6 +9,7 @@ history is predicted from the longer ones only, so it is re-estimated upward, ne
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ class LengthEstimate:
         num_samples: finished lengths the estimate came from (0: no history; see ``source``).
         source: which history predicted it: ``group+prefix``, ``prefix``, ``group``, ``all``, or ``prior``
             (no history: the whole ``max_tokens``) or ``outlived`` (older than its history: as long again).
+        std_total: the predicted distribution's standard deviation (the KV budget sums the set's variances);
+            None: not known (``outlived``), the budget then takes the tail past the mean for it.
     """
 
     num_generated: int
@@ -33,6 +36,7 @@ class LengthEstimate:
     high_total: float
     num_samples: int
     source: str
+    std_total: float | None = None
 
     def mean_remaining(self, num_generated: int) -> float:
         """Tokens still to come for a request that has ``num_generated`` now (at least one while it runs)."""
@@ -47,7 +51,7 @@ class LengthEstimate:
     @classmethod
     def prior(cls, max_tokens: int) -> LengthEstimate:
         """No history at all: plan for the whole ``max_tokens`` (what a reservation would)."""
-        return cls(0, float(max_tokens), float(max_tokens), float(max_tokens), 0, "prior")
+        return cls(0, float(max_tokens), float(max_tokens), float(max_tokens), 0, "prior", 0.0)
 
     @classmethod
     def outlived(cls, num_generated: int, max_tokens: int) -> LengthEstimate:
@@ -115,8 +119,9 @@ class LengthSamples:
             lengths.append(float(max_tokens))
             masses.append(survival)
         mean = sum(length * mass for length, mass in zip(lengths, masses))
+        variance = sum(mass * (length - mean) ** 2 for length, mass in zip(lengths, masses))
         median, high = _quantile(lengths, masses, 0.5), _quantile(lengths, masses, quantile)
-        return LengthEstimate(num_generated, median, mean, high, len(tail), source)
+        return LengthEstimate(num_generated, median, mean, high, len(tail), source, math.sqrt(variance))
 
 
 def _quantile(lengths: list[float], masses: list[float], quantile: float) -> float:

@@ -194,24 +194,43 @@ def test_the_predicted_kv_budget_avoids_the_preemptions_of_admitting_whatever_fi
 
 
 def test_the_budget_plans_the_tail_of_the_set_not_of_every_request() -> None:
-    """Twenty requests whose lengths are 100 tokens, or 2,000 one time in ten (mean 290, 0.9 quantile 2,000):
-    planning each at its quantile would need ~42,000 tokens, but a few of twenty run long, not all, so the
-    budget plans their mean plus the root sum of squares of their tails (~14,000 tokens). One request alone
-    is planned at its quantile, and a request that always runs to the end adds no margin."""
-    tailed = LengthEstimate(0, 100.0, 290.0, 2000.0, 50, "prefix")
-    certain = LengthEstimate(0, 2000.0, 2000.0, 2000.0, 50, "prefix")
+    """Twenty requests whose lengths are 100 tokens, or 2,000 one time in ten (mean 290, standard deviation 570,
+    0.9 quantile 2,000): planning each at its quantile would need ~40,000 tokens, but a few of twenty run long,
+    not all, so the budget plans their mean plus z = 1.28 standard deviations of their total (~9,100 tokens:
+    the mean covers 2 of them looping, the margin about 2 more; 4 or more loop 13% of the time). One request
+    alone is planned at its quantile, a request that always runs to the end adds no margin, and an estimate
+    without a deviation counts its tail past the mean as z of them."""
+    tailed = LengthEstimate(0, 100.0, 290.0, 2000.0, 50, "prefix", std_total=570.0)
+    certain = LengthEstimate(0, 2000.0, 2000.0, 2000.0, 50, "prefix", std_total=0.0)
     estimates: dict[str, LengthEstimate] = {}
-    budget = PredictedKvBudget(num_pool_blocks=4000, block_size=4, estimate_of=lambda r: estimates[r.request_id])
+    budget = PredictedKvBudget(num_pool_blocks=4000, block_size=4, estimate_of=lambda r: estimates[r.request_id],
+                               confidence=0.9)
     requests = [make_request(f"r{i}", prompt_token_ids=[1] * 8, max_tokens=2000) for i in range(20)]
     for request in requests:
         estimates[request.request_id] = tailed
     blocks = budget.predicted_peak_blocks(requests)
-    assert 2000 * 20 / 4 > 2.5 * blocks  # far below every request at its quantile
-    assert blocks * 4 >= 20 * 290 + (2000 - 290) * 20 ** 0.5  # the mean plus the set's tail
+    margin = 1.2816 * 570 * 20 ** 0.5
+    assert 20 * 290 + margin <= blocks * 4 <= 20 * (290 + 8 + 4) + margin + 8  # the mean plus the set's tail
+    assert 2000 * 20 / 4 > 4 * blocks  # far below every request at its quantile
     alone = budget.predicted_peak_blocks(requests[:1])
     assert 2000 <= alone * 4 <= 2000 + 8 + 8  # its quantile (plus its prompt and rounding)
     estimates["r0"] = certain
     assert budget.predicted_peak_blocks(requests[:1]) * 4 <= 2000 + 8 + 4
+    unknown = LengthEstimate(0, 100.0, 290.0, 2000.0, 50, "outlived")
+    for request in requests:
+        estimates[request.request_id] = unknown
+    assert budget.predicted_peak_blocks(requests) * 4 >= 20 * 290 + (2000 - 290) * 20 ** 0.5
+
+
+def test_an_estimate_carries_its_distribution_s_deviation() -> None:
+    history = LengthSamples(64)
+    for length in [100] * 9 + [2000]:
+        history.add(length)
+    estimate = history.estimate(0, 2000, min_samples=5, quantile=0.9, source="prefix")
+    assert estimate is not None and estimate.std_total is not None
+    assert abs(estimate.mean_total - 290) < 1e-6 and abs(estimate.std_total - 570) < 1
+    later = history.estimate(150, 2000, min_samples=1, quantile=0.9, source="prefix")  # past the short ones
+    assert later is not None and later.mean_total == 2000 and later.std_total == 0
 
 
 def test_a_cold_predictor_admits_the_first_request_and_learns() -> None:
