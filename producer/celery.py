@@ -20,6 +20,7 @@ from typing import Any, Literal, cast
 
 from celery import Celery
 
+from tokenmill.producer import common
 from tokenmill.producer.client import Producer
 from tokenmill.producer.config import ProducerConfig
 from tokenmill.producer.errors import JobFailed, ResultTimeout, SchemaError
@@ -122,16 +123,21 @@ class _Generator:
                 self._producer = Producer.from_config(self.config)
             return self._producer
 
-    def submit_once(self, request_id: str, options: dict[str, Any]) -> float:
-        """Enqueue ``request_id`` unless an earlier run did; returns the first submit's unix time."""
-        return self.producer.submit_once([{**options, "request_id": request_id}])[0]
+    def submit_once(self, request_id: str, options: dict[str, Any]) -> tuple[str, float]:
+        """Enqueue the task's request unless an earlier run did: its id (``request_id``, or on a sharded queue
+        the first id derived from it on its prompt prefix's shard: the same on every retry) and the first
+        submit's unix time."""
+        producer = self.producer
+        request = producer.layout.placed_from(common.build_request(producer.keys, {**options,
+                                                                                   "request_id": request_id}))
+        return request.id, producer.submit_once([request])[0]
 
     def run(self, task: Any, source: Any, options: dict[str, Any]) -> dict[str, Any]:
-        request_id = f"celery-{task.request.id}" if task.request.id else None
+        base_id = f"celery-{task.request.id}" if task.request.id else None
         submit = request_options(source, options)
-        if request_id is None:  # called as a plain function: nothing to derive an id from
+        if base_id is None:  # called as a plain function: nothing to derive an id from
             return self._block(self.producer.submit(**submit))
-        submitted_at = self.submit_once(request_id, submit)
+        request_id, submitted_at = self.submit_once(base_id, submit)
         if self.options.mode == "blocking" or task.request.is_eager:
             return self._block(request_id, submitted_at)
         result = self.producer.get(request_id)

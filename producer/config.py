@@ -68,7 +68,7 @@ class QueueConfig(_Frozen):
                         "each (producer/shards.py); every producer and worker of the queue must agree on it")
     placement: Literal["prefix", "id"] = Field(
         "prefix", description="shard of a request: by its prompt's first characters (shared prefixes meet one "
-        "worker's prefix cache; ids the producer generates only) or by its id")
+        "worker's prefix cache; ids the producer generates, and bulk's and Celery's derived ids) or by its id")
     readers_per_shard: int = Field(0, ge=0, description="live workers reading each shard, chosen by rendezvous "
                                    "hashing over the heartbeats (worker/shard_claims.py); 0 = every worker reads "
                                    "every shard")

@@ -6,7 +6,10 @@ the id alone (``Producer.result``, Celery's re-check, ``tokenmill result``, serv
 write or read. Placement by prompt prefix is then a choice of id: for an id it generates, the producer
 draws uuid4 hex ids until one hashes to the shard of the prompt's first :data:`PREFIX_CHARS` characters
 (about ``shards`` draws, microseconds), so prompts sharing a prefix land on one shard, and its readers'
-prefix caches. A caller-chosen id (an idempotency key, Celery's, bulk's, serve's) is placed by that id.
+prefix caches. An id derived from the caller's own (a bulk row's attempt, a Celery task's) is placed too, as
+the first of ``id``, ``id.1``, ``id.2``, ... on the prefix's shard (:meth:`QueueLayout.placed_from`): that is
+deterministic, so deriving it again (a resumed bulk job, a retried task) finds the same request. An id the
+caller chose and reads back itself (an idempotency key, serve's ``X-Request-Id``) is placed by that id.
 
 Every key a Lua script touches together (a lane, its request's result, done list, token stream, dedupe
 marker, the cancel set, the dead-letter stream) is the shard's, under one hash tag ``{prefix:queue:k}``:
@@ -68,6 +71,18 @@ def id_on_shard(shard: int, num_shards: int) -> str:
         request_id = uuid.uuid4().hex
         if shard_of_id(request_id, num_shards) == shard:
             return request_id
+
+
+def derived_id_on_shard(base_id: str, shard: int, num_shards: int) -> str:
+    """The first of ``base_id``, ``base_id.1``, ``base_id.2``, ... that lives on ``shard`` (about ``num_shards``
+    tries); ``base_id`` itself if none of the first ``64 * num_shards`` does (then it is placed by id)."""
+    if shard_of_id(base_id, num_shards) == shard:
+        return base_id
+    for suffix in range(1, 64 * num_shards):
+        request_id = f"{base_id}.{suffix}"
+        if shard_of_id(request_id, num_shards) == shard:
+            return request_id
+    return base_id
 
 
 @dataclass(frozen=True)
@@ -151,6 +166,15 @@ class QueueLayout:
         if self.shard_of(request.id) == shard:
             return request
         return request.model_copy(update={"id": id_on_shard(shard, len(self.shards))})
+
+    def placed_from(self, request: GenerationRequest) -> GenerationRequest:
+        """``request``, whose id the caller derived from its own and derives again to find it (a bulk row's
+        attempt, a Celery task's), with the first id derived from that one on the shard its placement chooses
+        (:func:`derived_id_on_shard`): the same request gives the same id every time."""
+        if not self.is_sharded or self.placement == "id":
+            return request
+        request_id = derived_id_on_shard(request.id, shard_of_prefix(request, len(self.shards)), len(self.shards))
+        return request if request_id == request.id else request.model_copy(update={"id": request_id})
 
     def lanes_for(self, models: Iterable[str], is_decode: bool = False) -> list[Lane]:
         """:meth:`Keys.lanes_for` of every shard, lane 0 of all shards first."""

@@ -243,7 +243,16 @@ class BulkJob:
             options["raw"] = True
         elif "prompt" in options:  # the job's system message goes before plain prompts only (not messages)
             options["system"] = self.options.system
-        return common.build_request(self.producer.keys, options)
+        # NOTE: on a sharded queue the id moves to the shard of the row's prompt prefix (rows of one template
+        # meet the same prefix caches), deterministically: a resumed run builds the same ids (_recover)
+        return self.producer.layout.placed_from(common.build_request(self.producer.keys, options))
+
+    def _request_id(self, item: BulkItem, attempt: int) -> str:
+        """The id attempt ``attempt`` of ``item`` is (was) queued under."""
+        try:
+            return self._build(Flight(item, attempt)).id
+        except SchemaError:  # never queued: its base id finds nothing, as it should
+            return request_id_of(self.job_id, item.item_id, attempt)
 
     def _recover(self, items: list[BulkItem]) -> None:
         """Pick up results an earlier run left in Redis (every attempt id); queue the rest (requests an
@@ -251,7 +260,7 @@ class BulkJob:
         if not items:
             return
         num_attempts = self.options.retries + 1
-        raws = self.producer.raw_results([request_id_of(self.job_id, item.item_id, attempt)
+        raws = self.producer.raw_results([self._request_id(item, attempt)
                                           for item in items for attempt in range(num_attempts)])
         for position, item in enumerate(items):
             found = [(attempt, raw) for attempt, raw in

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,14 +15,16 @@ import redis
 
 from tests.integration.bulk_helpers import NUM_ITEMS, item_ids, read_jsonl, write_input
 from tests.integration.conftest import FakeWorker
-from tests.worker_helpers import make_settings, running_worker
+from tests.worker_helpers import FAST_WORKER, make_settings, running_worker
 from tokenmill.producer import Producer, bulk
 from tokenmill.producer.bulk import BulkJob, BulkOptions
 from tokenmill.producer.bulk.options import job_id_of, request_id_of
+from tokenmill.producer.config import ProducerConfig, QueueConfig, RedisConfig
 from tokenmill.producer.eta import Eta
 from tokenmill.producer.keys import Keys
 from tokenmill.producer.schema import GenerationResult, Usage, decode_request, encode_result
 from tokenmill.protocol.heartbeat import Heartbeat, JobBacklog, encode_heartbeat
+from tokenmill.worker.config import Settings
 
 SUFFIXES = {"jsonl": "jsonl", "openai": "jsonl", "csv": "csv", "parquet": "parquet"}
 
@@ -222,3 +225,36 @@ def test_request_ids_are_deterministic_per_output_and_attempt(tmp_path: Path) ->
     assert first == request_id_of(job, "q 1", 0) != request_id_of(job, "q 1", 1)
     assert " " not in first and len(first) < 64
     GenerationResult(id=first, status="ok")  # a valid wire id
+
+
+def test_on_a_sharded_queue_rows_go_to_their_prompt_s_shard_and_a_rerun_finds_them(
+        tmp_path: Path, redis_url: str, key_prefix: str, redis_client: redis.Redis) -> None:
+    """Rows of one template land on one shard (their prompt prefix's: one set of prefix caches), under ids derived
+    from the rows' deterministic ids; a rerun that lost its output derives the same ids and recovers every result
+    from Redis instead of generating it again."""
+    templates = ["Translate this product review into French. " * 15, "Extract every date from this memo. " * 15]
+    rows = [{"id": f"q{i}", "prompt": templates[i % 2] + f"row {i}", "max_tokens": 4} for i in range(12)]
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    out = tmp_path / "out.jsonl"
+    config = ProducerConfig(redis=RedisConfig(url=redis_url), queue=QueueConfig(prefix=key_prefix, shards=3))
+    settings = Settings.load(None, {"queue": {"prefix": key_prefix, "shards": 3}, "redis": {"url": redis_url},
+                                    "worker": {**FAST_WORKER, "name": f"w-{uuid.uuid4().hex[:6]}"},
+                                    "engine": {"model": {"name": "echo"}}})
+    with Producer.from_config(config) as producer, running_worker(settings):
+        first = bulk.run(source, out, producer=producer)
+        assert first.num_ok == 12
+        layout, job = producer.layout, job_id_of(out)
+        shard_of_row = {}
+        for i in range(12):
+            base = request_id_of(job, f"q{i}", 0)
+            found = [request_id for request_id in [base, *(f"{base}.{n}" for n in range(1, 200))]
+                     if redis_client.exists(layout.for_id(request_id).result(request_id))]
+            assert len(found) == 1, found
+            shard_of_row[i] = layout.shard_of(found[0])
+        assert len({shard_of_row[i] for i in range(0, 12, 2)}) == 1
+        assert len({shard_of_row[i] for i in range(1, 12, 2)}) == 1
+        out.unlink()
+        second = bulk.run(source, out, producer=producer)
+    assert second.num_recovered == 12 and second.num_submitted == 0 and second.num_ok == 12
+    assert sorted(item_ids(read_jsonl(out))) == sorted(f"q{i}" for i in range(12))

@@ -5,6 +5,7 @@ the session's Redis; broker and result backend keys live under the test's own ke
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,10 +19,11 @@ pytest.importorskip("celery")
 from celery import Celery, chain, chord
 from celery.contrib.testing.worker import start_worker
 
-from tests.worker_helpers import make_settings, running_worker
+from tests.worker_helpers import FAST_WORKER, make_settings, running_worker
 from tokenmill.producer import Producer, ProducerConfig, QueueConfig, RedisConfig
 from tokenmill.producer.celery import JSON_ONLY, register_tasks
 from tokenmill.producer.errors import JobFailed
+from tokenmill.worker.config import Settings
 
 # celery's redis backend calls redis-py's deprecated setex on every state change.
 pytestmark = pytest.mark.filterwarnings("ignore:Call to deprecated setex:DeprecationWarning")
@@ -34,7 +36,7 @@ def broker_url(redis_url: str) -> str:
     return "redis+socket://" + redis_url.removeprefix("unix://") if redis_url.startswith("unix://") else redis_url
 
 
-def make_celery(redis_url: str, prefix: str, **task_options: Any) -> tuple[Celery, Any]:
+def make_celery(redis_url: str, prefix: str, shards: int = 1, **task_options: Any) -> tuple[Celery, Any]:
     """A JSON-only app (broker + backend keys under ``prefix:celery:``) and its generate task."""
     url = broker_url(redis_url)
     app = Celery(f"tm-test-{prefix}", broker=url, backend=url, set_as_current=False)
@@ -55,7 +57,7 @@ def make_celery(redis_url: str, prefix: str, **task_options: Any) -> tuple[Celer
 
     for fn in (prepare, postprocess, collect):
         app.task(name=f"test.{fn.__name__}", shared=False)(fn)
-    config = ProducerConfig(redis=RedisConfig(url=redis_url), queue=QueueConfig(prefix=prefix))
+    config = ProducerConfig(redis=RedisConfig(url=redis_url), queue=QueueConfig(prefix=prefix, shards=shards))
     generate = register_tasks(app, config, **{**FAST_POLL, **task_options})
     return app, generate
 
@@ -148,3 +150,21 @@ def test_llm_error_fails_the_task_with_the_remote_reason(redis_url: str, key_pre
         assert generate.delay("fine", max_tokens=4).get(timeout=30)["text"] == "fine"
     assert failed.value.code == "prompt_too_long"
     assert "max_model_len is 16" in str(failed.value)
+
+
+@pytest.mark.parametrize("mode", ["recheck", "blocking"])
+def test_on_a_sharded_queue_tasks_of_one_template_share_its_shard(redis_url: str, key_prefix: str,
+                                                                  mode: str) -> None:
+    """A task's request id is derived from its task id, moved to the shard of its prompt's prefix (tasks of one
+    template meet the same prefix caches) the same way on every re-check, so the task finds its result."""
+    app, generate = make_celery(redis_url, key_prefix, shards=3, mode=mode)
+    settings = Settings.load(None, {"queue": {"prefix": key_prefix, "shards": 3}, "redis": {"url": redis_url},
+                                    "worker": {**FAST_WORKER, "name": f"w-{uuid.uuid4().hex[:6]}"},
+                                    "engine": {"model": {"name": "echo:step_delay_s=0.005"}}})
+    template = "Classify the sentiment of this customer message. " * 12
+    with running_worker(settings), celery_worker(app):
+        results = [generate.delay({"prompt": template + f"message {i}", "raw": True}, max_tokens=8).get(timeout=30)
+                   for i in range(6)]
+    layout = QueueConfig(prefix=key_prefix, shards=3).layout(False)
+    assert all(r["status"] == "ok" and r["id"].startswith("celery-") for r in results)
+    assert len({layout.shard_of(r["id"]) for r in results}) == 1
