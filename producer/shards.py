@@ -158,9 +158,15 @@ class QueueLayout:
             raise ValueError(f"{stream!r} is no key of queue {self.home.base}")
         return self.shards[shard]
 
+    @property
+    def places_by_prefix(self) -> bool:
+        """Whether ids move to their prompt prefix's shard (:meth:`placed`, :meth:`placed_from`); else an id stays
+        as it is and decides its shard itself."""
+        return self.is_sharded and self.placement == "prefix"
+
     def placed(self, request: GenerationRequest) -> GenerationRequest:
         """``request`` (whose id the producer generated) with an id on the shard its placement chooses."""
-        if not self.is_sharded or self.placement == "id":
+        if not self.places_by_prefix:
             return request
         shard = shard_of_prefix(request, len(self.shards))
         if self.shard_of(request.id) == shard:
@@ -171,7 +177,7 @@ class QueueLayout:
         """``request``, whose id the caller derived from its own and derives again to find it (a bulk row's
         attempt, a Celery task's), with the first id derived from that one on the shard its placement chooses
         (:func:`derived_id_on_shard`): the same request gives the same id every time."""
-        if not self.is_sharded or self.placement == "id":
+        if not self.places_by_prefix:
             return request
         request_id = derived_id_on_shard(request.id, shard_of_prefix(request, len(self.shards)), len(self.shards))
         return request if request_id == request.id else request.model_copy(update={"id": request_id})

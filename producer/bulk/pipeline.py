@@ -248,11 +248,14 @@ class BulkJob:
         return self.producer.layout.placed_from(common.build_request(self.producer.keys, options))
 
     def _request_id(self, item: BulkItem, attempt: int) -> str:
-        """The id attempt ``attempt`` of ``item`` is (was) queued under."""
+        """The id attempt ``attempt`` of ``item`` is (was) queued under (built only where the prompt moves it)."""
+        base_id = request_id_of(self.job_id, item.item_id, attempt)
+        if not self.producer.layout.places_by_prefix:
+            return base_id
         try:
             return self._build(Flight(item, attempt)).id
         except SchemaError:  # never queued: its base id finds nothing, as it should
-            return request_id_of(self.job_id, item.item_id, attempt)
+            return base_id
 
     def _recover(self, items: list[BulkItem]) -> None:
         """Pick up results an earlier run left in Redis (every attempt id); queue the rest (requests an

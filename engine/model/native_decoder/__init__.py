@@ -170,6 +170,14 @@ def ineligible_reason(model: Any, backend_name: str) -> str | None:
     return None
 
 
+def _unavailable_reason(model: Any, backend_name: str) -> str | None:
+    """Why this process cannot run the model as a :class:`NativeDecoder`: the model, or a failed build."""
+    reason = ineligible_reason(model, backend_name)
+    if reason is None and not _EXTENSION.is_available():
+        reason = "the C++ extension could not be built (see the log above)"
+    return reason
+
+
 def _layer_ineligible_reason(layer: Any) -> str | None:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attn is None or mlp is None:
@@ -202,9 +210,7 @@ def native_decoder_for(runner: ModelRunner) -> NativeDecoder | None:
     """A verified :class:`NativeDecoder` for the runner's model, or None (logged) to stay eager.
 
     With tensor parallelism, every rank probes at once and the stack is used only if all of them agree."""
-    reason = ineligible_reason(runner.model, runner.backend.name)
-    if reason is None and not _EXTENSION.is_available():
-        reason = "the C++ extension could not be built (see the log above)"
+    reason = _unavailable_reason(runner.model, runner.backend.name)
     if reason is not None:
         logger.info("decoder layers run eagerly: %s", reason)
         return None
@@ -265,9 +271,7 @@ def follower_probe(model: Any, kv_cache: KVCache, backend_name: str, fused_mlp: 
         The stack (None: this rank cannot build one), and whether its output equalled the eager one.
     """
     expected = eager()
-    reason = ineligible_reason(model, backend_name)
-    if reason is None and not _EXTENSION.is_available():
-        reason = "the C++ extension could not be built"
+    reason = _unavailable_reason(model, backend_name)
     decoder = None
     if reason is None:
         decoder = NativeDecoder(model, kv_cache, fused_mlp=fused_mlp, all_reduce=all_reduce)
