@@ -53,12 +53,23 @@ class PredictedKvBudget:
         self._z = NormalDist().inv_cdf(confidence)
 
     def admits(self, candidate: Request, committed: Iterable[Request]) -> bool:
-        """Whether ``candidate`` fits next to ``committed`` at the predicted peak (always when nothing is
-        committed: the first request is never held back)."""
+        """Whether ``candidate`` fits next to ``committed`` at the predicted peak, or is done before it matters
+        (always when nothing is committed: the first request is never held back).
+
+        Done before it matters: run to its ``confidence`` quantile, with every committed request growing a token
+        a step and none finishing, all of them still fit the pool at its end. A short request then costs the
+        committed ones nothing, even where their own predicted peak passes the pool (one of them outlived its
+        estimate, or they were admitted before the history knew them): that excess is theirs, and holding the
+        short one back would not lower it."""
         requests = [r for r in committed if r is not candidate]
         if not requests:
             return True
-        return self.predicted_peak_blocks([*requests, candidate]) <= self.num_pool_blocks
+        if self.predicted_peak_blocks([*requests, candidate]) <= self.num_pool_blocks:
+            return True
+        steps = self.estimate_of(candidate).high_remaining(candidate.num_output_tokens)
+        num_seqs = sum(r.num_seats for r in requests) + candidate.num_seats
+        num_tokens = sum(r.num_tokens * r.num_seats for r in requests) + candidate.num_tokens * candidate.num_seats
+        return (num_tokens + num_seqs * steps) / self.block_size + num_seqs / 2 <= self.num_pool_blocks
 
     def steps_until_admitted(self, candidate: Request, committed: Iterable[Request]) -> float:
         """Steps until the committed requests, finishing as predicted, leave room for ``candidate`` (its
@@ -90,7 +101,7 @@ class PredictedKvBudget:
         only start when all of them end: waves. Started one pacing interval apart, as many run at once, at every
         stage of their run, and the pool stays about full.
         """
-        steps_left = self.estimate_of(request).high_remaining(request.num_output_tokens)
+        steps_left = self.estimate_of(request).mean_remaining(request.num_output_tokens)
         return steps_left * (request.num_tokens + steps_left / 2) / (self.num_pool_blocks * self.block_size)
 
     def predicted_peak_blocks(self, requests: list[Request]) -> int:

@@ -58,14 +58,24 @@ class LengthPredictor:
         # NOTE: the engine's stats (read after every worker step) ask for these; they change only with the history.
         self._errors: tuple[tuple[int, int], tuple[float | None, float | None]] = ((-1, 0), (None, None))
         self._group_means: dict[tuple[str | None, bool], tuple[int, float | None]] = {}
+        # (key, outlived, max_tokens) -> the key's answer, for requests that generated nothing; since num_observed was
+        self._memo: dict[tuple[Hashable, int, int], tuple[LengthEstimate | None, int]] = {}
+        self._memo_observed = -1
 
     def current(self, request: Request) -> LengthEstimate:
-        """The request's estimate, redone when it is stale: none yet, outlived (the request generated as many
-        tokens as its median or mean), or made when the history held less than half of what it holds now (so
-        each request is re-estimated O(log n) times while it waits, and early cautious estimates do not last)."""
+        """The request's estimate, redone when it is stale: none yet; for one that generated nothing yet (it
+        waits: the order of admission reads it), made before the last request finished; else outlived (the request
+        generated as many tokens as its median or mean), or made when the history held less than half of what it
+        holds now (so a running request is re-estimated O(log n) times, and early cautious estimates do not last).
+
+        NOTE: requests that generated nothing are estimated from keys shared by many of them (their template,
+        their job), through a per-key memo kept until the next request finishes, so redoing every waiting
+        request's estimate after each finish costs a dictionary lookup per key, not a pass over the history."""
         estimate = request.length_estimate
         if estimate is None or self.num_observed >= 2 * request.length_history_size + self.config.min_samples:
             return self.estimate(request)
+        if request.num_output_tokens == 0:
+            return estimate if request.length_history_size == self.num_observed else self.estimate(request)
         if request.num_output_tokens >= min(estimate.median_total, estimate.mean_total):
             self.num_outlived += 1
             return self.estimate(request)
@@ -80,22 +90,47 @@ class LengthPredictor:
             for key, _ in request.length_keys:
                 self._key_to_live.setdefault(key, {})[request.request_id] = request
         num_generated = request.num_output_tokens
+        known_past = num_generated  # what the request, or the running ones of a key that cannot answer, outlived
         estimate = None
+        if self._memo_observed != self.num_observed:
+            self._memo.clear()
+            self._memo_observed = self.num_observed
         for key, source in request.length_keys:
-            samples = self._key_to_samples.get(key)
-            if samples is not None:
-                live_ages = [r.num_output_tokens for r in self._key_to_live.get(key, {}).values()]
-                estimate = samples.estimate(num_generated, request.max_tokens, min_samples=self.config.min_samples,
-                                            quantile=self.config.confidence, source=source, live_ages=live_ages)
-                if estimate is not None:
-                    break
+            memo_key = (key, known_past, request.max_tokens)
+            answer = self._memo.get(memo_key) if num_generated == 0 else None
+            if answer is None:
+                answer = self._key_answer(key, source, known_past, request.max_tokens)
+                if num_generated == 0:
+                    self._memo[memo_key] = answer
+            estimate, known_past = answer
+            if estimate is not None:
+                break
         if estimate is None:
-            estimate = (LengthEstimate.outlived(num_generated, request.max_tokens) if num_generated
+            estimate = (LengthEstimate.outlived(known_past, request.max_tokens) if known_past
                         else LengthEstimate.prior(request.max_tokens))
         request.length_estimate = estimate
         request.length_history_size = self.num_observed
         self.num_estimates += 1
         return estimate
+
+    def _key_answer(self, key: Hashable, source: str, known_past: int, max_tokens: int,
+                    ) -> tuple[LengthEstimate | None, int]:
+        """What one history key says of a request known to run past ``known_past`` tokens: its estimate (None: too
+        little history), and what the next, coarser key should take the request to outlive.
+
+        A key that cannot answer, yet has ``min_samples`` requests running past ``known_past`` (the first essays
+        of a job, while its short answers have finished), says its lengths are longer than the coarser keys'
+        typical one: those then predict it from their lengths past the age ``min_samples`` of them reached."""
+        min_samples = self.config.min_samples
+        live_ages = [r.num_output_tokens for r in self._key_to_live.get(key, {}).values()]
+        samples = self._key_to_samples.get(key)
+        if samples is not None:
+            estimate = samples.estimate(known_past, max_tokens, min_samples=min_samples,
+                                        quantile=self.config.confidence, source=source, live_ages=live_ages)
+            if estimate is not None:
+                return estimate, known_past
+        older = sorted(age for age in live_ages if age > known_past)
+        return None, (older[-min_samples] if len(older) >= min_samples else known_past)
 
     def forget(self, request: Request) -> None:
         """A request that ended without a length to learn from (aborted, failed, or forked into samples)."""

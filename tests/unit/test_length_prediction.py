@@ -154,6 +154,45 @@ def test_waiting_estimates_are_redone_as_the_history_grows() -> None:
     assert predictor.current(waiting).source == "prefix"
 
 
+def test_waiting_requests_are_re_estimated_after_every_finish() -> None:
+    """A waiting request's estimate orders admission, so it follows each finished request (not only each
+    doubling of the history, as a running request's does); requests of one template share the per-key work."""
+    predictor = LengthPredictor(LengthConfig(min_samples=4))
+    warm_history(predictor)  # 16 finished
+    first, second = templated("w1", "short", 6), templated("w2", "short", 7)
+    assert predictor.current(first).median_total == predictor.current(second).median_total == SHORT
+    for row in range(10):  # the template's answers got longer: 10 more finished, fewer than doubling the history
+        done = templated(f"later-{row}", "short", 300 + row)
+        done.output_token_ids = [1] * 9
+        predictor.observe(done)
+    assert predictor.current(first).median_total == predictor.current(second).median_total == 9
+    running = templated("r", "short", 8)
+    running.output_token_ids = [1]
+    before = predictor.current(running)
+    predictor.observe(templated("one-more", "short", 400))
+    assert predictor.current(running) is before  # a running request keeps its estimate until it is stale
+
+
+def test_a_template_whose_requests_all_run_past_the_others_is_not_predicted_short() -> None:
+    """The first requests of a long template still run while the short answers of the job finish: the job's
+    history alone would predict a new long request as short as those. The template's running requests say it
+    is longer than their age, so the coarser history predicts it from lengths past that age only."""
+    predictor = LengthPredictor(LengthConfig(min_samples=4))
+    for row in range(8):
+        done = templated(f"old-short-{row}", "short", 100 + row)
+        done.output_token_ids = [1] * SHORT
+        predictor.observe(done)
+    for row in range(4):
+        running = templated(f"long-{row}", "long", row)
+        running.output_token_ids = [1] * 20
+        predictor.estimate(running)  # now tracked as live: a censored length of its keys
+    new_long, new_short = templated("new-long", "long", 50), templated("new-short", "short", 51)
+    assert predictor.current(new_short).median_total == SHORT
+    estimate = predictor.current(new_long)
+    assert estimate.median_total > 20 and estimate.mean_remaining(0) > 20
+    assert estimate.source == "outlived"  # no finished length past 20 anywhere: as long again as its template ran
+
+
 def test_prediction_errors_compare_with_planning_by_max_tokens() -> None:
     predictor = LengthPredictor(LengthConfig(min_samples=4))
     warm_history(predictor)
@@ -220,6 +259,34 @@ def test_the_budget_plans_the_tail_of_the_set_not_of_every_request() -> None:
     for request in requests:
         estimates[request.request_id] = unknown
     assert budget.predicted_peak_blocks(requests) * 4 >= 20 * 290 + (2000 - 290) * 20 ** 0.5
+
+
+def test_a_short_request_runs_beside_a_set_whose_own_peak_passes_the_pool() -> None:
+    """Four requests that will run to 2,000 tokens passed the budget before the history knew them (their peak,
+    8,000 tokens, is twice the pool's 4,000). Holding a short request back would not lower that peak: one
+    predicted done (at its quantile) before their growth uses the room it takes is admitted; a long one is not,
+    nor a short one once the room is nearly gone. Pacing is counted from a request's mean length, not its tail."""
+    certain = LengthEstimate(0, 2000.0, 2000.0, 2000.0, 50, "prefix", std_total=0.0)
+    short = LengthEstimate(0, 10.0, 12.0, 20.0, 50, "prefix", std_total=4.0)
+    tailed = LengthEstimate(0, 100.0, 290.0, 2000.0, 50, "prefix", std_total=570.0)
+    estimates: dict[str, LengthEstimate] = {}
+    budget = PredictedKvBudget(num_pool_blocks=1000, block_size=4, estimate_of=lambda r: estimates[r.request_id],
+                               confidence=0.9)
+    committed = [make_request(f"c{i}", prompt_token_ids=[1] * 8, max_tokens=2000) for i in range(4)]
+    for request in committed:
+        estimates[request.request_id] = certain
+    candidate = make_request("short", prompt_token_ids=[1] * 8, max_tokens=2000)
+    estimates["short"] = short
+    assert budget.predicted_peak_blocks([*committed, candidate]) > budget.num_pool_blocks
+    assert budget.admits(candidate, committed)  # 5 x (8 + 20) tokens fit
+    estimates["short"] = certain
+    assert not budget.admits(candidate, committed)
+    estimates["short"] = short
+    for request in committed:
+        request.output_token_ids = [1] * 980  # 4 x 988 tokens held now: 20 more steps of growth do not fit
+    assert not budget.admits(candidate, committed)
+    estimates["short"] = tailed
+    assert budget.pacing_tokens(candidate) == pytest.approx(290 * (8 + 145) / 4000)
 
 
 def test_an_estimate_carries_its_distribution_s_deviation() -> None:
