@@ -28,11 +28,23 @@ Only requests at least as urgent as the candidate are counted: less urgent ones 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from statistics import NormalDist
+from typing import NamedTuple
 
 from tokenmill.engine.core.length_history import LengthEstimate
 from tokenmill.engine.core.request import Request
+
+
+class _Run(NamedTuple):
+    """One sequence's planned run: mean steps left, tokens now, tail excess past the mean, standard deviation, and
+    the template its length varies with (None: independent of every other)."""
+
+    steps_left: float
+    num_tokens: float
+    excess: float
+    std: float
+    template: Hashable | None
 
 
 class PredictedKvBudget:
@@ -78,14 +90,14 @@ class PredictedKvBudget:
         fits, found by bisection (the room only grows as requests finish, up to their growth in between)."""
         runs = self._runs([r for r in committed if r is not candidate])
         own = self._runs([candidate])
-        starts = sorted({0.0, *(steps_left for steps_left, _, _, _ in runs)})
+        starts = sorted({0.0, *(run.steps_left for run in runs)})
         low, high = 0, len(starts) - 1  # NOTE: once every committed request finished it fits alone
         while low < high:
             middle = (low + high) // 2
             start = starts[middle]
-            later = [(steps_left - start, num_tokens + start, excess, std)
-                     for steps_left, num_tokens, excess, std in runs if steps_left > start]
-            if self._peak_blocks(sorted(later + own)) <= self.num_pool_blocks:
+            later = [run._replace(steps_left=run.steps_left - start, num_tokens=run.num_tokens + start)
+                     for run in runs if run.steps_left > start]
+            if self._peak_blocks(_by_steps_left(later + own)) <= self.num_pool_blocks:
                 high = middle
             else:
                 low = middle + 1
@@ -108,31 +120,49 @@ class PredictedKvBudget:
         """Device blocks ``requests`` are predicted to hold at once, at most, over the steps they run."""
         return self._peak_blocks(self._runs(requests))
 
-    def _runs(self, requests: list[Request]) -> list[tuple[float, float, float, float]]:
-        """(mean steps left, tokens now, tail excess, standard deviation) per sequence, by steps left; each
-        sample of an unforked request is one. The tail excess: its ``confidence`` quantile of remaining length
-        minus the mean; the deviation, where the estimate has none, the excess over ``z``."""
+    def _runs(self, requests: list[Request]) -> list[_Run]:
+        """One run per sequence, by steps left; each sample of an unforked request is one. The tail excess: its
+        ``confidence`` quantile of remaining length minus the mean; the deviation, where the estimate has none,
+        the excess over ``z``."""
         runs = []
         for request in requests:
             estimate = self.estimate_of(request)
             mean_left = estimate.mean_remaining(request.num_output_tokens)
             excess = max(0.0, estimate.high_remaining(request.num_output_tokens) - mean_left)
             std = estimate.std_total if estimate.std_total is not None else excess / self._z
-            runs += [(mean_left, float(request.num_tokens), excess, std)] * request.num_seats
-        return sorted(runs)
+            run = _Run(mean_left, float(request.num_tokens), excess, std, request.length_correlation)
+            runs += [run] * request.num_seats
+        return _by_steps_left(runs)
 
-    def _peak_blocks(self, runs: list[tuple[float, float, float, float]]) -> int:
+    def _peak_blocks(self, runs: list[_Run]) -> int:
         """The expected profile's peak plus the set's tail margin (the module's docstring)."""
         peak_blocks = 0.0
         num_tokens_after = 0.0  # tokens now of the sequences from this one on (they all still run)
         for index in range(len(runs) - 1, -1, -1):
-            steps_left, num_tokens, _, _ = runs[index]
-            num_tokens_after += num_tokens
+            num_tokens_after += runs[index].num_tokens
             num_running = len(runs) - index
             # NOTE: just before this sequence's last token every later one has grown as much; each
             # sequence's last block is half empty on average.
-            tokens = num_tokens_after + num_running * (steps_left - 1)
+            tokens = num_tokens_after + num_running * (runs[index].steps_left - 1)
             peak_blocks = max(peak_blocks, tokens / self.block_size + num_running / 2)
-        margin_tokens = max((excess for _, _, excess, _ in runs), default=0.0)
-        margin_tokens = max(margin_tokens, self._z * math.sqrt(sum(std * std for _, _, _, std in runs)))
+        margin_tokens = max((run.excess for run in runs), default=0.0)
+        margin_tokens = max(margin_tokens, self._z * math.sqrt(_total_variance(runs)))
         return math.ceil(peak_blocks + margin_tokens / self.block_size)
+
+
+def _by_steps_left(runs: list[_Run]) -> list[_Run]:
+    return sorted(runs, key=lambda run: (run.steps_left, run.num_tokens))
+
+
+def _total_variance(runs: list[_Run]) -> float:
+    """The variance of the runs' summed length: independent lengths add their variances; the lengths of one
+    template not yet known to the history vary together (all its rows are essays, or none), so their deviations
+    add before squaring."""
+    variance = 0.0
+    template_to_std: dict[Hashable, float] = {}
+    for run in runs:
+        if run.template is None:
+            variance += run.std * run.std
+        else:
+            template_to_std[run.template] = template_to_std.get(run.template, 0.0) + run.std
+    return variance + sum(std * std for std in template_to_std.values())

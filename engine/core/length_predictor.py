@@ -58,24 +58,28 @@ class LengthPredictor:
         # NOTE: the engine's stats (read after every worker step) ask for these; they change only with the history.
         self._errors: tuple[tuple[int, int], tuple[float | None, float | None]] = ((-1, 0), (None, None))
         self._group_means: dict[tuple[str | None, bool], tuple[int, float | None]] = {}
-        # (key, outlived, max_tokens) -> the key's answer, for requests that generated nothing; since num_observed was
+        # (key, known past, max_tokens) -> the key's answer for requests that generated nothing, while num_observed
+        # is _memo_observed
         self._memo: dict[tuple[Hashable, int, int], tuple[LengthEstimate | None, int]] = {}
         self._memo_observed = -1
 
     def current(self, request: Request) -> LengthEstimate:
         """The request's estimate, redone when it is stale: none yet; for one that generated nothing yet (it
-        waits: the order of admission reads it), made before the last request finished; else outlived (the request
-        generated as many tokens as its median or mean), or made when the history held less than half of what it
-        holds now (so a running request is re-estimated O(log n) times, and early cautious estimates do not last).
+        waits: the order of admission reads it), made before the history grew by a sixteenth (every finish while
+        it is young); else outlived (the request generated as many tokens as its median or mean), or made when the
+        history held less than half of what it holds now (so a running request is re-estimated O(log n) times,
+        and early cautious estimates do not last).
 
         NOTE: requests that generated nothing are estimated from keys shared by many of them (their template,
-        their job), through a per-key memo kept until the next request finishes, so redoing every waiting
-        request's estimate after each finish costs a dictionary lookup per key, not a pass over the history."""
+        their job), through a per-key memo kept until the next request finishes, so redoing a waiting request's
+        estimate costs a dictionary lookup per key, not a pass over the history; the sixteenth bounds how often
+        a backlog of thousands is redone (O(16 log n) times each)."""
         estimate = request.length_estimate
-        if estimate is None or self.num_observed >= 2 * request.length_history_size + self.config.min_samples:
+        size = request.length_history_size
+        if estimate is None or self.num_observed >= 2 * size + self.config.min_samples:
             return self.estimate(request)
         if request.num_output_tokens == 0:
-            return estimate if request.length_history_size == self.num_observed else self.estimate(request)
+            return estimate if self.num_observed <= size + size // 16 else self.estimate(request)
         if request.num_output_tokens >= min(estimate.median_total, estimate.mean_total):
             self.num_outlived += 1
             return self.estimate(request)
@@ -95,7 +99,12 @@ class LengthPredictor:
         if self._memo_observed != self.num_observed:
             self._memo.clear()
             self._memo_observed = self.num_observed
-        for key, source in request.length_keys:
+        # NOTE: its template: the most specific key it shares with another live request (a bulk job's rows share
+        # the template's prefix, not the row's own words)
+        template_index = next((index for index, (key, _) in enumerate(request.length_keys)
+                               if len(self._key_to_live.get(key, ())) >= 2), len(request.length_keys))
+        answer_index = len(request.length_keys)  # the key that answered (none: as many as there are)
+        for index, (key, source) in enumerate(request.length_keys):
             memo_key = (key, known_past, request.max_tokens)
             answer = self._memo.get(memo_key) if num_generated == 0 else None
             if answer is None:
@@ -104,10 +113,13 @@ class LengthPredictor:
                     self._memo[memo_key] = answer
             estimate, known_past = answer
             if estimate is not None:
+                answer_index = index
                 break
         if estimate is None:
             estimate = (LengthEstimate.outlived(known_past, request.max_tokens) if known_past
                         else LengthEstimate.prior(request.max_tokens))
+        request.length_correlation = (request.length_keys[template_index][0]
+                                      if template_index < answer_index else None)
         request.length_estimate = estimate
         request.length_history_size = self.num_observed
         self.num_estimates += 1

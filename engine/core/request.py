@@ -109,6 +109,9 @@ class Request:
     length_keys: tuple[tuple[Hashable, str], ...] = field(default=(), repr=False)
     length_estimate: LengthEstimate | None = field(default=None, repr=False)
     length_history_size: int = 0
+    # the template (a prompt-prefix key it shares with other live requests) whose rows its length varies with, when
+    # its estimate came from coarser history than that template's own (the KV budget adds their deviations)
+    length_correlation: Hashable | None = field(default=None, repr=False)
     admitted_length_estimate: LengthEstimate | None = field(default=None, repr=False)
     group: ParallelGroup | None = None  # the n > 1 request this one is a sample of
     sample_index: int = 0  # which sample of its group
