@@ -215,8 +215,10 @@ class LengthConfig(_Frozen):
         "arrival; shortest: shortest predicted output first (lower mean completion time in a backlog); longest: "
         "longest first (a shorter makespan for one bulk job); auto: longest while every waiting request is of one "
         "job (length group), else shortest")
-    min_samples: int = Field(5, ge=1, description="requests a history key needs before it predicts: finished, or "
-                             "still running past the age of the one predicted (fewer: a coarser key predicts)")
+    min_samples: int = Field(5, ge=1, description="finished requests, longer than what the one predicted generated, "
+                             "a history key needs before it predicts (fewer: a coarser key predicts); running ones "
+                             "refine its estimate, and min_samples of them running past a request's age tell the "
+                             "coarser keys it is longer")
     samples_per_key: int = Field(256, ge=8, description="most recent finished lengths kept per history key")
     max_keys: int = Field(4096, ge=16, description="history keys kept (least recently used forgotten first)")
 

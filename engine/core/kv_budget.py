@@ -15,7 +15,11 @@ requests, so a few of many requests run long, not all of them: on top of the exp
 config's ``confidence``; the variances of independent lengths add), and never less than the largest single
 request's tail past its mean (its ``confidence`` quantile minus its mean: one request running long is the
 likeliest excess, and one request alone is planned at about its quantile). A request whose length is certain
-(one that always runs to ``max_tokens``) adds no margin. Two cruder rules were measured in ops/bench/length.py,
+(one that always runs to ``max_tokens``) adds no margin. Independence holds between the rows of a template the
+history knows (a list answer loops or not on its own), not between rows of a template it does not know yet,
+predicted from the job's other answers: those are all essays or none, so their deviations add before squaring
+(``Request.length_correlation``, set by the predictor). Without that, a cold job admitted a wave of essays
+predicted from its first short answers. Two cruder rules were measured in ops/bench/length.py,
 where 1 list answer in 10 loops to ``max_tokens``: every request at its own 0.9 quantile (every list answer
 planned at ``max_tokens``: the pool a third used), then the root sum of squares of the tails past the mean
 (each counted as if it ran long: the cover for 20 such answers was 6 of them looping, where 4 or more happen

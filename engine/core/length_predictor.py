@@ -1,7 +1,7 @@
 """Predicts each request's output length from finished requests like it (no second model).
 
 Standard library only. What predicts a length, most specific first (the first key with ``min_samples``
-requests longer than what the request already generated (finished, or still running past that) answers):
+finished requests longer than what the request already generated answers; its running ones refine it):
 
 * a prefix of its prompt (the template: prefixes of several lengths, the longest that has history wins),
   within its length group (the job it belongs to: a bulk job, a batch; the worker names it), then across
@@ -61,6 +61,7 @@ class LengthPredictor:
         # (key, known past, max_tokens) -> the key's answer for requests that generated nothing, while num_observed
         # is _memo_observed
         self._memo: dict[tuple[Hashable, int, int], tuple[LengthEstimate | None, int]] = {}
+        self._started_memo: dict[Hashable, int] = {}  # template key -> _num_started, with the memo above
         self._memo_observed = -1
 
     def current(self, request: Request) -> LengthEstimate:
@@ -98,11 +99,8 @@ class LengthPredictor:
         estimate = None
         if self._memo_observed != self.num_observed:
             self._memo.clear()
+            self._started_memo.clear()
             self._memo_observed = self.num_observed
-        # NOTE: its template: the most specific key it shares with another live request (a bulk job's rows share
-        # the template's prefix, not the row's own words)
-        template_index = next((index for index, (key, _) in enumerate(request.length_keys)
-                               if len(self._key_to_live.get(key, ())) >= 2), len(request.length_keys))
         answer_index = len(request.length_keys)  # the key that answered (none: as many as there are)
         for index, (key, source) in enumerate(request.length_keys):
             memo_key = (key, known_past, request.max_tokens)
@@ -118,8 +116,9 @@ class LengthPredictor:
         if estimate is None:
             estimate = (LengthEstimate.outlived(known_past, request.max_tokens) if known_past
                         else LengthEstimate.prior(request.max_tokens))
-        request.length_correlation = (request.length_keys[template_index][0]
-                                      if template_index < answer_index else None)
+        request.length_correlation = self._unknown_template(request, answer_index)
+        request.length_exploring = (request.length_correlation is not None
+                                    and self._num_started(request.length_correlation) < self.config.min_samples)
         request.length_estimate = estimate
         request.length_history_size = self.num_observed
         self.num_estimates += 1
@@ -143,6 +142,31 @@ class LengthPredictor:
                 return estimate, known_past
         older = sorted(age for age in live_ages if age > known_past)
         return None, (older[-min_samples] if len(older) >= min_samples else known_past)
+
+    def _unknown_template(self, request: Request, answer_index: int) -> Hashable | None:
+        """The request's template (the most specific history key it shares with another live request: a bulk job's
+        rows share the template's prefix, not the row's own words) when its own history did not answer the estimate
+        (the key at ``answer_index`` is coarser: the job's or everyone's); None when it did, or it has none."""
+        keys = request.length_keys
+        template_index = next((index for index, (key, _) in enumerate(keys)
+                               if len(self._key_to_live.get(key, ())) >= 2), len(keys))
+        if answer_index <= template_index:
+            return None
+        template = keys[template_index][0]
+        # NOTE: the same prompt prefix across groups is the template's own history too (a new job, a known template)
+        if answer_index < len(keys) and _prefix_length(keys[answer_index][0]) >= _prefix_length(template) > 0:
+            return None
+        return template
+
+    def _num_started(self, key: Hashable) -> int:
+        """Requests under ``key`` that finished (in its window) or generated a token; kept in the memo until the next
+        finish."""
+        num_started = self._started_memo.get(key)
+        if num_started is None:
+            samples = self._key_to_samples.get(key)
+            num_running = sum(1 for r in self._key_to_live.get(key, {}).values() if r.num_output_tokens > 0)
+            num_started = self._started_memo[key] = (len(samples) if samples is not None else 0) + num_running
+        return num_started
 
     def forget(self, request: Request) -> None:
         """A request that ended without a length to learn from (aborted, failed, or forked into samples)."""
@@ -223,6 +247,11 @@ def history_keys(request: Request) -> tuple[tuple[Hashable, str], ...]:
         keys.append(((group, kind), "group"))
     keys.append(((None, kind), "all"))
     return tuple(keys)
+
+
+def _prefix_length(key: Hashable) -> int:
+    """The prompt-prefix length a history key (``history_keys``) names; 0 for a group's or everyone's key."""
+    return key[2] if isinstance(key, tuple) and len(key) == 4 else 0
 
 
 def _log(num_tokens: float) -> float:

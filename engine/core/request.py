@@ -112,6 +112,8 @@ class Request:
     # the template (a prompt-prefix key it shares with other live requests) whose rows its length varies with, when
     # its estimate came from coarser history than that template's own (the KV budget adds their deviations)
     length_correlation: Hashable | None = field(default=None, repr=False)
+    # ... and that template has fewer than min_samples rows started or finished: ordering by length runs it first
+    length_exploring: bool = False
     admitted_length_estimate: LengthEstimate | None = field(default=None, repr=False)
     group: ParallelGroup | None = None  # the n > 1 request this one is a sample of
     sample_index: int = 0  # which sample of its group

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from typing import Literal
 
@@ -662,8 +663,16 @@ class Scheduler:
             # NOTE: one job's requests alone: its makespan is what its owner waits for; mixed: completion times.
             ordering = "longest" if len(groups) == 1 and None not in groups else "shortest"
         sign = 1.0 if ordering == "shortest" else -1.0
-        return lambda r: admission_key(
-            r, aging_interval_s, sign * predictor.current(r).median_remaining(r.num_output_tokens))
+
+        def length_order(request: Request) -> float:
+            estimate = predictor.current(request)
+            # NOTE: a template the history does not know yet runs a few rows first, so that its lengths are learnt:
+            # predicted from the job's other answers, its rows would otherwise queue behind every known one.
+            if request.length_exploring:
+                return -math.inf
+            return sign * estimate.median_remaining(request.num_output_tokens)
+
+        return lambda r: admission_key(r, aging_interval_s, length_order(r))
 
     def _is_paced(self, request: Request, plan: StepPlan) -> bool:
         """Whether a long request waits for its turn: the last long admission has generated fewer output tokens

@@ -68,7 +68,8 @@ def urgency_key(request: Request, now_s: float, aging_interval_s: float) -> Urge
 def admission_key(request: Request, aging_interval_s: float, length_order: float = 0.0) -> AdmissionKey:
     """Order of swapped and waiting requests for (re)admission: by effective priority, then a swapped
     request before a new (or recompute-preempted) one, then ``length_order`` (the predicted remaining
-    length, negated for longest first; 0 for fcfs), then arrival and seq_no.
+    length, negated for longest first; 0 for fcfs; -inf for a row of a template being explored), then arrival
+    and seq_no.
 
     NOTE: effective priority is ``priority + floor(waiting_since_s / I) - floor(now_s / I)``, and the last
     term is the same for every request (the shared grid above), so the order needs no clock: the key is

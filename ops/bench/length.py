@@ -148,7 +148,7 @@ def engine_sections(args: argparse.Namespace, mode: str, kv_cache_bytes: int) ->
         "model": {"name": args.model, "device": "cpu", "dtype": args.dtype, "num_threads": args.threads},
         "cache": {"kv_cache_memory": kv_cache_bytes, "swap_space": args.swap_space},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "preemption_mode": args.preemption_mode},
-        "length": MODES[mode],
+        "length": {**MODES[mode], **({"min_samples": args.min_samples} if args.min_samples and mode != "off" else {})},
     }
 
 
@@ -475,6 +475,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-fraction", type=float, default=0.25,
                         help="KV pool = this x max_num_seqs x (mean prompt + max_tokens) tokens")
     parser.add_argument("--swap-space", default="1GiB", help="host KV pool for swapped-out requests")
+    parser.add_argument("--min-samples", type=int, default=None,
+                        help="[engine.length] min_samples for the modes that predict (default: the engine's)")
     parser.add_argument("--preemption-mode", choices=("swap", "recompute"), default="swap")
     parser.add_argument("--length-group", default="bulk-job",
                         help="every request's length_group (one bulk job); '' for None")

@@ -111,6 +111,20 @@ def test_requests_still_running_count_as_censored_lengths() -> None:
     assert young is not None and young.mean_total == pytest.approx(5 / 5 + 6 / 5 + (1 - 2 / 5) * 7.5)
 
 
+def test_running_requests_refine_an_estimate_but_do_not_make_one() -> None:
+    """Three short answers finished and two requests run young: five lengths are "known", but nothing past 8
+    tokens is, so a key needing five answers nothing yet (a cold job's first answers must not speak for every
+    row); five finished lengths do, with the running ones counted as censored."""
+    samples = LengthSamples(capacity=64)
+    for length in (5, 6, 8):
+        samples.add(length)
+    assert _estimate(samples, max_tokens=500, min_samples=5, live_ages=[20, 30]) is None
+    for length in (7, 9):
+        samples.add(length)
+    estimate = _estimate(samples, max_tokens=500, min_samples=5, live_ages=[20, 30])
+    assert estimate is not None and estimate.high_total == 500  # the two running ones may run to the cap
+
+
 def test_the_most_specific_history_with_enough_samples_predicts() -> None:
     predictor = LengthPredictor(LengthConfig(min_samples=4))
     fresh = templated("fresh", "short", 1)
@@ -289,6 +303,35 @@ def test_a_short_request_runs_beside_a_set_whose_own_peak_passes_the_pool() -> N
     assert budget.pacing_tokens(candidate) == pytest.approx(290 * (8 + 145) / 4000)
 
 
+def test_rows_of_a_template_the_history_does_not_know_vary_together() -> None:
+    """A job's first rows of a new template are predicted from the job's history (its short answers): whether
+    they are short or essays, they are all one or the other, so the budget adds their deviations before squaring
+    (ten of them: a margin ten deviations wide, not the square root of ten). Once the template has its own
+    history its rows vary independently again."""
+    predictor = LengthPredictor(LengthConfig(min_samples=4))
+    for row in range(8):
+        done = templated(f"old-short-{row}", "short", 100 + row)
+        done.output_token_ids = [1] * SHORT
+        predictor.observe(done)
+    rows = [templated(f"long-{row}", "long", row) for row in range(10)]
+    for request in rows:
+        predictor.estimate(request)
+    for request in rows:  # each now shares its template's prefix with the others
+        assert predictor.estimate(request).source == "all"
+        assert request.length_correlation is not None
+    assert len({request.length_correlation for request in rows}) == 1
+    short = templated("short-new", "short", 50)
+    assert predictor.estimate(short).source == "prefix" and short.length_correlation is None  # its own history
+    tailed = LengthEstimate(0, 100.0, 290.0, 2000.0, 50, "all", std_total=500.0)
+    budget = PredictedKvBudget(num_pool_blocks=100_000, block_size=4, estimate_of=lambda r: tailed, confidence=0.9)
+    correlated = budget.predicted_peak_blocks(rows)
+    for request in rows:
+        request.length_correlation = None
+    independent = budget.predicted_peak_blocks(rows)
+    z = 1.2816
+    assert (correlated - independent) * 4 == pytest.approx(z * 500 * (10 - 10 ** 0.5), abs=8)
+
+
 def test_an_estimate_carries_its_distribution_s_deviation() -> None:
     history = LengthSamples(64)
     for length in [100] * 9 + [2000]:
@@ -338,6 +381,24 @@ def test_ordering_inside_a_level_follows_the_predicted_length(ordering: str, fir
     assert kinds[0] == first
     if ordering != "fcfs":
         assert kinds[:3] == [first] * 3
+    assert_no_leaks(scheduler)
+
+
+def test_shortest_first_runs_a_few_rows_of_an_unknown_template_first_to_learn_it() -> None:
+    """Predicted from the job's other answers, a template the history does not know would queue behind every
+    known one, and would never be learnt while short work is waiting. Its first min_samples rows run first; once
+    they finished it is ordered by its own lengths (10 tokens: between the short and the long template)."""
+    scheduler = make_scheduler(num_gpu_blocks=200, max_num_seqs=1, eos_token_id=EOS, aging_interval_s=100.0,
+                               length=LengthConfig(min_samples=4, ordering="shortest", budget_kv=False))
+    assert scheduler.length_predictor is not None
+    warm_history(scheduler.length_predictor)
+    known = [templated(f"{kind}{i}", kind, i) for i in range(3) for kind in ("long", "short")]
+    unknown = [make_request(f"new{i}", prompt_token_ids=[33] * 16 + [i + 1] * 6, max_tokens=64) for i in range(6)]
+    lengths = {**lengths_of(known), **{r.request_id: 10 for r in unknown}}
+    runner = EosAtLength(scheduler.block_manager, lengths)
+    run = step_until_done(scheduler, runner, arrivals={0: known + unknown})
+    order = [rid.rstrip("0123456789") for rid in sorted(run.admitted_step, key=run.admitted_step.__getitem__)]
+    assert order == ["new"] * 4 + ["short"] * 3 + ["new"] * 2 + ["long"] * 3
     assert_no_leaks(scheduler)
 
 
