@@ -2,12 +2,13 @@
 hold at once, at its highest over the time they run, fits the device pool. Standard library only.
 
 Without prediction the scheduler admits whenever the next chunk fits, and a running set that grows past the
-pool preempts (swap or recompute). With it, each committed request (running, or swapped and due back) and the
-candidate are taken to run for their predicted mean remaining length, growing one token per step and freeing
-their blocks when done. Their KV at step t is ``sum over those still running at t of (tokens now + t)``; its
-maximum is reached just before one of them finishes, so it is evaluated there (sorted by remaining length,
-with suffix sums: O(n log n)). Summing every request's final size instead would plan for all of them ending at
-once and hold back the staggered work a pool normally carries (a request near its end frees its blocks soon).
+pool preempts (swap or recompute). With it, each committed request (a running one:
+``Scheduler._committed_before`` says why not a swapped one) and the candidate are taken to run for their
+predicted mean remaining length, growing one token per step and freeing their blocks when done. Their KV at
+step t is ``sum over those still running at t of (tokens now + t)``; its maximum is reached just before one of
+them finishes, so it is evaluated there (sorted by remaining length, with suffix sums: O(n log n)). Summing
+every request's final size instead would plan for all of them ending at once and hold back the staggered work
+a pool normally carries (a request near its end frees its blocks soon).
 
 The tail is planned for the set, not for each request. Lengths are heavy-tailed and independent across
 requests, so a few of many requests run long, not all of them: on top of the expected peak comes a margin of

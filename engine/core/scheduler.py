@@ -723,9 +723,15 @@ class Scheduler:
         return False
 
     def _committed_before(self, request: Request, plan: StepPlan) -> list[Request]:
-        """Running and swapped requests whose room ``request`` could not take: all of them, or with priority
-        preemption on, those at least as urgent as it (the less urgent ones yield their room to it)."""
-        committed = self._queues.running + self._queues.swapped
+        """Running requests whose room ``request`` could not take: all of them, or with priority preemption on,
+        those at least as urgent as it (the less urgent ones yield their room to it).
+
+        No swapped request: the admission loop reaches a waiting request only once every swapped request ahead
+        of it in admission order came back (it runs now) or the loop stopped; one still swapped is behind it
+        (aged, demoted or predicted longer) and comes back after it. Counting it would also hold the waiting
+        one back on a plan in which it runs, while it cannot come back behind a held-back request: with
+        nothing running, nothing would ever be admitted again."""
+        committed = self._queues.running
         if not self.config.enable_priority_preemption:
             return committed
         level = effective_priority(request, plan.now_s, self.config.aging_interval_s)

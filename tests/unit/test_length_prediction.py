@@ -368,6 +368,24 @@ def test_the_budget_never_holds_back_a_more_urgent_request() -> None:
     assert_no_leaks(scheduler)
 
 
+def test_a_swapped_request_behind_a_held_back_one_does_not_stall_the_queue() -> None:
+    """A long request preempted by the starvation limit ages behind the waiting ones (its wait starts again).
+    Counted as committed, it held the first waiting request back on a plan in which it runs, while it could not
+    come back behind a held-back request: nothing ran again. (Found by the property test with length knobs.)"""
+    scheduler = make_scheduler(num_gpu_blocks=6, num_cpu_blocks=4, block_size=1, max_num_batched_tokens=2,
+                               max_prefill_chunk=1, max_prefill_tokens=None, max_num_seqs=1, aging_interval_s=1.0,
+                               max_consecutive_decode_steps=1, min_resident_steps=0, watermark_blocks=0,
+                               preemption_mode="swap", enable_priority_preemption=False,
+                               length=LengthConfig(budget_kv=True, min_samples=1, confidence=0.6))
+    requests = [make_request(f"r{i}", prompt_token_ids=[1], max_tokens=max_tokens)
+                for i, max_tokens in enumerate((5, 2, 1, 1, 1, 1, 1))]
+    run = step_until_done(scheduler, ScriptedModelRunner(scheduler.block_manager, vocab_size=20),
+                          arrivals={0: requests}, max_steps=200, advance_s=1.0)
+    assert len(run.outputs) == len(requests)
+    assert scheduler.stats().counters.num_swap_outs > 0  # the starvation limit did swap the long one out
+    assert_no_leaks(scheduler)
+
+
 @pytest.mark.parametrize(("ordering", "first"), [("shortest", "short"), ("longest", "long"), ("fcfs", "long")])
 def test_ordering_inside_a_level_follows_the_predicted_length(ordering: str, first: str) -> None:
     scheduler = make_scheduler(num_gpu_blocks=200, max_num_seqs=1, eos_token_id=EOS, aging_interval_s=100.0,

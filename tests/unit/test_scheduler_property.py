@@ -1,4 +1,5 @@
-"""Property test: random workloads on tiny pools, both preemption modes, every policy knob.
+"""Property test: random workloads on tiny pools, both preemption modes, every policy knob (the length
+predictor's budget and orderings included).
 
 After every step the pools balance and budgets hold (step_until_done checks); every request
 finishes within a bounded number of steps with exactly the tokens of an unconstrained run.
@@ -20,6 +21,7 @@ from tests.unit.scheduler_helpers import (
     reference_outputs,
     step_until_done,
 )
+from tokenmill.engine.config import LengthConfig
 from tokenmill.engine.core.request import Request
 
 EOS_TOKEN_ID = 0
@@ -54,6 +56,9 @@ def workloads(draw: st.DrawFn) -> dict[str, Any]:
         "min_resident_steps": draw(st.integers(0, 3)),
         "watermark_blocks": draw(st.integers(0, 1)),
         "use_eos": draw(st.booleans()),
+        "length": draw(st.one_of(st.none(), st.builds(
+            LengthConfig, budget_kv=st.booleans(), ordering=st.sampled_from(["fcfs", "shortest", "longest", "auto"]),
+            min_samples=st.integers(1, 3), confidence=st.sampled_from([0.6, 0.9, 0.99])))),
     }
 
 
