@@ -174,15 +174,19 @@ class SpeculativeConfig(_Frozen):
         "auto", description="off; ngram: the request's own prompt and output (prompt lookup); suffix: a pool of "
         "continuations of earlier outputs of this engine; draft: a smaller model (draft_model); auto: the tokens a "
         "structured request's grammar forces, then ngram, then suffix")
-    num_speculative_tokens: int = Field(6, ge=1, le=32, description="most draft tokens per request per step")
-    ngram_min: int = Field(2, ge=1, le=16, description="shortest suffix n-gram the lookup matches")
+    num_speculative_tokens: int = Field(10, ge=1, le=32, description="most draft tokens per request per step (the "
+                                        "goodput rule runs fewer where they do not pay)")
+    ngram_min: int = Field(1, ge=1, le=16, description="shortest suffix n-gram the lookup matches; 1: where no match "
+                           "of 2 or more tokens is found (the request's own tokens, then the suffix pool), the "
+                           "latest occurrence of the last token alone drafts, a weaker guess with its own acceptance")
     ngram_max: int = Field(5, ge=1, le=16, description="longest suffix n-gram the lookup matches")
     suffix_pool_tokens: int = Field(1_000_000, ge=0, description="continuations the suffix pool remembers "
                                     "(entries; oldest forgotten first)")
     draft_model: str | None = Field(None, description="method draft: a Hugging Face causal LM sharing the "
                                     "model's tokenizer (a path or a name in the cache)")
-    min_acceptance: float = Field(0.3, ge=0.0, le=1.0, description="a request whose recent drafts were accepted "
-                                  "less than this stops drafting (a short draft now and then checks again)")
+    min_acceptance: float = Field(0.2, ge=0.0, le=1.0, description="a proposer whose recent drafts for a request "
+                                  "were accepted less than this stops drafting for it (a short draft now and then "
+                                  "checks again)")
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:

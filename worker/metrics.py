@@ -149,6 +149,16 @@ class _EngineCollector:
         for length, count in sorted(spec.draft_length_counts.items()):
             lengths.add_metric([str(length)], float(count))
         yield lengths
+        for name, text, by_proposer in (
+                ("tokenmill_spec_draft_tokens_by_proposer", "speculative draft tokens run, by the proposer that "
+                 "drafted them (grammar, ngram, suffix, ngram-1 and suffix-1: single-token matches, draft)",
+                 spec.draft_tokens_by_proposer),
+                ("tokenmill_spec_accepted_tokens_by_proposer", "speculative draft tokens kept, by proposer",
+                 spec.accepted_tokens_by_proposer)):
+            family = CounterMetricFamily(name, text, labels=["proposer"])
+            for proposer, count in sorted(by_proposer.items()):
+                family.add_metric([proposer], float(count))
+            yield family
         for name, text, error in _LENGTH_ERRORS:
             value = error(stats)
             if value is not None:

@@ -46,6 +46,9 @@ class SpeculationCounters:
     drafted_by_position: list[int] = field(default_factory=list)  # [i]: drafts with a token at position i + 1
     accepted_by_position: list[int] = field(default_factory=list)  # [i]: drafts whose token i + 1 was kept
     draft_length_counts: dict[int, int] = field(default_factory=dict)  # length chosen -> (request, step) pairs
+    # proposer name (grammar, ngram, suffix, ngram-1, suffix-1, draft) -> draft tokens it proposed that ran / were kept
+    draft_tokens_by_proposer: dict[str, int] = field(default_factory=dict)
+    accepted_tokens_by_proposer: dict[str, int] = field(default_factory=dict)
     step_fixed_s: float = 0.0  # the step cost model: t(T) = step_fixed_s + step_per_token_s * T
     step_per_token_s: float = 0.0
 
@@ -63,7 +66,9 @@ class SpeculationCounters:
         """A snapshot: the lists and the dict copied too."""
         return dataclasses.replace(self, drafted_by_position=list(self.drafted_by_position),
                                    accepted_by_position=list(self.accepted_by_position),
-                                   draft_length_counts=dict(self.draft_length_counts))
+                                   draft_length_counts=dict(self.draft_length_counts),
+                                   draft_tokens_by_proposer=dict(self.draft_tokens_by_proposer),
+                                   accepted_tokens_by_proposer=dict(self.accepted_tokens_by_proposer))
 
     def acceptance_by_position(self) -> list[float]:
         """Per draft position, the fraction of drafts that reached it whose token there was kept."""

@@ -36,6 +36,8 @@ class DraftModelProposer:
         ModelLoadError: the two models' tokenizers differ (draft token ids would mean other text).
     """
 
+    name = "draft"
+
     def __init__(self, draft: LoadedModel, target: LoadedModel) -> None:
         if not _same_vocabulary(draft, target):
             raise ModelLoadError(f"draft model {draft.source} does not share the tokenizer of {target.source}")

@@ -22,6 +22,8 @@ class GrammarForcedProposer:
         compiler: the engine's grammar compiler (the sampler's): the same grammars and matchers.
     """
 
+    name = "grammar"
+
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
 

@@ -14,7 +14,7 @@ class NgramIndex:
     """One request's n-grams, for :meth:`propose`.
 
     Args:
-        min_n: shortest suffix matched.
+        min_n: shortest n-gram indexed (a lookup may ask for longer ones only).
         max_n: longest suffix matched (tried first: a longer match predicts better).
     """
 
@@ -24,9 +24,10 @@ class NgramIndex:
         self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest indexed occurrence
         self._num_indexed = 0  # grams ending before this position are indexed
 
-    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
+    def propose(self, token_ids: list[int], num_tokens: int, min_n: int | None = None) -> list[int]:
         """Up to ``num_tokens`` tokens that followed the latest earlier occurrence of the longest
-        suffix of ``token_ids`` (between ``min_n`` and ``max_n`` long) that occurred before; [] if none.
+        suffix of ``token_ids`` (between ``min_n``, default the index's, and ``max_n`` long) that
+        occurred before; [] if none.
 
         ``token_ids`` must extend the list of the previous call (a request's tokens only grow).
         """
@@ -39,7 +40,7 @@ class NgramIndex:
         self._num_indexed = max(self._num_indexed, end)
         if num_tokens <= 0:
             return []
-        for n in range(min(self.max_n, end), self.min_n - 1, -1):
+        for n in range(min(self.max_n, end), max(self.min_n, min_n or 0) - 1, -1):
             found = self._ends.get(tuple(token_ids[end - n:]))
             if found is not None:
                 return token_ids[found:found + num_tokens]

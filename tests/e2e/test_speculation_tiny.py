@@ -34,6 +34,8 @@ class OracleDrafts:
     """Drafts the known greedy continuation of each prompt, with every ``wrong_every``-th output
     position replaced by a wrong token (0 = never), so drafts are kept in full, in part or not at all."""
 
+    name = "oracle"
+
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], wrong_every: int) -> None:
         self.continuations = continuations
         self.wrong_every = wrong_every

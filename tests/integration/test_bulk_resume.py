@@ -60,7 +60,10 @@ def _num_duplicates(worker: Worker) -> float:
 
 
 def _paced_echo(redis_url: str, prefix: str) -> Any:
-    return make_settings(redis_url, prefix, model="echo:step_delay_s=0.01", metrics_port=free_port())
+    """An echo worker at ~1 token per 10 ms step. Speculation off: echo's drafts are always kept, and a
+    step would add up to num_speculative_tokens + 1 tokens, ending the job before the test interrupts it."""
+    return make_settings(redis_url, prefix, model="echo:step_delay_s=0.01", metrics_port=free_port(),
+                         engine={"speculative": {"method": "off"}})
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL])

@@ -9,13 +9,21 @@ from typing import Any
 
 import pytest
 
+from tests.unit.scheduler_helpers import make_request
 from tokenmill.engine import Engine, EngineConfig, SamplingParams
+from tokenmill.engine.config import SpeculativeConfig
 from tokenmill.engine.core.request import Request
-from tokenmill.engine.core.speculation import accept_drafts
+from tokenmill.engine.core.speculation import DraftRoom, accept_drafts
 from tokenmill.engine.core.step_io import ModelOutput, SchedulerOutput
-from tokenmill.engine.spec.draft_length import Acceptance, StepCost, choose_draft_lengths
+from tokenmill.engine.spec.draft_length import (
+    PROBE_EVERY_STEPS,
+    PROBE_TOKENS,
+    Acceptance,
+    StepCost,
+    choose_draft_lengths,
+)
 from tokenmill.engine.spec.ngram import NgramIndex
-from tokenmill.engine.spec.speculator import DraftSpeculator
+from tokenmill.engine.spec.speculator import DraftSpeculator, build_speculator, draft_state
 from tokenmill.engine.spec.suffix_pool import SuffixPool
 from tokenmill.protocol.outcomes import FinishReason
 
@@ -201,6 +209,8 @@ def test_drafts_fit_the_budget_and_the_blocks_through_preemption(preemption_mode
 class _WrongDrafts:
     """A proposer whose drafts are always wrong (token 200 is in no prompt here)."""
 
+    name = "wrong"
+
     def propose(self, wanted: list[tuple[Request, list[int], int]]) -> dict[str, list[int]]:
         return {request.request_id: [200] * num_tokens for request, _, num_tokens in wanted}
 
@@ -239,6 +249,8 @@ def test_speculation_stats_count_drafts_by_position_and_length() -> None:
 
 
 class _Broken:
+    name = "broken"
+
     def propose(self, wanted: list[tuple[Request, list[int], int]]) -> dict[str, list[int]]:
         raise RuntimeError("a proposer bug")
 
@@ -260,3 +272,76 @@ def test_a_failing_speculator_costs_the_drafts_not_the_engine(caplog: pytest.Log
 def test_a_fresh_speculator_drafts_before_any_step_was_timed() -> None:
     """No decode step measured yet (the cost model is empty): drafting is taken as free, not divided by zero."""
     assert choose_draft_lengths([("a", 3, 0.5)], 100, 1, 1, StepCost()) == {"a": 3}
+
+
+# ------------------------------------------------------------------------------ lookup tiers
+
+
+_ROOM = DraftRoom(num_tokens_left=4096, num_scheduled_tokens=1, num_decodes=1)
+
+
+def test_single_token_matches_draft_only_where_no_longer_match_is_found() -> None:
+    speculator = build_speculator(SpeculativeConfig(method="auto"))
+    assert speculator is not None
+    assert [p.name for p in speculator.proposers] == ["ngram", "suffix", "ngram-1", "suffix-1"]
+    # [1, 2] occurred before (followed by 3, 9): the long tier drafts; a fresh speculator drafts it all.
+    long_match = make_request("long", prompt_token_ids=[5, 1, 2, 3, 9, 1, 2])
+    assert speculator.draft([(long_match, 10)], _ROOM) == {"long": [3, 9, 1, 2]}
+    assert draft_state(long_match).proposer == "ngram"
+    # Only the last token repeats: the single-token tier drafts what followed its latest occurrence.
+    single = make_request("single", prompt_token_ids=[4, 7, 8, 4])
+    assert speculator.draft([(single, 10)], _ROOM) == {"single": [7, 8, 4]}
+    assert draft_state(single).proposer == "ngram-1"
+    # The pool's single tokens come after the request's own, and only where the own tokens have none.
+    speculator.finished(make_request("earlier", prompt_token_ids=[30, 31]))  # no output: nothing learnt
+    done = make_request("done", prompt_token_ids=[30, 31])
+    done.output_token_ids.extend([6, 60, 61])
+    speculator.finished(done)
+    fresh = make_request("fresh", prompt_token_ids=[50, 51, 6])
+    assert speculator.draft([(fresh, 10)], _ROOM) == {"fresh": [60, 61]}
+    assert draft_state(fresh).proposer == "suffix-1"
+    # ngram_min 2: no single-token tier.
+    strict = build_speculator(SpeculativeConfig(method="auto", ngram_min=2))
+    assert strict is not None and [p.name for p in strict.proposers] == ["ngram", "suffix"]
+    assert strict.draft([(make_request("s", prompt_token_ids=[4, 7, 8, 4]), 10)], _ROOM) == {}
+    assert [p.name for p in build_speculator(SpeculativeConfig(method="ngram")).proposers] == ["ngram", "ngram-1"]
+
+
+class _Named:
+    """Proposes ``draft`` on the steps ``when`` says yes to."""
+
+    def __init__(self, name: str, draft: list[int], when: Any) -> None:
+        self.name, self.draft, self.when = name, draft, when
+        self.step = 0
+
+    def propose(self, wanted: list[tuple[Request, list[int], int]]) -> dict[str, list[int]]:
+        return {r.request_id: self.draft[:n] for r, _, n in wanted if self.when(self.step)}
+
+    def finished(self, request: Request) -> None:
+        pass
+
+
+def test_a_proposer_whose_drafts_miss_stops_alone() -> None:
+    """Acceptance is kept per proposer: a weak guess that keeps missing drafts only probes, while the
+    strong proposer before it keeps drafting in full; the counters say who drafted what."""
+    strong = _Named("strong", [1, 2, 3], lambda step: step % 2 == 0)
+    weak = _Named("weak", [9, 9, 9], lambda step: True)
+    speculator = DraftSpeculator([strong, weak], num_speculative_tokens=3, min_acceptance=0.2)
+    request = make_request("r")
+    weak_tokens = []
+    for step in range(48):
+        strong.step = weak.step = step
+        drafts = speculator.draft([(request, 3)], _ROOM)
+        draft = drafts.get("r", [])
+        if step % 2 == 0:
+            assert draft == [1, 2, 3] and draft_state(request).proposer == "strong"
+        elif draft:
+            weak_tokens.append((step, len(draft)))
+        if draft:
+            speculator.observe(request, len(draft), len(draft) if draft[0] == 1 else 0)
+    late = [length for step, length in weak_tokens if step >= 16]
+    assert late and max(late) <= PROBE_TOKENS and len(late) <= 32 // PROBE_EVERY_STEPS + 1  # probes only
+    counters = speculator.counters
+    assert counters.accepted_tokens_by_proposer == {"strong": 72, "weak": 0}
+    assert counters.draft_tokens_by_proposer["strong"] == 72
+    assert counters.draft_tokens_by_proposer["weak"] == sum(length for _, length in weak_tokens)

@@ -44,7 +44,9 @@ def _speculation(scale: int) -> SpeculationCounters:
         num_drafts=10 * scale, num_draft_tokens=30 * scale, num_accepted_tokens=24 * scale,
         drafted_by_position=[10 * scale, 10 * scale, 10 * scale, 0],
         accepted_by_position=[10 * scale, 8 * scale, 6 * scale, 0],
-        draft_length_counts={0: 30 * scale, 3: 10 * scale}, step_fixed_s=0.012, step_per_token_s=0.0004)
+        draft_length_counts={0: 30 * scale, 3: 10 * scale}, step_fixed_s=0.012, step_per_token_s=0.0004,
+        draft_tokens_by_proposer={"ngram": 24 * scale, "ngram-1": 6 * scale},
+        accepted_tokens_by_proposer={"ngram": 22 * scale, "ngram-1": 2 * scale})
 
 
 def test_speculation_counters_are_exported_with_positions_lengths_and_the_cost_model() -> None:
@@ -66,6 +68,8 @@ def test_speculation_counters_are_exported_with_positions_lengths_and_the_cost_m
     assert "tokenmill_spec_accepted_by_position_total{position=0}" not in samples  # positions count from 1
     assert samples["tokenmill_spec_draft_length_choices_total{length=0}"] == 30
     assert samples["tokenmill_spec_draft_length_choices_total{length=3}"] == 10
+    assert samples["tokenmill_spec_draft_tokens_by_proposer_total{proposer=ngram}"] == 24
+    assert samples["tokenmill_spec_accepted_tokens_by_proposer_total{proposer=ngram-1}"] == 2
     assert samples["tokenmill_spec_acceptance_ratio"] == pytest.approx(0.8)
     assert samples["tokenmill_spec_mean_accepted_length"] == pytest.approx(2.4)
     assert samples["tokenmill_spec_step_fixed_seconds"] == pytest.approx(0.012)
@@ -77,6 +81,7 @@ def test_speculation_counters_are_exported_with_positions_lengths_and_the_cost_m
     assert samples["tokenmill_spec_draft_tokens_total"] == 90
     assert samples["tokenmill_spec_accepted_by_position_total{position=2}"] == 24
     assert samples["tokenmill_spec_draft_length_choices_total{length=3}"] == 30
+    assert samples["tokenmill_spec_draft_tokens_by_proposer_total{proposer=ngram-1}"] == 18
     assert samples["tokenmill_spec_acceptance_ratio"] == pytest.approx(0.8)
 
 
