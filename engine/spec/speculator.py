@@ -216,8 +216,9 @@ def build_speculator(config: SpeculativeConfig, draft: Proposer | None = None,
     pool: SuffixPool | None = None
     if forced is not None and config.method in ("auto", "draft"):
         proposers.append(forced)
-    for min_n in ngram_tiers(config.ngram_min, config.ngram_max):
-        suffix = "" if min_n > 1 or config.ngram_max == 1 else "-1"
+    tiers = ngram_tiers(config.ngram_min, config.ngram_max)
+    for min_n in tiers:
+        suffix = "-1" if min_n < tiers[0] else ""  # NOTE: the single-token tier after longer matches
         if config.method in ("ngram", "auto"):
             proposers.append(NgramProposer("ngram" + suffix, min_n, config.ngram_max, config.ngram_min))
         if config.method in ("suffix", "auto"):

@@ -353,8 +353,7 @@ def run_tokenmill(args: argparse.Namespace, cells: list[dict[str, Any]],
         before = engines["on"].stats().speculation
         for requests in cell["rounds"]:
             # NOTE: the order rotates round by round (off-on, on-off; with a third engine, every rotation)
-            for name in (names[turn % len(names):] + names[:turn % len(names)]) if len(names) > 2 else \
-                    (("off", "on") if turn % 2 == 0 else ("on", "off")):
+            for name in names[turn % len(names):] + names[:turn % len(names)]:
                 outputs, seconds, steps = run_round(engines[name], requests)
                 totals[name]["tokens"] += sum(len(o) for o in outputs)
                 totals[name]["seconds"] += seconds
