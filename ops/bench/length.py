@@ -425,11 +425,15 @@ def print_targets(results: dict[str, dict[str, Any]], num_requests: int, max_tok
         tput = fcfs["tokens_per_s"] / off["tokens_per_s"]
         summary["throughput_ratio_on_vs_off"] = tput
         rows.append(["output tok/s, on-fcfs / off", f"{tput:.2f}x", ">= 1.00x", "PASS" if tput >= 1.0 else "FAIL"])
-    if fcfs and shortest:
+    if off and shortest:  # NOTE: the comparison: prediction off (fcfs, no budget) against on, ordered shortest
+        ratio = off["completion_mean_s"] / shortest["completion_mean_s"]
+        summary["mean_completion_ratio_off_vs_shortest"] = ratio
+        rows.append(["mean completion, off / on-shortest", f"{ratio:.2f}x", ">= 1.5x",
+                     "PASS" if ratio >= 1.5 else "FAIL"])
+    if fcfs and shortest:  # the share of it that the order alone gives, the budget on in both
         ratio = fcfs["completion_mean_s"] / shortest["completion_mean_s"]
         summary["mean_completion_ratio_fcfs_vs_shortest"] = ratio
-        rows.append(["mean completion, on-fcfs / on-shortest", f"{ratio:.2f}x", ">= 1.5x",
-                     "PASS" if ratio >= 1.5 else "FAIL"])
+        rows.append(["mean completion, on-fcfs / on-shortest", f"{ratio:.2f}x", "(info)", ""])
     if fcfs and longest:
         ratio = longest["makespan_s"] / fcfs["makespan_s"]
         summary["makespan_ratio_longest_vs_fcfs"] = ratio
