@@ -145,6 +145,8 @@ class DraftSpeculator:
                 acceptance.steps_since_draft += 1
         proposed: dict[str, tuple[list[int], str]] = {}  # request id -> (draft, its proposer's name)
         for proposer in self.proposers:
+            if len(proposed) == len(candidates):
+                break  # NOTE: every request has its draft: the later proposers have nothing to add
             wanted = []
             for request, bound in candidates:
                 if request.request_id not in proposed:
