@@ -22,5 +22,8 @@ class SamplingState:
     output_token_ids: list[int]  # the request's own list: it grows as tokens are sampled
     matcher: Any = None  # grammar matcher (engine/sample/grammar.py), built on the first structured step
     num_matched_tokens: int = 0  # output tokens the matcher has consumed
+    # NOTE: whether the grammar's forced continuations are bounded (engine/sample/grammar_bounds.py), set with
+    # the matcher: only then may grammar-forced drafts walk them
+    allows_jump_forward: bool = False
     penalty_slot: int | None = None  # row of the sampler's penalty table (engine/sample/penalties.py)
     num_counted_tokens: int = 0  # output tokens counted in that row

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from typing import Any, Protocol
 
 from tokenmill.engine.errors import GrammarError
+from tokenmill.engine.sample.grammar_bounds import GrammarBounds, analyze
 from tokenmill.engine.sample.grammar_process import CompileLimits, GrammarProcess, compile_spec, describe_native_error
 from tokenmill.protocol.sampling import ResponseFormat
 
@@ -57,7 +58,7 @@ class GrammarCompiler:
         self._info: Any = None  # xgrammar.TokenizerInfo, built on first use
         self._compiler: Any = None  # xgrammar.GrammarCompiler (in-thread compiles)
         self._process: GrammarProcess | None = None  # the child of isolated compiles
-        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[Any, GrammarBounds]] = OrderedDict()  # key -> (compiled, bounds)
         self._lock = threading.Lock()
 
     def is_cached(self, response_format: ResponseFormat) -> bool:
@@ -72,6 +73,14 @@ class GrammarCompiler:
             GrammarError: the schema, regex or grammar is invalid, its compilation ran past the
                 limits, or xgrammar is not installed.
         """
+        return self._compiled(response_format)[0]
+
+    def allows_jump_forward(self, response_format: ResponseFormat) -> bool:
+        """Whether the grammar's forced continuations are bounded (engine/sample/grammar_bounds.py): only
+        then may the grammar-forced drafts walk them (engine/sample/grammar_drafts.py)."""
+        return self._compiled(response_format)[1].allows_jump_forward
+
+    def _compiled(self, response_format: ResponseFormat) -> tuple[Any, GrammarBounds]:
         key = response_format.cache_key
         with self._lock:
             if key in self._cache:
@@ -82,17 +91,22 @@ class GrammarCompiler:
         if self._process is not None:
             import xgrammar  # noqa: PLC0415 - loaded by _prepare already
 
-            compiled = xgrammar.CompiledGrammar.deserialize_json(self._process.compile(kind, spec), self._info)
+            serialized, bounds = self._process.compile(kind, spec)
+            entry = xgrammar.CompiledGrammar.deserialize_json(serialized, self._info), bounds
         else:
             try:
                 compiled = compile_spec(self._compiler, kind, spec)
             except RuntimeError as exc:
                 raise GrammarError(describe_native_error(kind, exc)) from None
+            try:
+                entry = compiled, analyze(compiled.grammar.serialize_json())
+            except GrammarError as exc:
+                raise GrammarError(f"invalid response_format {kind}: {exc}") from None
         with self._lock:
-            self._cache[key] = compiled
+            self._cache[key] = entry
             while len(self._cache) > self._max_cached:
                 self._cache.popitem(last=False)
-        return compiled
+        return entry
 
     def new_matcher(self, response_format: ResponseFormat) -> Any:
         """A fresh matcher (an ``xgrammar.GrammarMatcher``) at the start of the output."""

@@ -4,6 +4,10 @@ proposed as a draft. The model verifies them like any draft (the rows' masks fol
 the draft, engine/sample/grammar_mask.py), so they are kept unless the model's tokenizer would spell
 the forced text in other tokens. Imports xgrammar lazily (with the first structured request).
 
+xgrammar's jump-forward walks the whole forced continuation, however long, and cannot be stopped or
+limited: it runs only for grammars whose forced continuations are proven bounded at compile time
+(engine/sample/grammar_bounds.py; a grammar that can never end is refused there).
+
 A proposer of speculative decoding (engine/spec/speculator.py's ``Proposer``): it proposes for
 structured requests only; the others are left to the next proposer.
 """
@@ -34,6 +38,8 @@ class GrammarForcedProposer:
             if not params.is_structured:
                 continue
             matcher = synced_matcher(self.compiler, request.sampling_state, params)
+            if not request.sampling_state.allows_jump_forward:
+                continue
             draft = list(matcher.find_jump_forward_tokens())[:num_tokens]
             if draft:
                 drafts[request.request_id] = draft

@@ -85,6 +85,7 @@ def synced_matcher(compiler: GrammarCompiler, state: SamplingState, params: Samp
         if params.response_format is None:
             raise InvariantError("a structured row without a response_format")
         state.matcher, state.num_matched_tokens = compiler.new_matcher(params.response_format), 0
+        state.allows_jump_forward = compiler.allows_jump_forward(params.response_format)
     for token_id in state.output_token_ids[state.num_matched_tokens:]:
         if not state.matcher.accept_token(token_id):
             raise InvariantError(f"token {token_id} was generated against the grammar")

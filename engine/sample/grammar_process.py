@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from tokenmill.engine.errors import GrammarError
+from tokenmill.engine.sample.grammar_bounds import GrammarBounds, analyze
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +58,13 @@ class GrammarProcess:
         self._process: Any = None  # multiprocessing.Process (spawn context)
         self._conn: Connection | None = None
 
-    def compile(self, kind: str, spec: str) -> str:
-        """The serialized compiled grammar of ``spec`` (``kind``: regex, grammar or json_schema).
+    def compile(self, kind: str, spec: str) -> tuple[str, GrammarBounds]:
+        """The serialized compiled grammar of ``spec`` (``kind``: regex, grammar or json_schema), with its
+        bounds (engine/sample/grammar_bounds.py, found in the child under the same limits).
 
         Raises:
-            GrammarError: the spec is invalid, or its compilation ran past a limit (the child is
-                killed and replaced).
+            GrammarError: the spec is invalid, can never end, or its compilation ran past a limit (the
+                child is killed and replaced).
         """
         with self._lock:
             conn = self._ready_connection()
@@ -79,8 +81,8 @@ class GrammarProcess:
                                    "of memory") from None
         if not is_ok:
             raise GrammarError(payload)
-        result: str = payload
-        return result
+        serialized, bounds = payload
+        return serialized, GrammarBounds(*bounds)
 
     def close(self) -> None:
         """Stop the child (a later compile starts a new one)."""
@@ -133,7 +135,11 @@ def _serve(conn: Connection, tokenizer_info_json: str, memory_bytes: int) -> Non
         except EOFError:
             return
         try:
-            conn.send((True, compile_spec(compiler, kind, spec).serialize_json()))
+            compiled = compile_spec(compiler, kind, spec)
+            bounds = analyze(compiled.grammar.serialize_json())
+            conn.send((True, (compiled.serialize_json(), (bounds.allows_jump_forward, bounds.longest_rule_bytes))))
+        except GrammarError as exc:
+            conn.send((False, f"invalid response_format {kind}: {exc}"))
         except (MemoryError, RuntimeError) as exc:
             # NOTE: xgrammar's C++ reports an allocation past the limit as RuntimeError("std::bad_alloc").
             is_memory = isinstance(exc, MemoryError) or "bad_alloc" in str(exc)
