@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -248,7 +247,8 @@ def status(
     queue: QueueOption = None,
 ) -> None:
     """Lane depths (shared and per model, summed over the queue's shards), pending, dead letters, the predicted
-    backlog in tokens and its ETA, and workers (heartbeat age, tokens/s, predicted backlog, speculation)."""
+    backlog in tokens and its ETA, and workers (heartbeat age by the Redis server's clock, tokens/s, predicted backlog,
+    speculation)."""
     with_queue(ctx, queue)
     stale_after_s = stale_after if stale_after is not None else client_settings(ctx).worker.stale_after_s
     with open_producer(ctx) as producer:
@@ -290,15 +290,23 @@ def _summed_lanes(lanes: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _worker_rows(stats: dict[str, Any]) -> list[list[str]]:
-    now = time.time()
     rows = [(name, info, "live") for name, info in stats["workers"].items()]
     rows += [(name, info, "gone") for name, info in stats["stale_workers"].items()]
     return [[name, f"{info.get('state', '?')} ({liveness})", str(info.get("model", "")),
-             f"{now - float(info.get('ts', 0)):.1f}" if info.get("ts") else "-", str(info.get("running", "")),
+             _age_cell(info), str(info.get("running", "")),
              str(info.get("waiting", "")), f"{float(info.get('tokens_per_s', 0.0)):.1f}",
              str(info.get("num_finished", "")), f"{float(info.get('prefix_hit_ratio', 0.0)):.0%}",
              _tokens_cell(info.get("backlog_tokens")), _speculation_cell(info)]
             for name, info, liveness in rows]
+
+
+def _age_cell(info: dict[str, Any]) -> str:
+    """Seconds since the beat by the Redis server's clock (stats' ``age_s``: never this machine's); ``future``
+    for a beat stamped ahead of it (forged, or an older release's worker clock: stale), ``-`` for no beat."""
+    if "ts" not in info:
+        return "-"
+    age_s = info.get("age_s")
+    return "future" if age_s is None else f"{float(age_s):.1f}"
 
 
 def _tokens_cell(tokens: float | None) -> str:

@@ -324,9 +324,10 @@ class Producer:
         model requests were routed to, of every shard); dead letters; workers.
 
         Args:
-            stale_after_s: a worker whose heartbeat ``ts`` is older than this counts as stale (default:
-                the workers' own default, :data:`protocol.heartbeat.STALE_AFTER_S`); one whose last heartbeat
-                says ``stopped`` is stale at once (``stale_workers`` holds both).
+            stale_after_s: a worker whose heartbeat ``ts`` is older than this by the Redis server's clock counts
+                as stale (default: the workers' own default, :data:`protocol.heartbeat.STALE_AFTER_S`); one whose
+                last heartbeat says ``stopped``, or is stamped in the future, is stale at once (``stale_workers``
+                holds them all).
 
         Returns:
             ``{"queue", "models", "lanes": [{"lane", "pool", "model", "shard", "stream", "depth", "pending", "lag",
@@ -334,7 +335,9 @@ class Producer:
             "depth", "pending", "dead", "cancelled", "num_live_workers", "workers",
             "stale_workers", "backlog_tokens", "eta_s"}``; a shared lane's ``model`` is None, and ``depth`` and
             ``pending`` add up every lane; ``backlog_tokens`` is the completion tokens the queue's work is predicted
-            to need and ``eta_s`` when it is done (None where unknown: :func:`producer.eta.queue_eta`).
+            to need and ``eta_s`` when it is done (None where unknown: :func:`producer.eta.queue_eta`). Each worker
+            is its heartbeat's fields plus ``age_s``, seconds since its beat by the server's clock (None for a beat
+            stamped in the future).
         """
         lanes = self._lanes()
         pipe = self.client.pipeline(transaction=False)

@@ -34,7 +34,7 @@ from tokenmill.producer.schema import (
     peek_request_id,
 )
 from tokenmill.producer.shards import QueueLayout
-from tokenmill.protocol.heartbeat import Heartbeat, decode_heartbeat
+from tokenmill.protocol.heartbeat import READ_WORKERS_LUA, Heartbeat, decode_heartbeat, split_workers_reply
 
 # Longest single blocking command; a wait longer than this is a loop of such slices, each
 # followed by a re-check of the result keys (so a lost wake-up costs at most one slice).
@@ -470,7 +470,9 @@ def queue_stats_commands(pipe: Any, layout: QueueLayout, lanes: Sequence[Lane]) 
     for keys in layout.shards:
         pipe.xlen(keys.dead)
         pipe.zcard(keys.cancel)
-    pipe.hgetall(layout.home.workers)
+    # NOTE: the workers hash with the server's time, from its node: heartbeats are judged by that clock only.
+    # execute_command, as redis-py's sync cluster pipeline has no eval(); EVAL routes by its key on every client.
+    pipe.execute_command("EVAL", READ_WORKERS_LUA, 1, layout.home.workers)
 
 
 def shape_stats(layout: QueueLayout, lanes: Sequence[Lane], replies: Sequence[Any], *,
@@ -498,20 +500,21 @@ def shape_stats(layout: QueueLayout, lanes: Sequence[Lane], replies: Sequence[An
     rest = replies[3 * len(lanes):]
     dead = sum(int(n) for n in rest[0:-1:2] if isinstance(n, int))
     num_cancelled = sum(int(n) for n in rest[1:-1:2] if isinstance(n, int))
-    workers = rest[-1]
-    now = time.time()
+    workers, now_s = split_workers_reply(rest[-1])
     live: dict[str, Any] = {}
     stale: dict[str, Any] = {}
     live_beats: list[Heartbeat] = []
-    for raw_name, raw in workers.items():
-        name = raw_name.decode(errors="backslashreplace")
+    for name, raw in workers.items():
         beat = decode_heartbeat(name, raw)
         if beat is None:  # NOTE: a garbled heartbeat counts as stale; it must not break stats
             stale[name] = {"undecodable": True}
-        elif beat.is_stale(now, stale_after_s):
-            stale[name] = beat.model_dump()
+            continue
+        # age by the server's clock; None for a beat from the future (stale: protocol/heartbeat.py), never negative
+        age_s = None if beat.is_from_future(now_s) else round(beat.age_s(now_s), 3)
+        if beat.is_stale(now_s, stale_after_s):
+            stale[name] = {**beat.model_dump(), "age_s": age_s}
         else:
-            live[name] = beat.model_dump()
+            live[name] = {**beat.model_dump(), "age_s": age_s}
             live_beats.append(beat)
     return {
         "queue": layout.home.base,

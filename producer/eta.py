@@ -95,7 +95,8 @@ def queue_eta(beats: Iterable[Heartbeat], num_undelivered: int | None) -> Eta:
 
 
 def live_beats(workers: Mapping[Any, Any], now_s: float, stale_after_s: float) -> list[Heartbeat]:
-    """The live workers' heartbeats in an HGETALL reply of the workers hash (values that are no heartbeat skipped)."""
+    """The live workers' heartbeats among the workers hash's values by name (values that are no heartbeat
+    skipped), judged at ``now_s``: the Redis server's time read with them (``protocol.heartbeat.READ_WORKERS_LUA``)."""
     beats = []
     for raw_name, raw in workers.items():
         name = raw_name.decode(errors="backslashreplace") if isinstance(raw_name, bytes) else str(raw_name)

@@ -14,7 +14,7 @@ import redis
 import redis.asyncio
 
 from tokenmill.producer.keys import Keys
-from tokenmill.protocol.heartbeat import Heartbeat, decode_heartbeat
+from tokenmill.protocol.heartbeat import READ_WORKERS_LUA, Heartbeat, decode_workers
 from tokenmill.serve.errors import APIError
 
 CACHE_S = 1.0  # a burst of requests reads the workers hash once; a worker that starts is seen this late
@@ -70,11 +70,6 @@ class LiveModels:
                            code="model_not_available", is_final=True)
 
     async def _read(self) -> list[Heartbeat]:
-        now_s = time.time()
-        beats = []
-        for raw_name, raw in (await self._client.hgetall(self._keys.workers)).items():
-            name = raw_name.decode(errors="backslashreplace") if isinstance(raw_name, bytes) else str(raw_name)
-            beat = decode_heartbeat(name, raw)
-            if beat is not None and not beat.is_stale(now_s, self._stale_after_s):
-                beats.append(beat)
-        return beats
+        """The live heartbeats, judged by the Redis server's clock read with them (never this process's)."""
+        beats, now_s = decode_workers(await self._client.eval(READ_WORKERS_LUA, 1, self._keys.workers))
+        return [beat for beat in beats.values() if not beat.is_stale(now_s, self._stale_after_s)]

@@ -171,7 +171,7 @@ def free_port() -> int:
 
 
 def start_worker_process(redis_url: str, prefix: str, name: str, *args: str, model: str = "echo",
-                         env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+                         env: dict[str, str] | None = None, clock_skew_s: float = 0.0) -> subprocess.Popen[bytes]:
     """``python -m tokenmill.cli worker --model echo`` as a real process on the test's prefix, with fast intervals.
 
     It logs warnings and worse only: stderr is a pipe nobody reads while the test runs, and a
@@ -181,10 +181,17 @@ def start_worker_process(redis_url: str, prefix: str, name: str, *args: str, mod
         *args: extra flags of the worker command.
         model: the model's name (``echo:...`` options pace the echo model).
         env: extra ``TOKENMILL_*`` variables (they win over the defaults here).
+        clock_skew_s: seconds the process's ``time.time()`` runs ahead (negative: behind) of the machine's clock.
     """
     defaults = {"TOKENMILL_WORKER__HEARTBEAT_INTERVAL_S": "0.2", "TOKENMILL_WORKER__STALE_AFTER_S": "1.0",
                 "TOKENMILL_WORKER__BLOCK_MS": "200", "TOKENMILL_WORKER__LOG_LEVEL": "WARNING"}
-    command = [sys.executable, "-m", "tokenmill.cli", "--redis-url", redis_url, "--prefix", prefix, "worker",
+    launcher = ["-m", "tokenmill.cli"]
+    if clock_skew_s:
+        # NOTE: a worker on a machine whose clock is off, with no hook in the worker: time.time is replaced
+        # before anything of tokenmill is imported, then the command line runs as ``-m`` runs it.
+        launcher = ["-c", f"import runpy, time; _time = time.time; time.time = lambda: _time() + {clock_skew_s!r}; "
+                          "runpy.run_module('tokenmill.cli', run_name='__main__', alter_sys=True)"]
+    command = [sys.executable, *launcher, "--redis-url", redis_url, "--prefix", prefix, "worker",
                "--model", model, "--name", name, *args]
     return subprocess.Popen(command, cwd=ROOT, env={**os.environ, **defaults, **(env or {})},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

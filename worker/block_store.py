@@ -6,7 +6,7 @@ Key layout, under a prefix the caller builds per namespace (:func:`redis_block_s
 Cluster ``{tokenmill:kv:<namespace hex>}``, a hash tag that keeps every key a script names or builds on
 one slot)::
 
-    <prefix>:<digest hex>   string: one block's raw bytes, with a lifetime (EX)
+    <prefix>:<digest hex>   string: one block's sealed value (engine/kv/block_store.py), with a lifetime (EX)
     <prefix>:lru            sorted set: digest hex -> last use (microseconds since the epoch)
     <prefix>:sizes          hash: digest hex -> the value's length in bytes
     <prefix>:bytes          integer: the sum of ``sizes``, what the byte cap is checked against
@@ -14,6 +14,11 @@ one slot)::
 Why a byte cap of its own: the fleet's Redis also holds the queues, so its ``maxmemory-policy`` must be
 ``noeviction`` (an evicted lane or result would lose work). Redis therefore never makes room for blocks;
 the store bounds itself, least recently used first out, and its lifetime drops blocks nobody reads.
+
+The store's write path is trusted: only workers write these keys (a fleet that wants it enforced gives
+producers a Redis ACL user without write access to ``<prefix>:kv:*``). The engine opens every value it
+fetches and discards one it rejects (:meth:`RedisBlockStore.discard`), so the block computed in its place can
+be put; values are stored and returned as they come, the store never looks inside them.
 
 Thread-safety: the redis-py client takes a pooled connection per command or pipeline, and the only other
 state here is the score clock (under a lock), so calls may come from any thread; the engine makes them from
@@ -40,7 +45,9 @@ from redis.commands.core import Script
 #
 # NOTE: a value that expires by its lifetime leaves its size in ``sizes``/``bytes`` and its member in
 # ``lru`` until eviction pops it (it is among the least recently used, so it goes first). Until then the
-# counter over-counts: the cap is conservative, the store never holds more than ``max_bytes``.
+# counter over-counts: the cap is conservative, the store never holds more than ``max_bytes``. A value the
+# engine discards (:meth:`RedisBlockStore.discard`, a rejected block) is a deleted key, as an expired one: its
+# size stays counted until the block computed in its place is put (replacing it) or eviction pops it.
 #
 # NOTE: evicted value keys are built from the prefix inside the script, not passed in KEYS: on a cluster the
 # prefix is a hash tag (:func:`redis_block_store`), so they are on the slot of the keys the script names.
@@ -165,6 +172,16 @@ class RedisBlockStore:
         for key in keys:
             pipe.exists(self.value_key(key))
         return [bool(count) for count in pipe.execute()]
+
+    def discard(self, keys: Sequence[bytes]) -> None:
+        """Delete the values of ``keys``. NOTE: their sizes stay counted until eviction pops them or a put of the
+        same key replaces them, as an expired value's do (see PUT_LUA): the cap stays conservative."""
+        if not keys:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.delete(self.value_key(key))
+        pipe.execute()
 
     def _scores(self, count: int) -> int:
         """The first of ``count`` consecutive recency scores, each later than any this store gave before.

@@ -74,6 +74,9 @@ _ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = 
      lambda s: s.fleet.num_publish_errors),
     ("tokenmill_fleet_cache_fallback_blocks", "blocks the fleet's store held that were computed again instead "
      "(all reasons)", lambda s: s.fleet.fallback_blocks),
+    ("tokenmill_fleet_cache_rejected_blocks", "blocks fetched from the fleet's store that failed verification "
+     "(another prompt's or namespace's, corrupted, implausible values): discarded from the store and computed",
+     lambda s: s.fleet.num_rejected_blocks),
     ("tokenmill_fleet_cache_handoffs", "requests a prefill worker handed to this decode engine",
      lambda s: s.fleet.num_handoffs),
     ("tokenmill_fleet_cache_handoff_recomputed_blocks", "full prompt blocks of handed-off requests this engine "

@@ -20,8 +20,10 @@ from tokenmill.worker.messages import Entry
 # NOTE: XCLAIM with min-idle 0 takes an entry from whoever holds it; the ownership check and the
 # claim must be one step, so a worker never takes back what a reclaimer took from it. A delivery
 # that does not count (an entry whose reply was lost on the way) keeps the count (RETRYCOUNT).
-# An entry deleted from the stream meanwhile is acked: there is nothing left to run.
-#   KEYS: 1 lane stream. ARGV: 1 group, 2 entry id, 3 consumer, 4 count this delivery (1/0).
+# An entry deleted from the stream meanwhile is acked: there is nothing left to run. A counted delivery (a
+# suspect about to run alone) also marks the entry as the one this consumer runs alone, in the same step, so a
+# death that follows is charged to it (worker/poison.py).
+#   KEYS: 1 lane stream, 2 its alone-marks hash. ARGV: 1 group, 2 entry id, 3 consumer, 4 count this delivery (1/0).
 #   Returns nil when the entry is not this consumer's, else {deliveries, fields or nil}.
 DELIVER_OWN_LUA = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
@@ -30,6 +32,7 @@ local count = tonumber(p[1][4])
 local claim = {'XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[2]}
 if ARGV[4] == '1' then
   count = count + 1
+  redis.call('HSET', KEYS[2], ARGV[3], ARGV[2])
 else
   claim[#claim + 1] = 'RETRYCOUNT'
   claim[#claim + 1] = count
@@ -43,6 +46,12 @@ return {count, claimed[1][2]}
 """
 
 
+def alone_key(stream: str) -> str:
+    """The hash of the suspects run alone from ``stream`` (consumer -> entry id); on the stream's cluster slot
+    (the stream's hash tag comes first). Read by worker/poison.py, cleared with the consumer (worker/reclaim.py)."""
+    return f"{stream}:alone"
+
+
 @dataclass(frozen=True)
 class Pending:
     """An entry in a consumer's pending list: delivered, not acked."""
@@ -51,6 +60,7 @@ class Pending:
     lane: int
     entry_id: str
     num_deliveries: int  # how often Redis delivered it so far
+    killed_its_worker: bool = False  # its last worker died running it alone (worker/poison.py): dead-letter it
 
     @property
     def key(self) -> tuple[str, str]:
@@ -64,6 +74,13 @@ def list_pending(client: redis.Redis, stream: str, lane: int, consumer: str, cou
     start = "-" if after is None else f"({after}"
     rows = client.xpending_range(stream, CONSUMER_GROUP, min=start, max="+", count=count, consumername=consumer)
     return [Pending(stream, lane, as_text(row["message_id"]), int(row["times_delivered"])) for row in rows]
+
+
+def pending_entry(client: redis.Redis, stream: str, lane: int, consumer: str, entry_id: str) -> Pending | None:
+    """Entry ``entry_id`` of ``stream`` if it is pending for ``consumer``, else None."""
+    rows: Any = client.xpending_range(stream, CONSUMER_GROUP, min=entry_id, max=entry_id, count=1,
+                                      consumername=consumer)
+    return Pending(stream, lane, entry_id, int(rows[0]["times_delivered"])) if rows else None
 
 
 class OwnDelivery:
@@ -90,8 +107,8 @@ class OwnDelivery:
             ``(entry, deliveries)``; the entry is None when it is no longer this worker's (answered,
             or taken by a reclaimer) or was deleted from the stream (then it is acked).
         """
-        reply: Any = self._script(keys=[item.stream], args=[CONSUMER_GROUP, item.entry_id, self._consumer,
-                                                             int(is_counted)])
+        reply: Any = self._script(keys=[item.stream, alone_key(item.stream)],
+                                  args=[CONSUMER_GROUP, item.entry_id, self._consumer, int(is_counted)])
         if reply is None:
             return None, item.num_deliveries
         count, flat = int(reply[0]), reply[1]

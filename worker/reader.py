@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 import redis
@@ -33,10 +34,11 @@ from tokenmill.producer.shards import QueueLayout
 from tokenmill.worker.backoff import Backoff
 from tokenmill.worker.config import WorkerConfig
 from tokenmill.worker.health import RedisHealth
-from tokenmill.worker.heartbeat import as_text, read_heartbeats
+from tokenmill.worker.heartbeat import as_text, read_workers
 from tokenmill.worker.intake import IntakePolicy, answer, triage
 from tokenmill.worker.messages import Abort, Admit, DeadLetter, Entry, Finish, Incoming, Outgoing
 from tokenmill.worker.pending import OwnDelivery, Pending, list_pending
+from tokenmill.worker.poison import AloneMark, find_culprit
 from tokenmill.worker.reclaim import Reclaimer
 from tokenmill.worker.shard_claims import ShardClaims
 from tokenmill.worker.state import Load
@@ -103,6 +105,9 @@ class Reader:
         self._read_claimed()
         self._turn = 0  # rotates the shards' order within a priority, and the shard an idle read blocks on
         self._own = OwnDelivery(client, config.name)
+        self._alone = AloneMark(client, config.name)  # the entry this worker holds alone (worker/poison.py)
+        # NOTE: the entry an earlier process under this name died running alone, looked up with the first backlog page
+        self._own_culprit: tuple[str, str] | None | bool = False  # False: not looked up yet
         # NOTE: one policy per shard: a lane parses as its shard's; reply streams are queue-wide in every one
         self._intake = [IntakePolicy(keys, model_names, config.name, config.max_request_bytes)
                         for keys in self._layout.shards]
@@ -166,6 +171,10 @@ class Reader:
                 self._health.succeeded("tm-reader")
             except REDIS_ERRORS as exc:
                 num_hard_errors = self._on_redis_error(exc, num_hard_errors)
+        try:
+            self._alone.clear()  # NOTE: a clean stop is no death: what it held alone is not to blame
+        except REDIS_ERRORS:
+            log.warning("could not clear the alone mark", extra={"event": "redis_error"})
 
     def _read_once(self, burst: bool) -> bool:
         """One round: run the next suspect, or take this name's backlog, or check the pending list and
@@ -284,7 +293,10 @@ class Reader:
             del self._backlog[stream]
         else:
             self._backlog[stream] = page[-1].entry_id
-        self._add_suspects(page)
+        if self._own_culprit is False:
+            self._own_culprit = find_culprit(self._client, self._config.name, None, self._all_lanes)
+        self._add_suspects([replace(item, killed_its_worker=True) if (item.stream, item.entry_id) == self._own_culprit
+                            else item for item in page])
 
     def _take_back_lost(self) -> None:
         """Compare this worker's pending list with what it holds, and take back what it lost.
@@ -331,12 +343,12 @@ class Reader:
         """Follow the live workers' claims on the shards, then claim dead consumers' entries (suspects) from the
         lanes read, as many as the engine can take; returns (claimed, asked)."""
         capacity = max(1, self._load.capacity(self._config.max_waiting))
-        beats = read_heartbeats(self._client, self._keys)
-        if self._layout.is_sharded and self._claims.update(beats, time.time()):
+        workers = read_workers(self._client, self._keys)  # NOTE: judged by the server's clock, not this worker's
+        if self._layout.is_sharded and self._claims.update(workers.beats, workers.now_s):
             log.info("shards claimed", extra={"event": "shards_claimed", "shards": sorted(self._claims.shards)})
             self._read_claimed()
             self._ensure_groups()
-        claimed = self._reclaimer.reclaim(capacity, beats)
+        claimed = self._reclaimer.reclaim(capacity, workers)
         self._add_suspects(claimed)
         return len(claimed), capacity
 
@@ -346,8 +358,18 @@ class Reader:
         return self._claims.shards
 
     def _add_suspects(self, items: list[Pending]) -> None:
+        """Queue entries a dead worker held, to run alone one by one; the one it died running alone is
+        dead-lettered at once instead (worker/poison.py)."""
         self._load.hold(item.key for item in items)
-        self._suspects.extend(items)
+        for item in items:
+            if not item.killed_its_worker:
+                self._suspects.append(item)
+                continue
+            entry, num_deliveries = self._own.deliver(item, is_counted=False)
+            if entry is None:  # answered, taken by a reclaimer, or deleted meanwhile
+                self._load.release([item.key])
+            else:
+                self._outbox.put(self._dead_letter(entry, num_deliveries, killed_its_worker=True))
 
     def _run_next_suspect(self) -> None:
         """Deliver the oldest suspect and run it alone: only once this worker holds nothing but
@@ -362,6 +384,7 @@ class Reader:
             return
         item = self._suspects[0]
         entry, num_deliveries = self._own.deliver(item, is_counted=True)
+        self._alone.was_set(item.stream)  # NOTE: the delivery marked it: a death now is its doing
         self._suspects.popleft()
         if entry is None:  # answered, taken by a reclaimer, or deleted meanwhile
             self._load.release([item.key])
@@ -370,10 +393,13 @@ class Reader:
         else:
             log.info("running a suspect alone", extra={"event": "suspect", "entry_id": entry.entry_id,
                                                         "deliveries": num_deliveries})
-            self._dispatch([entry])
+            self._dispatch([entry], is_marked=True)
 
-    def _dead_letter(self, entry: Entry, num_deliveries: int) -> DeadLetter:
+    def _dead_letter(self, entry: Entry, num_deliveries: int, killed_its_worker: bool = False) -> DeadLetter:
         reason = f"{ErrorCode.MAX_DELIVERIES.value}: delivered {num_deliveries} times"
+        if killed_its_worker:
+            reason = f"{ErrorCode.MAX_DELIVERIES.value}: its worker died while running it alone " \
+                     f"(delivered {num_deliveries} times)"
         request_id = peek_request_id(entry.fields)
         result = None
         if request_id is not None:
@@ -381,13 +407,24 @@ class Reader:
         log.warning("dead-lettered", extra={"event": "dead_lettered", "request_id": request_id, "reason": reason})
         return DeadLetter(entry, reason, result)
 
-    def _dispatch(self, entries: list[Entry]) -> None:
+    def _dispatch(self, entries: list[Entry], is_marked: bool = False) -> None:
+        """Triage ``entries`` and pass them on (to the engine, or answered at once).
+
+        Args:
+            is_marked: a suspect whose delivery marked it as run alone already; otherwise an entry that leaves
+                this worker holding it alone is marked here, and a mark is cleared before a second entry joins it.
+        """
         entries = self._moved_misplaced(entries)
         self._load.hold((e.stream, e.entry_id) for e in entries)
         now_s = time.time()
         decided = [self._triage(e, now_s) for e in entries]
         admits = [d for d in decided if isinstance(d, Admit)]
         try:
+            if not is_marked and entries:
+                if len(entries) == 1 and self._load.num_held == 1:
+                    self._alone.set(entries[0].stream, entries[0].entry_id)
+                else:
+                    self._alone.clear()
             cancelled = self._cancelled_ids([a.request.id for a in admits])
         except REDIS_ERRORS:
             # NOTE: held entries are skipped by the pending check: let go of them, so the check after

@@ -11,22 +11,26 @@ again if the suspect kills this worker too.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import redis
 
 from tokenmill.producer.keys import CONSUMER_GROUP, Keys, Lane
-from tokenmill.worker.heartbeat import Heartbeat, as_text, is_dead, read_heartbeats
-from tokenmill.worker.pending import Pending, list_pending
+from tokenmill.worker.heartbeat import Heartbeat, Workers, as_text, is_dead, read_workers
+from tokenmill.worker.pending import Pending, alone_key, list_pending, pending_entry
+from tokenmill.worker.poison import find_culprit
 
 log = logging.getLogger("tokenmill.worker")
 
 # NOTE: deleting a consumer drops its pending entries, so the emptiness check and the delete
 # must be one atomic step: a consumer that got an entry in between is kept.
+# Its mark of an entry run alone (worker/poison.py) goes with it.
+#   KEYS: 1 lane stream, 2 its alone-marks hash. ARGV: 1 group, 2 consumer.
 DELETE_IF_IDLE_LUA = """
 if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) == 0 then
+  redis.call('HDEL', KEYS[2], ARGV[2])
   return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 end
 return -1
@@ -65,7 +69,7 @@ class Reclaimer:
         """The lanes to reclaim from from now on (those of the shards this worker reads: worker/shard_claims.py)."""
         self._lanes = list(lanes)
 
-    def reclaim(self, limit: int, beats: dict[str, Heartbeat] | None = None) -> list[Pending]:
+    def reclaim(self, limit: int, workers: Workers | None = None) -> list[Pending]:
         """Claim up to ``limit`` entries of dead consumers, most urgent lane first; now pending for
         this worker, with the delivery counts they had.
 
@@ -73,18 +77,23 @@ class Reclaimer:
 
         Args:
             limit: the most entries to claim.
-            beats: every worker's heartbeat, read just now; None reads them.
+            workers: every worker's heartbeat and the server's time, read just now; None reads them.
         """
-        if beats is None:
-            beats = read_heartbeats(self._client, self._keys)
-        now_s = time.time()
+        # NOTE: judged by the server's clock, never this worker's (protocol/heartbeat.py)
+        beats, now_s = workers if workers is not None else read_workers(self._client, self._keys)
         claimed: list[Pending] = []
+        culprits: dict[str, tuple[str, str] | None] = {}  # dead consumer -> the entry it ran alone, looked up once
         for lane in self._lanes:
             for consumer in self._dead_consumers(lane.stream, beats, now_s):
+                name = consumer["name"]
                 if consumer["pending"] == 0:
-                    self._remove(lane.stream, consumer["name"])
+                    self._remove(lane.stream, name)
                 elif len(claimed) < limit:
-                    claimed += self._claim(lane.stream, lane.priority, consumer["name"], limit - len(claimed))
+                    if name not in culprits:
+                        culprits[name] = find_culprit(self._client, name, beats.get(name), self._lanes)
+                    culprit = culprits[name]
+                    claimed += self._claim(lane.stream, lane.priority, name, limit - len(claimed),
+                                           culprit[1] if culprit is not None and culprit[0] == lane.stream else None)
         return claimed
 
     def _dead_consumers(self, stream: str, beats: dict[str, Heartbeat], now_s: float) -> list[dict[str, Any]]:
@@ -99,8 +108,15 @@ class Reclaimer:
                 out.append({"name": name, "pending": int(consumer["pending"])})
         return out
 
-    def _claim(self, stream: str, lane: int, owner: str, limit: int) -> list[Pending]:
-        pending = {p.entry_id: p for p in list_pending(self._client, stream, lane, owner, limit)}
+    def _claim(self, stream: str, lane: int, owner: str, limit: int, culprit: str | None) -> list[Pending]:
+        """Up to ``limit`` of ``owner``'s entries in ``stream``; ``culprit`` (an entry id) is claimed first and marked
+        as having killed its worker."""
+        listed = list_pending(self._client, stream, lane, owner, limit)
+        if culprit is not None:
+            found = pending_entry(self._client, stream, lane, owner, culprit)
+            others = [p for p in listed if p.entry_id != culprit]
+            listed = others if found is None else [replace(found, killed_its_worker=True), *others][:limit]
+        pending = {p.entry_id: p for p in listed}
         if not pending:
             return []
         claimed: Any = self._client.xclaim(stream, CONSUMER_GROUP, self._consumer, self._min_idle_ms,
@@ -113,5 +129,5 @@ class Reclaimer:
         return out
 
     def _remove(self, stream: str, name: str) -> None:
-        if int(self._delete_if_idle(keys=[stream], args=[CONSUMER_GROUP, name])) >= 0:
+        if int(self._delete_if_idle(keys=[stream, alone_key(stream)], args=[CONSUMER_GROUP, name])) >= 0:
             log.info("consumer removed", extra={"event": "consumer_removed", "consumer": name, "stream": stream})

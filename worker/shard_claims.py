@@ -61,7 +61,8 @@ class ShardClaims:
         self.shards = frozenset(range(num_shards))
 
     def update(self, beats: Mapping[str, Heartbeat], now_s: float) -> bool:
-        """Recompute from ``beats``; whether the claimed set changed."""
+        """Recompute from ``beats``, judged at ``now_s``: the Redis server's time read with them, never this
+        worker's clock (protocol/heartbeat.py); whether the claimed set changed."""
         live = [name for name, beat in beats.items() if not beat.is_stale(now_s, self._stale_after_s)]
         shards = claimed_shards(self._me, live, self._num_shards, self._readers_per_shard)
         changed = shards != self.shards

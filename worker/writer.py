@@ -61,7 +61,8 @@ class Writer:
         self._outbox = outbox
         self._cancel_ttl_s = queue_config.result_ttl_s  # NOTE: a cancel mark is kept as long as a result
         self._results = ResultWriter(client, self._layout, queue_config.result_ttl_s, config.token_ttl_s)
-        self._beat = Heartbeat(name=config.name, ts=time.time(), model=model_name,
+        # NOTE: ts is the server's, set by each write (worker/heartbeat.py); 0 until the first
+        self._beat = Heartbeat(name=config.name, ts=0.0, model=model_name,
                                served_model_name=served_model_name, model_names=sorted(model_names))
         self._unwritten: list[Writable] = []  # items of a flush that failed, retried first
         self._stream_bytes: dict[str, int] = {}  # request id -> bytes of token deltas so far in this run
@@ -80,7 +81,7 @@ class Writer:
             self._beat.tokens_per_s = (self._load.num_tokens - tokens_then) / (now - then)
         if state == STOPPED:
             self._beat.tokens_per_s = 0.0
-        self._beat.ts, self._beat.state = time.time(), state
+        self._beat.state = state
         self._beat.running, self._beat.waiting = self._load.num_running, self._load.num_waiting
         self._beat.num_finished = self._load.num_finished
         self._beat.prefix_hit_ratio = self._load.prefix_hit_ratio
@@ -90,7 +91,7 @@ class Writer:
         predicted = predicted_backlog(self._load.length, self._load.num_tokens, self._load.num_finished)
         self._beat.backlog_tokens, self._beat.mean_length = predicted.backlog_tokens, predicted.mean_length
         self._beat.jobs = predicted.jobs
-        write_heartbeat(self._client, self._keys, self._beat)
+        self._beat.ts = write_heartbeat(self._client, self._keys, self._beat)
         if self._metrics is not None:
             self._metrics.observe_beat(self._client, self._beat.tokens_per_s, self._beat.mean_length)
 
@@ -219,4 +220,4 @@ class Writer:
         now_s = time.time()
         for keys in self._layout.shards:
             self._client.zremrangebyscore(keys.cancel, "-inf", now_s - self._cancel_ttl_s)
-        forget_old(self._client, self._keys, now_s)
+        forget_old(self._client, self._keys)

@@ -6,16 +6,24 @@ Life of a lookup (engine thread unless named)::
 
     add_request ─> look_up: local match k blocks, the prompt has n ─ n - k >= min_blocks? ─> fleet thread:
                    contains(k..n) -> m leading blocks held ─ worth fetching m? (cost model) ─> get(k..k+m)
+                   ─> each fetched value opened (engine/kv/block_store.py ``unseal``) and its values checked
+                   (``BlockIO.check_blocks``); the first that fails ends the run, and is discarded from the store
     each step   ─> poll: a done fetch is written into free device blocks and indexed by the local prefix cache
                    (cached, evictable), so the admission that follows hits them like any local prefix
     after step  ─> publish: blocks the step computed and indexed (prompt blocks only) are copied out of the
-                   device pool and put to the store by the publish thread (those it already holds skipped)
+                   device pool, sealed and put to the store by the publish thread (those it already holds skipped)
 
 A request waits (``Request.is_fetching_kv``) while its blocks travel, at most ``max_wait_s``. Whatever ends
 in the request computing blocks the store held is counted as a fallback with its reason: the store failed,
-the fetch was too slow, the device pool had no room, the blocks were gone by admission, or the cost model
-judged computing cheaper. Only verified tokens are ever in indexed blocks (the scheduler indexes nothing
-else), and partial blocks are never published.
+the fetch was too slow, the device pool had no room, the blocks were gone by admission, the cost model judged
+computing cheaper, or a fetched block was rejected. Only verified tokens are ever in indexed blocks (the
+scheduler indexes nothing else), and partial blocks are never published.
+
+NOTE: a fetched block enters the device pool only once verified: sealed for the address asked for, its payload
+matching its digest, its values finite and within float16's range. A rejected block (corrupted, another prompt's
+or namespace's, implausible values) is counted, logged, discarded from the store, and computed with the blocks
+after it, never used. The store's write path is trusted (only workers write it): verification does not stop a
+forger who can compute the digests (engine/kv/block_store.py, the trust model).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import enum
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -33,7 +41,7 @@ from typing import Protocol
 from tokenmill.engine.config import FleetCacheConfig
 from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.kv.block_manager import BlockManager
-from tokenmill.engine.kv.block_store import BlockStore, block_digests
+from tokenmill.engine.kv.block_store import BlockStore, RejectedBlock, block_digests, seal, unseal
 from tokenmill.engine.kv.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
@@ -49,8 +57,12 @@ class BlockIO(Protocol):
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
         """Each device block's keys and values, every layer, as bytes."""
 
-    def write_blocks(self, block_ids: list[int], blocks: list[bytes]) -> None:
+    def write_blocks(self, block_ids: list[int], blocks: Sequence[bytes | memoryview]) -> None:
         """Overwrite device blocks with bytes :meth:`read_blocks` gave (on any engine of the namespace)."""
+
+    def check_blocks(self, blocks: Sequence[bytes | memoryview]) -> list[str | None]:
+        """Why each block's bytes cannot be keys and values this pool computed (None where they can): the wrong
+        length, or values that are not finite or implausibly large. Any thread; never touches the pool."""
 
 
 class Fallback(str, enum.Enum):
@@ -61,6 +73,7 @@ class Fallback(str, enum.Enum):
     NO_ROOM = "no_room"  # the device pool had no free blocks to load them into
     EVICTED = "evicted"  # loaded, but reused for other work before the request was admitted
     COST = "cost"  # the cost model judged computing them cheaper than fetching
+    REJECTED = "rejected"  # a fetched block failed verification: it and the blocks after it were computed
 
 
 @dataclass
@@ -77,6 +90,7 @@ class FleetCacheStats:
     num_published_blocks: int = 0  # blocks put to the store
     num_published_bytes: int = 0
     num_publish_errors: int = 0  # puts the store refused (those blocks stay local)
+    num_rejected_blocks: int = 0  # fetched blocks that failed verification (discarded from the store, computed)
     fallbacks: dict[str, int] = field(default_factory=lambda: {reason.value: 0 for reason in Fallback})
     fallback_blocks: int = 0  # blocks the store held that were computed again instead (all reasons)
     num_handoffs: int = 0  # requests a prefill worker handed to this (decode) engine
@@ -95,10 +109,11 @@ class _Fetched:
     """A lookup's answer from the fleet thread."""
 
     keys: list[bytes]  # the addresses it looked up
-    blocks: list[bytes]  # the leading blocks it fetched (possibly none)
+    blocks: list[memoryview]  # the leading blocks it fetched and verified (payloads; possibly none)
     num_held: int  # leading blocks the store held
     seconds: float  # wall time of the lookup
     is_too_dear: bool = False  # held, but the cost model chose computing
+    rejected: str | None = None  # why the block after ``blocks`` failed verification (None: none did)
 
 
 @dataclass
@@ -237,14 +252,38 @@ class FleetCache:
         if not is_handed_off and not self.cost.fetch_beats_compute(num_held):
             return _Fetched(keys, [], num_held, latency_s, is_too_dear=True)
         values = self.store.get(keys[:num_held])
-        blocks = []
-        for value in values:  # NOTE: a block evicted since contains() ends the run
-            if value is None or len(value) != self._block_bytes:
+        blocks: list[memoryview] = []
+        rejected = None
+        for key, value in zip(keys, values):
+            if value is None:  # NOTE: a block evicted since contains() ends the run
                 break
-            blocks.append(value)
+            try:
+                blocks.append(unseal(key, value, self._block_bytes))
+            except RejectedBlock as exc:
+                rejected = str(exc)
+                break
+        reasons = self._block_io.check_blocks(blocks)
+        first_bad = next((i for i, reason in enumerate(reasons) if reason is not None), None)
+        if first_bad is not None:
+            rejected = reasons[first_bad]
+            del blocks[first_bad:]
+        if rejected is not None:
+            self._reject(keys[len(blocks)], rejected, num_held - len(blocks))
         seconds = time.perf_counter() - started_s
         self.cost.observe_fetch(sum(map(len, blocks)), seconds, latency_s)
-        return _Fetched(keys, blocks, num_held, seconds)
+        return _Fetched(keys, blocks, num_held, seconds, rejected=rejected)
+
+    def _reject(self, key: bytes, reason: str, num_blocks: int) -> None:
+        """Fleet thread: a fetched block failed verification. Counted and logged, and its value dropped from the
+        store: the block computed in its place can then be published under its address."""
+        self._stats.num_rejected_blocks += 1
+        logger.warning("fleet cache: rejected a fetched block (%s); computing it and the %d held after it",
+                       reason, num_blocks - 1, extra={"event": "fleet_block_rejected", "digest": key.hex()})
+        try:
+            self.store.discard([key])
+        except Exception as exc:  # noqa: BLE001 - the value stays; the next fetch of it is rejected again
+            logger.warning("fleet cache: discarding a rejected block failed (%s: %s)", type(exc).__name__, exc,
+                           extra={"event": "fleet_store_error"})
 
     def poll(self, wait_s: float = 0.0) -> None:
         """Load finished fetches into the device pool and release their requests; give up on slow ones.
@@ -295,20 +334,25 @@ class FleetCache:
         if fetched.is_too_dear:
             self._fall_back(Fallback.COST, fetched.num_held)
             return
-        if not fetched.blocks:
-            return  # a miss: nothing was there to fetch
-        if not lookup.is_follower:
-            self._stats.fetch_seconds += fetched.seconds
-            self._stats.num_fetched_blocks += len(fetched.blocks)
-            self._stats.num_fetched_bytes += sum(map(len, fetched.blocks))
-        blocks = fetched.blocks
+        if fetched.rejected is not None:  # NOTE: computed again, so published again (the bad value is gone)
+            for key in fetched.keys[len(fetched.blocks):]:
+                self._known.pop(key, None)
+        blocks, num_held = fetched.blocks, fetched.num_held
         request = lookup.request
         if lookup.is_follower:  # NOTE: the leader's prompt may go on differently after the blocks they share
             num_blocks = (request.num_prompt_tokens - 1) // self.block_size
             own_keys = self.digests(request)[lookup.first_index:num_blocks]
             num_shared = next((i for i, (a, b) in enumerate(zip(own_keys, fetched.keys)) if a != b),
                               min(len(own_keys), len(fetched.keys)))
-            blocks = blocks[:num_shared]
+            blocks, num_held = blocks[:num_shared], min(num_held, num_shared)
+        if fetched.rejected is not None and len(blocks) < num_held:
+            self._fall_back(Fallback.REJECTED, num_held - len(blocks))
+        if not blocks:
+            return  # a miss: nothing (or nothing verified) was there to fetch
+        if not lookup.is_follower:
+            self._stats.fetch_seconds += fetched.seconds
+            self._stats.num_fetched_blocks += len(fetched.blocks)
+            self._stats.num_fetched_bytes += sum(map(len, fetched.blocks))
         num_loaded = self._load(lookup, blocks)
         if isinstance(num_loaded, Fallback):
             self._fall_back(num_loaded, len(blocks))
@@ -319,7 +363,7 @@ class FleetCache:
         self._stats.num_hit_blocks += num_loaded
         self._loaded[lookup.request.request_id] = (lookup.request, lookup.first_index + len(blocks))
 
-    def _load(self, lookup: _Lookup, blocks: list[bytes]) -> int | Fallback:
+    def _load(self, lookup: _Lookup, blocks: list[memoryview]) -> int | Fallback:
         """Write fetched blocks into free device blocks and index them (cached, evictable), after the
         leading blocks the local cache holds now.
 
@@ -401,11 +445,11 @@ class FleetCache:
         self._publishes.append(self._publisher.submit(self._put, keys, values))
 
     def _put(self, keys: list[bytes], values: list[bytes]) -> None:
-        """Publish thread: put what the store does not hold yet."""
+        """Publish thread: seal and put what the store does not hold yet."""
         try:
             held = self.store.contains(keys)
             missing = [i for i, is_held in enumerate(held) if not is_held]
-            self.store.put([keys[i] for i in missing], [values[i] for i in missing])
+            self.store.put([keys[i] for i in missing], [seal(keys[i], values[i]) for i in missing])
         except Exception as exc:  # noqa: BLE001 - the blocks stay local; counted and logged
             self._stats.num_publish_errors += 1
             for key in keys:

@@ -13,9 +13,15 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+# NOTE: the largest magnitude a fetched key or value may have (float16's maximum). Real keys and values are
+# orders of magnitude smaller (float16 models compute them in float16); a block beyond it was not computed by
+# a model (a block of 1e30s would load and silently wreck every answer that attends over it).
+MAX_KV_MAGNITUDE = 65504.0
 
 
 @dataclass(frozen=True)
@@ -115,15 +121,32 @@ class KVCache:
         raw = gathered.view(torch.uint8).reshape(len(block_ids), -1).numpy()
         return [row.tobytes() for row in raw]
 
-    def write_blocks(self, block_ids: list[int], blocks: list[bytes]) -> None:
+    def write_blocks(self, block_ids: list[int], blocks: Sequence[bytes | memoryview]) -> None:
         """Overwrite device blocks with bytes :meth:`read_blocks` gave (on an engine of the same model, dtype
         and block layout)."""
         spec = self.spec
         shape = (len(block_ids), spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        raw = torch.frombuffer(bytearray(b"".join(blocks)), dtype=torch.uint8)
-        values = raw.view(spec.dtype).view(shape).permute(1, 2, 0, 3, 4, 5)
+        values = _as_values(blocks, spec.dtype).view(shape).permute(1, 2, 0, 3, 4, 5)
         index = torch.tensor(block_ids, device=self.device)
         self.device_pool[:, :, index] = values.to(self.device)
+
+    def check_blocks(self, blocks: Sequence[bytes | memoryview]) -> list[str | None]:
+        """Why each block's bytes cannot be keys and values this pool computed, None where they can: the wrong
+        length, non-finite values, or values beyond :data:`MAX_KV_MAGNITUDE`. Any thread (the fleet cache checks
+        fetched blocks on its fetch thread, before they may be written); reads no pool."""
+        block_bytes = self.spec.bytes_per_block
+        sized = [block for block in blocks if len(block) == block_bytes]
+        # NOTE: one pass over the values; a NaN anywhere makes its block's peak NaN (amax propagates it).
+        peaks = iter(_as_values(sized, self.spec.dtype).view(len(sized), -1).abs().amax(dim=1).tolist()
+                     if sized else [])
+        reasons: list[str | None] = []
+        for block in blocks:
+            peak = next(peaks) if len(block) == block_bytes else None
+            reasons.append(f"{len(block)} bytes, not the {block_bytes} of a block" if peak is None else
+                           None if peak <= MAX_KV_MAGNITUDE else
+                           "non-finite values" if not math.isfinite(peak) else
+                           f"values up to {peak:.3g}, beyond any real key or value ({MAX_KV_MAGNITUDE:g})")
+        return reasons
 
     def swap_out(self, device_to_host: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks (pairs of ``(device_block_id, host_block_id)``)."""
@@ -178,3 +201,11 @@ class KVCache:
             copied.synchronize()
             self.host_pool[:, :, dst] = pinned
         self._pending_host_writes.clear()
+
+
+def _as_values(blocks: Sequence[bytes | memoryview], dtype: torch.dtype) -> torch.Tensor:
+    """The blocks' bytes, concatenated, as one flat CPU tensor of ``dtype``.
+
+    NOTE: one copy, into a writable buffer: torch.frombuffer warns on read-only ones (bytes, their views).
+    """
+    return torch.frombuffer(bytearray().join(blocks), dtype=torch.uint8).view(dtype)

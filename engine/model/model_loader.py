@@ -6,6 +6,11 @@ local Hugging Face cache. With ``random_init`` it builds the model of a ``config
 directory holding one, or the file) with random weights on the device instead, so speed can be
 measured at any shape without a checkpoint; its tokenizer is the directory's if it has one, else
 none (token-id prompts only, engine/output/no_tokenizer.py). Knows nothing of Redis or the scheduler.
+
+With ``fingerprint_weights`` (the fleet cache on) it also digests every weight's bytes as loaded, before
+tensor-parallel sharding and before the CPU packs its linear layers (packed layers keep no plain weight, and
+their packing differs by CPU): the fleet cache's namespace (engine/kv/block_store.py) names the weights, so a
+fine-tune never fetches its base model's blocks.
 """
 
 from __future__ import annotations
@@ -13,9 +18,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +49,11 @@ MODEL_ALIASES: dict[str, tuple[str, str]] = {
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 RANDOM_INIT_SEED = 0  # every random-weight load of one config and dtype builds the same model
 
+# NOTE: a large tensor is hashed in pieces of this size, so one embedding does not leave the other threads idle.
+# The fingerprint depends on it (a digest of the pieces' digests): changing it changes every namespace once.
+FINGERPRINT_CHUNK_BYTES = 64 << 20
+FINGERPRINT_BYTES = 16
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -56,6 +69,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     source: str  # the resolved path or id, for logs
     shard: ShardPlan | None = None  # the part of each layer this rank holds (tensor parallelism); None: whole
+    weights_fingerprint: str | None = None  # weights_fingerprint() as loaded; None: not asked for
 
 
 def default_cache_dir() -> Path:
@@ -205,6 +219,7 @@ def load_model(
     random_init: bool = False,
     linear_kernel: str = "auto",
     shard: Shard | None = None,
+    fingerprint_weights: bool = False,
 ) -> LoadedModel:
     """Load model and tokenizer, set to eval, on the device, with our attention function.
 
@@ -214,6 +229,8 @@ def load_model(
         linear_kernel: how a CPU model's linear layers are packed (``[engine.execution] linear_kernel``).
         shard: keep only this rank's part of every layer (engine/model/tensor_parallel.py), cut before the
             model moves to its device and before its linear layers are packed; None: the whole model.
+        fingerprint_weights: set :attr:`LoadedModel.weights_fingerprint` (of the whole model, before sharding
+            and packing). It reads every weight byte once: about a second per few GB (ops/bench/fingerprint.py).
 
     Raises:
         ModelLoadError: missing model, unsupported or non-decoder architecture, or one that does not split
@@ -227,6 +244,13 @@ def load_model(
         config, hf_model, tokenizer, source = _load_checkpoint(model, torch_dtype, attn_implementation, cache_dir)
     if not getattr(hf_model, "_supports_attention_backend", False):
         raise ModelLoadError(f"{model}: architecture {type(hf_model).__name__} does not support custom attention")
+    fingerprint = None
+    if fingerprint_weights:
+        started_s = time.perf_counter()
+        fingerprint = weights_fingerprint(hf_model)
+        logger.info("weights fingerprint %s (%.2f GB in %.1f s)", fingerprint,
+                    sum(t.nbytes for t in [*hf_model.parameters(), *hf_model.buffers()] if not t.is_meta) / 1e9,
+                    time.perf_counter() - started_s)
     plan = shard_model(hf_model, shard) if shard is not None else None
     hf_model.to(torch_device).eval()
     hf_model.requires_grad_(False)
@@ -242,7 +266,56 @@ def load_model(
         eos_token_ids=_eos_ids(hf_model, tokenizer),
         source=source,
         shard=plan,
+        weights_fingerprint=fingerprint,
     )
+
+
+def weights_fingerprint(model: torch.nn.Module, chunk_bytes: int = FINGERPRINT_CHUNK_BYTES,
+                        max_workers: int | None = None) -> str:
+    """A digest of every parameter's and buffer's name, shape, dtype and full bytes, in the model's order.
+
+    NOTE: each tensor's bytes (a large one in pieces of ``chunk_bytes``) are hashed on a thread pool, zero-copy
+    views of CPU tensors (hashlib releases the GIL for large buffers), and the digest is taken over the pieces'
+    digests in a fixed order: the same weights give the same fingerprint whatever the threads. A device tensor
+    is copied to the host a piece at a time, by the thread hashing it.
+    """
+    headers: list[str] = []
+    pieces: list[torch.Tensor] = []
+    counts: list[int] = []  # pieces per tensor
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        headers.append(f"{name}/{tuple(tensor.shape)}/{tensor.dtype}/{'meta' if tensor.is_meta else tensor.nbytes}")
+        if tensor.is_meta:  # NOTE: not materialised (no bytes): its header alone counts
+            counts.append(0)
+            continue
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        starts = range(0, max(1, flat.numel()), chunk_bytes)
+        pieces.extend(flat[start:start + chunk_bytes] for start in starts)
+        counts.append(len(starts))
+    workers = max_workers or len(os.sched_getaffinity(0))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tm-fingerprint") as pool:
+        digests = iter(list(pool.map(_piece_digest, pieces)))
+    total = hashlib.blake2b(digest_size=FINGERPRINT_BYTES)
+    for header, count in zip(headers, counts, strict=True):
+        total.update(header.encode() + b"\n")
+        for _ in range(count):
+            total.update(next(digests))
+    return total.hexdigest()
+
+
+def _piece_digest(piece: torch.Tensor) -> bytes:
+    return hashlib.blake2b(piece.cpu().numpy().data, digest_size=32).digest()
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase | NoTokenizer) -> str | None:
+    """A digest of the tokenizer's vocabulary (every token and its id, added tokens included); None: no tokenizer.
+
+    NOTE: a block's keys and values depend only on its token ids and the weights; the vocabulary is in the
+    namespace all the same (conservatively): the same ids under another vocabulary are another text.
+    """
+    if isinstance(tokenizer, NoTokenizer):
+        return None
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return hashlib.blake2b(json.dumps(vocab).encode(), digest_size=FINGERPRINT_BYTES).hexdigest()
 
 
 def _load_checkpoint(model: str, dtype: torch.dtype, attn_implementation: str,

@@ -6,7 +6,6 @@ NOTE: measurements behind these choices: ops/bench/README.md, "Figures behind th
 from __future__ import annotations
 
 import gc
-import hashlib
 import logging
 import os
 from collections.abc import Callable
@@ -32,7 +31,13 @@ from tokenmill.engine.model.draft_proposer import DraftModelProposer
 from tokenmill.engine.model.hf_attention import register
 from tokenmill.engine.model.kv_cache import KVCache, KVCacheSpec
 from tokenmill.engine.model.memory_profile import StepProfile, cuda_peak_bytes, kv_pool_bytes, profile_steps
-from tokenmill.engine.model.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from tokenmill.engine.model.model_loader import (
+    LoadedModel,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    tokenizer_fingerprint,
+)
 from tokenmill.engine.model.model_runner import ModelRunner
 from tokenmill.engine.model.static_decode import StaticDecode, cuda_graph_runner, decode_buckets
 from tokenmill.engine.model.tensor_parallel import Shard
@@ -138,8 +143,10 @@ def _build_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStore
         if block_store_for is None:
             raise EngineError("[engine.fleet_cache] enabled needs the fleet's block store: run the engine in a "
                               "worker (its Redis holds the blocks)")
-        root = namespace(loaded.model.config.model_type, weights_fingerprint(loaded.model), str(loaded.dtype),
-                         spec.block_size, (spec.num_layers, spec.num_kv_heads, spec.head_dim))
+        assert loaded.weights_fingerprint is not None, "load_engine_model fingerprints them with the fleet cache on"
+        root = namespace(loaded.model.config.model_type, loaded.weights_fingerprint,
+                         tokenizer_fingerprint(loaded.tokenizer), str(loaded.dtype), spec.block_size,
+                         (spec.num_layers, spec.num_kv_heads, spec.head_dim))
         fleet = FleetCache(config.fleet_cache, block_store_for(root), root, kv_cache, spec.bytes_per_block,
                            block_manager, prefix_cache)
         scheduler.collects_prompt_blocks = "computed" if config.fleet_cache.publish == "all" else "reused"
@@ -149,7 +156,8 @@ def _build_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStore
 
 def load_engine_model(config: EngineConfig, shard: Shard | None = None) -> LoadedModel:
     """The engine's model as ``config`` asks, with its CPU threads set; the same on every tensor-parallel rank,
-    each passing its ``shard`` (None: the whole model)."""
+    each passing its ``shard`` (None: the whole model). Its weights are fingerprinted when the fleet cache is on
+    (the namespace of its blocks)."""
     model_config = config.model
     threads = threads_per_rank(model_config)
     if threads:
@@ -157,7 +165,8 @@ def load_engine_model(config: EngineConfig, shard: Shard | None = None) -> Loade
     return load_model(model_config.name, device=model_config.device, dtype=model_config.dtype,
                       attn_implementation=register(), max_model_len=model_config.max_model_len,
                       cache_dir=model_config.cache_dir, random_init=model_config.random_init,
-                      linear_kernel=config.execution.linear_kernel, shard=shard)
+                      linear_kernel=config.execution.linear_kernel, shard=shard,
+                      fingerprint_weights=config.fleet_cache.enabled)
 
 
 def threads_per_rank(config: ModelConfig) -> int | None:
@@ -191,22 +200,6 @@ def _start_tensor_parallel(config: EngineConfig) -> TensorParallelLeader | None:
             raise EngineError(f"tensor_parallel_size = {size} on CUDA: set [engine.cache] kv_cache_memory (per rank); "
                               "the memory profile that sizes the pool otherwise runs one rank's forward alone")
     return TensorParallelLeader(config)
-
-
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """A digest of the loaded weights: every materialised parameter's and buffer's name, shape and first values.
-
-    NOTE: packed linear layers keep no plain weight (engine/kernels/cpu_linear.py; the packing differs by CPU),
-    so they are left out; the embeddings and norms that remain tell two checkpoints of one architecture apart.
-    """
-    digest = hashlib.blake2b(digest_size=16)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.is_meta or not tensor.numel():
-            continue
-        head = tensor.detach().reshape(-1)[:64].to("cpu", torch.float32)
-        digest.update(f"{name}/{tuple(tensor.shape)}".encode())
-        digest.update(head.numpy().tobytes())
-    return digest.hexdigest()
 
 
 def with_fast_paths(reference: ModelRunner, grammars: GrammarCompiler | None, config: EngineConfig,

@@ -28,7 +28,7 @@ from tokenmill.producer.errors import SchemaError
 from tokenmill.producer.eta import Eta, JobMeter, job_eta, live_beats
 from tokenmill.producer.openai_compat import ENDPOINTS
 from tokenmill.producer.schema import ErrorCode, GenerationRequest, GenerationResult, decode_result
-from tokenmill.protocol.heartbeat import STALE_AFTER_S
+from tokenmill.protocol.heartbeat import READ_WORKERS_LUA, STALE_AFTER_S, split_workers_reply
 
 # Remote failures worth another attempt; every other non-ok result is final.
 RETRYABLE_CODES = frozenset({ErrorCode.INTERNAL.value, ErrorCode.MAX_DELIVERIES.value})
@@ -168,9 +168,11 @@ class BulkJob:
     def _renew_eta(self) -> None:
         """Predict what the job still generates from the live workers' heartbeats and its own results."""
         self._next_eta_s = time.monotonic() + ETA_INTERVAL_S
-        workers = cast("dict[bytes, bytes]", self.producer.client.hgetall(self.producer.keys.workers))
+        # NOTE: judged by the Redis server's clock, read with the hash (protocol/heartbeat.py)
+        reply = self.producer.client.eval(READ_WORKERS_LUA, 1, self.producer.keys.workers)
+        workers, now_s = split_workers_reply(reply)
         summary = self.summary
-        self._predict(job_eta(live_beats(workers, time.time(), STALE_AFTER_S), self.reply_stream,
+        self._predict(job_eta(live_beats(workers, now_s, STALE_AFTER_S), self.reply_stream,
                               summary.num_total - summary.num_skipped - summary.num_done,
                               finished_mean_length=self._meter.mean_length,
                               job_tokens_per_s=self._meter.tokens_per_s()))

@@ -1,5 +1,6 @@
 """The fleet's block store on Redis: binary round trips, a byte cap kept least recently used first out,
-lifetimes, large batches, and the same behaviour as the in-process store on one script of operations."""
+lifetimes, large batches, discarding rejected values, and the same behaviour as the in-process store on one
+script of operations."""
 
 from __future__ import annotations
 
@@ -150,13 +151,33 @@ def test_chunks_bound_the_bytes_of_one_script_call() -> None:
 
 
 def test_helper_builds_the_namespace_prefix(redis_client: redis.Redis, key_prefix: str) -> None:
-    root = namespace("m", "w", "torch.bfloat16", 16, (2, 4, 8))
+    root = namespace("m", "w", "t", "torch.bfloat16", 16, (2, 4, 8))
     store = redis_block_store(redis_client, key_prefix, root, max_bytes=1 << 20, ttl_s=60)
     assert store.key_prefix == f"{key_prefix}:kv:{root.hex()}"
     a = digest("a")
     store.put([a], [value(1)])
     assert redis_client.get(f"{key_prefix}:kv:{root.hex()}:{a.hex()}") == value(1)
     assert redis_client.zscore(f"{key_prefix}:kv:{root.hex()}:lru", a.hex()) is not None
+
+
+def test_discard_deletes_values_as_if_expired(redis_client: redis.Redis, key_prefix: str) -> None:
+    """A rejected value is deleted; its size stays counted (conservatively) until the block computed in its place
+    is put, which replaces it, or eviction pops it."""
+    store = RedisBlockStore(redis_client, key_prefix, max_bytes=3 * SIZE, ttl_s=60)
+    a, b, c, d = (digest(name) for name in "abcd")
+    store.put([a, b], [value(1), value(2)])
+    store.discard([a, digest("absent")])
+    store.discard([])
+    assert store.contains([a, b]) == [False, True] and store.get([a]) == [None]
+    assert counter(redis_client, store) == 2 * SIZE  # as an expired value: still counted
+    store.put([a], [value(3, SIZE // 2)])  # the recomputed block: stored (not kept out as "present")
+    assert store.get([a]) == [value(3, SIZE // 2)]
+    assert counter(redis_client, store) == held_bytes(redis_client, store) == SIZE + SIZE // 2
+    store.discard([b])
+    store.put([c, d], [value(4), value(5)])  # over the cap with B's stale size: B's entry goes first
+    assert store.contains([a, c, d]) == [True, True, True]
+    assert redis_client.hget(store.sizes_key, b.hex()) is None
+    assert counter(redis_client, store) == held_bytes(redis_client, store) == 2 * SIZE + SIZE // 2
 
 
 def test_a_decoding_client_is_refused(redis_url: str, key_prefix: str) -> None:
@@ -197,6 +218,10 @@ def test_same_behaviour_as_the_local_store(make_store: Callable[[int], BlockStor
     transcript.append(store.contains([a, b, c, d, e]))
     store.put([b, e], [value(6), value(7)])  # the batch evicts C then A
     transcript.append(store.get([a, b, c, d, e]))
+    store.discard([b, missing])  # a rejected value: gone, and a put of its key stores anew
+    transcript.append(store.contains([b, d]))
+    store.put([b], [value(8)])
+    transcript.append(store.get([b]))
     store.put([], [])
     with pytest.raises(ValueError):
         store.put([a, b], [value(1)])
@@ -206,4 +231,6 @@ def test_same_behaviour_as_the_local_store(make_store: Callable[[int], BlockStor
         [value(1)],
         [True, False, True, True, False],
         [None, value(6), None, value(4), value(7)],
+        [False, True],
+        [value(8)],
     ]

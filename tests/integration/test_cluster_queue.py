@@ -299,3 +299,5 @@ def test_the_block_store_reads_after_its_node_lost_the_scripts(redis_cluster: Lo
     assert node.client.zrange(store.lru_key, 0, -1) == [b"b".hex().encode(), b"a".hex().encode()]  # a renewed
     assert store.get([b"b"]) == [b"y" * 100]  # the script loaded again
     assert node.client.zrange(store.lru_key, 0, -1) == [b"a".hex().encode(), b"b".hex().encode()]
+    store.discard([b"a", b"c"])  # a rejected value: its key deleted through the cluster client
+    assert store.contains([b"a", b"b"]) == [False, True]

@@ -11,7 +11,7 @@ import redis
 from tests.worker_helpers import enqueue, start_worker_process, wait_result
 from tokenmill.producer.keys import Keys
 from tokenmill.producer.schema import decode_result
-from tokenmill.worker.heartbeat import read_heartbeats
+from tokenmill.worker.heartbeat import read_heartbeats, read_workers
 
 NUM_REQUESTS = 200
 
@@ -63,7 +63,8 @@ def test_sigkill_mid_run_then_second_worker(redis_url: str, redis_client: redis.
     second.send_signal(signal.SIGTERM)
     assert second.wait(timeout=10) == 0
     _assert_exactly_once(redis_client, keys, ids, reply)
-    assert read_heartbeats(redis_client, keys)["victim"].is_stale(time.time(), 1.0)
+    beats, now_s = read_workers(redis_client, keys)  # NOTE: the server's clock, as the workers judge it
+    assert beats["victim"].is_stale(now_s, 1.0)
 
 
 def test_sigterm_drains_and_exits_zero(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
@@ -86,28 +87,48 @@ def _deliveries(client: redis.Redis, stream: str) -> list[int]:
     return [int(row["times_delivered"]) for row in rows]
 
 
-def test_same_name_restarts_dead_letter_an_entry_after_max_deliveries(
+def _wait_deliveries(client: redis.Redis, stream: str, expected: list[int], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _deliveries(client, stream) != expected:
+        assert time.monotonic() < deadline, (_deliveries(client, stream), expected)
+        time.sleep(0.02)
+
+
+def test_same_name_restarts_charge_the_entry_a_worker_died_running_alone(
         redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
-    """A supervisor restarting a worker under a fixed name that dies holding an entry: the backlog
-    path counts deliveries like reclaim does (it looped forever: delivery count 7, no dead letter)."""
+    """A supervisor restarting a worker under a fixed name: the backlog path finds what the earlier process ran
+    alone when it died (worker/poison.py) and dead-letters it, runs the rest alone, and a clean stop charges
+    nothing (before: the backlog looped forever, delivery count 7, no dead letter; then it took max_deliveries)."""
     keys = Keys(key_prefix)
-    request_id = enqueue(redis_client, keys, prompt="held until the worker is killed")
-    env = {"TOKENMILL_WORKER__MAX_DELIVERIES": "3"}
-    for delivery in (1, 2, 3):
-        worker = start_worker_process(redis_url, key_prefix, "fixed", model="echo:step_delay_s=60", env=env)
-        deadline = time.monotonic() + 30
-        while _deliveries(redis_client, keys.lane(0)) != [delivery]:
-            assert time.monotonic() < deadline, _deliveries(redis_client, keys.lane(0))
-            time.sleep(0.02)
-        worker.send_signal(signal.SIGKILL)
-        worker.wait(timeout=5)
-    last = start_worker_process(redis_url, key_prefix, "fixed", model="echo:step_delay_s=60", env=env)
+    first = enqueue(redis_client, keys, prompt="held until the worker is killed")
+    second = enqueue(redis_client, keys, prompt="held with it")
+
+    def start() -> subprocess.Popen[bytes]:
+        return start_worker_process(redis_url, key_prefix, "fixed", model="echo:step_delay_s=2",
+                                    env={"TOKENMILL_WORKER__DRAIN_TIMEOUT_S": "1"})
+
+    worker = start()  # reads both at once: it holds two, nothing is run alone
+    _wait_deliveries(redis_client, keys.lane(0), [1, 1])
+    worker.send_signal(signal.SIGKILL)
+    worker.wait(timeout=5)
+    worker = start()  # both are suspects now: the first runs alone
+    _wait_deliveries(redis_client, keys.lane(0), [2, 1])
+    worker.send_signal(signal.SIGKILL)
+    worker.wait(timeout=5)
+    worker = start()  # the first killed it running alone: dead-lettered; the second runs alone
     try:
-        result = wait_result(redis_client, keys, request_id, timeout_s=30)
+        result = wait_result(redis_client, keys, first, timeout_s=60)
+        _wait_deliveries(redis_client, keys.lane(0), [2])
     finally:
-        last.send_signal(signal.SIGTERM)
-        assert last.wait(timeout=20) == 0
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=60) == 0
     assert result.error is not None and result.error.code == "max_deliveries", result
     [(_, dead)] = redis_client.xrange(keys.dead)
-    assert dead[b"reason"] == b"max_deliveries: delivered 4 times"
-    assert _deliveries(redis_client, keys.lane(0)) == []
+    assert dead[b"reason"] == b"max_deliveries: its worker died while running it alone (delivered 2 times)"
+    last = start()  # the second was running alone at a clean stop: no charge, it runs alone again
+    try:
+        _wait_deliveries(redis_client, keys.lane(0), [3])
+    finally:
+        last.send_signal(signal.SIGTERM)
+        assert last.wait(timeout=60) == 0
+    assert redis_client.get(keys.result(second)) is None and redis_client.xlen(keys.dead) == 1

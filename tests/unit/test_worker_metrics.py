@@ -87,24 +87,25 @@ def test_speculation_counters_are_exported_with_positions_lengths_and_the_cost_m
 
 def _fleet(scale: int) -> FleetCacheStats:
     """Counters after ``scale`` rounds of: 10 lookups, 6 hits loading 40 blocks of 1 KiB (2 of them fetched once
-    for two requests), 12 blocks published, 1 failed put, 3 fallbacks (2 timeouts, 1 cost) over 9 blocks."""
+    for two requests), 12 blocks published, 1 failed put, 4 fallbacks (2 timeouts, 1 cost, 1 rejected block) over
+    11 blocks."""
     fallbacks = {reason.value: 0 for reason in Fallback}
-    fallbacks.update(timeout=2 * scale, cost=scale)
+    fallbacks.update(timeout=2 * scale, cost=scale, rejected=scale)
     return FleetCacheStats(
         is_on=True, num_lookups=10 * scale, num_hits=6 * scale, num_hit_blocks=40 * scale,
         num_fetched_blocks=38 * scale, num_fetched_bytes=38 * 1024 * scale, fetch_seconds=0.25 * scale,
         num_published_blocks=12 * scale, num_published_bytes=12 * 1024 * scale, num_publish_errors=scale,
-        fallbacks=fallbacks, fallback_blocks=9 * scale)
+        num_rejected_blocks=scale, fallbacks=fallbacks, fallback_blocks=11 * scale)
 
 
 def test_fleet_cache_counters_are_exported_with_every_fallback_reason() -> None:
     metrics = _metrics()
     samples = _samples(metrics)  # fleet cache off (or not yet used): every series present, at zero
     names = ("lookups", "hits", "hit_blocks", "fetched_blocks", "fetched_bytes", "fetch_seconds", "published_blocks",
-             "published_bytes", "publish_errors", "fallback_blocks")
+             "published_bytes", "publish_errors", "fallback_blocks", "rejected_blocks")
     for name in names:
         assert samples[f"tokenmill_fleet_cache_{name}_total"] == 0
-    reasons = {"error", "timeout", "no_room", "evicted", "cost"}
+    reasons = {"error", "timeout", "no_room", "evicted", "cost", "rejected"}
     assert {reason.value for reason in Fallback} == reasons
     for reason in reasons:
         assert samples[f"tokenmill_fleet_cache_fallbacks_total{{reason={reason}}}"] == 0
@@ -112,9 +113,10 @@ def test_fleet_cache_counters_are_exported_with_every_fallback_reason() -> None:
     metrics.observe_engine(EngineStats(fleet=_fleet(1)))
     samples = _samples(metrics)
     assert [samples[f"tokenmill_fleet_cache_{name}_total"] for name in names] == \
-        [10, 6, 40, 38, 38 * 1024, pytest.approx(0.25), 12, 12 * 1024, 1, 9]
+        [10, 6, 40, 38, 38 * 1024, pytest.approx(0.25), 12, 12 * 1024, 1, 11, 1]
     assert samples["tokenmill_fleet_cache_fallbacks_total{reason=timeout}"] == 2
     assert samples["tokenmill_fleet_cache_fallbacks_total{reason=cost}"] == 1
+    assert samples["tokenmill_fleet_cache_fallbacks_total{reason=rejected}"] == 1
     assert samples["tokenmill_fleet_cache_fallbacks_total{reason=no_room}"] == 0
 
     # A later snapshot: the counters follow the engine's cumulative totals (no double counting across scrapes).
@@ -122,7 +124,7 @@ def test_fleet_cache_counters_are_exported_with_every_fallback_reason() -> None:
     _samples(metrics)
     samples = _samples(metrics)
     assert [samples[f"tokenmill_fleet_cache_{name}_total"] for name in names] == \
-        [30, 18, 120, 114, 114 * 1024, pytest.approx(0.75), 36, 36 * 1024, 3, 27]
+        [30, 18, 120, 114, 114 * 1024, pytest.approx(0.75), 36, 36 * 1024, 3, 33, 3]
     assert samples["tokenmill_fleet_cache_fallbacks_total{reason=timeout}"] == 6
     assert samples["tokenmill_fleet_cache_fallbacks_total{reason=cost}"] == 3
     assert samples["tokenmill_fleet_cache_fallbacks_total{reason=error}"] == 0
