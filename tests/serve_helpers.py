@@ -20,6 +20,7 @@ from typing import Any
 
 import uvicorn
 
+from tests.processes import scaled_s
 from tests.worker_helpers import free_port
 from tokenmill.producer.config import ServeSettings
 from tokenmill.serve.app import server_config
@@ -40,7 +41,7 @@ def running_server(redis_url: str, prefix: str, **serve: Any) -> Iterator[str]:
     server = uvicorn.Server(server_config(settings))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + scaled_s(20)
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "serve did not start"
         time.sleep(0.01)
@@ -64,7 +65,7 @@ def serve_process(redis_url: str, prefix: str, **serve: Any) -> Iterator[tuple[i
     process = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "--redis-url", redis_url, "--prefix", prefix,
                                 "serve", "--port", str(port), "--log-level", "warning"], cwd=ROOT, env=env)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled_s(60)
         while not _answers(f"http://127.0.0.1:{port}/health"):
             assert process.poll() is None and time.monotonic() < deadline, "serve did not start"
             time.sleep(0.05)

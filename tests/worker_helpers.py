@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from typing import Any
 
 import redis
 
+from tests.processes import scaled_s
 from tokenmill.producer.keys import Keys
 from tokenmill.producer.schema import (
     ErrorCode,
@@ -87,7 +87,7 @@ def _wait_for_heartbeat(settings: Settings, thread: threading.Thread, timeout_s:
     if settings.redis.url is None:
         return
     client = redis.Redis.from_url(settings.redis.url)
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled_s(timeout_s)
     try:
         while thread.is_alive() and time.monotonic() < deadline:
             if client.hexists(settings.queue.keys.workers, settings.worker.name):
@@ -144,8 +144,8 @@ def add_dead_letter(client: redis.Redis, keys: Keys, request_id: str) -> None:
 
 
 def wait_result(client: redis.Redis, keys: Keys, request_id: str, timeout_s: float = 5.0) -> GenerationResult:
-    """Poll for the stored result of ``request_id``."""
-    deadline = time.monotonic() + timeout_s
+    """Poll for the stored result of ``request_id`` (``timeout_s`` scaled by the machine's load)."""
+    deadline = time.monotonic() + scaled_s(timeout_s)
     while time.monotonic() < deadline:
         raw = client.get(keys.result(request_id))
         if raw is not None:
@@ -155,19 +155,11 @@ def wait_result(client: redis.Redis, keys: Keys, request_id: str, timeout_s: flo
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> None:
-    """Poll ``condition`` every ``poll_s`` until it holds; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
+    """Poll ``condition`` every ``poll_s`` until it holds; fail after ``timeout_s`` (scaled by the machine's load)."""
+    deadline = time.monotonic() + scaled_s(timeout_s)
     while not condition():
         assert time.monotonic() < deadline, f"not reached within {timeout_s} s"
         time.sleep(poll_s)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a metrics or HTTP server)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def start_worker_process(redis_url: str, prefix: str, name: str, *args: str, model: str = "echo",

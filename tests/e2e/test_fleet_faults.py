@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from tests.engine_helpers import build_engine
+from tests.processes import scaled_s
 from tests.worker_helpers import enqueue, make_settings, running_worker, start_worker_process, wait_until
 from tokenmill.engine import SamplingParams
 from tokenmill.engine.core.stats import EngineStats
@@ -98,7 +99,7 @@ class RestartableRedis:
              "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.directory)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled_s(10)
         try:
             while True:
                 try:
@@ -160,7 +161,7 @@ def _start_victim(redis_url: str, prefix: str, model_dir: Path, name: str, role:
                                    model=str(model_dir), env=VICTIM_ENV)
     client = redis.Redis.from_url(redis_url)
     try:
-        deadline = time.monotonic() + WAIT_S
+        deadline = time.monotonic() + scaled_s(WAIT_S)
         while not client.hexists(Keys(prefix).workers, name):
             if process.poll() is not None:
                 raise AssertionError(f"{name} exited: {process.stderr.read().decode() if process.stderr else ''}")
