@@ -147,7 +147,18 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
+        """Prompt and output in one new list: O(context); the step's hot path uses :meth:`token_slice`."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list (a decode step's cost must not grow
+        with the context)."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
 
     @property
     def max_tokens(self) -> int:

@@ -238,7 +238,9 @@ class Scheduler:
                     raise InvariantError(f"{chunk.request_id}: needs_sample={chunk.needs_sample}, "
                                          f"got {len(new_token_ids)} tokens")
                 request.num_computed_tokens += chunk.num_tokens
-            if self.prefix_cache is not None:
+            # NOTE: only when a block filled up: building the token list costs the whole context
+            if self.prefix_cache is not None and \
+                    request.num_computed_tokens // self.block_manager.block_size > len(request.prefix_entry_ids):
                 known_token_ids = request.all_token_ids + new_token_ids[:num_accepted]  # verified, not yet appended
                 block_ids = self.block_manager.get_block_ids(request.request_id)
                 indexed = self.prefix_cache.register(known_token_ids, block_ids, request.prefix_entry_ids,
@@ -551,7 +553,7 @@ class Scheduler:
             if not draft:
                 continue
             spare_blocks = max(0, bm.num_free_gpu_blocks - self.config.watermark_blocks)
-            num_slots = (len(bm.get_block_ids(request.request_id)) + spare_blocks) * bm.block_size
+            num_slots = (bm.num_device_blocks(request.request_id) + spare_blocks) * bm.block_size
             num_tokens = min(len(draft), plan.num_tokens_left, num_slots - request.num_computed_tokens - 1)
             if num_tokens <= 0:
                 continue
@@ -631,7 +633,7 @@ class Scheduler:
 
     def _num_free_slots(self, request: Request) -> int:
         """Tokens the request can add to its device table, counting free blocks."""
-        num_blocks = len(self.block_manager.get_block_ids(request.request_id))
+        num_blocks = self.block_manager.num_device_blocks(request.request_id)
         num_blocks += self.block_manager.num_free_gpu_blocks
         return num_blocks * self.block_manager.block_size - request.num_computed_tokens
 

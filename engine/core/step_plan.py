@@ -127,7 +127,7 @@ class StepPlan:
         num_draft_tokens = max(0, end - request.num_tokens)  # the tail past the known tokens: the draft's
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end] + request.draft_token_ids[:num_draft_tokens],
+            token_ids=request.token_slice(start, end) + request.draft_token_ids[:num_draft_tokens],
             start_position=start,
             block_ids=block_manager.get_block_ids(request.request_id),
             needs_sample=end >= request.num_tokens,

@@ -71,6 +71,10 @@ class BlockManager:
         """The request's device block table (a copy; empty if it owns no device blocks)."""
         return list(self._gpu_tables.get(request_id, ()))
 
+    def num_device_blocks(self, request_id: str) -> int:
+        """How many device blocks the request's table holds (without copying it)."""
+        return len(self._gpu_tables.get(request_id, ()))
+
     def get_host_block_ids(self, request_id: str) -> list[int]:
         """The request's host block table (a copy; empty if it is not swapped out)."""
         return list(self._cpu_tables.get(request_id, ()))

@@ -9,7 +9,7 @@ from typing import Any
 
 from tokenmill.engine.core.clock import Clock
 from tokenmill.engine.core.request import FINISH_REASON, ParallelGroup, Request, RequestStatus, TextDecoder
-from tokenmill.engine.output.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.output.detokenizer import make_detokenizer
 from tokenmill.engine.output.logprobs import TokenBytes, build_token_logprobs
 from tokenmill.engine.output.request_output import RequestMetrics, RequestOutput, SampleOutput
 from tokenmill.protocol.outcomes import ErrorCode, FinishReason, TokenLogprob
@@ -131,8 +131,8 @@ class OutputProcessor:
     def _detokenizer(self, request: Request) -> TextDecoder:
         """The request's text decoder, made on first use (forked samples start without one)."""
         if request.detokenizer is None:
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                                         request.sampling_params.stop)
+            request.detokenizer = make_detokenizer(self.tokenizer, request.prompt_token_ids,
+                                                   request.sampling_params.stop)
         return request.detokenizer
 
     def _output(self, request: Request) -> RequestOutput:

@@ -1,15 +1,20 @@
 """Unit tests of engine.output.detokenizer with real tokenizers built in code (byte-level BPE and
-SentencePiece-style Metaspace): streaming equals full decode, U+FFFD hold-back, stop strings."""
+SentencePiece-style Metaspace): streaming equals full decode, U+FFFD hold-back, stop strings; each for the
+reference decoder and the ``DecodeStream`` fast path, and the two compared token for token."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 from tokenizers import ByteLevelBPETokenizer, SentencePieceBPETokenizer
 from transformers import PreTrainedTokenizerFast
 
-from tokenmill.engine.output.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.output.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
+
+Detokenizer = IncrementalDetokenizer | StreamDetokenizer
+New = Callable[..., Detokenizer]
 
 CORPUS = [
     "héllo wörld 日本語 🙂 the quick brown fox jumps over the lazy dog",
@@ -34,23 +39,36 @@ def sp_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=sp._tokenizer, eos_token="</s>", unk_token="<unk>")
 
 
+@pytest.fixture(params=["reference", "stream"])
+def new(request: pytest.FixtureRequest) -> Callable[..., Detokenizer]:
+    """Makes the decoder under test: the reference (HF ``decode``) or the fast path (``DecodeStream``)."""
+    def make(tokenizer: PreTrainedTokenizerFast, prompt: list[int], stop: list[str],
+             skip_special_tokens: bool = True) -> Detokenizer:
+        if request.param == "reference":
+            return IncrementalDetokenizer(tokenizer, prompt, stop, skip_special_tokens)
+        detok = make_detokenizer(tokenizer, prompt, stop, skip_special_tokens)
+        assert isinstance(detok, StreamDetokenizer)
+        return detok
+    return make
+
+
 def full_decode(tokenizer: PreTrainedTokenizerFast, token_ids: list[int]) -> str:
     text = tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     assert isinstance(text, str)
     return text
 
 
-def stream(detok: IncrementalDetokenizer, token_ids: list[int]) -> list[str]:
+def stream(detok: Detokenizer, token_ids: list[int]) -> list[str]:
     deltas = [detok.append([t]) for t in token_ids]
     deltas.append(detok.finish())
     return deltas
 
 
-def test_multi_byte_texts_stream_exactly(byte_tokenizer: PreTrainedTokenizerFast) -> None:
+def test_multi_byte_texts_stream_exactly(new: New, byte_tokenizer: PreTrainedTokenizerFast) -> None:
     for text in MULTI_BYTE_TEXTS:
         ids = byte_tokenizer.encode(text)
         assert any("\ufffd" in byte_tokenizer.decode([t]) for t in ids), "test needs split characters"
-        detok = IncrementalDetokenizer(byte_tokenizer, [], [])
+        detok = new(byte_tokenizer, [], [])
         deltas = stream(detok, ids)
         assert "".join(deltas) == text == detok.text
         assert not any("\ufffd" in d for d in deltas)
@@ -58,14 +76,14 @@ def test_multi_byte_texts_stream_exactly(byte_tokenizer: PreTrainedTokenizerFast
 
 
 @pytest.mark.parametrize("tokenizer_name", ["byte_tokenizer", "sp_tokenizer"])
-def test_random_ids_concatenate_to_full_decode(tokenizer_name: str, request: pytest.FixtureRequest) -> None:
+def test_random_ids_concatenate_to_full_decode(new: New, tokenizer_name: str, request: pytest.FixtureRequest) -> None:
     tokenizer: PreTrainedTokenizerFast = request.getfixturevalue(tokenizer_name)
     rng = random.Random(0)
     for trial in range(200):
         # Prompts decode cleanly (a prompt ending in half a character makes "output text" ambiguous).
         prompt = tokenizer.encode(" ".join(rng.sample(CORPUS[0].split(), rng.randrange(0, 4))))
         ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
-        detok = IncrementalDetokenizer(tokenizer, prompt, [])
+        detok = new(tokenizer, prompt, [])
         chunks: list[int] = []
         deltas: list[str] = []
         for t in ids:  # feed 1-3 tokens at a time
@@ -84,69 +102,69 @@ def test_random_ids_concatenate_to_full_decode(tokenizer_name: str, request: pyt
             assert not any("\ufffd" in d for d in deltas)
 
 
-def test_special_tokens_skipped_or_kept(byte_tokenizer: PreTrainedTokenizerFast) -> None:
+def test_special_tokens_skipped_or_kept(new: New, byte_tokenizer: PreTrainedTokenizerFast) -> None:
     eos = byte_tokenizer.eos_token_id
     ids = byte_tokenizer.encode("hello") + [eos, eos] + byte_tokenizer.encode(" world")
-    assert "".join(stream(IncrementalDetokenizer(byte_tokenizer, [], []), ids)) == "hello world"
-    kept = "".join(stream(IncrementalDetokenizer(byte_tokenizer, [], [], skip_special_tokens=False), ids))
+    assert "".join(stream(new(byte_tokenizer, [], []), ids)) == "hello world"
+    kept = "".join(stream(new(byte_tokenizer, [], [], skip_special_tokens=False), ids))
     assert kept == "hello<|eos|><|eos|> world"
 
 
-def test_sentencepiece_leading_spaces(sp_tokenizer: PreTrainedTokenizerFast) -> None:
+def test_sentencepiece_leading_spaces(new: New, sp_tokenizer: PreTrainedTokenizerFast) -> None:
     ids = sp_tokenizer.encode("hello world the fox")
-    assert "".join(stream(IncrementalDetokenizer(sp_tokenizer, [], []), ids)) == "hello world the fox"
+    assert "".join(stream(new(sp_tokenizer, [], []), ids)) == "hello world the fox"
     prompt = sp_tokenizer.encode("hello")
     # After a prompt, the first word keeps its space: it continues the prompt's text.
-    assert "".join(stream(IncrementalDetokenizer(sp_tokenizer, prompt, []), ids)) == " hello world the fox"
+    assert "".join(stream(new(sp_tokenizer, prompt, []), ids)) == " hello world the fox"
 
 
 def run_with_stop(
-    tokenizer: PreTrainedTokenizerFast, text: str, stop: list[str]
-) -> tuple[IncrementalDetokenizer, list[str]]:
-    detok = IncrementalDetokenizer(tokenizer, [], stop)
+    new: New,    tokenizer: PreTrainedTokenizerFast, text: str, stop: list[str]
+) -> tuple[Detokenizer, list[str]]:
+    detok = new(tokenizer, [], stop)
     return detok, stream(detok, tokenizer.encode(text))
 
 
-def test_stop_spanning_tokens_is_cut_and_never_streamed(byte_tokenizer: PreTrainedTokenizerFast) -> None:
-    detok, deltas = run_with_stop(byte_tokenizer, "hello world, Stop here. end of text", ["Stop here"])
+def test_stop_spanning_tokens_is_cut_and_never_streamed(new: New, byte_tokenizer: PreTrainedTokenizerFast) -> None:
+    detok, deltas = run_with_stop(new, byte_tokenizer, "hello world, Stop here. end of text", ["Stop here"])
     assert detok.stop_matched == "Stop here"
     assert detok.text == "".join(deltas) == "hello world, "
     assert not any("S" in d for d in deltas)
     assert detok.append(byte_tokenizer.encode(" more")) == "" and detok.finish() == ""
 
 
-def test_stop_at_the_very_start(byte_tokenizer: PreTrainedTokenizerFast) -> None:
-    detok, deltas = run_with_stop(byte_tokenizer, "STOP! hello", ["STOP"])
+def test_stop_at_the_very_start(new: New, byte_tokenizer: PreTrainedTokenizerFast) -> None:
+    detok, deltas = run_with_stop(new, byte_tokenizer, "STOP! hello", ["STOP"])
     assert detok.stop_matched == "STOP" and detok.text == "" and deltas == [""] * len(deltas)
 
 
-def test_two_stop_strings_earliest_wins(byte_tokenizer: PreTrainedTokenizerFast) -> None:
-    detok, _ = run_with_stop(byte_tokenizer, "the quick brown fox jumps", ["fox", "quick"])
+def test_two_stop_strings_earliest_wins(new: New, byte_tokenizer: PreTrainedTokenizerFast) -> None:
+    detok, _ = run_with_stop(new, byte_tokenizer, "the quick brown fox jumps", ["fox", "quick"])
     assert detok.stop_matched == "quick" and detok.text == "the "
-    detok, _ = run_with_stop(byte_tokenizer, "the quick brown fox jumps", ["brown fox", "own"])
+    detok, _ = run_with_stop(new, byte_tokenizer, "the quick brown fox jumps", ["brown fox", "own"])
     assert detok.stop_matched == "own" and detok.text == "the quick br"
 
 
-def test_stop_prefix_held_then_released(byte_tokenizer: PreTrainedTokenizerFast) -> None:
-    detok = IncrementalDetokenizer(byte_tokenizer, [], ["hello!"])
+def test_stop_prefix_held_then_released(new: New, byte_tokenizer: PreTrainedTokenizerFast) -> None:
+    detok = new(byte_tokenizer, [], ["hello!"])
     streamed = "".join(detok.append([t]) for t in byte_tokenizer.encode("say hello"))
     assert streamed == "say "  # "hello" could still become "hello!"
     assert detok.append(byte_tokenizer.encode(" there")) == "hello there"
-    detok = IncrementalDetokenizer(byte_tokenizer, [], ["hello!"])
+    detok = new(byte_tokenizer, [], ["hello!"])
     streamed = "".join(detok.append([t]) for t in byte_tokenizer.encode("say hell"))
     assert detok.finish() == "hell" and detok.stop_matched is None
     assert streamed + "hell" == detok.text == "say hell"
 
 
-def test_multi_byte_stop_string(byte_tokenizer: PreTrainedTokenizerFast) -> None:
-    detok, deltas = run_with_stop(byte_tokenizer, "héllo wörld 日本語 🙂", ["本語"])
+def test_multi_byte_stop_string(new: New, byte_tokenizer: PreTrainedTokenizerFast) -> None:
+    detok, deltas = run_with_stop(new, byte_tokenizer, "héllo wörld 日本語 🙂", ["本語"])
     assert detok.stop_matched == "本語" and detok.text == "".join(deltas) == "héllo wörld 日"
 
 
-def test_stop_completing_in_finish(byte_tokenizer: PreTrainedTokenizerFast) -> None:
+def test_stop_completing_in_finish(new: New, byte_tokenizer: PreTrainedTokenizerFast) -> None:
     # The last token leaves an incomplete character, so the stop only appears at finish().
     ids = byte_tokenizer.encode("ab 日")
-    detok = IncrementalDetokenizer(byte_tokenizer, [], ["b \ufffd"])
+    detok = new(byte_tokenizer, [], ["b \ufffd"])
     for t in ids[:-1]:
         detok.append([t])
     assert detok.finish() == "" and detok.stop_matched == "b \ufffd" and detok.text == "a"
@@ -160,3 +178,32 @@ def test_long_output_keeps_window_small(byte_tokenizer: PreTrainedTokenizerFast)
         assert len(detok._token_ids) <= 80
     detok.finish()
     assert detok.text == full_decode(byte_tokenizer, ids)
+
+
+@pytest.mark.parametrize("tokenizer_name", ["byte_tokenizer", "sp_tokenizer"])
+def test_the_fast_path_decodes_what_the_reference_decodes(tokenizer_name: str, request: pytest.FixtureRequest) -> None:
+    """Token for token: the same deltas' concatenation, the same stop match and text, random ids and stops."""
+    tokenizer: PreTrainedTokenizerFast = request.getfixturevalue(tokenizer_name)
+    rng = random.Random(1)
+    for trial in range(300):
+        prompt = tokenizer.encode(" ".join(rng.sample(CORPUS[1].split(), rng.randrange(0, 4))))
+        text_ids = tokenizer.encode(rng.choice(CORPUS + MULTI_BYTE_TEXTS))
+        ids = text_ids if rng.random() < 0.5 else [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
+        stop = rng.sample(["o w", "日本", "the", "STOP", "\ufffd", "🙂"], rng.randrange(0, 3))
+        reference = IncrementalDetokenizer(tokenizer, prompt, stop)
+        fast = make_detokenizer(tokenizer, prompt, stop)
+        assert isinstance(fast, StreamDetokenizer)
+        ref_text = "".join(reference.append([t]) for t in ids) + reference.finish()
+        fast_text = "".join(fast.append([t]) for t in ids) + fast.finish()
+        assert (fast_text, fast.text, fast.stop_matched) == (ref_text, reference.text, reference.stop_matched), \
+            (trial, prompt, ids, stop)
+
+
+def test_tokenizers_without_a_fast_backend_get_the_reference() -> None:
+    class Plain:
+        all_special_ids: list[int] = []
+
+        def decode(self, token_ids: list[int], **_: object) -> str:
+            return "".join(map(chr, token_ids))
+
+    assert isinstance(make_detokenizer(Plain(), [], []), IncrementalDetokenizer)

@@ -1,0 +1,120 @@
+"""The engine's own host time per step: what the engine spends around the forward, per running request.
+
+The echo model (engine/echo.py) runs the real scheduler, block manager, prefix cache, output processor, stop
+rules and speculator over a runner with no weights, so a step's wall time is the engine's host time alone;
+with ``echo:step_delay_s=S`` the runner sleeps S per step, standing in for a device forward, and the report
+gives the fraction of the device's limit reached (steps x S / wall: 1.0 means the device never waits).
+
+Two tables, each measured in this run:
+
+- host time: microseconds per running request per decode step, at batch 1 / 64 / 256 / 1024 and prompts of
+  32 / 2k / 8k tokens, speculation off and ``auto``;
+- device fraction: step delays of 2 / 5 / 10 ms at batch 64 and 256.
+
+Every request decodes ``--steps`` tokens past its prompt (``ignore_eos``), so the batch stays whole while it is
+timed (speculation ``auto`` drafts the echo's repeated prompt: several tokens a step, fewer steps).
+
+    python ops/bench/overhead.py               # the whole grid (a few minutes on 2 cores)
+    python ops/bench/overhead.py --quick       # batch 64 and 256, 32 and 2k-token prompts
+    python ops/bench/overhead.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# NOTE: run as a script, this folder comes first on sys.path: take it off and import the helpers as
+# ops.bench.* from the repository root.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parents[1]))
+
+from ops.bench.common import fmt, machine_info, print_table, write_json  # noqa: E402
+from tokenmill.engine.config import EngineConfig  # noqa: E402
+from tokenmill.engine.engine import Engine  # noqa: E402
+from tokenmill.protocol.sampling import SamplingParams  # noqa: E402
+
+WARMUP_STEPS = 3
+
+
+def build(batch: int, prompt_tokens: int, spec: str, step_delay_s: float, steps: int) -> Engine:
+    """An echo engine holding ``batch`` requests of ``prompt_tokens``, prefilled, decoding."""
+    name = f"echo:step_delay_s={step_delay_s}" if step_delay_s else "echo"
+    config = EngineConfig.model_validate({
+        "model": {"name": name, "max_model_len": prompt_tokens + steps * 16 + 64},
+        "scheduler": {"max_num_seqs": batch, "max_num_batched_tokens": max(8192, batch * 16),
+                      "max_prefill_chunk": max(8192, prompt_tokens)},
+        "speculative": {"method": spec},
+    })
+    engine = Engine.from_config(config)
+    params = SamplingParams(max_tokens=steps * 16 + WARMUP_STEPS * 16, ignore_eos=True)
+    for i in range(batch):
+        # NOTE: distinct prompts (no prefix hits), echoed as their bytes
+        engine.add_request(f"r{i}", [97 + (i * 7 + j * 13) % 26 for j in range(prompt_tokens)], params)
+    while engine.scheduler.counters.num_generated_tokens < batch:  # NOTE: every prompt computed, decoding
+        engine.step()
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    return engine
+
+
+def measure(batch: int, prompt_tokens: int, spec: str, step_delay_s: float, steps: int) -> dict[str, Any]:
+    """Time ``steps`` decode steps of a full batch."""
+    engine = build(batch, prompt_tokens, spec, step_delay_s, steps)
+    gc.collect()
+    generated_before = engine.scheduler.counters.num_generated_tokens
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall_s = time.perf_counter() - started
+    running = engine.scheduler.num_running
+    tokens = engine.scheduler.counters.num_generated_tokens - generated_before
+    engine.close()
+    host_s = wall_s - steps * step_delay_s
+    return {"batch": batch, "prompt_tokens": prompt_tokens, "spec": spec, "step_delay_ms": step_delay_s * 1e3,
+            "steps": steps, "running_at_end": running, "wall_s": wall_s, "tokens": tokens,
+            "us_per_request_step": host_s / steps / batch * 1e6, "ms_per_step": wall_s / steps * 1e3,
+            "device_fraction": steps * step_delay_s / wall_s if step_delay_s else None,
+            "tokens_per_step": tokens / steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="batch 64 and 256, prompts of 32 and 2k tokens")
+    parser.add_argument("--steps", type=int, default=40, help="timed decode steps per cell")
+    parser.add_argument("--json", help="write the report here")
+    args = parser.parse_args()
+    batches = [64, 256] if args.quick else [1, 64, 256, 1024]
+    prompts = [32, 2048] if args.quick else [32, 2048, 8192]
+    host_rows, cells = [], []
+    for spec in ("off", "auto"):
+        for batch in batches:
+            row: list[Any] = [spec, batch]
+            for prompt_tokens in prompts:
+                if batch * prompt_tokens > 2_200_000:  # NOTE: batch 1024 x 8k: 8M prompt tokens to prefill first
+                    row.append("-")
+                    continue
+                cell = measure(batch, prompt_tokens, spec, 0.0, args.steps)
+                cells.append(cell)
+                row.append(fmt(cell["us_per_request_step"]))
+            host_rows.append(row)
+    print_table("engine host time: us per running request per step (echo, no step delay)",
+                ["spec", "batch", *[f"prompt {p}" for p in prompts]], host_rows)
+    device_rows = []
+    for batch in (64, 256):
+        for delay_ms in (2, 5, 10):
+            cell = measure(batch, 32, "off", delay_ms / 1e3, args.steps)
+            cells.append(cell)
+            device_rows.append([batch, delay_ms, fmt(cell["ms_per_step"], 2), fmt(cell["device_fraction"], 3)])
+    print_table("fraction of the device's limit (steps x delay / wall), prompts of 32, speculation off",
+                ["batch", "step delay ms", "ms per step", "fraction"], device_rows)
+    write_json(args.json, {"machine": machine_info(), "cells": cells})
+
+
+if __name__ == "__main__":
+    main()
