@@ -7,7 +7,7 @@ Imports producer only; never the worker or the engine.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -83,17 +83,19 @@ def fail(message: str) -> typer.Exit:
 
 
 def validation_exit(exc: ValidationError, what: str = "configuration",
-                    model: type[BaseModel] | None = None) -> typer.Exit:
+                    model: type[BaseModel] | None = None, flags: Mapping[str, str] | None = None) -> typer.Exit:
     """Every invalid field on its own line (a single one: one line in all); an unknown key of
-    ``model`` with the nearest known key; exit code 1."""
-    clauses = [_describe(err, what, model) for err in exc.errors()]
+    ``model`` with the nearest known key; a field a flag sets, with the flag (``flags``: dotted
+    field -> flag); exit code 1."""
+    clauses = [_describe(err, what, model, flags or {}) for err in exc.errors()]
     if len(clauses) == 1:
         return fail(f"invalid {what}: {clauses[0]}")
     return fail("\n".join([f"invalid {what} ({len(clauses)} errors):", *(f"  {clause}" for clause in clauses)]))
 
 
-def _describe(err: ErrorDetails, what: str, model: type[BaseModel] | None) -> str:
+def _describe(err: ErrorDetails, what: str, model: type[BaseModel] | None, flags: Mapping[str, str]) -> str:
     where = ".".join(str(p) for p in err["loc"]) or what
+    where = f"{where} ({flags[where]})" if where in flags else where
     clause = f"{where}: {err['msg']}" + (f" (got {err['input']!r})" if "input" in err else "")
     nearest = _nearest_key(model, err["loc"]) if model is not None and err["type"] == "extra_forbidden" else None
     return clause if nearest is None else f"{clause}; did you mean {nearest!r}?"
@@ -149,7 +151,8 @@ def check_deployment_settings(state: CliState) -> None:
 def open_producer(ctx: typer.Context) -> Iterator[Producer]:
     """A connected producer for the global options; Redis problems exit 1 with the reason."""
     config = client_settings(ctx).producer_config
-    producer = or_exit(lambda: Producer.from_config(config))
+    # NOTE: the commands warn on stderr themselves (warn_without_workers), not through the producer's log
+    producer = or_exit(lambda: Producer.from_config(config, check_workers=False))
     try:
         yield producer
     finally:

@@ -13,17 +13,18 @@ import typer
 from rich.console import Console
 
 from tokenmill.cli.common import CliState, QueueOption, app, client_settings, fail, or_exit, with_queue
+from tokenmill.cli.engine_flags import NO_FLAGS, EngineFlags, load_worker_settings, merge, with_engine_flags
 
 
 @app.command()
+@with_engine_flags
 def worker(
     ctx: typer.Context,
     model: Annotated[str | None, typer.Option(help="model alias, HF id, path, or 'echo'")] = None,
     name: Annotated[str | None, typer.Option(help="consumer name (default host-pid-random)")] = None,
-    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda")] = None,
     max_waiting: Annotated[int | None, typer.Option(help="backpressure high-water mark")] = None,
     drain_timeout: Annotated[float | None, typer.Option("--drain-timeout", help="seconds to drain on SIGTERM")] = None,
-    metrics_port: Annotated[int | None, typer.Option(help="serve Prometheus metrics on this port")] = None,
+    metrics_port: Annotated[int | None, typer.Option(help="serve /metrics, /health and /ready on this port")] = None,
     log_json: Annotated[bool | None, typer.Option("--log-json/--log-text", help="JSON log lines")] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = None,
     burst: Annotated[bool, typer.Option(help="exit when every lane is empty and nothing is in flight")] = False,
@@ -33,9 +34,9 @@ def worker(
                                                      help="share prompt KV blocks across the fleet through Redis")
                            ] = None,
     queue: QueueOption = None,
+    engine_flags: EngineFlags = NO_FLAGS,
 ) -> None:
     """Serve one queue: read requests, run them on the engine, write results."""
-    from tokenmill.worker.config import Settings  # noqa: PLC0415 - keeps --help and the client commands light
     from tokenmill.worker.errors import StartupError  # noqa: PLC0415 - as above
     from tokenmill.worker.runtime import run_worker  # noqa: PLC0415 - as above: loads the engine
 
@@ -45,9 +46,9 @@ def worker(
         **state.overrides,
         "worker": {"name": name, "max_waiting": max_waiting, "drain_timeout_s": drain_timeout,
                    "metrics_port": metrics_port, "log_json": log_json, "log_level": log_level, "role": role},
-        "engine": {"model": {"name": model, "device": device}, "fleet_cache": {"enabled": fleet_cache}},
+        "engine": {"model": {"name": model}, "fleet_cache": {"enabled": fleet_cache}},
     }
-    settings = or_exit(lambda: Settings.load(state.config_file, overrides), Settings)
+    settings = load_worker_settings(state.config_file, merge(overrides, engine_flags.overrides()))
     try:
         code = or_exit(lambda: run_worker(settings, burst=burst))
     except StartupError as exc:

@@ -44,6 +44,10 @@ class SchedulerConfig(_Frozen):
     max_prefill_tokens: int | None = Field(
         None, ge=1, description="prefill tokens per step (all requests); None = the total budget"
     )
+    max_decode_tokens: int | None = Field(
+        None, ge=1, description="decode tokens per step, their draft tokens included (all requests): a step full of "
+        "drafting decodes still leaves arrivals the rest for their prefill; None = the total budget"
+    )
     aging_interval_s: float = Field(
         30.0, ge=0.0, description="each interval waited improves priority by one level, so no lane starves; 0 = off"
     )
@@ -63,11 +67,17 @@ class SchedulerConfig(_Frozen):
             raise ValueError("max_prefill_chunk must not exceed max_num_batched_tokens")
         if self.max_prefill_tokens is not None and self.max_prefill_tokens > self.max_num_batched_tokens:
             raise ValueError("max_prefill_tokens must not exceed max_num_batched_tokens")
+        if self.max_decode_tokens is not None and self.max_decode_tokens > self.max_num_batched_tokens:
+            raise ValueError("max_decode_tokens must not exceed max_num_batched_tokens")
         return self
 
     @property
     def prefill_token_budget(self) -> int:
         return self.max_prefill_tokens or self.max_num_batched_tokens
+
+    @property
+    def decode_token_budget(self) -> int:
+        return self.max_decode_tokens or self.max_num_batched_tokens
 
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -162,6 +172,12 @@ class ExecutionConfig(_Frozen):
         "auto", description="CPU linear layers, packed once at load: auto: the faster kernel for this CPU and dtype "
         "(engine/kernels/cpu_linear.py); onednn: torch's oneDNN; panels: the engine's C++ panel kernel; off: plain "
         "nn.Linear"
+    )
+    overlap: Literal["auto", "on", "off"] = Field(
+        "auto", description="run a step's forward on a device thread while the engine makes the previous step's "
+        "outputs (detokenize, stop strings, output objects); outputs then come one step later. auto: on for CUDA "
+        "(the host work hides behind the device's), off on the CPU, where the forward's threads need both cores "
+        "(measured: ops/bench/overhead.py and the note in docs/design.md); off: the synchronous loop (the reference)"
     )
 
 
@@ -268,6 +284,11 @@ class StructuredOutputConfig(_Frozen):
                                      "(validation error) and its compiler process killed")
     compile_memory: int | str = Field("2GiB", description="memory one compilation may use beyond the compiler "
                                       "process's own; past it the spec is refused")
+    warm_at_start: bool = Field(
+        True, description="a worker starts the compiler (its child process) when it starts, off the engine thread, "
+        "so the first structured request waits only for its own compile; off: on the first one (saves the child's "
+        "memory where none comes)"
+    )
 
     @field_validator("compile_memory")
     @classmethod

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Self
 
 from tokenmill.engine.config import EngineConfig
@@ -58,7 +59,7 @@ class Engine:
 
     def __init__(self, scheduler: Scheduler, runner: StepRunner, processor: OutputProcessor, tokenizer: Any,
                  limits: ModelLimits, clock: Clock, grammars: Grammars | None = None,
-                 fleet: FleetCache | None = None) -> None:
+                 fleet: FleetCache | None = None, overlap: bool = False) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.processor = processor
@@ -72,6 +73,10 @@ class Engine:
         # their own copy.
         self._prompt_tokenizer = copy.deepcopy(tokenizer)
         self._tokenize_lock = threading.Lock()
+        # Overlap (``[engine.execution] overlap``): the forward runs on this thread while the engine thread makes the
+        # previous step's outputs; the requests that progressed in the last forward wait here for theirs.
+        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-device") if overlap else None
+        self._unreported: list[Request] = []
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None,
@@ -86,15 +91,17 @@ class Engine:
                 its Redis); the echo model has no KV and ignores it.
         """
         clock = clock or MonotonicClock()
+        overlap = config.execution.overlap
         if is_echo_model(config.model.name):
             echo = build_echo_parts(config, clock)
             return cls(echo.scheduler, echo.runner, OutputProcessor(echo.tokenizer, clock), echo.tokenizer,
-                       echo.limits, clock, echo.grammars)
+                       echo.limits, clock, echo.grammars, overlap=overlap == "on")
         from tokenmill.engine.model.model_setup import build_engine_parts  # noqa: PLC0415 - torch only for real engines
 
         parts = build_engine_parts(config, clock, block_store_for)
+        is_on = overlap == "on" or (overlap == "auto" and parts.runner.device.type == "cuda")
         return cls(parts.scheduler, parts.runner, OutputProcessor(parts.tokenizer, clock), parts.tokenizer,
-                   parts.limits, clock, parts.grammars, parts.fleet)
+                   parts.limits, clock, parts.grammars, parts.fleet, overlap=is_on)
 
     @property
     def model_name(self) -> str:
@@ -131,6 +138,24 @@ class Engine:
             self.grammars.compile(params.response_format)
         except GrammarError as exc:
             raise PromptError(ErrorCode.VALIDATION, str(exc)) from None
+
+    def warm_grammars(self) -> None:
+        """Start the grammar compiler now (its child process: seconds, tens of them under load) rather than on
+        the first structured request, which then waits only for its own compile. Meant for a background thread
+        at worker start (worker/runtime.py): nothing else waits for it. Never raises: a failure is logged, and
+        the first structured request tries again (and is answered with the reason)."""
+        warm = getattr(self.grammars, "warm", None)  # NOTE: the echo model's grammars have nothing to start
+        if warm is None:
+            return
+        started_s = time.monotonic()
+        try:
+            warm()
+        except Exception:  # NOTE: a warm-up is an optimisation: the worker serves without it
+            logger.warning("grammar compiler warm-up failed; the first structured request starts it",
+                           exc_info=True, extra={"event": "grammar_warm_failed"})
+            return
+        logger.info("grammar compiler warm", extra={"event": "grammar_warm",
+                                                     "seconds": round(time.monotonic() - started_s, 2)})
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, length_group: str | None = None,
@@ -216,20 +241,58 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """Whether a step would run something or hand out an output not seen yet."""
-        return self.scheduler.has_unfinished() or self.scheduler.has_finished() or self.processor.has_rejected()
+        return (self.scheduler.has_unfinished() or self.scheduler.has_finished() or self.processor.has_rejected()
+                or bool(self._unreported))
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether steps overlap the forward with the previous step's outputs (``[engine.execution] overlap``)."""
+        return self._device is not None
 
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration and one model forward.
 
         Returns:
-            An output for every request that progressed or finished in this step.
+            An output for every request that progressed or finished in this step; with overlap, in the step
+            before (this step's forward runs while they are made, and its outputs come with the next call).
         """
         if self.fleet is not None:
             self._poll_fleet(self.fleet)
         scheduler_output = self.scheduler.schedule()
+        if self._device is None:
+            started_s = time.perf_counter()
+            model_output = self._execute(scheduler_output)
+            return self._outputs(self._apply(scheduler_output, model_output, time.perf_counter() - started_s))
+        started = threading.Event()
+        forward = self._device.submit(self._forward, scheduler_output, started)
+        # NOTE: wait until the device thread holds the GIL and starts the forward: left to Python's switch interval
+        # (5 ms), it would wait for this thread to block, and nothing would overlap.
+        started.wait()
+        # NOTE: while the forward runs: a request a stop string ends here may be in it; update() skips its chunk, so
+        # it emits nothing past the stop (its blocks are reused only by the next schedule(), after the forward).
+        outputs = self._outputs(self._unreported)
+        self._unreported = []
+        result, step_s = forward.result()
+        if isinstance(result, DeviceLost):
+            raise result
+        model_output = self._isolate(scheduler_output.chunks, result) if isinstance(result, Exception) else result
+        self._unreported = self._apply(scheduler_output, model_output, step_s)
+        return outputs
+
+    def _forward(self, plan: SchedulerOutput, started: threading.Event) -> tuple[ModelOutput | Exception, float]:
+        """Device thread: run the step's block copies and forward; a failure is returned, for the engine thread to
+        trace to its requests (the scheduler is only ever touched there)."""
+        started.set()
         started_s = time.perf_counter()
-        model_output = self._execute(scheduler_output)
-        step_s = time.perf_counter() - started_s
+        try:
+            output: ModelOutput | Exception = self.runner.execute(self._copies_first(plan))
+        except Exception as exc:  # noqa: BLE001 - handed to the engine thread: DeviceLost re-raised, others isolated
+            output = exc
+        return output, time.perf_counter() - started_s
+
+    def _apply(self, scheduler_output: SchedulerOutput, model_output: ModelOutput, step_s: float) -> list[Request]:
+        """Apply a step's forward to the scheduler (and the speculator's and fleet cache's books); the requests that
+        received tokens."""
         if self.scheduler.speculator is not None and scheduler_output.is_decode_only:
             # NOTE: wall time, not the engine clock: the step cost model sizes drafts by what a decode step
             # costs (prefill chunks cost more per token and would skew it), measured, not assumed.
@@ -239,6 +302,11 @@ class Engine:
             self.fleet.publish(self.scheduler.take_new_prompt_blocks())
             if not scheduler_output.is_decode_only:
                 self.fleet.cost.observe_prefill(scheduler_output.num_batched_tokens, step_s)
+        return progressed
+
+    def _outputs(self, progressed: list[Request]) -> list[RequestOutput]:
+        """Text for the requests that received tokens, stop strings, and the outputs of everything that progressed
+        or finished since the last call."""
         matched, failed = self.processor.detokenize(progressed)
         for request in matched:
             self._stop_on_string(request)
@@ -261,15 +329,20 @@ class Engine:
         block swapped out may be reused by the same step), and a failure in them is no request's
         fault, so it is not contained.
         """
-        if plan.swap_out or plan.copy_blocks or plan.swap_in:
-            self.runner.execute(dataclasses.replace(plan, chunks=[]))
-            plan = SchedulerOutput(chunks=plan.chunks)
+        plan = self._copies_first(plan)
         try:
             return self.runner.execute(plan)
         except DeviceLost:
             raise  # no request's fault: the engine cannot step again
         except Exception as exc:  # noqa: BLE001 - traced to its requests; the engine lives on
             return self._isolate(plan.chunks, exc)
+
+    def _copies_first(self, plan: SchedulerOutput) -> SchedulerOutput:
+        """Run the step's block copies (swaps, copy-on-write) in a call of their own; the rest of the plan."""
+        if plan.swap_out or plan.copy_blocks or plan.swap_in:
+            self.runner.execute(dataclasses.replace(plan, chunks=[]))
+            return SchedulerOutput(chunks=plan.chunks)
+        return plan
 
     def _isolate(self, chunks: list[ScheduledChunk], step_error: Exception) -> ModelOutput:
         """Re-run a failed step's chunks in halves until each failure is one chunk's; those requests
@@ -349,6 +422,8 @@ class Engine:
         processes (a tensor-parallel runner's follower ranks)."""
         if self.fleet is not None:
             self.fleet.close()
+        if self._device is not None:
+            self._device.shutdown(wait=True)
         close_runner = getattr(self.runner, "close", None)  # NOTE: only the model's runner has processes to stop
         if close_runner is not None:
             close_runner()

@@ -13,9 +13,9 @@ from typing import Any, cast
 import redis.asyncio
 from typing_extensions import Unpack
 
-from tokenmill.producer import common
+from tokenmill.producer import common, worker_check
 from tokenmill.producer.common import Deadline, SubmitOptions
-from tokenmill.producer.config import ProducerConfig, QueueConfig, RedisConfig
+from tokenmill.producer.config import ProducerConfig
 from tokenmill.producer.connection import aconnect
 from tokenmill.producer.keys import DONE_TTL_S
 from tokenmill.producer.schema import GenerationRequest, GenerationResult
@@ -28,23 +28,29 @@ class AsyncProducer:
     The connection is made (with retries) on first use or by ``await producer.connect()``;
     ``async with AsyncProducer(...) as producer`` does both and closes it.
 
+    Settings load as :class:`producer.Producer`'s do (:meth:`ProducerConfig.load`), and submits warn the same way
+    when no live worker reads what it writes.
+
     Args: as :class:`producer.Producer`'s; ``client`` is a ready ``redis.asyncio.Redis``.
     """
 
-    def __init__(self, url: str | None = None, *, prefix: str = "tokenmill", queue: str = "default",
-                 num_lanes: int = 3, result_ttl_s: float = 86_400.0,
-                 client: redis.asyncio.Redis | None = None) -> None:
-        queue_config = QueueConfig(prefix=prefix, name=queue, num_lanes=num_lanes, result_ttl_s=result_ttl_s)
-        self._setup(ProducerConfig(redis=RedisConfig(url=url), queue=queue_config), client)
+    def __init__(self, url: str | None = None, *, prefix: str | None = None, queue: str | None = None,
+                 num_lanes: int | None = None, shards: int | None = None, result_ttl_s: float | None = None,
+                 client: redis.asyncio.Redis | None = None, check_workers: bool = True) -> None:
+        config = ProducerConfig.load(redis={"url": url}, queue={
+            "prefix": prefix, "name": queue, "num_lanes": num_lanes, "shards": shards, "result_ttl_s": result_ttl_s})
+        self._setup(config, client, check_workers)
 
     @classmethod
-    def from_config(cls, config: ProducerConfig, *, client: redis.asyncio.Redis | None = None) -> AsyncProducer:
-        """A producer for ``config``; ``client`` as in the constructor."""
+    def from_config(cls, config: ProducerConfig, *, client: redis.asyncio.Redis | None = None,
+                    check_workers: bool = True) -> AsyncProducer:
+        """A producer for ``config`` (as it is: nothing more is loaded); ``client`` and ``check_workers`` as in
+        the constructor."""
         producer = cls.__new__(cls)
-        producer._setup(config, client)  # noqa: SLF001 - this class's own set-up, on the instance it just made
+        producer._setup(config, client, check_workers)  # noqa: SLF001 - this class's own set-up, on the new instance
         return producer
 
-    def _setup(self, config: ProducerConfig, client: redis.asyncio.Redis | None) -> None:
+    def _setup(self, config: ProducerConfig, client: redis.asyncio.Redis | None, check_workers: bool) -> None:
         self.config = config
         self.layout = config.layout  # the queue's shards (producer/shards.py)
         self.keys = self.layout.home  # the queue's own keys: heartbeats, reply streams (all of them for one shard)
@@ -52,6 +58,7 @@ class AsyncProducer:
         self._client = client
         self._connect_lock = asyncio.Lock()
         self._rearm = client.register_script(common.REARM_SCRIPT) if client is not None else None
+        self._worker_check = worker_check.WorkerCheck(config) if check_workers else None
 
     async def connect(self) -> redis.asyncio.Redis:
         """The client, connecting (with retries and PING) on the first call.
@@ -100,12 +107,37 @@ class AsyncProducer:
         return [request.id for request in batch]
 
     async def _enqueue(self, requests: Sequence[GenerationRequest]) -> None:
-        """One round trip: clear stale cancel marks of the ids, XADD each request."""
+        """One round trip: clear stale cancel marks of the ids, XADD each request (and, when due, read the workers
+        hash: :meth:`producer.Producer._enqueue`)."""
         client = await self.connect()
+        check = self._worker_check if self._worker_check is not None and self._worker_check.is_due() else None
         with common.uncertain_on_redis_error(requests):
             pipe = client.pipeline(transaction=False)
             common.queue_submit_commands(pipe, self.layout, requests)
-            await pipe.execute()
+            if check is None:
+                await pipe.execute()
+                return
+            # NOTE: a look at the workers is due: in the same round trip (see producer.Producer._enqueue)
+            num_reads = worker_check.queue_worker_reads(pipe, self.layout)
+            replies = await pipe.execute(raise_on_error=False)
+            worker_check.raise_first_error(replies[:-num_reads])
+        check.warn(replies[-num_reads:], worker_check.lanes_written(requests))
+
+    async def _read_workers(self) -> list[Any]:
+        client = await self.connect()
+        pipe = client.pipeline(transaction=False)
+        worker_check.queue_worker_reads(pipe, self.layout)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        return replies
+
+    async def check_workers(self, model: str | None = None) -> list[str]:
+        """Why requests of this producer would wait for no live worker; see :meth:`producer.Producer.check_workers`.
+
+        Raises:
+            redis.RedisError: the workers hash could not be read.
+        """
+        seen = worker_check.seen_workers(await self._read_workers())
+        return worker_check.problems(self.config, seen, worker_check.every_lane(self.keys.num_lanes, model))
 
     async def get(self, request_id: str) -> GenerationResult | None:
         """The result if it has landed, else None; never blocks."""

@@ -179,7 +179,8 @@ def register_tasks(app: Celery, producer_config: ProducerConfig | None = None, *
 
     Args:
         app: the user's Celery app (use JSON or msgpack serialisation; see :data:`JSON_ONLY`).
-        producer_config: the tokenmill queue to feed; None = defaults (``REDIS_URL``).
+        producer_config: the tokenmill queue to feed; None = :meth:`ProducerConfig.load` (``TOKENMILL_*``
+            variables and ``REDIS_URL`` > the file ``$TOKENMILL_CONFIG`` names > defaults), loaded here.
         name: task name; register twice with different names for two queues or modes.
         mode, poll_interval_s, max_poll_interval_s, timeout_s: see :class:`TaskOptions`.
 
@@ -190,7 +191,7 @@ def register_tasks(app: Celery, producer_config: ProducerConfig | None = None, *
         ValueError: ``app`` serialises with or accepts pickle.
     """
     _refuse_pickle(app)
-    generator = _Generator(producer_config or ProducerConfig(),
+    generator = _Generator(producer_config or ProducerConfig.load(),
                            TaskOptions(mode, poll_interval_s, max_poll_interval_s, timeout_s))
 
     def generate(self: Any, source: Any = None, **options: Any) -> dict[str, Any]:
@@ -221,7 +222,7 @@ def make_app(broker_url: str, backend_url: str | None = None, producer_config: P
     Args:
         broker_url: e.g. ``redis://localhost:6379/1``.
         backend_url: result backend (chords need one); None = the broker URL.
-        producer_config: the tokenmill queue to feed.
+        producer_config: the tokenmill queue to feed; None = :meth:`ProducerConfig.load`, as in :func:`register_tasks`.
         main: the app's name.
         **task_options: passed to :func:`register_tasks` (``mode``, ``poll_interval_s``, ...).
     """

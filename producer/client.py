@@ -13,9 +13,9 @@ from typing import Any, cast
 import redis
 from typing_extensions import Unpack
 
-from tokenmill.producer import common
+from tokenmill.producer import common, worker_check
 from tokenmill.producer.common import Deadline, SubmitOptions
-from tokenmill.producer.config import ProducerConfig, QueueConfig, RedisConfig
+from tokenmill.producer.config import ProducerConfig
 from tokenmill.producer.connection import connect
 from tokenmill.producer.keys import DONE_TTL_S, Lane
 from tokenmill.producer.schema import GenerationRequest, GenerationResult
@@ -25,33 +25,45 @@ from tokenmill.protocol.heartbeat import STALE_AFTER_S
 class Producer:
     """Client of one tokenmill queue (sync; thread-safe like ``redis.Redis``).
 
+    Settings load as every tokenmill process loads them (:meth:`ProducerConfig.load`): the arguments given
+    here > ``TOKENMILL_*`` variables and ``REDIS_URL`` > the TOML file ``$TOKENMILL_CONFIG`` names > defaults.
+    On its first submit, and at most every 30 s after, the producer compares its queue layout with the live
+    workers' heartbeats and logs a warning when no live worker reads what it writes (:meth:`check_workers`).
+
     Args:
-        url: redis://, rediss:// or unix:// URL; None = ``REDIS_URL``, else the embedded Redis.
+        url: redis://, rediss:// or unix:// URL; None = ``REDIS_URL``, else the file's, else the embedded Redis.
         prefix: key namespace shared with the workers.
         queue: queue name.
         num_lanes: priority lanes; must match the workers.
+        shards: streams the queue is spread over; must match the workers.
         result_ttl_s: how long results live; cancel marks older than this are trimmed.
         client: a ready ``redis.Redis`` (bytes responses) to use instead of connecting;
             the caller keeps ownership and closes it.
+        check_workers: compare with the live workers on submits (False: never).
 
     Raises:
+        ConfigError: the settings file is missing or not TOML.
         pydantic.ValidationError: invalid settings.
         RedisUnavailable: no client given and Redis cannot be reached.
     """
 
-    def __init__(self, url: str | None = None, *, prefix: str = "tokenmill", queue: str = "default",
-                 num_lanes: int = 3, result_ttl_s: float = 86_400.0, client: redis.Redis | None = None) -> None:
-        queue_config = QueueConfig(prefix=prefix, name=queue, num_lanes=num_lanes, result_ttl_s=result_ttl_s)
-        self._setup(ProducerConfig(redis=RedisConfig(url=url), queue=queue_config), client)
+    def __init__(self, url: str | None = None, *, prefix: str | None = None, queue: str | None = None,
+                 num_lanes: int | None = None, shards: int | None = None, result_ttl_s: float | None = None,
+                 client: redis.Redis | None = None, check_workers: bool = True) -> None:
+        config = ProducerConfig.load(redis={"url": url}, queue={
+            "prefix": prefix, "name": queue, "num_lanes": num_lanes, "shards": shards, "result_ttl_s": result_ttl_s})
+        self._setup(config, client, check_workers)
 
     @classmethod
-    def from_config(cls, config: ProducerConfig, *, client: redis.Redis | None = None) -> Producer:
-        """A producer for ``config``; ``client`` as in the constructor."""
+    def from_config(cls, config: ProducerConfig, *, client: redis.Redis | None = None,
+                    check_workers: bool = True) -> Producer:
+        """A producer for ``config`` (as it is: nothing more is loaded); ``client`` and ``check_workers`` as in
+        the constructor."""
         producer = cls.__new__(cls)
-        producer._setup(config, client)  # noqa: SLF001 - this class's own set-up, on the instance it just made
+        producer._setup(config, client, check_workers)  # noqa: SLF001 - this class's own set-up, on the new instance
         return producer
 
-    def _setup(self, config: ProducerConfig, client: redis.Redis | None) -> None:
+    def _setup(self, config: ProducerConfig, client: redis.Redis | None, check_workers: bool) -> None:
         self.config = config
         self.layout = config.layout  # the queue's shards (producer/shards.py)
         self.keys = self.layout.home  # the queue's own keys: heartbeats, reply streams (all of them for one shard)
@@ -59,6 +71,7 @@ class Producer:
         self.client = client if client is not None else connect(config.redis)
         self._rearm = self.client.register_script(common.REARM_SCRIPT)
         self._submit_once = self.client.register_script(common.SUBMIT_ONCE_SCRIPT)
+        self._worker_check = worker_check.WorkerCheck(config) if check_workers else None
 
     def close(self) -> None:
         """Close the connection pool, unless the client was injected."""
@@ -147,6 +160,7 @@ class Producer:
             chunk = batch[start:start + self.config.submit_chunk_size]
             with common.uncertain_on_redis_error(chunk):
                 first_submits += [float(value) for value in self._submit_once_chunk(chunk)]
+            self._look_at_workers(chunk)
         return first_submits
 
     def _submit_once_chunk(self, chunk: Sequence[GenerationRequest]) -> list[Any]:
@@ -167,11 +181,51 @@ class Producer:
         raise AssertionError("unreachable")
 
     def _enqueue(self, requests: Sequence[GenerationRequest]) -> None:
-        """One round trip: clear stale cancel marks of the ids, XADD each request."""
+        """One round trip: clear stale cancel marks of the ids, XADD each request; when a look at the workers is
+        due (the first submit, then at most every 30 s), the workers hash is read in the same round trip and a
+        warning logged when no live worker reads the lanes ``requests`` went to (producer/worker_check.py)."""
+        check = self._worker_check if self._worker_check is not None and self._worker_check.is_due() else None
         with common.uncertain_on_redis_error(requests):
             pipe = self.client.pipeline(transaction=False)
             common.queue_submit_commands(pipe, self.layout, requests)
-            pipe.execute()
+            if check is None:
+                pipe.execute()
+                return
+            num_reads = worker_check.queue_worker_reads(pipe, self.layout)
+            replies = pipe.execute(raise_on_error=False)
+            worker_check.raise_first_error(replies[:-num_reads])
+        check.warn(replies[-num_reads:], worker_check.lanes_written(requests))
+
+    def _look_at_workers(self, requests: Sequence[GenerationRequest]) -> None:
+        """After a submit of its own round trips (``submit_once``), when due: as :meth:`_enqueue`'s look, in one
+        more round trip; never raises."""
+        if self._worker_check is None or not self._worker_check.is_due():
+            return
+        try:
+            replies = self._read_workers()
+        except redis.RedisError as exc:
+            worker_check.log.debug("could not read the workers hash: %s", exc)
+            return
+        self._worker_check.warn(replies, worker_check.lanes_written(requests))
+
+    def _read_workers(self) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        worker_check.queue_worker_reads(pipe, self.layout)
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+        return replies
+
+    def check_workers(self, model: str | None = None) -> list[str]:
+        """Why requests of this producer would wait for no live worker, one sentence each naming what this
+        producer uses, what the live workers use and the setting to change; empty when some live worker reads
+        every lane this producer may write (those of ``model``, or the shared ones). Raise on a non-empty
+        answer for a strict start; submits log the same sentences as warnings (:class:`Producer`).
+
+        Raises:
+            redis.RedisError: the workers hash could not be read.
+        """
+        replies = self._read_workers()
+        seen = worker_check.seen_workers(replies)
+        return worker_check.problems(self.config, seen, worker_check.every_lane(self.keys.num_lanes, model))
 
     def get(self, request_id: str) -> GenerationResult | None:
         """The result if it has landed, else None; never blocks."""

@@ -2,7 +2,8 @@
 
 Owns ``QueueConfig``, ``RedisConfig`` and ``ServeConfig`` (the ``[queue]`` / ``[redis]`` / ``[serve]``
 sections of a deployment's TOML file), ``ProducerConfig``, and ``FileSettings``: the one merge of
-flags > env > file > defaults.
+flags (explicit arguments) > env > file (``--config``, else ``$TOKENMILL_CONFIG``) > defaults, which the CLI,
+the worker, serve, ``Producer()``, ``AsyncProducer()`` and Celery's ``register_tasks`` all load through.
 Never imports redis, torch, the engine or the worker.
 """
 
@@ -37,6 +38,7 @@ CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 # above it can never cut a healthy BLPOP / XREAD short.
 MAX_BLOCK_S = 5.0
 REDIS_URL_ENV = "REDIS_URL"  # the one env name of the Redis URL (docs/design.md)
+CONFIG_ENV = "TOKENMILL_CONFIG"  # the settings file read when none is named (--config, config_file)
 # Env names that once set the URL: refused with a pointer, so no setting has two names.
 _REFUSED_URL_ENVS = frozenset({"TOKENMILL_REDIS__URL", "TOKENMILL_REDIS_URL"})
 
@@ -146,6 +148,19 @@ class ProducerConfig(_Frozen):
     queue: QueueConfig = Field(default_factory=QueueConfig)
     submit_chunk_size: int = Field(default=500, ge=1, le=100_000, description="requests per pipelined round trip")
 
+    @classmethod
+    def load(cls, config_file: Path | str | None = None, **overrides: Mapping[str, Any] | None) -> ProducerConfig:
+        """The ``[redis]`` and ``[queue]`` settings as every tokenmill process loads them (:meth:`FileSettings.load`):
+        ``overrides`` (by section, as in the file: ``queue={"name": "q"}``; None values count as not given) >
+        ``TOKENMILL_*`` variables and ``REDIS_URL`` > the TOML file ``config_file`` (default: ``$TOKENMILL_CONFIG``)
+        > defaults.
+
+        Raises:
+            ConfigError: the file is missing or not TOML, or a refused env name is set.
+            pydantic.ValidationError: a value is invalid or a key unknown.
+        """
+        return ClientSettings.load(config_file, overrides).producer_config
+
     @property
     def layout(self) -> QueueLayout:
         """The queue's keys, its own and its shards' (producer/shards.py)."""
@@ -157,12 +172,20 @@ class ProducerConfig(_Frozen):
         return self.layout.home
 
 
+SERVE_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+
+
 class ServeConfig(_Frozen):
     """The ``[serve]`` section: the OpenAI-compatible HTTP front (``tokenmill serve``)."""
 
     host: str = Field("127.0.0.1", min_length=1, description="address to bind; 0.0.0.0 for every interface")
     port: int = Field(8000, ge=1, le=65535, description="TCP port")
     api_keys: list[str] = Field(default_factory=list, description="accepted Bearer keys; empty = no authentication")
+    admin_api_keys: list[str] = Field(default_factory=list, description="Bearer keys that may also change things "
+                                      "from the dashboard (replay, discard, cancel); accepted wherever api_keys are")
+    dashboard_public: bool = Field(False, description="the dashboard's pages and data need no key (changes still "
+                                   "need an admin key)")
+    dashboard_session_ttl_s: float = Field(12 * 3600.0, gt=0, description="a dashboard sign-in lasts this long")
     priority: str | int = Field("normal", description="lane of requests without X-Tokenmill-Priority / priority")
     batch_priority: str | int = Field("low", description="lane of /v1/batches work")
     request_timeout_s: float = Field(600.0, gt=0, description="longest wait for one request when the client "
@@ -181,9 +204,19 @@ class ServeConfig(_Frozen):
     file_ttl_s: float = Field(30 * 86_400.0, gt=0, description="how long uploaded and batch output files live")
     batch_max_in_flight: int = Field(256, ge=1, le=100_000, description="requests outstanding per batch")
     batch_dir: Path | None = Field(None, description="scratch dir of running batches; default: the temp dir")
-    log_level: str = Field("info", description="uvicorn log level: critical, error, warning, info, debug")
+    log_level: str = Field("info", description="log level: critical, error, warning, info (the access log), debug")
+    log_json: bool = Field(False, description="one JSON object per log line (else text)")
+    throughput_log_s: float = Field(60.0, ge=0, description="log requests and tokens per minute this often, when "
+                                    "there was traffic; 0 = never")
 
-    @field_validator("api_keys")
+    @field_validator("log_level")
+    @classmethod
+    def _check_log_level(cls, value: str) -> str:
+        if value.lower() not in SERVE_LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(SERVE_LOG_LEVELS)}")
+        return value.lower()
+
+    @field_validator("api_keys", "admin_api_keys")
     @classmethod
     def _check_keys(cls, value: list[str]) -> list[str]:
         if any(not key or any(ch.isspace() for ch in key) for key in value):
@@ -216,19 +249,24 @@ class FileSettings(BaseSettings):
         return init_settings, redis_url, env_settings, TomlConfigSettingsSource(settings_cls)
 
     @classmethod
-    def load(cls, config_file: Path | None = None, overrides: Mapping[str, Any] | None = None) -> Self:
-        """Merge defaults, the TOML file, the environment and ``overrides`` (flags: section -> {key:
-        value}, nested like the file; None values, flags not given, are left out).
+    def load(cls, config_file: Path | str | None = None, overrides: Mapping[str, Any] | None = None) -> Self:
+        """Merge defaults, the TOML file (``config_file``, else the one ``$TOKENMILL_CONFIG`` names, else none),
+        the environment and ``overrides`` (flags: section -> {key: value}, nested like the file; None values,
+        flags not given, are left out). The one loader of every process's settings.
 
         Raises:
             ConfigError: the file is missing or not TOML, or a refused env name is set.
             pydantic.ValidationError: a value is invalid or a key unknown (listed field by field).
         """
+        named_by = ""
+        if config_file is None and os.environ.get(CONFIG_ENV):
+            config_file, named_by = os.environ[CONFIG_ENV], f" (named by {CONFIG_ENV})"
+        config_file = Path(config_file) if config_file is not None else None
         if config_file is not None:
             try:
                 tomllib.loads(config_file.read_text())
             except (OSError, tomllib.TOMLDecodeError) as exc:
-                raise ConfigError(f"cannot read config file {config_file}: {exc}") from exc
+                raise ConfigError(f"cannot read config file {config_file}{named_by}: {exc}") from exc
         from_file = type(cls.__name__, (cls,), {"model_config": SettingsConfigDict(toml_file=config_file)})
         return cast(Self, from_file(**_given(overrides or {})))
 

@@ -48,12 +48,16 @@ def read(client: redis.Redis, keys: Keys | QueueLayout, limit: int | None = None
         if count is not None and count <= 0:
             break
         entries = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(shard.dead, count=count))
-        for entry_id, fields in entries:
-            original = {name: value for name, value in fields.items() if name not in _DEAD_FIELDS}
-            letters.append(DeadLetter(entry_id.decode(), peek_request_id(original),
-                                      fields.get(b"reason", b"").decode(errors="replace"),
-                                      fields.get(b"stream", b"").decode(errors="replace"), original, shard.dead))
+        letters += [parse(entry_id, fields, shard.dead) for entry_id, fields in entries]
     return letters
+
+
+def parse(entry_id: bytes | str, fields: dict[bytes, bytes], dead_stream: str) -> DeadLetter:
+    """One entry (an XRANGE reply's) of the dead-letter stream ``dead_stream``."""
+    original = {name: value for name, value in fields.items() if name not in _DEAD_FIELDS}
+    return DeadLetter(entry_id.decode() if isinstance(entry_id, bytes) else entry_id, peek_request_id(original),
+                      fields.get(b"reason", b"").decode(errors="replace"),
+                      fields.get(b"stream", b"").decode(errors="replace"), original, dead_stream)
 
 
 def select(letters: list[DeadLetter], ids: Collection[str] | None) -> tuple[list[DeadLetter], set[str]]:

@@ -204,6 +204,39 @@ class Keys:
         """Sorted set of batch ids by creation time."""
         return f"{self.home_base}:batches"
 
+    def rates(self, minute: int) -> str:
+        """Hash of one minute's counters of the queue (``minute``: unix seconds // 60 by the Redis server's clock),
+        TTL :data:`producer.rates.RATE_TTL_S`: ``o|{lane stream}`` results and ``t|{lane stream}`` completion
+        tokens (workers' writers, HINCRBY), ``a|{lane stream}`` the lane's ``entries-added`` as first seen in
+        that minute, ``{ms}:{count}`` (dashboards, HSETNX). producer/rates.py."""
+        return f"{self.home_base}:rate:{minute}"
+
+    def worker_rates(self, minute: int) -> str:
+        """Hash of one minute's counters per worker: ``o|{worker}`` results, ``t|{worker}`` completion tokens."""
+        return f"{self.home_base}:wrate:{minute}"
+
+    def job(self, job_id: str) -> str:
+        """Hash of one bulk job's (or batch's) progress, written by the job as it runs (producer/bulk/record.py)."""
+        return f"{self.home_base}:job:{job_id}"
+
+    def job_failures(self, job_id: str) -> str:
+        """List of one job's failed rows (JSON, newest first, capped), written by the job."""
+        return f"{self.home_base}:job:{job_id}:failed"
+
+    @property
+    def jobs(self) -> str:
+        """Sorted set of job ids by start time (the dashboard lists the newest)."""
+        return f"{self.home_base}:jobs"
+
+    def dashboard_session(self, digest: str) -> str:
+        """One signed-in dashboard session: its token's SHA-256 -> JSON {account, csrf}; TTL the session's."""
+        return f"{self.home_base}:dash:session:{digest}"
+
+    @property
+    def audit(self) -> str:
+        """Stream of the dashboard's changes (replay, discard, cancel): who, what, when; capped."""
+        return f"{self.home_base}:dash:audit"
+
     @property
     def dead(self) -> str:
         """Dead-letter stream."""

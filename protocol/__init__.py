@@ -1,5 +1,5 @@
 """The vocabulary every part of tokenmill speaks: sampling parameters and response formats, finish
-reasons, error codes, token logprobs, worker heartbeats. Pydantic and msgpack only, so the engine,
+reasons, error codes, token logprobs, worker heartbeats, the log line. Pydantic and msgpack only, so the engine,
 the worker, the producer, serve and the CLI can all import it (it imports none of them).
 """
 

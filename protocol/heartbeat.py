@@ -113,6 +113,18 @@ class Heartbeat(BaseModel):
     # Every name a request's ``model`` may give to reach this worker: it reads those models' lanes. Empty
     # from a worker of an older release, which reads the shared lanes only (serves no request naming a model).
     model_names: list[str] = Field(default_factory=list)
+    # The layout of the queue the worker reads (producer/shards.py), so a producer can tell its own from the
+    # workers' (producer/worker_check.py). None from a worker of an older release (the fields are absent).
+    prefix: str | None = None
+    queue: str | None = None
+    num_lanes: int | None = None  # it reads lanes 0..num_lanes-1
+    shards: int | None = None
+    hash_tag: bool | None = None  # its keys are braced ({prefix:queue}...): hash_tag set, a cluster, or shards > 1
+    cluster: bool | None = None  # it talks to a Redis Cluster
+    # Shown by the dashboard; None from a worker of an older release (the fields are absent).
+    role: str | None = None  # [worker] role: both, prefill or decode
+    version: str | None = None  # tokenmill's version on the worker
+    kv_usage: float | None = None  # used fraction of the device KV pool (0..1); None: not reported
     running: int = 0  # requests generating now
     waiting: int = 0  # requests waiting inside the engine
     tokens_per_s: float = 0.0  # completion tokens per second over the last interval

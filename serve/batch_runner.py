@@ -122,7 +122,8 @@ class BatchRunner:
         await self._store.update(batch_id, {"status": "in_progress", "in_progress_at": int(time.time()),
                                             "model": model}, if_status={"validating", "in_progress"})
         options = self._options(scratch, batch["endpoint"], await self._live_models.names())
-        job = BulkJob(self._producer, source, scratch / "output.jsonl", options, job_id=batch_id, track_eta=True)
+        job = BulkJob(self._producer, source, scratch / "output.jsonl", options, job_id=batch_id, track_eta=True,
+                     kind="batch")
         run = asyncio.ensure_future(asyncio.to_thread(job.run))
         expired = False
         while not run.done():

@@ -34,6 +34,7 @@ from tokenmill.producer.schema import GenerationResult
 from tokenmill.serve.body import json_object
 from tokenmill.serve.context import CallContext, call_context, state_of
 from tokenmill.serve.errors import APIError
+from tokenmill.serve.logs import traffic_of
 
 T = TypeVar("T")
 STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the logs do
@@ -71,6 +72,7 @@ async def _complete(request: Request, endpoint: Endpoint) -> Response:
     result = await _until_disconnect(request, call, producer.result(call.request_id, timeout=call.timeout_s))
     if result is None:
         return Response(status_code=STATUS_CLIENT_CLOSED)
+    traffic_of(request).add_usage(result.usage)
     if not result.ok:
         raise APIError.from_body(*result_error(result))
     return JSONResponse(completion_object(endpoint, result, model=parsed.model or "", created=call.created,
@@ -130,6 +132,7 @@ async def _events(request: Request, call: CallContext, parsed: ParsedBody) -> As
                 is_first = False
         result = await producer.result(call.request_id, timeout=call.timeout_s)
         is_finished = True
+        traffic_of(request).add_usage(result.usage)
         answer = calls.finish() if calls is not None else ParsedAnswer(None)
         for event in _closing_events(result, call, parsed, answer, is_first):
             yield event

@@ -1,8 +1,9 @@
 """Errors of the HTTP front in OpenAI's error shape, and the handlers that render them: every
 failure a route can meet is answered ``{"error": {"message", "type", "param", "code"}}``, a
-server bug too (a catch-all 500), never a plain-text page.
+server bug too (a catch-all 500), never a plain-text page. Redis gone (refused, timed out, failing
+over) is one answer on every route, here and nowhere else: 503 ``redis_unavailable``.
 
-Imports fastapi and producer.openai_compat; never torch, the engine or the worker.
+Imports fastapi, redis and producer; never torch, the engine or the worker.
 """
 
 from __future__ import annotations
@@ -11,15 +12,20 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.producer.errors import ProducerError, SchemaError, SubmitUncertain
+from tokenmill.producer.connection import CLUSTER_TRANSIENT_ERRORS
+from tokenmill.producer.errors import ProducerError, RedisUnavailable, SchemaError, SubmitUncertain
 from tokenmill.producer.openai_compat import BodyError, error_object
 
 REQUEST_ID_HEADER = "X-Request-Id"
+# What a route meets when Redis is gone, stalls or fails over: each is a 503 (redis_unavailable), never a 500.
+REDIS_GONE_ERRORS: tuple[type[Exception], ...] = (
+    RedisUnavailable, redis.ConnectionError, redis.TimeoutError, *CLUSTER_TRANSIENT_ERRORS)
 log = logging.getLogger("tokenmill.serve")
 
 
@@ -61,6 +67,13 @@ def found_or_404(found: dict[str, Any] | None, what: str, object_id: str) -> dic
     return found
 
 
+def redis_unavailable(exc: BaseException) -> APIError:
+    """The 503 of a request Redis could not serve (``exc``: what the client raised); the one
+    answer every route gives while Redis is gone, ``/health`` included."""
+    return APIError(503, f"the queue's Redis does not answer ({type(exc).__name__}); retry later",
+                    type_="server_error", code="redis_unavailable")
+
+
 def first_invalid(errors: Sequence[Any], *, skip: int = 0) -> APIError:
     """A 400 naming the first of pydantic's ``errors``: its message, and its location as ``param``
     (less ``skip`` leading parts, e.g. FastAPI's ``body``)."""
@@ -81,11 +94,18 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(SubmitUncertain)
     async def uncertain(request: Request, exc: SubmitUncertain) -> JSONResponse:
-        return APIError(503, str(exc), type_="server_error", code="queue_unavailable").response()
+        """Redis failed during the enqueue: the 503 of Redis gone, saying whether a resubmit is safe."""
+        return APIError(503, str(exc), type_="server_error", code="redis_unavailable").response()
 
     @app.exception_handler(SchemaError)
     async def schema_error(request: Request, exc: SchemaError) -> JSONResponse:
         return APIError(400, exc.message, code=exc.code).response()
+
+    async def redis_gone(request: Request, exc: Exception) -> JSONResponse:
+        return redis_unavailable(exc).response()
+
+    for error_class in REDIS_GONE_ERRORS:
+        app.add_exception_handler(error_class, redis_gone)
 
     @app.exception_handler(ProducerError)
     async def producer_error(request: Request, exc: ProducerError) -> JSONResponse:

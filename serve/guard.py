@@ -3,7 +3,8 @@ limits on its body. An ASGI middleware, so it acts on the headers alone, before 
 is read:
 
 - every request gets an id (``request.state.request_id``, answered as ``X-Request-Id``);
-- outside :data:`PUBLIC_PATHS`, a missing or wrong ``Authorization: Bearer`` key is a 401 at once;
+- outside :data:`PUBLIC_PATHS` and the dashboard (which checks keys and its session cookie itself), a missing
+  or wrong ``Authorization: Bearer`` key is a 401 at once;
   the caller's account (a hash of its key, never the key) lands on ``request.state.account``;
 - a ``Content-Length`` above the route's limit is a 413 at once; a body sent without one (chunked)
   is counted as it streams in and refused (413) the moment it passes the limit;
@@ -29,6 +30,8 @@ from tokenmill.producer.schema import new_request_id
 from tokenmill.serve.errors import REQUEST_ID_HEADER, APIError
 
 PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"})  # probes and scrapers carry no API key
+# The dashboard checks its callers itself (a Bearer key or its sign-in cookie: serve/dashboard/auth.py).
+DASHBOARD_PATH = "/dashboard"
 UPLOAD_PATH = "/v1/files"
 ANONYMOUS = "anonymous"  # the one account of a server without api_keys
 
@@ -63,7 +66,7 @@ class Guard:
 
         headers = Headers(scope=scope)
         try:
-            if scope["path"] not in PUBLIC_PATHS:
+            if scope["path"] not in PUBLIC_PATHS and not is_dashboard_path(scope["path"]):
                 state["account"] = self._account(headers)
             body = LimitedBody(receive, *self._limit(scope, headers), self.config.body_timeout_s)
         except APIError as exc:
@@ -77,7 +80,7 @@ class Guard:
         Raises:
             APIError: 401 with OpenAI's ``invalid_api_key``.
         """
-        keys = self.config.api_keys
+        keys = [*self.config.api_keys, *self.config.admin_api_keys]
         if not keys:
             return ANONYMOUS
         scheme, _, given = headers.get("authorization", "").partition(" ")
@@ -100,6 +103,10 @@ class Guard:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_large(limit, setting)
         return limit, setting
+
+
+def is_dashboard_path(path: str) -> bool:
+    return path == DASHBOARD_PATH or path.startswith(DASHBOARD_PATH + "/")
 
 
 def too_large(limit: int, setting: str) -> APIError:

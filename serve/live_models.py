@@ -56,14 +56,10 @@ class LiveModels:
         """Return when a live worker serves ``model``.
 
         Raises:
-            APIError: 503 ``model_not_available`` naming the models that are served; 503
-                ``queue_unavailable`` when Redis cannot be read.
+            APIError: 503 ``model_not_available`` naming the models that are served.
+            redis.RedisError: the workers hash could not be read (serve/errors.py answers 503).
         """
-        try:
-            served = await self.names()
-        except redis.RedisError as exc:
-            raise APIError(503, f"the queue cannot be reached: {exc}", type_="server_error",
-                           code="queue_unavailable") from exc
+        served = await self.names()
         if model not in served:
             names = ", ".join(map(repr, sorted(served))) or "none (no live worker)"
             raise APIError(503, f"no live worker serves model {model!r}; served now: {names}", param="model",

@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenmill.serve.context import state_of
-from tokenmill.serve.errors import APIError
+from tokenmill.serve.errors import redis_unavailable
 from tokenmill.serve.metrics import ServeMetrics
 
 HEALTH_TIMEOUT_S = 2.0  # a PING slower than this counts as no answer (a stalled Redis)
@@ -40,8 +40,7 @@ async def health(request: Request) -> dict[str, Any]:
         client = await state_of(request).producer.connect()
         await asyncio.wait_for(client.ping(), HEALTH_TIMEOUT_S)
     except (redis.RedisError, OSError, asyncio.TimeoutError) as exc:
-        raise APIError(503, f"Redis does not answer: {type(exc).__name__}: {exc}", type_="server_error",
-                       code="redis_unavailable") from None
+        raise redis_unavailable(exc) from None
     return {"status": "ok"}
 
 

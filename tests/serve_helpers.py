@@ -3,6 +3,7 @@ a process of its own, to measure its memory), and a raw HTTP exchange over a soc
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -20,8 +21,7 @@ from typing import Any
 
 import uvicorn
 
-from tests.processes import scaled_s
-from tests.worker_helpers import free_port
+from tests.processes import free_port, scaled_s
 from tokenmill.producer.config import ServeSettings
 from tokenmill.serve.app import server_config
 
@@ -54,16 +54,23 @@ def running_server(redis_url: str, prefix: str, **serve: Any) -> Iterator[str]:
 
 
 @contextmanager
-def serve_process(redis_url: str, prefix: str, **serve: Any) -> Iterator[tuple[int, int]]:
+def serve_process(redis_url: str, prefix: str, *, stderr: Path | None = None,
+                  **serve: Any) -> Iterator[tuple[int, int]]:
     """``tokenmill serve`` as a process of its own (``python -m tokenmill.cli serve``); yields its port and pid.
 
     Args:
-        **serve: ``[serve]`` settings, passed as ``TOKENMILL_SERVE__<KEY>`` env values.
+        stderr: a file for the process's stderr (its log); None = this process's.
+        **serve: ``[serve]`` settings, passed as ``TOKENMILL_SERVE__<KEY>`` env values (``log_level``,
+            default warning, as ``--log-level``).
     """
     port = free_port()
+    log_level = str(serve.pop("log_level", "warning"))
     env = {**os.environ, **{f"TOKENMILL_SERVE__{key.upper()}": str(value) for key, value in serve.items()}}
-    process = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "--redis-url", redis_url, "--prefix", prefix,
-                                "serve", "--port", str(port), "--log-level", "warning"], cwd=ROOT, env=env)
+    with contextlib.ExitStack() as files:
+        err = files.enter_context(stderr.open("w")) if stderr is not None else None
+        process = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "--redis-url", redis_url, "--prefix",
+                                    prefix, "serve", "--port", str(port), "--log-level", log_level], cwd=ROOT, env=env,
+                                   stderr=err)
     try:
         deadline = time.monotonic() + scaled_s(60)
         while not _answers(f"http://127.0.0.1:{port}/health"):

@@ -67,7 +67,8 @@ class WorkerConfig(BaseModel):
     # on few cores a visible share of its throughput (ops/bench/bulk.py). 4 Hz keeps cancels under
     # ~0.25 s.
     cancel_poll_s: float = Field(0.25, gt=0, le=5, description="cancellation check period (one ZMSCORE)")
-    metrics_port: int | None = Field(None, ge=1, le=65535, description="serve Prometheus metrics on this port")
+    metrics_port: int | None = Field(None, ge=1, le=65535, description="serve /metrics (Prometheus), "
+                                      "/health and /ready on this port")
     metrics_host: str = Field("127.0.0.1", min_length=1, description="address the metrics endpoint binds; "
                               "0.0.0.0 to let a remote Prometheus scrape it")
     role: Literal["both", "prefill", "decode"] = Field(

@@ -62,7 +62,8 @@ def run_demo(console: Console, *, redis_url: str | None, model: str, num_prompts
     thread = threading.Thread(target=worker.run, name="tm-demo-worker", daemon=True)
     thread.start()
     try:
-        with Producer(url, prefix=prefix, queue=DEMO_QUEUE) as producer:
+        # NOTE: its own worker, which may not have beaten yet at the first submit: no warning about it
+        with Producer(url, prefix=prefix, queue=DEMO_QUEUE, check_workers=False) as producer:
             return _submit_and_print(console, producer, num_prompts, max_tokens, timeout_s)
     finally:
         worker.stop()

@@ -27,6 +27,7 @@ from tokenmill.worker.state import Load
 log = logging.getLogger("tokenmill.worker")
 
 HANDOVER = "handover"  # abort status of work given back to the queue on shutdown: no result
+STATS_EVERY_S = 0.05  # the engine's whole stats (metrics, heartbeat fields) are taken this often while it runs
 # NOTE: what a prefill worker runs: the prompt and one greedy token, so every full prompt block is computed and
 # published; the decode worker computes the last prompt token again and samples with the request's own parameters.
 PREFILL_PARAMS = SamplingParams(max_tokens=1)
@@ -67,6 +68,7 @@ class EngineLoop:
         # Prefilled requests waiting for their blocks' publish to finish before they are handed off.
         self._handoffs: list[tuple[Future[None], _Live]] = []
         self.is_admitting = True  # False while draining: admits stay pending in Redis
+        self._next_stats_s = 0.0  # when the engine's whole stats are taken next
         self._preparation = Preparation(engine, inbox)
 
     @property
@@ -87,11 +89,19 @@ class EngineLoop:
                 self._handle_output(output)
         if self._handoffs:
             self._hand_off_published()
-        stats = self._engine.stats()
-        if self._metrics is not None:
-            self._metrics.observe_engine(stats)
+        # NOTE: the whole stats (counters copied, every live request's predicted length) cost more than a short
+        # step: taken every STATS_EVERY_S and whenever the engine goes idle, for metrics and the heartbeat; the
+        # queues the reader's backpressure needs are published after every step.
+        stats = None
+        now_s = time.monotonic()
+        scheduler = self._engine.scheduler
+        if now_s >= self._next_stats_s or not self._engine.has_unfinished():
+            self._next_stats_s = now_s + STATS_EVERY_S
+            stats = self._engine.stats()
+            if self._metrics is not None:
+                self._metrics.observe_engine(stats)
         live_ids = frozenset(rid for rid, live in self._live.items() if live.abort_status is None)
-        self._load.publish(stats, live_ids)
+        self._load.publish(scheduler.num_waiting, scheduler.num_running, live_ids, stats)
 
     def hand_back_waiting(self) -> None:
         """Stop admitting and abort every request that has not started, leaving its entry pending."""

@@ -19,6 +19,7 @@ from tokenmill.engine.core.stats import EngineStats
 from tokenmill.producer.keys import CONSUMER_GROUP, Keys, Lane
 from tokenmill.producer.schema import GenerationResult
 from tokenmill.producer.shards import QueueLayout
+from tokenmill.worker import http_port
 from tokenmill.worker.backlog import engine_backlog_tokens
 
 if TYPE_CHECKING:
@@ -332,11 +333,11 @@ class WorkerMetrics:
         self._info_labels["model"] = model
         self._info.info(self._info_labels)
 
-    def serve(self, port: int, addr: str) -> None:
-        """Serve ``/metrics`` on ``addr:port`` from a daemon thread (call once)."""
-        from prometheus_client import start_http_server  # noqa: PLC0415 - optional extra
-
-        self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str, *, alive: http_port.Check = http_port.fine,
+              ready: http_port.Check = http_port.fine) -> None:
+        """Serve ``/metrics``, and ``/health`` and ``/ready`` from the checks ``alive`` and ``ready``, on
+        ``addr:port`` from a daemon thread (call once; worker/http_port.py)."""
+        self._server, self._thread = http_port.start(port, addr, self.registry, alive=alive, ready=ready)
 
     @property
     def bound_address(self) -> tuple[str, int] | None:

@@ -125,6 +125,7 @@ class Reader:
         self.stopping = threading.Event()  # set by the worker: read nothing more
         self.closing = threading.Event()  # set by the worker: poll cancellations no more, end the thread
         self.drained = threading.Event()  # set in burst mode when every lane came back empty
+        self.reading = threading.Event()  # set once the lanes' groups exist and reads begin (the worker's /ready)
 
     def _read_claimed(self) -> None:
         """Read (and reclaim from) the lanes of the shards claimed now; new lanes get their groups first."""
@@ -146,6 +147,7 @@ class Reader:
             for keys in self._layout.shards:
                 self._client.sadd(keys.models, *sorted(self._model_names))
         self._needs_groups = False
+        self.reading.set()
 
     def run(self, burst: bool) -> None:
         """Read until :attr:`stopping` is set (or, with ``burst``, until the lanes are empty), and

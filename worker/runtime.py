@@ -99,6 +99,12 @@ class Worker:
         # NOTE: the names a request may give this worker's model by; it reads their lanes (docs/design.md).
         model_names = frozenset({served, model, settings.engine.model.name})
         lanes = lanes_for_role(layout, model_names, config.role, settings.engine.fleet_cache.enabled)
+        self._health = health
+        self._stopping = threading.Event()
+        self._forced = threading.Event()
+        self._failed = threading.Event()  # a thread died: exit non-zero at once
+        self._threads: list[threading.Thread] = []  # the reader and the writer, once running
+        self._is_built = False  # the model is loaded and the threads' objects exist (the port answers before)
         # NOTE: one registry per worker, so several workers can live in one process (tests).
         self.metrics = None
         if config.metrics_port is not None:
@@ -118,22 +124,39 @@ class Worker:
                               readers_per_shard=settings.queue.readers_per_shard)
         self._writer = Writer(self._client, settings.queue, config, load, outbox, model, served, model_names, health,
                               self.metrics, layout=layout)
-        self._stopping = threading.Event()
-        self._forced = threading.Event()
-        self._failed = threading.Event()  # a thread died: exit non-zero at once
+        self._is_built = True
 
-    @staticmethod
-    def _serve_metrics(metrics: WorkerMetrics, port: int, host: str) -> None:
-        """Bind the metrics endpoint now, before the model loads: a port in use fails the start at once.
+    def _serve_metrics(self, metrics: WorkerMetrics, port: int, host: str) -> None:
+        """Bind the HTTP port (``/metrics``, ``/health``, ``/ready``) now, before the model loads: a port in use
+        fails the start at once, and a liveness probe is answered while the model loads.
 
         Raises:
             StartupError: the address cannot be bound (one line, what and why).
         """
         try:
-            metrics.serve(port, host)
+            metrics.serve(port, host, alive=self._not_alive, ready=self._not_ready)
         except OSError as exc:
             raise StartupError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc} "
                                "(another process has the port? choose another with --metrics-port)") from None
+
+    def _not_alive(self) -> str | None:
+        """Why ``/health`` fails: a thread of the worker died (None while the process and its threads run)."""
+        if self._failed.is_set():
+            return "a thread of the worker died; it is stopping"
+        ended = [thread.name for thread in self._threads if not thread.is_alive()]
+        return f"thread {', '.join(ended)} ended" if ended and not self._stopping.is_set() else None
+
+    def _not_ready(self) -> str | None:
+        """Why ``/ready`` fails (None once the model is loaded and the reader reads the lanes)."""
+        if not self._is_built:
+            return "loading the model"
+        if self._stopping.is_set():
+            return "stopping: reading no more requests"
+        if not self._reader.reading.is_set():
+            return "not reading the lanes yet"
+        if not self._health.is_healthy:
+            return "Redis does not answer (see the log)"
+        return self._not_alive()
 
     def stop(self, force: bool = False) -> None:
         """Begin a graceful drain; ``force`` (or a second call) stops at once, losing nothing."""
@@ -157,6 +180,10 @@ class Worker:
                    self._supervised("tm-writer", self._writer.run)]
         for thread in threads:
             thread.start()
+        self._threads = threads
+        if self.settings.engine.structured_output.warm_at_start:
+            # NOTE: not supervised, never joined: plain requests never wait for it, and a failure is only logged
+            threading.Thread(target=self._engine.warm_grammars, name="tm-grammar-warm", daemon=True).start()
         log.info("started", extra={"event": "started", "worker": self.name, "model": self._engine.model_name,
                                    "queue": self.settings.queue.name, "burst": self._burst})
         try:

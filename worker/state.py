@@ -52,17 +52,19 @@ class Load:
         with self._lock:
             self.num_queued += delta
 
-    def publish(self, stats: EngineStats, live_ids: frozenset[str]) -> None:
-        """Engine thread: the engine's state after a step; wakes a reader waiting for room."""
-        num_waiting = stats.num_waiting
+    def publish(self, num_waiting: int, num_running: int, live_ids: frozenset[str],
+                stats: EngineStats | None = None) -> None:
+        """Engine thread: the engine's queues after a step, and now and then its whole stats (None: not this
+        step); wakes a reader waiting for room."""
         with self._lock:
             had_room_for_less = num_waiting < self.num_waiting
-            self.num_waiting, self.num_running, self.live_ids = num_waiting, stats.num_running, live_ids
-            self.prefix_hit_ratio, self.num_cached_blocks = stats.prefix.hit_ratio, stats.num_cached_blocks
-            self.length = stats.length
-            if stats.speculation.num_drafts:
-                self.spec_acceptance_rate = stats.speculation.acceptance_rate
-                self.spec_mean_accepted_length = stats.speculation.mean_accepted_length
+            self.num_waiting, self.num_running, self.live_ids = num_waiting, num_running, live_ids
+            if stats is not None:
+                self.prefix_hit_ratio, self.num_cached_blocks = stats.prefix.hit_ratio, stats.num_cached_blocks
+                self.length = stats.length
+                if stats.speculation.num_drafts:
+                    self.spec_acceptance_rate = stats.speculation.acceptance_rate
+                    self.spec_mean_accepted_length = stats.speculation.mean_accepted_length
         if had_room_for_less or num_waiting == 0:
             self._room.set()
 

@@ -15,7 +15,9 @@ import redis
 
 from tokenmill.producer.config import QueueConfig
 from tokenmill.producer.connection import REDIS_ERRORS
+from tokenmill.producer.rates import RateCounter
 from tokenmill.producer.shards import QueueLayout
+from tokenmill.producer.version import package_version
 from tokenmill.worker.backlog import predicted_backlog
 from tokenmill.worker.backoff import Backoff
 from tokenmill.worker.config import WorkerConfig
@@ -62,8 +64,13 @@ class Writer:
         self._cancel_ttl_s = queue_config.result_ttl_s  # NOTE: a cancel mark is kept as long as a result
         self._results = ResultWriter(client, self._layout, queue_config.result_ttl_s, config.token_ttl_s)
         # NOTE: ts is the server's, set by each write (worker/heartbeat.py); 0 until the first
+        home = self._layout.home
         self._beat = Heartbeat(name=config.name, ts=0.0, model=model_name,
-                               served_model_name=served_model_name, model_names=sorted(model_names))
+                               served_model_name=served_model_name, model_names=sorted(model_names),
+                               prefix=home.prefix, queue=home.queue, num_lanes=home.num_lanes,
+                               shards=self._layout.num_shards, hash_tag=home.hash_tag, cluster=self._layout.is_cluster,
+                               role=config.role, version=package_version())
+        self._rates = RateCounter(home, config.name)  # the dashboard's per-minute counters (producer/rates.py)
         self._unwritten: list[Writable] = []  # items of a flush that failed, retried first
         self._stream_bytes: dict[str, int] = {}  # request id -> bytes of token deltas so far in this run
         self._backoff = Backoff()
@@ -92,6 +99,7 @@ class Writer:
         self._beat.backlog_tokens, self._beat.mean_length = predicted.backlog_tokens, predicted.mean_length
         self._beat.jobs = predicted.jobs
         self._beat.ts = write_heartbeat(self._client, self._keys, self._beat)
+        self._rates.sync_clock(self._beat.ts)
         if self._metrics is not None:
             self._metrics.observe_beat(self._client, self._beat.tokens_per_s, self._beat.mean_length)
 
@@ -119,6 +127,7 @@ class Writer:
                     break
             try:
                 self._flush(self._take(max(0.0, min(WAKE_S, next_beat_s - time.monotonic()))))
+                self._rates.flush(self._client, force=self.closing.is_set())
                 if time.monotonic() >= next_beat_s:
                     self.beat()
                     next_beat_s = time.monotonic() + self._config.heartbeat_interval_s
@@ -211,6 +220,8 @@ class Writer:
         result = item.result
         if self._metrics is not None:
             self._metrics.observe_result(result, was_stored)
+        if result is not None and was_stored:
+            self._rates.add(item.entry.stream, result.usage.completion_tokens)
         log.info("finished", extra={"event": "finished", "request_id": result.id if result else None,
                                     "status": result.status if result else "dead", "duplicate": not was_stored,
                                     "tokens": len(result.token_ids) if result else 0})

@@ -7,9 +7,10 @@ objects (the scheduler's queues); everything known about a request lives on it.
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable
+import itertools
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, overload
 
 from tokenmill.engine.core.length_history import LengthEstimate
 from tokenmill.engine.core.sampling_state import SamplingState
@@ -150,6 +151,11 @@ class Request:
         """Prompt and output in one new list: O(context); the step's hot path uses :meth:`token_slice`."""
         return self.prompt_token_ids + self.output_token_ids
 
+    @property
+    def token_view(self) -> TokenView:
+        """Prompt and output as one read-only sequence, without copying either (the speculator's lookups)."""
+        return TokenView(self.prompt_token_ids, self.output_token_ids)
+
     def token_slice(self, start: int, end: int) -> list[int]:
         """``all_token_ids[start:end]`` without building the whole list (a decode step's cost must not grow
         with the context)."""
@@ -192,6 +198,47 @@ class Request:
     def num_schedulable_tokens(self) -> int:
         """Tokens the cache must hold before the next sample: all, or the prompt but one."""
         return self.num_prompt_tokens - 1 if self.is_fork_pending else self.num_tokens
+
+
+class TokenView(Sequence[int]):
+    """A request's prompt followed by its output, read without concatenating them: slicing costs the slice, not
+    the context. It reflects the lists as they are (the output grows)."""
+
+    __slots__ = ("_output", "_prompt")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self._prompt, self._output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self._prompt) + len(self._output)
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain(self._prompt, self._output)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        num_prompt = len(self._prompt)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return list(self)[index]
+            if stop <= start:
+                return []
+            if stop <= num_prompt:
+                return self._prompt[start:stop]
+            if start >= num_prompt:
+                return self._output[start - num_prompt:stop - num_prompt]
+            return self._prompt[start:] + self._output[:stop - num_prompt]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("token index out of range")
+        return self._prompt[index] if index < num_prompt else self._output[index - num_prompt]
 
 
 @dataclass

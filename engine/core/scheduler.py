@@ -374,9 +374,38 @@ class Scheduler:
         by_urgency = sorted(self._queues.running, key=self._urgency_key(plan))
         decodes = [r for r in by_urgency if is_decode(r)]
         prefills = [r for r in by_urgency if not is_decode(r)]
+        if self._fits_without_preemption(decodes, plan):
+            self._schedule_decodes(decodes, plan)
+            decodes = []
         for request in decodes + prefills:
             if request.status is RequestStatus.RUNNING:  # not preempted earlier in this loop
                 self._schedule_running_request(request, plan)
+
+    def _fits_without_preemption(self, decodes: list[Request], plan: StepPlan) -> bool:
+        """Whether every decode gets its token this step with no one preempted: the budgets hold them all and the
+        free blocks cover every new block they need (one where a block is full, one where a shared block is
+        copied first). Then the per-request checks of :meth:`_schedule_running_request` cannot fail, and
+        :meth:`_schedule_decodes` skips them (the steady state of a running batch)."""
+        if not decodes or len(decodes) > min(plan.num_tokens_left, plan.num_decode_tokens_left):
+            return False
+        bm = self.block_manager
+        num_new_blocks = 0
+        for request in decodes:
+            position = request.num_computed_tokens
+            num_new_blocks += bm.num_new_blocks(request.request_id, position + 1) + \
+                bm.num_copies_on_write(request.request_id, position)
+        return num_new_blocks <= bm.num_free_gpu_blocks
+
+    def _schedule_decodes(self, decodes: list[Request], plan: StepPlan) -> None:
+        """Schedule each decode's next token, in order (:meth:`_fits_without_preemption` said they all fit)."""
+        bm = self.block_manager
+        for request in decodes:
+            position = request.num_computed_tokens
+            for source, destination in bm.copy_on_write(request.request_id, position) or []:
+                plan.copies[request.request_id] = (position, source, destination)
+            if bm.append_slots(request.request_id, position + 1) is None:
+                raise InvariantError(f"no blocks for {request.request_id} after room was checked")
+            plan.add_decode(request)
 
     def _schedule_running_request(self, request: Request, plan: StepPlan) -> None:
         """Schedule one running request, preempting others (MEMORY) if its blocks run out.
@@ -524,7 +553,7 @@ class Scheduler:
         """Draft tokens for the step's decodes, with what is left once every real token is scheduled:
         the budget's tokens and the free device blocks (above the watermark). A draft never takes room
         a prefill, an admission or a resumption could use, and never preempts anyone."""
-        if plan.num_tokens_left <= 0:
+        if min(plan.num_tokens_left, plan.num_decode_tokens_left) <= 0:
             return
         candidates: list[tuple[Request, int]] = []
         for request_id, num_tokens in plan.request_to_num_tokens.items():
@@ -539,7 +568,8 @@ class Scheduler:
                 candidates.append((request, bound))
         if not candidates:
             return
-        room = DraftRoom(plan.num_tokens_left, self.config.max_num_batched_tokens - plan.num_tokens_left,
+        room = DraftRoom(min(plan.num_tokens_left, plan.num_decode_tokens_left),
+                         self.config.max_num_batched_tokens - plan.num_tokens_left,
                          sum(1 for r in plan.request_to_num_tokens if r not in plan.prefill_request_ids))
         try:
             drafts = speculator.draft(candidates, room)
@@ -554,7 +584,8 @@ class Scheduler:
                 continue
             spare_blocks = max(0, bm.num_free_gpu_blocks - self.config.watermark_blocks)
             num_slots = (bm.num_device_blocks(request.request_id) + spare_blocks) * bm.block_size
-            num_tokens = min(len(draft), plan.num_tokens_left, num_slots - request.num_computed_tokens - 1)
+            num_tokens = min(len(draft), plan.num_tokens_left, plan.num_decode_tokens_left,
+                             num_slots - request.num_computed_tokens - 1)
             if num_tokens <= 0:
                 continue
             request.draft_token_ids = draft[:num_tokens]

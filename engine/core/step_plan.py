@@ -20,7 +20,8 @@ class StepPlan:
     """Budgets left in this step and the work chosen so far.
 
     Invariant: the tokens in ``request_to_num_tokens`` plus ``num_tokens_left`` equal the
-    step's total budget, and likewise for prefill tokens, so removing a chunk refunds exactly.
+    step's total budget, and likewise for prefill tokens and for decode tokens (drafts included), so removing a
+    chunk refunds exactly.
     """
 
     index: int  # 0-based step number (Scheduler stats num_steps before this step)
@@ -28,6 +29,7 @@ class StepPlan:
     max_prefill_chunk: int  # per-request prefill tokens per step
     num_tokens_left: int  # of max_num_batched_tokens
     num_prefill_tokens_left: int  # of SchedulerConfig.prefill_token_budget
+    num_decode_tokens_left: int  # of SchedulerConfig.decode_token_budget (decodes and their drafts)
     request_to_num_tokens: dict[str, int] = field(default_factory=dict)  # scheduled, in order
     prefill_request_ids: set[str] = field(default_factory=set)  # chunks charged to the prefill budget
     admitted_request_ids: set[str] = field(default_factory=set)  # admitted or resumed this step
@@ -53,6 +55,7 @@ class StepPlan:
             max_prefill_chunk=config.max_prefill_chunk,
             num_tokens_left=config.max_num_batched_tokens,
             num_prefill_tokens_left=config.prefill_token_budget,
+            num_decode_tokens_left=config.decode_token_budget,
         )
 
     def num_tokens_for(self, request: Request, start: int | None = None) -> int:
@@ -63,7 +66,7 @@ class StepPlan:
                 hit not taken yet counts here).
         """
         if is_decode(request):
-            return min(1, self.num_tokens_left)
+            return min(1, self.num_tokens_left, self.num_decode_tokens_left)
         num_remaining = request.num_schedulable_tokens - (request.num_computed_tokens if start is None else start)
         return max(
             0, min(num_remaining, self.max_prefill_chunk, self.num_tokens_left, self.num_prefill_tokens_left)
@@ -82,9 +85,20 @@ class StepPlan:
         if is_prefill:
             self.num_prefill_tokens_left -= num_tokens
             self.prefill_request_ids.add(request.request_id)
-        if self.num_tokens_left < 0 or self.num_prefill_tokens_left < 0:
+        else:
+            self.num_decode_tokens_left -= num_tokens
+        if self.num_tokens_left < 0 or self.num_prefill_tokens_left < 0 or self.num_decode_tokens_left < 0:
             raise InvariantError(f"budget exceeded scheduling {request.request_id}")
         self.request_to_num_tokens[request.request_id] = num_tokens
+
+    def add_decode(self, request: Request) -> None:
+        """:meth:`add` of one token for a request known to be decoding, within the budgets (the scheduler checked
+        them for the whole batch first)."""
+        if request.request_id in self.request_to_num_tokens:
+            raise InvariantError(f"bad chunk for {request.request_id}: scheduled twice")
+        self.num_tokens_left -= 1
+        self.num_decode_tokens_left -= 1
+        self.request_to_num_tokens[request.request_id] = 1
 
     def add_drafts(self, request: Request, num_tokens: int) -> None:
         """Grow a scheduled decode by ``num_tokens`` draft tokens (``request.draft_token_ids``),
@@ -96,7 +110,8 @@ class StepPlan:
         if self.request_to_num_tokens.get(request.request_id) != 1 or not is_decode(request) or num_tokens < 1:
             raise InvariantError(f"bad draft for {request.request_id}: {num_tokens} tokens")
         self.num_tokens_left -= num_tokens
-        if self.num_tokens_left < 0:
+        self.num_decode_tokens_left -= num_tokens
+        if self.num_tokens_left < 0 or self.num_decode_tokens_left < 0:
             raise InvariantError(f"budget exceeded drafting for {request.request_id}")
         self.request_to_num_tokens[request.request_id] += num_tokens
 
@@ -107,6 +122,8 @@ class StepPlan:
         if request_id in self.prefill_request_ids:
             self.prefill_request_ids.discard(request_id)
             self.num_prefill_tokens_left += num_tokens
+        else:
+            self.num_decode_tokens_left += num_tokens
 
     def build_output(self, requests: dict[str, Request], block_manager: BlockManager) -> SchedulerOutput:
         """The plain output for the runner: decode chunks first, then prefill chunks."""

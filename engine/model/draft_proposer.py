@@ -12,6 +12,7 @@ the draft model's time is part of the engine step it runs in.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -45,7 +46,7 @@ class DraftModelProposer:
         self._caches: dict[str, _DraftCache] = {}
 
     @torch.inference_mode()
-    def propose(self, wanted: list[tuple[Request, list[int], int]]) -> dict[str, list[int]]:
+    def propose(self, wanted: list[tuple[Request, Sequence[int], int]]) -> dict[str, list[int]]:
         drafts = {}
         for request, token_ids, num_tokens in wanted:
             drafts[request.request_id] = self._draft(request.request_id, token_ids, num_tokens)
@@ -54,7 +55,7 @@ class DraftModelProposer:
     def finished(self, request: Request) -> None:
         self._caches.pop(request.request_id, None)
 
-    def _draft(self, request_id: str, token_ids: list[int], num_tokens: int) -> list[int]:
+    def _draft(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> list[int]:
         entry = self._caches.get(request_id)
         if entry is None:
             entry = self._caches[request_id] = _DraftCache(DynamicCache())
@@ -75,7 +76,7 @@ class DraftModelProposer:
         return draft
 
 
-def _common_prefix(cached: list[int], token_ids: list[int], limit: int) -> int:
+def _common_prefix(cached: list[int], token_ids: Sequence[int], limit: int) -> int:
     length = 0
     for a, b in zip(cached[:limit], token_ids[:limit]):
         if a != b:

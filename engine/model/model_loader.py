@@ -156,7 +156,7 @@ def _load_failure(model: str, path: Path | str, exc: Exception) -> str:
     """Why the model cannot be loaded, in one line (transformers' messages span several)."""
     if isinstance(path, str) and isinstance(exc, OSError):
         return (f"model {model!r} is not an alias, a local file or directory, nor a hub id in the local Hugging "
-                f"Face cache: download it first (huggingface-cli download {model}) or give its directory")
+                f"Face cache: download it first (hf download {model}) or give its directory")
     reason = " ".join(str(exc).split()) or type(exc).__name__
     return f"cannot load model {model!r}: {reason}"
 

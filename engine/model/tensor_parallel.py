@@ -33,12 +33,27 @@ AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over every rank, in 
 
 
 @dataclass(frozen=True)
+class ForwardShape:
+    """The all-reduces of one sharded forward over T tokens: ``num_all_reduces`` of them (two per decoder layer, in
+    the eager forward and the native stack alike), each of ``T * hidden_size`` elements of ``dtype``. A rank whose
+    forward fails makes the rest of them (engine/model/tp_group.py), so that every rank's collectives still pair."""
+
+    num_all_reduces: int
+    hidden_size: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class Shard:
-    """Which shard a rank loads, and how its row-parallel layers sum their outputs across the ranks."""
+    """Which shard a rank loads, and how its row-parallel layers sum their outputs across the ranks.
+
+    ``on_sharded``: told the sharded forward's all-reduces once the model is cut (its rank's process groups count
+    them per step: :meth:`engine.model.tp_group.ProcessGroups.expect_forward`)."""
 
     rank: int
     world_size: int
     all_reduce: AllReduce
+    on_sharded: Callable[[ForwardShape], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +134,9 @@ def shard_model(model: Any, shard: Shard) -> ShardPlan:
         mlp.down_proj = _row_parallel(mlp.down_proj, plan.intermediate.start, plan.intermediate.stop, shard)
         if hasattr(attn, "num_key_value_groups"):  # HF's eager attention repeats KV heads by it: keep it true
             attn.num_key_value_groups = len(plan.heads) // plan.num_kv_heads
+    if shard.on_sharded is not None:
+        o_proj = layers[0].self_attn.o_proj.linear
+        shard.on_sharded(ForwardShape(2 * len(layers), o_proj.out_features, o_proj.weight.dtype))
     return plan
 
 

@@ -7,8 +7,11 @@ meets the other ranks, builds a KV pool of rank 0's size over its own KV heads, 
 broadcasts (engine/model/tp_step.py): the block copies, then the decoder layers over the step's inputs,
 whose all-reduces pair with the other ranks'. Rank 0 alone computes logits and samples, so a follower
 stops at the final norm. The layers run eagerly, or through the native C++ decoder stack once a probe
-(rank 0's, at load) found it bitwise the eager forward on every rank (engine/model/native_decoder). It
-exits when told to stop, when a collective fails, or when rank 0's process is gone. Imports torch.
+(rank 0's, at load) found it bitwise the eager forward on every rank (engine/model/native_decoder). A step
+whose forward raises here fails on every rank (engine/model/tp_group.py, "Steps that fail"): this rank makes
+the all-reduces it had left, leaves its reason in the store for rank 0 and waits for the next step (rank 0
+retries the requests in parts). It exits when told to stop, when a collective fails, when its block copies
+fail (its pool would no longer be rank 0's), or when rank 0's process is gone. Imports torch.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig.model_validate_json(store.get("config"))
     groups = ProcessGroups(args.rank, args.world_size)
     try:
-        loaded = _load(config, Shard(args.rank, args.world_size, groups.all_reduce))
+        loaded = _load(config, Shard(args.rank, args.world_size, groups.all_reduce, groups.expect_forward))
         shared_memory = store.get("shared_memory").decode()  # NOTE: set once rank 0 has loaded its own shard
         if shared_memory:
             groups.use_shared_memory(Path(shared_memory))
@@ -65,8 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = kv_cache_spec(loaded, config.cache.block_size)
     kv_cache = KVCache(spec, int(num_gpu_blocks), int(num_cpu_blocks), loaded.device)
     backend = select_backend(backend_name, loaded.device)  # type: ignore[arg-type]
+    def report_failure(reason: str) -> None:
+        store.set(f"step_failure/{args.rank}", reason)
+
     try:
-        serve(groups, loaded.model, kv_cache, backend, loaded.device)
+        serve(groups, loaded.model, kv_cache, backend, loaded.device, report_failure)
     except TensorParallelLost as lost:
         logger.error("%s", lost)
         return 1
@@ -75,10 +82,11 @@ def main(argv: list[str] | None = None) -> int:
 
 @torch.inference_mode()
 def serve(groups: ProcessGroups, model: Any, kv_cache: KVCache, backend: AttentionBackend,
-          device: torch.device) -> None:
+          device: torch.device, report_failure: Callable[[str], None] = lambda reason: None) -> None:
     """Run rank 0's steps until it says stop: each step's block copies (in the runner's order), then the
     decoder layers (``model``'s base model, without its LM head) over its inputs; a probe switches them to
-    the native stack when every rank agrees.
+    the native stack when every rank agrees. A step whose forward raises fails on every rank (its reason goes
+    to ``report_failure`` first, for rank 0's error).
 
     Raises:
         TensorParallelLost: rank 0 (or another follower) is gone.
@@ -91,17 +99,31 @@ def serve(groups: ProcessGroups, model: Any, kv_cache: KVCache, backend: Attenti
         kv_cache.swap_in(message.swap_in)
         if message.inputs is None:
             continue
-        on_device, attention = step_tensors(message.inputs, message.num_decodes, kv_cache, backend, device)
-        input_ids, positions = on_device["input_ids"].view(1, -1), on_device["positions"].view(1, -1)
-        eager = functools.partial(_eager_hidden_states, base, input_ids, positions, attention)
         if message.probe_fused_mlp is not None:
+            on_device, attention = step_tensors(message.inputs, message.num_decodes, kv_cache, backend, device)
+            input_ids, positions = on_device["input_ids"].view(1, -1), on_device["positions"].view(1, -1)
+            eager = functools.partial(_eager_hidden_states, base, input_ids, positions, attention)
             decoder, agrees = follower_probe(model, kv_cache, backend.name, message.probe_fused_mlp,
                                              groups.all_reduce, eager, (input_ids, positions, attention))
             native = decoder if count_disagreeing(groups, agrees) == 0 else None
-        elif native is not None:
-            native.hidden_states(input_ids, positions, attention)
-        else:
-            eager()
+            continue
+        groups.begin_step(dict(message.inputs.lengths)["input_ids"])
+        try:
+            on_device, attention = step_tensors(message.inputs, message.num_decodes, kv_cache, backend, device)
+            input_ids, positions = on_device["input_ids"].view(1, -1), on_device["positions"].view(1, -1)
+            if native is not None:
+                native.hidden_states(input_ids, positions, attention)
+            else:
+                _eager_hidden_states(base, input_ids, positions, attention)
+        except TensorParallelLost:
+            raise
+        except Exception as exc:  # noqa: BLE001 - failed on every rank; rank 0 retries the requests in parts
+            if groups.in_step:
+                logger.exception("a step failed on this rank: every rank fails it, and rank 0 retries its requests")
+                report_failure(f"{type(exc).__name__}: {exc}")
+                groups.fail_step()
+            else:  # NOTE: after the last all-reduce (the final norm): its KV is written, and rank 0 does not need it
+                logger.exception("a step failed on this rank after its last all-reduce; no rank depends on the rest")
 
 
 def _eager_hidden_states(base: Any, input_ids: torch.Tensor, positions: torch.Tensor,

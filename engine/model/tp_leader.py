@@ -7,6 +7,12 @@ they leave their loop on :meth:`TensorParallelLeader.close`, are terminated when
 the interpreter exits, and exit by themselves when rank 0's process is gone (a watchdog, and their broken
 connections). A follower that fails is noticed before the next step (its exit status) or in the step
 (its connections close, or the step times out): :class:`~engine.model.tp_group.TensorParallelLost`.
+
+A step whose forward raises on some rank fails on every rank (engine/model/tp_group.py, "Steps that fail"): a
+follower's failure reaches rank 0 as :class:`~engine.model.tp_group.TensorParallelStepFailed` (with the follower's
+reason, which it leaves in the store), contained to the step's requests like any failed step; when rank 0's own
+forward raised before its last all-reduce, the all-reduces it had left are made before the next message goes out
+(the engine's retry of the step's halves, or the stop), so every rank's collectives stay paired.
 Imports torch.
 """
 
@@ -30,7 +36,12 @@ from tokenmill.engine.errors import ModelLoadError
 from tokenmill.engine.model import shm_all_reduce
 from tokenmill.engine.model.model_runner import PreparedBatch
 from tokenmill.engine.model.tensor_parallel import Shard
-from tokenmill.engine.model.tp_group import SETUP_TIMEOUT, ProcessGroups, TensorParallelLost
+from tokenmill.engine.model.tp_group import (
+    SETUP_TIMEOUT,
+    ProcessGroups,
+    TensorParallelLost,
+    TensorParallelStepFailed,
+)
 from tokenmill.engine.model.tp_step import StepMessage, count_disagreeing, send_step, send_stop
 
 logger = logging.getLogger(__name__)
@@ -50,7 +61,8 @@ class TensorParallelLeader:
     def __init__(self, config: EngineConfig) -> None:
         self.world_size = config.model.tensor_parallel_size
         self._cpu_all_reduce = config.model.tensor_parallel_cpu_all_reduce
-        self.groups = ProcessGroups(0, self.world_size, explain=self._follower_states, check_peers=self._check_alive)
+        self.groups = ProcessGroups(0, self.world_size, explain=self._follower_states, check_peers=self._check_alive,
+                                    step_failed=self._step_failure)
         self._store = TCPStore("127.0.0.1", 0, self.world_size, True, timeout=SETUP_TIMEOUT,
                                     wait_for_workers=False)
         self._store.set("config", config.model_dump_json())
@@ -67,7 +79,7 @@ class TensorParallelLeader:
     @property
     def shard(self) -> Shard:
         """Rank 0's shard: what it loads of the model."""
-        return Shard(0, self.world_size, self.groups.all_reduce)
+        return Shard(0, self.world_size, self.groups.all_reduce, self.groups.expect_forward)
 
     @property
     def follower_pids(self) -> list[int]:
@@ -142,11 +154,14 @@ class TensorParallelLeader:
             TensorParallelLost: a follower is gone.
         """
         self._check_alive()
+        self._settle_failed_step()
         message = StepMessage(scheduler_output.swap_out, scheduler_output.copy_blocks, scheduler_output.swap_in,
                               batch.inputs if batch is not None else None,
                               batch.attention.meta.num_decodes if batch is not None else 0)
         if message.inputs is not None or message.swap_out or message.copy_blocks or message.swap_in:
             send_step(self.groups, message)
+        if batch is not None:
+            self.groups.begin_step(batch.input_ids.shape[-1])
 
     def send_probe(self, batch: PreparedBatch, fused_mlp: bool) -> None:
         """Send the followers the native decoder stack's probe (engine/model/native_decoder): ``batch`` to run
@@ -156,6 +171,7 @@ class TensorParallelLeader:
             TensorParallelLost: a follower is gone.
         """
         self._check_alive()
+        self._settle_failed_step()
         send_step(self.groups, StepMessage([], [], [], batch.inputs, batch.attention.meta.num_decodes,
                                            probe_fused_mlp=fused_mlp))
 
@@ -168,10 +184,27 @@ class TensorParallelLeader:
         """Sum ``tensor`` over every rank, in place (what a shard's row-parallel layers do)."""
         self.groups.all_reduce(tensor)
 
+    def _settle_failed_step(self) -> None:
+        """The last step's forward raised here before its last all-reduce (the followers wait in the next one): make
+        the ones left, and the verdict, before anything else goes to the followers."""
+        if self.groups.in_step:
+            self.groups.fail_step()
+
+    def _step_failure(self, ranks: list[int]) -> TensorParallelStepFailed:
+        """The error of a step other ranks failed: each one's reason, which it left in the store."""
+        reasons = []
+        for rank in ranks:
+            key = f"step_failure/{rank}"
+            reason = self._store.get(key).decode() if self._store.check([key]) else "no reason given"
+            reasons.append(f"rank {rank}: {reason}")
+        return TensorParallelStepFailed("the step failed on tensor-parallel " + "; ".join(reasons)
+                                        + " (every rank failed it; the traceback is in that rank's log)")
+
     def close(self) -> None:
         """Stop the followers: ask them to leave their loop, then end any that did not."""
         if self._connected and self._end.alive and all(p.poll() is None for p in self._followers):
             try:
+                self._settle_failed_step()
                 send_stop(self.groups)
             except TensorParallelLost:
                 logger.warning("tensor parallelism: a follower was gone before it was stopped")

@@ -187,14 +187,16 @@ class StreamDetokenizer(_StopStrings):
     """
 
     def __init__(self, backend: Any, special_ids: frozenset[int], prompt_token_ids: list[int],
-                 stop: list[str]) -> None:
+                 stop: list[str], skip_special_tokens: bool = True) -> None:
         from tokenizers.decoders import DecodeStream  # noqa: PLC0415 - only fast tokenizers come here
 
         self._backend = backend
         self._special_ids = special_ids
         self._init_stops(stop)
         context = [t for t in prompt_token_ids if t not in special_ids][-_NUM_PROMPT_CONTEXT_TOKENS:]
-        self._stream = DecodeStream(ids=context, skip_special_tokens=False)
+        self._skip_special_tokens = skip_special_tokens
+        # NOTE: tokens the tokenizer itself marks special (added tokens) are skipped by it, as HF decode skips them
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         self._emitted = context  # the last few ids whose text is out: the context of a final decode
         self._held: list[int] = []  # ids the stream holds back (an incomplete character)
 
@@ -221,8 +223,9 @@ class StreamDetokenizer(_StopStrings):
             return ""
         rest = ""
         if self._held:
-            prefix = self._backend.decode(self._emitted, skip_special_tokens=False)
-            rest = self._backend.decode(self._emitted + self._held, skip_special_tokens=False)[len(prefix):]
+            prefix = self._backend.decode(self._emitted, skip_special_tokens=self._skip_special_tokens)
+            rest = self._backend.decode(self._emitted + self._held,
+                                        skip_special_tokens=self._skip_special_tokens)[len(prefix):]
             self._held = []
         return self._release(rest, is_final=True)
 
@@ -235,4 +238,9 @@ def make_detokenizer(tokenizer: Any, prompt_token_ids: list[int], stop: list[str
     if backend is None or not hasattr(backend, "decode"):
         return IncrementalDetokenizer(tokenizer, prompt_token_ids, stop, skip_special_tokens)
     special_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
-    return StreamDetokenizer(backend, special_ids, prompt_token_ids, stop)
+    context = [t for t in prompt_token_ids if t not in special_ids][-_NUM_PROMPT_CONTEXT_TOKENS:]
+    # NOTE: a prompt whose last tokens end inside a character (token ids given directly) makes DecodeStream emit
+    # the context's own bytes with the first token; the reference handles it (rare: one decode to tell).
+    if backend.decode(context, skip_special_tokens=skip_special_tokens).endswith(_REPLACEMENT_CHAR):
+        return IncrementalDetokenizer(tokenizer, prompt_token_ids, stop, skip_special_tokens)
+    return StreamDetokenizer(backend, special_ids, prompt_token_ids, stop, skip_special_tokens)

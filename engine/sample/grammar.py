@@ -114,6 +114,19 @@ class GrammarCompiler:
 
         return xgrammar.GrammarMatcher(self.compile(response_format))
 
+    def warm(self) -> None:
+        """Get ready now rather than on the first structured request: build the tokenizer info and start the
+        compile child (it imports xgrammar and torch: seconds, tens of them under load). Thread-safe; meant
+        for a background thread at worker start (:meth:`engine.Engine.warm_grammars`).
+
+        Raises:
+            GrammarError: xgrammar is missing, or the child did not start.
+        """
+        with self._lock:
+            self._prepare()
+        if self._process is not None:
+            self._process.start()
+
     def close(self) -> None:
         """Stop the compiler's child process, if one runs."""
         if self._process is not None:

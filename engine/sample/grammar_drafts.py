@@ -14,6 +14,8 @@ structured requests only; the others are left to the next proposer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tokenmill.engine.core.request import Request
 from tokenmill.engine.sample.grammar import GrammarCompiler
 from tokenmill.engine.sample.grammar_mask import synced_matcher
@@ -31,7 +33,7 @@ class GrammarForcedProposer:
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
 
-    def propose(self, wanted: list[tuple[Request, list[int], int]]) -> dict[str, list[int]]:
+    def propose(self, wanted: list[tuple[Request, Sequence[int], int]]) -> dict[str, list[int]]:
         drafts = {}
         for request, _, num_tokens in wanted:
             params = request.sampling_params

@@ -6,10 +6,11 @@ In a thread nothing can stop it; in a child process it is killed at its limits a
 answered with a ``validation`` error. The compiled grammar comes back serialized
 (``CompiledGrammar.serialize_json``, milliseconds) and is rebuilt over the parent's tokenizer info.
 
-One child serves one engine, one compile at a time; it is started on first use, and a killed child
-is replaced by the next compile. The xgrammar calls themselves (``compile_spec``,
-``describe_native_error``) live here, for the child and for in-thread compiles (engine/sample/grammar.py)
-alike. Imports xgrammar only inside the child and on first use.
+One child serves one engine, one compile at a time; it is started on first use (or by a warm-up at
+worker start: :meth:`GrammarProcess.start`), and a killed child is replaced by the next compile. The
+xgrammar calls themselves (``compile_spec``, ``describe_native_error``) live here, for the child and
+for in-thread compiles (engine/sample/grammar.py) alike. Imports xgrammar only inside the child and
+on first use.
 """
 
 from __future__ import annotations
@@ -84,6 +85,15 @@ class GrammarProcess:
         serialized, bounds = payload
         return serialized, GrammarBounds(*bounds)
 
+    def start(self) -> None:
+        """Start the child now unless it runs (a warm-up: a compile then finds it ready).
+
+        Raises:
+            GrammarError: the child did not start.
+        """
+        with self._lock:
+            self._ready_connection()
+
     def close(self) -> None:
         """Stop the child (a later compile starts a new one)."""
         with self._lock:
@@ -119,9 +129,10 @@ class GrammarProcess:
 
 def _serve(conn: Connection, tokenizer_info_json: str, memory_bytes: int) -> None:
     """The child's loop: compile what arrives, send back ``(True, serialized)`` or ``(False, why)``."""
+    # NOTE: a long compile (or the start, importing torch: a warm-up runs it beside the engine) must not take a
+    # core from the engine's threads (preparation.py)
+    os.nice(19)
     import xgrammar  # noqa: PLC0415 - only the child needs it
-
-    os.nice(19)  # NOTE: a long compile must not take a core from the engine's threads (preparation.py)
 
     info = xgrammar.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)

@@ -9,6 +9,8 @@ scan of the whole context. Standard library only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class NgramIndex:
     """One request's n-grams, for :meth:`propose`.
@@ -24,7 +26,7 @@ class NgramIndex:
         self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest indexed occurrence
         self._num_indexed = 0  # grams ending before this position are indexed
 
-    def propose(self, token_ids: list[int], num_tokens: int, min_n: int | None = None) -> list[int]:
+    def propose(self, token_ids: Sequence[int], num_tokens: int, min_n: int | None = None) -> list[int]:
         """Up to ``num_tokens`` tokens that followed the latest earlier occurrence of the longest
         suffix of ``token_ids`` (between ``min_n``, default the index's, and ``max_n`` long) that
         occurred before; [] if none.
@@ -43,5 +45,5 @@ class NgramIndex:
         for n in range(min(self.max_n, end), max(self.min_n, min_n or 0) - 1, -1):
             found = self._ends.get(tuple(token_ids[end - n:]))
             if found is not None:
-                return token_ids[found:found + num_tokens]
+                return list(token_ids[found:found + num_tokens])
         return []

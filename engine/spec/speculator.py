@@ -15,6 +15,7 @@ the same :class:`Proposer` interface.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -53,7 +54,7 @@ class Proposer(Protocol):
 
     name: str  # in the stats and metrics; each proposer of a speculator has its own
 
-    def propose(self, wanted: list[tuple[Request, list[int], int]]) -> dict[str, list[int]]: ...
+    def propose(self, wanted: list[tuple[Request, Sequence[int], int]]) -> dict[str, list[int]]: ...
 
     def finished(self, request: Request) -> None: ...
 
@@ -70,7 +71,7 @@ class NgramProposer:
         self.name = name
         self.min_n, self.max_n, self.index_min_n = min_n, max_n, index_min_n
 
-    def propose(self, wanted: list[tuple[Request, list[int], int]]) -> dict[str, list[int]]:
+    def propose(self, wanted: list[tuple[Request, Sequence[int], int]]) -> dict[str, list[int]]:
         drafts = {}
         for request, token_ids, num_tokens in wanted:
             state = draft_state(request)
@@ -100,7 +101,7 @@ class SuffixPoolProposer:
         self.min_n = min_n
         self.learns = learns
 
-    def propose(self, wanted: list[tuple[Request, list[int], int]]) -> dict[str, list[int]]:
+    def propose(self, wanted: list[tuple[Request, Sequence[int], int]]) -> dict[str, list[int]]:
         drafts = {}
         for request, token_ids, num_tokens in wanted:
             draft = self.pool.propose(token_ids, num_tokens, self.min_n)
@@ -147,12 +148,12 @@ class DraftSpeculator:
         for proposer in self.proposers:
             if len(proposed) == len(candidates):
                 break  # NOTE: every request has its draft: the later proposers have nothing to add
-            wanted = []
+            wanted: list[tuple[Request, Sequence[int], int]] = []
             for request, bound in candidates:
                 if request.request_id not in proposed:
                     num_tokens = self._allowed(states[request.request_id].acceptance_of(proposer.name), bound)
                     if num_tokens > 0:
-                        wanted.append((request, request.all_token_ids, num_tokens))
+                        wanted.append((request, request.token_view, num_tokens))
             if wanted:
                 proposed.update((request_id, (draft, proposer.name))
                                 for request_id, draft in proposer.propose(wanted).items())

@@ -11,6 +11,7 @@ pool forgets its oldest n-grams once it holds ``capacity`` of them.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 
 class SuffixPool:
@@ -48,7 +49,7 @@ class SuffixPool:
         while len(self._continuations) > self.capacity:
             self._continuations.popitem(last=False)
 
-    def propose(self, token_ids: list[int], num_tokens: int, min_n: int | None = None) -> list[int]:
+    def propose(self, token_ids: Sequence[int], num_tokens: int, min_n: int | None = None) -> list[int]:
         """Up to ``num_tokens`` tokens that followed the longest suffix of ``token_ids`` in an earlier
         output; [] if no suffix of at least ``min_n`` tokens (default: the pool's) was seen."""
         if num_tokens <= 0:

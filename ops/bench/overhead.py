@@ -9,7 +9,8 @@ Two tables, each measured in this run:
 
 - host time: microseconds per running request per decode step, at batch 1 / 64 / 256 / 1024 and prompts of
   32 / 2k / 8k tokens, speculation off and ``auto``;
-- device fraction: step delays of 2 / 5 / 10 ms at batch 64 and 256.
+- device fraction: step delays of 2 / 5 / 10 ms at batch 64 and 256, for the synchronous loop and the overlapped
+  one (``[engine.execution] overlap``: the forward on a device thread while the previous step's outputs are made).
 
 Every request decodes ``--steps`` tokens past its prompt (``ignore_eos``), so the batch stays whole while it is
 timed (speculation ``auto`` drafts the echo's repeated prompt: several tokens a step, fewer steps).
@@ -34,15 +35,15 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from ops.bench.common import fmt, machine_info, print_table, write_json  # noqa: E402
-from tokenmill.engine.config import EngineConfig  # noqa: E402
-from tokenmill.engine.engine import Engine  # noqa: E402
-from tokenmill.protocol.sampling import SamplingParams  # noqa: E402
+from ops.bench.common import fmt, machine_info, print_table, write_json
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.engine import Engine
+from tokenmill.protocol.sampling import SamplingParams
 
 WARMUP_STEPS = 3
 
 
-def build(batch: int, prompt_tokens: int, spec: str, step_delay_s: float, steps: int) -> Engine:
+def build(batch: int, prompt_tokens: int, spec: str, step_delay_s: float, steps: int, overlap: str = "off") -> Engine:
     """An echo engine holding ``batch`` requests of ``prompt_tokens``, prefilled, decoding."""
     name = f"echo:step_delay_s={step_delay_s}" if step_delay_s else "echo"
     config = EngineConfig.model_validate({
@@ -50,6 +51,7 @@ def build(batch: int, prompt_tokens: int, spec: str, step_delay_s: float, steps:
         "scheduler": {"max_num_seqs": batch, "max_num_batched_tokens": max(8192, batch * 16),
                       "max_prefill_chunk": max(8192, prompt_tokens)},
         "speculative": {"method": spec},
+        "execution": {"overlap": overlap},
     })
     engine = Engine.from_config(config)
     params = SamplingParams(max_tokens=steps * 16 + WARMUP_STEPS * 16, ignore_eos=True)
@@ -63,9 +65,10 @@ def build(batch: int, prompt_tokens: int, spec: str, step_delay_s: float, steps:
     return engine
 
 
-def measure(batch: int, prompt_tokens: int, spec: str, step_delay_s: float, steps: int) -> dict[str, Any]:
+def measure(batch: int, prompt_tokens: int, spec: str, step_delay_s: float, steps: int,
+            overlap: str = "off") -> dict[str, Any]:
     """Time ``steps`` decode steps of a full batch."""
-    engine = build(batch, prompt_tokens, spec, step_delay_s, steps)
+    engine = build(batch, prompt_tokens, spec, step_delay_s, steps, overlap)
     gc.collect()
     generated_before = engine.scheduler.counters.num_generated_tokens
     started = time.perf_counter()
@@ -76,7 +79,8 @@ def measure(batch: int, prompt_tokens: int, spec: str, step_delay_s: float, step
     tokens = engine.scheduler.counters.num_generated_tokens - generated_before
     engine.close()
     host_s = wall_s - steps * step_delay_s
-    return {"batch": batch, "prompt_tokens": prompt_tokens, "spec": spec, "step_delay_ms": step_delay_s * 1e3,
+    return {"batch": batch, "prompt_tokens": prompt_tokens, "spec": spec, "overlap": overlap,
+            "step_delay_ms": step_delay_s * 1e3,
             "steps": steps, "running_at_end": running, "wall_s": wall_s, "tokens": tokens,
             "us_per_request_step": host_s / steps / batch * 1e6, "ms_per_step": wall_s / steps * 1e3,
             "device_fraction": steps * step_delay_s / wall_s if step_delay_s else None,
@@ -108,11 +112,16 @@ def main() -> None:
     device_rows = []
     for batch in (64, 256):
         for delay_ms in (2, 5, 10):
-            cell = measure(batch, 32, "off", delay_ms / 1e3, args.steps)
-            cells.append(cell)
-            device_rows.append([batch, delay_ms, fmt(cell["ms_per_step"], 2), fmt(cell["device_fraction"], 3)])
-    print_table("fraction of the device's limit (steps x delay / wall), prompts of 32, speculation off",
-                ["batch", "step delay ms", "ms per step", "fraction"], device_rows)
+            row = [batch, delay_ms]
+            for overlap in ("off", "on"):
+                cell = measure(batch, 32, "off", delay_ms / 1e3, args.steps, overlap)
+                cells.append(cell)
+                row += [fmt(cell["ms_per_step"], 2), fmt(cell["device_fraction"], 3)]
+            device_rows.append(row)
+    print_table("fraction of the device's limit (steps x delay / wall), prompts of 32, speculation off: the "
+                "synchronous loop and the overlapped one, same run",
+                ["batch", "step delay ms", "sync ms/step", "sync fraction", "overlap ms/step", "overlap fraction"],
+                device_rows)
     write_json(args.json, {"machine": machine_info(), "cells": cells})
 
 

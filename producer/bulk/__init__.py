@@ -31,7 +31,7 @@ def run(input_path: str | Path, output_path: str | Path, *, producer: Producer |
         config: queue and Redis settings when no ``producer`` is given.
         show_progress: draw a progress bar on stderr.
         **options: fields of :class:`BulkOptions` (``format``, ``priority``, ``max_in_flight``,
-            ``retries``, ``errors_path``, ``raw``, ``system``, ``cancel_on_interrupt``,
+            ``retries``, ``errors_path``, ``raw``, ``system``, ``cancel_on_interrupt``, ``retry_cancelled``,
             ``max_tokens``, ``temperature``, ...).
 
     Returns:

@@ -26,6 +26,8 @@ class BulkOptions(BaseModel):
     raw: bool = Field(False, description="send plain prompts as raw text, not as a user message (chat)")
     system: str | None = Field(None, description="a system message before each plain prompt")
     cancel_on_interrupt: bool = Field(False, description="on Ctrl-C, cancel the requests this run queued")
+    retry_cancelled: bool = Field(True, description="run again the rows an earlier run's requests were cancelled "
+                                  "for (--cancel-on-interrupt); False: they stay in the errors file as cancelled")
     endpoint: str | None = Field(None, description="OpenAI input: the url every line must name (a batch's endpoint)")
     served_models: frozenset[str] | None = Field(None, description="the models live workers serve: an item naming "
                                                  "another is answered model_not_served, not queued; None: items "

@@ -22,6 +22,7 @@ from tokenmill.producer.schema import GenerationResult
 from tokenmill.protocol.values import is_utf8
 
 OutputFormat = Literal["plain", "openai"]
+CANCELLED_CODE = "request_cancelled"  # the OpenAI error code of a cancelled result (openai_compat.objects)
 FSYNC_INTERVAL_S = 2.0
 UNKNOWN_MODEL = "tokenmill"  # the model named in outputs of results that do not say (written by older workers)
 # Result fields a plain output line carries when the result has them (asked-for extras).
@@ -75,7 +76,8 @@ class DoneSet:
     """What earlier runs already finished: ids in the output file, lines in the errors file."""
 
     item_ids: set[str] = field(default_factory=set)  # ids (plain) or custom_ids (openai) written as output
-    lines: set[int] = field(default_factory=set)  # input lines written to the errors file
+    lines: set[int] = field(default_factory=set)  # input lines written to the errors file (cancelled ones aside)
+    cancelled_lines: set[int] = field(default_factory=set)  # input lines in the errors file as cancelled
 
     def __len__(self) -> int:
         return len(self.item_ids) + len(self.lines)
@@ -109,12 +111,47 @@ def repair_and_scan(path: Path, done: DoneSet, *, is_errors: bool) -> int:
         if not isinstance(record, dict):
             raise BulkError(f"{path} line {line_no} is not a JSON object; not a tokenmill bulk output?")
         if is_errors and isinstance(record.get("line"), int):
-            done.lines.add(record["line"])
+            (done.cancelled_lines if is_cancelled_line(record) else done.lines).add(record["line"])
         elif not is_errors:
             item_id = record.get("custom_id", record.get("id"))
             if item_id is not None:
                 done.item_ids.add(str(item_id))
     return num_lines
+
+
+def is_cancelled_line(record: dict[str, Any]) -> bool:
+    """Whether an errors-file line is a result ``cancelled`` (plain: its status; OpenAI: its error code)."""
+    if record.get("status") == "cancelled":
+        return True
+    response = record.get("response")
+    body = response.get("body") if isinstance(response, dict) else None
+    error = body.get("error") if isinstance(body, dict) else None
+    return isinstance(error, dict) and error.get("code") == CANCELLED_CODE
+
+
+def drop_cancelled_lines(path: Path) -> int:
+    """Rewrite the errors file ``path`` without its cancelled lines (their rows run again), atomically: a
+    kill leaves the old file or the new one. Call after :func:`repair_and_scan` (whole lines only).
+
+    Returns:
+        The number of lines dropped.
+    """
+    kept: list[bytes] = []
+    num_dropped = 0
+    for raw in path.read_bytes().splitlines(keepends=True):
+        record = json.loads(raw) if raw.strip() else None
+        if isinstance(record, dict) and is_cancelled_line(record):
+            num_dropped += 1
+        else:
+            kept.append(raw)
+    if num_dropped:
+        scratch = path.with_name(path.name + ".tmp")
+        with scratch.open("wb") as handle:
+            handle.write(b"".join(kept))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(scratch, path)
+    return num_dropped
 
 
 def json_text(value: Any) -> str:

@@ -2,12 +2,15 @@
 
 Request ids are deterministic per (job, item, attempt), the job being the OUTPUT path, so a
 re-run finishes only what is missing: results that landed while it was dead are picked up, and
-requests an earlier run queued are waited for, never queued again (submit-once markers).
+requests an earlier run queued are waited for, never queued again (submit-once markers). Rows an
+earlier run cancelled (``--cancel-on-interrupt``) run again under their next attempt's id, using
+no retry, unless ``retry_cancelled`` is off.
 Never imports torch, the engine or the worker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -16,12 +19,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import redis
+
 from tokenmill.producer import common
 from tokenmill.producer.bulk.errors import BulkError
 from tokenmill.producer.bulk.items import BulkItem, InvalidItem, Parsed, count_records, detect_format, read_items
 from tokenmill.producer.bulk.options import BulkOptions, job_id_of, request_id_of
-from tokenmill.producer.bulk.output import DoneSet, LineWriter, OutputFormat, invalid_line, repair_and_scan, result_line
+from tokenmill.producer.bulk.output import (
+    DoneSet,
+    LineWriter,
+    OutputFormat,
+    drop_cancelled_lines,
+    invalid_line,
+    repair_and_scan,
+    result_line,
+)
 from tokenmill.producer.bulk.parquet_output import ParquetOutput, is_parquet_output
+from tokenmill.producer.bulk.record import JobRecord
 from tokenmill.producer.bulk.report import BulkProgress, BulkSummary
 from tokenmill.producer.client import Producer
 from tokenmill.producer.errors import SchemaError
@@ -47,7 +61,9 @@ class Flight:
     """One outstanding (or to-be-sent) attempt of an item."""
 
     item: BulkItem
-    attempt: int  # 0 for the first request; each retry uses a new id
+    attempt: int  # 0 for the first request; each retry (or run again after a cancel) uses a new id
+    num_cancelled: int = 0  # earlier attempts an earlier run cancelled: they use none of the retries
+    is_rerun: bool = False  # the attempt after a cancelled one (not a retry)
 
 
 class BulkJob:
@@ -63,10 +79,14 @@ class BulkJob:
         job_id: the job's identity when it is not the OUTPUT path (e.g. an OpenAI batch id): runs
             with the same id share their requests and results in Redis.
         track_eta: keep :attr:`eta` current without a progress bar (a batch object shows it).
+        kind: what the dashboard calls the job (``bulk``, or ``batch`` for an OpenAI batch's run).
+
+    The job's progress is written to Redis as it runs (producer/bulk/record.py), for the dashboard.
     """
 
     def __init__(self, producer: Producer, input_path: Path, output_path: Path, options: BulkOptions,
-                 *, show_progress: bool = False, job_id: str | None = None, track_eta: bool = False) -> None:
+                 *, show_progress: bool = False, job_id: str | None = None, track_eta: bool = False,
+                 kind: str = "bulk") -> None:
         self.producer, self.options = producer, options
         self.input_path, self.output_path = input_path, output_path
         self.errors_path = options.errors_path or output_path.with_name(output_path.name + ".errors.jsonl")
@@ -83,6 +103,8 @@ class BulkJob:
         self._progress = BulkProgress(0, enabled=False)
         self._flights: dict[str, Flight] = {}  # request id -> attempt in flight
         self._queued_here: set[str] = set()  # request ids this run enqueued (what --cancel-on-interrupt cancels)
+        self._rerun_lines: set[int] = set()  # input lines whose cancelled errors-file line this run dropped
+        self._rerun_items: set[str] = set()  # item ids cancelled by an earlier run that this run runs again
         self._to_send: deque[Flight] = deque()
         self._last_reply_id = b"0"  # NOTE: from the start: replies an interrupted run never read
         self._last_recheck_s = time.monotonic()
@@ -92,6 +114,8 @@ class BulkJob:
         # The job's predicted remaining tokens and ETA (producer/eta.py), renewed every ETA_INTERVAL_S while the
         # job tracks it; None before the first look. Replaced whole: other threads may read it.
         self.eta: Eta | None = None
+        self._record = JobRecord(producer.client, producer.keys, self.job_id, kind=kind,
+                                 input_name=str(input_path), output_name=str(output_path))
 
     def run(self) -> BulkSummary:
         """Process every record not finished by an earlier run; Ctrl-C leaves valid files.
@@ -106,18 +130,29 @@ class BulkJob:
         else:
             self._parquet.scan(done)
         repair_and_scan(self.errors_path, done, is_errors=True)
+        if not self.options.retry_cancelled:
+            done.lines |= done.cancelled_lines
+        elif done.cancelled_lines:  # NOTE: before the errors file is opened for appending
+            self._rerun_lines = done.cancelled_lines - done.lines
+            drop_cancelled_lines(self.errors_path)
         self.summary.num_earlier_errors = len(done.lines)
         self.summary.num_total = count_records(self.input_path, self.input_format)
         records = self._unfinished(read_items(self.input_path, self.input_format,
                                               prompt_column=self.options.prompt_column,
                                               id_column=self.options.id_column), done)
         self._out, self._err = LineWriter(self.results_path), LineWriter(self.errors_path)
+        self._record.start(self.summary.num_total, self.summary.num_skipped)
         try:
             with BulkProgress(self.summary.num_total, enabled=self._show_progress) as self._progress:
                 self._drive(records)
             self.producer.client.delete(self.reply_stream)
+            self._record_counts()
+            self._record.finish("done")
         except (KeyboardInterrupt, Stopped):
             self._interrupt()
+            with contextlib.suppress(redis.RedisError):
+                self._record_counts()
+                self._record.finish("interrupted")
         finally:
             self._out.close()
             self._err.close()
@@ -162,8 +197,15 @@ class BulkJob:
                 return
             if self._flights:
                 self._wait()
-            if self._tracks_eta and time.monotonic() >= self._next_eta_s:
+            if time.monotonic() >= self._next_eta_s:  # NOTE: always: the job's record shows it (dashboard)
                 self._renew_eta()
+            self._record_counts()
+            self._record.flush()
+
+    def _record_counts(self) -> None:
+        summary = self.summary
+        self._record.counts(ok=summary.num_ok, failed=summary.num_failed + summary.num_invalid,
+                            skipped=summary.num_skipped, tokens=summary.completion_tokens + summary.recovered_tokens)
 
     def _renew_eta(self) -> None:
         """Predict what the job still generates from the live workers' heartbeats and its own results."""
@@ -178,7 +220,9 @@ class BulkJob:
                               job_tokens_per_s=self._meter.tokens_per_s()))
 
     def _predict(self, eta: Eta) -> None:
-        """Show ``eta`` (and keep it in :attr:`eta`) when the job tracks its ETA."""
+        """Show ``eta`` (and keep it in :attr:`eta`) when the job tracks its ETA; the job's record has it always."""
+        self._record_counts()
+        self._record.predict(eta)
         if self._tracks_eta:
             self.eta = eta
             self._progress.predict(eta)
@@ -189,6 +233,8 @@ class BulkJob:
         for record in records:
             if record.line in done.lines:
                 self._skip()
+                if record.line in done.cancelled_lines and not self.options.retry_cancelled:
+                    self.summary.num_kept_cancelled += 1  # NOTE: only then are cancelled lines among done.lines
                 if record.item_id is not None:
                     seen.add(record.item_id)
             elif isinstance(record, BulkItem) and record.item_id in seen:
@@ -196,9 +242,12 @@ class BulkJob:
             elif isinstance(record, BulkItem) and record.item_id in done.item_ids:
                 seen.add(record.item_id)
                 self._skip()
+                self.summary.num_earlier_ok += 1
             else:
                 if record.item_id is not None:
                     seen.add(record.item_id)
+                if isinstance(record, BulkItem) and record.line in self._rerun_lines:
+                    self._count_rerun(record.item_id)
                 yield record
 
     def _skip(self) -> None:
@@ -264,17 +313,27 @@ class BulkJob:
         earlier run queued are then waited for, not sent again: see :meth:`_send`)."""
         if not items:
             return
-        num_attempts = self.options.retries + 1
-        raws = self.producer.raw_results([self._request_id(item, attempt)
-                                          for item in items for attempt in range(num_attempts)])
-        for position, item in enumerate(items):
-            found = [(attempt, raw) for attempt, raw in
-                     enumerate(raws[position * num_attempts:(position + 1) * num_attempts]) if raw is not None]
-            if not found:
+        window = self.options.retries + 1
+        found: list[list[tuple[int, GenerationResult]]] = [[] for _ in items]
+        positions, first = list(range(len(items))), 0
+        while positions:  # NOTE: attempts past retries + 1 exist only after cancelled ones (they use no retry)
+            raws = self.producer.raw_results([self._request_id(items[position], first + offset)
+                                              for position in positions for offset in range(window)])
+            further: list[int] = []
+            for index, position in enumerate(positions):
+                chunk = raws[index * window:(index + 1) * window]
+                found[position] += [(first + offset, decode_result(raw)) for offset, raw in enumerate(chunk)
+                                    if raw is not None]
+                if chunk[-1] is not None and any(result.status == "cancelled" for _, result in found[position]):
+                    further.append(position)
+            positions, first = further, first + window
+        for item, results in zip(items, found):
+            if not results:
                 self._to_send.append(Flight(item, 0))
                 continue
-            attempt, raw = found[-1]
-            self._settle(Flight(item, attempt), decode_result(raw), is_recovered=True)
+            attempt, result = results[-1]
+            num_cancelled = sum(earlier.status == "cancelled" for _, earlier in results[:-1])
+            self._settle(Flight(item, attempt, num_cancelled), result, is_recovered=True)
 
     def _send(self) -> None:
         """Submit the queued attempts once each: ids an earlier run queued are adopted, not re-sent."""
@@ -291,7 +350,7 @@ class BulkJob:
             if first_submit_s >= before_s:
                 self._queued_here.add(request.id)
                 self.summary.num_submitted += 1
-                self.summary.num_retried += flight.attempt > 0
+                self.summary.num_retried += flight.attempt > 0 and not flight.is_rerun
             else:
                 self.summary.num_adopted += 1
                 self._progress.adopt()
@@ -336,20 +395,30 @@ class BulkJob:
     def _settle(self, flight: Flight, result: GenerationResult, *, is_recovered: bool = False) -> None:
         """Write a final result, or queue the next attempt of a retryable failure.
 
-        NOTE: a ``cancelled`` result found from an earlier run (``--cancel-on-interrupt``) is
-        retryable: that run gave the item up, this one wants it done.
+        NOTE: a ``cancelled`` result of a request an earlier run queued (its ``--cancel-on-interrupt``; found in
+        Redis, or landing while this run waits for it) runs again, using no retry: that run gave the row up,
+        this one wants it done. Unless ``retry_cancelled`` is off: then it is final, as a cancel in this run is.
         """
-        is_retryable = result.status == "error" and result.error is not None and result.error.code in RETRYABLE_CODES
-        is_retryable |= is_recovered and result.status == "cancelled"
-        if is_retryable and flight.attempt < self.options.retries:
-            self._to_send.append(Flight(flight.item, flight.attempt + 1))
+        is_earlier_cancel = result.status == "cancelled" and result.id not in self._queued_here
+        if is_earlier_cancel and self.options.retry_cancelled:
+            self._count_rerun(flight.item.item_id)
+            self._to_send.append(Flight(flight.item, flight.attempt + 1, flight.num_cancelled + 1, is_rerun=True))
             return
+        is_retryable = result.status == "error" and result.error is not None and result.error.code in RETRYABLE_CODES
+        if is_retryable and flight.attempt - flight.num_cancelled < self.options.retries:
+            self._to_send.append(Flight(flight.item, flight.attempt + 1, flight.num_cancelled))
+            return
+        self.summary.num_kept_cancelled += is_earlier_cancel
         line = result_line(self.output_format, flight.item, result)
         if result.ok:
             self._out.write(line)
         else:
             line["attempts"] = flight.attempt + 1
             self._err.write(line)
+            error = result.error
+            self._record.failure(line=flight.item.line, item_id=flight.item.item_id, request_id=result.id,
+                                 status=result.status, code=error.code if error else result.status,
+                                 message=error.message if error else "")
         self.summary.status_counts[result.status] += 1
         self.summary.prompt_tokens += result.usage.prompt_tokens
         if is_recovered:
@@ -361,7 +430,15 @@ class BulkJob:
             self._meter.add(result.usage.completion_tokens)
             self._progress.advance(1, result.usage.completion_tokens)
 
+    def _count_rerun(self, item_id: str) -> None:
+        """A row an earlier run cancelled runs again (counted once however often it was cancelled)."""
+        if item_id not in self._rerun_items:
+            self._rerun_items.add(item_id)
+            self.summary.num_rerun_cancelled += 1
+
     def _write_invalid(self, record: InvalidItem) -> None:
         self._err.write(invalid_line(self.output_format, record))
         self.summary.num_invalid += 1
+        self._record.failure(line=record.line, item_id=record.item_id, request_id=None, status="invalid",
+                             code="invalid", message=record.reason)
         self._progress.advance(1)

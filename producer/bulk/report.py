@@ -28,9 +28,13 @@ class BulkSummary:
     errors_path: Path  # JSONL failures and invalid records
     num_total: int = 0  # records in the input
     num_skipped: int = 0  # already finished by an earlier run (found in the output/errors files)
+    num_earlier_ok: int = 0  # of the skipped: in the output file (done earlier)
     num_recovered: int = 0  # results an earlier run left in Redis, written without regenerating
     num_adopted: int = 0  # requests an earlier run queued: waited for, not sent again
     num_cancelled: int = 0  # requests of this run cancelled on interrupt (--cancel-on-interrupt)
+    num_rerun_cancelled: int = 0  # items an earlier run cancelled (--cancel-on-interrupt), run again by this one
+    num_kept_cancelled: int = 0  # items an earlier run cancelled, left cancelled in the errors file (retry_cancelled
+    #                              off): skipped, or written there by this run
     num_submitted: int = 0  # requests sent by this run (retries included)
     num_retried: int = 0  # retry requests sent
     num_invalid: int = 0  # records that never became a request (bad JSON, bad params, duplicate id)
@@ -62,6 +66,11 @@ class BulkSummary:
         return bool(self.num_failed or self.num_invalid or self.num_earlier_errors)
 
     @property
+    def num_in_errors_file(self) -> int:
+        """Records in the errors file after this run (failed or invalid, in this run or an earlier one)."""
+        return self.num_failed + self.num_invalid + self.num_earlier_errors
+
+    @property
     def tokens_per_s(self) -> float:
         """Completion tokens that landed during this run per wall-clock second (recovered ones excluded)."""
         return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
@@ -73,8 +82,10 @@ class BulkSummary:
 
     def as_dict(self) -> dict[str, Any]:
         return {"output": str(self.output_path), "errors": str(self.errors_path), "total": self.num_total,
-                "skipped": self.num_skipped, "recovered": self.num_recovered, "adopted": self.num_adopted,
-                "cancelled_on_interrupt": self.num_cancelled, "submitted": self.num_submitted,
+                "skipped": self.num_skipped, "earlier_ok": self.num_earlier_ok, "recovered": self.num_recovered,
+                "adopted": self.num_adopted, "cancelled_on_interrupt": self.num_cancelled,
+                "rerun_cancelled": self.num_rerun_cancelled, "kept_cancelled": self.num_kept_cancelled,
+                "submitted": self.num_submitted,
                 "retried": self.num_retried, "invalid": self.num_invalid,
                 "earlier_errors": self.num_earlier_errors, "statuses": dict(self.status_counts),
                 "ok": self.num_ok, "failed": self.num_failed, "prompt_tokens": self.prompt_tokens,
@@ -193,17 +204,23 @@ class BulkProgress:
 
 
 def render_summary(summary: BulkSummary, console: Console) -> None:
-    """Print the final counts by status, tokens, wall time and tokens/s."""
+    """Print what happened to the records (done earlier, done now, failed, cancelled and run again, skipped),
+    then the requests, tokens, wall time and tokens/s."""
     table = Table(title="bulk summary", show_header=False, title_justify="left")
     table.add_column("what")
     table.add_column("value", justify="right")
-    rows: list[tuple[str, str]] = [("records", str(summary.num_total)),
-                                   ("already done (skipped)", str(summary.num_skipped))]
-    rows += [(f"status {status}", str(n)) for status, n in sorted(summary.status_counts.items())]
-    rows += [("invalid records", str(summary.num_invalid)),
-             ("errors from earlier runs", str(summary.num_earlier_errors)),
-             ("recovered from Redis", str(summary.num_recovered)),
-             ("queued by an earlier run (not re-sent)", str(summary.num_adopted)),
+    rows: list[tuple[str, str]] = [
+        ("records", str(summary.num_total)),
+        ("done earlier (in the output, skipped)", str(summary.num_earlier_ok)),
+        ("failed earlier (in the errors file, skipped)", str(summary.num_skipped - summary.num_earlier_ok)),
+        ("done now", str(summary.num_ok)),
+        ("failed now", str(summary.num_failed + summary.num_invalid))]
+    rows += [(f"  status {status}", str(n)) for status, n in sorted(summary.status_counts.items()) if status != "ok"]
+    rows += [("  invalid records", str(summary.num_invalid)),
+             ("cancelled earlier, run again", str(summary.num_rerun_cancelled)),
+             ("cancelled earlier, not run again (--no-retry-cancelled)", str(summary.num_kept_cancelled)),
+             ("picked up from Redis (finished while no run waited)", str(summary.num_recovered)),
+             ("queued by an earlier run (waited for, not re-sent)", str(summary.num_adopted)),
              ("requests sent", str(summary.num_submitted)), ("retries", str(summary.num_retried)),
              ("cancelled on interrupt", str(summary.num_cancelled)),
              ("prompt tokens", str(summary.prompt_tokens)), ("completion tokens", str(summary.completion_tokens)),
@@ -211,6 +228,18 @@ def render_summary(summary: BulkSummary, console: Console) -> None:
     for what, value in rows:
         table.add_row(what, value)
     console.print(table)
-    state = "interrupted; re-run the same command to finish" if summary.is_interrupted else (
-        "complete" if summary.is_complete else "incomplete")
-    console.print(f"output: {summary.output_path}  errors: {summary.errors_path}  ({state})")
+    console.print(f"output: {summary.output_path}  errors: {summary.errors_path}  ({describe_state(summary)})")
+
+
+def describe_state(summary: BulkSummary) -> str:
+    """How the job stands after this run, in words (the summary's last line)."""
+    if summary.is_interrupted:
+        cancelled = (f"; {summary.num_cancelled} queued requests cancelled (the re-run runs them again)"
+                     if summary.num_cancelled else "")
+        return f"interrupted{cancelled}; re-run the same command to finish"
+    if not summary.is_complete:
+        return "incomplete"
+    if summary.has_errors:
+        count = summary.num_in_errors_file
+        return f"complete with errors: {count} record{'s' if count != 1 else ''} in the errors file"
+    return "complete"

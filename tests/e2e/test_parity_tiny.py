@@ -110,3 +110,20 @@ def test_parity_with_decode_attention_in_chunks(
     monkeypatch.setattr(engine.runner.backend, "cpu_chunk_bytes", 1)  # type: ignore[attr-defined]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
     assert [out.token_ids for out in outputs] == expected
+
+
+@pytest.mark.parametrize("scenario", ["block16", "block4-chunked", "recompute-preemption", "swap-preemption"])
+def test_the_overlapped_loop_matches_hf_generate(scenario: str, tiny_model_dirs: dict[str, Path]) -> None:
+    """``[engine.execution] overlap = "on"`` (the forward on a device thread while the previous step's outputs are
+    made): the same tokens as Hugging Face, through chunking and both kinds of preemption."""
+    family = FAMILIES[0]
+    prompts, expected = _reference(family, tiny_model_dirs[family], "cpu")
+    engine = build_engine(str(tiny_model_dirs[family]), device="cpu", dtype="float64", overlap="on",
+                          **SCENARIOS[scenario], **_kv_budget(tiny_model_dirs[family], scenario))
+    assert engine.overlaps
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
+    assert [out.token_ids for out in outputs] == expected
+    if "preemption" in scenario:
+        assert engine.stats().counters.num_preemptions > 0
+    assert not engine.has_unfinished() and engine.stats().num_used_gpu_blocks == 0
+    engine.close()

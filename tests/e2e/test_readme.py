@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.worker_helpers import free_port
+from tests.processes import free_port
 from tokenmill.producer import Producer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

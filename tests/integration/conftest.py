@@ -4,6 +4,7 @@ writes results exactly as the wire contract says (result key + one done push + r
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -101,3 +102,19 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClu
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture
+def producer_warnings() -> Iterator[list[str]]:
+    """The warnings producers log (``tokenmill.producer``: producer/worker_check.py) during the test, in order."""
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                messages.append(record.getMessage())
+
+    logger, handler = logging.getLogger("tokenmill.producer"), Collect()
+    logger.addHandler(handler)
+    yield messages
+    logger.removeHandler(handler)

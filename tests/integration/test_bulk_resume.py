@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -16,8 +18,12 @@ from typing import Any
 import pytest
 
 from tests.integration.bulk_helpers import NUM_ITEMS, item_ids, read_jsonl, write_input
-from tests.worker_helpers import free_port, make_settings, running_worker
+from tests.processes import free_port
+from tests.worker_helpers import make_settings, running_worker
 from tokenmill.producer import Producer, bulk
+from tokenmill.producer.bulk import BulkJob, BulkOptions
+from tokenmill.producer.bulk.options import job_id_of, request_id_of
+from tokenmill.producer.schema import decode_result
 from tokenmill.worker.runtime import Worker
 
 pytest.importorskip("prometheus_client")
@@ -25,11 +31,12 @@ pytest.importorskip("prometheus_client")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _start_bulk(redis_url: str, prefix: str, source: Path, out: Path, *flags: str) -> subprocess.Popen[bytes]:
+def _start_bulk(redis_url: str, prefix: str, source: Path, out: Path, *flags: str,
+                as_json: bool = True) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "tokenmill.cli", "--redis-url", redis_url, "--prefix", prefix, "bulk", str(source),
-               str(out), "--max-in-flight", "8", "--no-progress", "--json", *flags]
+               str(out), "--max-in-flight", "8", "--no-progress", *(["--json"] if as_json else []), *flags]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "CI": "true"})
+                            env={**os.environ, "CI": "true", "COLUMNS": "200"})
 
 
 def _wait_for_lines(path: Path, num_lines: int, timeout_s: float = 20.0) -> None:
@@ -107,3 +114,80 @@ def test_cancel_on_interrupt_cancels_this_runs_requests_and_the_rerun_redoes_the
     assert summary.is_complete and summary.num_ok == NUM_ITEMS - summary.num_skipped
     assert sorted(item_ids(read_jsonl(out))) == sorted(f"q{i}" for i in range(NUM_ITEMS))
     assert read_jsonl(summary.errors_path) == []
+
+
+def _interrupt_unserved_run(redis_url: str, prefix: str, source: Path, out: Path, producer: Producer) -> None:
+    """A ``--cancel-on-interrupt`` run Ctrl-C'd while no worker serves the queue: its 8 requests (the window) stay
+    queued with their cancel marks, to be answered ``cancelled`` by the next worker (as under load, when the
+    re-run starts before the workers reach them)."""
+    process = _start_bulk(redis_url, prefix, source, out, "--cancel-on-interrupt")
+    try:
+        deadline = time.monotonic() + 20.0
+        while producer.stats()["depth"] < 8:
+            assert time.monotonic() < deadline and process.poll() is None, "the run never queued its window"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, stderr.decode()
+    assert json.loads(stdout)["cancelled_on_interrupt"] == 8
+    assert read_jsonl(out) == []
+
+
+def test_a_rerun_runs_again_the_rows_an_interrupted_run_cancelled_that_land_while_it_waits(
+        tmp_path: Path, redis_url: str, key_prefix: str, producer: Producer) -> None:
+    """The issue's case: the re-run adopts the cancelled requests (still queued), their ``cancelled`` results land
+    while it waits, and it runs those rows again under new ids, using no retry (``retries=0``)."""
+    source = write_input(tmp_path / "in.jsonl", "jsonl", num_items=20)
+    out = tmp_path / "out.jsonl"
+    _interrupt_unserved_run(redis_url, key_prefix, source, out, producer)
+    job = BulkJob(producer, source, out, BulkOptions(max_in_flight=8, retries=0))
+    rerun = threading.Thread(target=job.run, daemon=True)
+    rerun.start()
+    deadline = time.monotonic() + 20.0
+    while job.summary.num_adopted < 8:  # NOTE: no worker yet: nothing can be recovered, all 8 are waited for
+        assert time.monotonic() < deadline and rerun.is_alive(), "the re-run never adopted the cancelled requests"
+        time.sleep(0.02)
+    with running_worker(make_settings(redis_url, key_prefix, metrics_port=free_port())) as worker:
+        rerun.join(30)
+        assert not rerun.is_alive()
+        assert _num_duplicates(worker) == 0
+    summary = job.summary
+    [first] = producer.raw_results([request_id_of(job_id_of(out), "q0", 0)])
+    assert first is not None and decode_result(first).status == "cancelled", "the adopted request was cancelled"
+    assert summary.is_complete and not summary.has_errors and summary.num_ok == 20
+    assert summary.num_rerun_cancelled == 8 and summary.num_retried == 0 and summary.num_submitted == 20
+    assert sorted(item_ids(read_jsonl(out))) == sorted(f"q{i}" for i in range(20))
+    assert read_jsonl(summary.errors_path) == []
+
+
+def test_no_retry_cancelled_keeps_cancelled_rows_and_a_later_rerun_runs_them(
+        tmp_path: Path, redis_url: str, key_prefix: str, producer: Producer) -> None:
+    """``--no-retry-cancelled`` writes the cancelled rows to the errors file (exit 3); a re-run without it takes
+    them out of the errors file, runs them, exits 0, and its summary says so."""
+    source = write_input(tmp_path / "in.jsonl", "jsonl", num_items=20)
+    out = tmp_path / "out.jsonl"
+    _interrupt_unserved_run(redis_url, key_prefix, source, out, producer)
+    with running_worker(make_settings(redis_url, key_prefix)):
+        kept = _start_bulk(redis_url, key_prefix, source, out, "--no-retry-cancelled")
+        stdout, stderr = kept.communicate(timeout=60)
+        assert kept.returncode == 3, stderr.decode()
+        first = json.loads(stdout)
+        assert (first["ok"], first["statuses"].get("cancelled"), first["kept_cancelled"]) == (12, 8, 8)
+        assert first["complete"] and first["rerun_cancelled"] == 0
+        cancelled = read_jsonl(tmp_path / "out.jsonl.errors.jsonl")
+        assert len(cancelled) == 8 and {line["status"] for line in cancelled} == {"cancelled"}
+
+        rerun = _start_bulk(redis_url, key_prefix, source, out, as_json=False)
+        stdout, stderr = rerun.communicate(timeout=60)
+    text = stdout.decode()
+    assert rerun.returncode == 0, text + stderr.decode()
+    assert re.search(r"done earlier \(in the output, skipped\)\W+12\b", text), text
+    assert re.search(r"cancelled earlier, run again\W+8\b", text), text
+    assert re.search(r"done now\W+8\b", text), text
+    assert "(complete)" in text
+    assert sorted(item_ids(read_jsonl(out))) == sorted(f"q{i}" for i in range(20)), "every item exactly once"
+    assert read_jsonl(tmp_path / "out.jsonl.errors.jsonl") == []

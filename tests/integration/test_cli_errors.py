@@ -15,6 +15,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from tests.processes import free_port
 from tests.worker_helpers import ROOT, make_settings, running_worker
 from tokenmill.producer import Producer
 from tokenmill.producer.schema import GenerationResult, encode_result
@@ -49,6 +50,17 @@ def test_worker_with_redis_down() -> None:
     assert line.startswith("error: ")
 
 
+def test_serve_with_redis_down_is_one_line_and_exit_code_2() -> None:
+    """Issue 44: uvicorn printed three tracebacks (~100 lines) and exited 3."""
+    outcome = tokenmill("--redis-url", DOWN_URL, "serve", "--port", str(free_port()))
+    assert outcome.returncode == 2, (outcome.returncode, outcome.stderr)
+    assert len(outcome.stderr.splitlines()) == 1 and outcome.stdout == "", outcome.stderr
+    line = outcome.stderr.strip()
+    for needle in ("error: could not reach Redis at redis://127.0.0.1:1/0", "is Redis running", "REDIS_URL",
+                   "--redis-url"):
+        assert needle in line, line
+
+
 @pytest.mark.parametrize("command", [["status"], ["submit", "hi", "--no-wait"], ["cancel", "some-id"]])
 def test_client_commands_with_redis_down(command: list[str]) -> None:
     assert_one_line_error(tokenmill("--redis-url", DOWN_URL, *command), "could not reach Redis")
@@ -73,7 +85,7 @@ def test_worker_with_an_uncached_hub_id(redis_url: str, key_prefix: str, tmp_pat
     """Read from the local cache only: no download retries, one line that says what to do."""
     outcome = tokenmill("--redis-url", redis_url, "--prefix", key_prefix, "worker", "--model", "someorg/no-such-model",
                         "--log-level", "WARNING", env={"HF_HOME": str(tmp_path / "hf")})
-    assert_one_line_error(outcome, "'someorg/no-such-model'", "huggingface-cli download someorg/no-such-model")
+    assert_one_line_error(outcome, "'someorg/no-such-model'", "hf download someorg/no-such-model")
 
 
 def test_typo_in_a_config_file_suggests_the_nearest_key(tmp_path: Path) -> None:

@@ -5,8 +5,10 @@ over, a slot migrating, and workers joining and leaving (shards rebalance; none 
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -177,6 +179,33 @@ def test_echo_workers_over_three_shards_answer_each_request_once(
         stats = producer.stats()
         assert len(shards) >= 2 and len(stats["shards"]) == NUM_SHARDS
         _assert_exactly_once(cluster_client, producer, ids, reply)
+
+
+def test_the_issue_s_environment_reaches_producer_and_a_producer_of_one_shard_is_told(
+        redis_cluster: LocalCluster, prefix: str, monkeypatch: pytest.MonkeyPatch,
+        producer_warnings: list[str]) -> None:
+    """Issue 44: with ``REDIS_URL=redis+cluster://...`` and ``TOKENMILL_QUEUE__SHARDS=3``, ``Producer()`` writes the
+    shards the workers read; a producer of one shard (the defaults) writes ``{prefix:default}:lane:1``, which no
+    worker reads, and is told so by its first submit instead of a ResultTimeout a minute later."""
+    for name in [name for name in os.environ if name.startswith("TOKENMILL_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("REDIS_URL", redis_cluster.url)
+    monkeypatch.setenv("TOKENMILL_QUEUE__SHARDS", str(NUM_SHARDS))
+    monkeypatch.setenv("TOKENMILL_QUEUE__PREFIX", prefix)
+    settings = Settings.load(None, {"worker": {**FAST_WORKER, "name": "w-env"}, "engine": {"model": {"name": "echo"}}})
+    with _worker(settings), Producer() as producer, Producer(shards=1) as single:
+        ids = producer.submit_many([{"prompt": f"env {i}", "raw": True, "max_tokens": 8} for i in range(20)])
+        assert [result.text for result in producer.wait_all(ids, timeout=30)] == [f"env {i}" for i in range(20)]
+        assert producer_warnings == []
+        start = time.monotonic()
+        single.submit_many([{"prompt": f"lost {i}", "raw": True} for i in range(20)])
+        elapsed_s = time.monotonic() - start
+    assert elapsed_s < 1.0
+    assert producer_warnings == [
+        f"this producer writes queue 'default' over 1 shard (lanes such as {{{prefix}:default}}:lane:1) but its 1 live "
+        f"worker reads it over 3 shards (lanes such as {{{prefix}:default:0}}:lane:1): set [queue] shards = 3 for this "
+        "producer (TOKENMILL_QUEUE__SHARDS=3, or TOKENMILL_CONFIG naming the workers' settings file); producers and "
+        "workers must agree on it"]
 
 
 async def test_the_async_producer_over_three_shards(redis_cluster: LocalCluster, cluster_client: redis.Redis,

@@ -1,11 +1,13 @@
-"""The worker's Prometheus endpoint: a scrape during a run shows the work that was done."""
+"""The worker's HTTP port: a scrape during a run shows the work that was done; /health and /ready answer probes."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -16,8 +18,13 @@ pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.worker_helpers import free_port, make_settings, running_worker
+from tests.processes import free_port, scaled_s
+from tests.worker_helpers import make_settings, running_worker
+from tokenmill.engine.engine import Engine
 from tokenmill.producer import Producer
+from tokenmill.worker import runtime
+from tokenmill.worker.config import Settings
+from tokenmill.worker.runtime import build_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -179,3 +186,69 @@ def test_a_busy_metrics_port_fails_the_start_in_one_line_before_the_model_loads(
     assert error.startswith(f"error: cannot serve metrics on 127.0.0.1:{port}"), done.stderr
     assert before == [line for line in before if "connected to Redis" in line], "the model never started loading"
     assert "Traceback" not in done.stderr + done.stdout
+
+
+def _get(port: int, path: str) -> tuple[int, str, str]:
+    """Status, content type and body of ``GET path`` on the worker's port."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return int(response.status), str(response.headers["Content-Type"]), response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, str(exc.headers["Content-Type"]), exc.read().decode()
+
+
+def test_the_port_serves_metrics_health_and_ready_and_nothing_else(redis_url: str, key_prefix: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 44: /health answers while the model loads, /ready only once the model is loaded and the lanes are
+    read, and no other path is metrics (every path was)."""
+    loaded = threading.Event()
+
+    def slow_build(settings: Settings, client: redis.Redis | None = None) -> Engine:
+        assert loaded.wait(scaled_s(30)), "never released"
+        return build_engine(settings, client)
+
+    monkeypatch.setattr(runtime, "build_engine", slow_build)
+    port = free_port()
+    settings = make_settings(redis_url, key_prefix, metrics_port=port)
+    workers: list[runtime.Worker] = []
+
+    def start() -> None:
+        workers.append(runtime.Worker(settings, handle_signals=False))
+        workers[0].run()
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + scaled_s(10)
+        while True:
+            try:
+                health = _get(port, "/health")
+                break
+            except OSError:  # the port is bound as the worker starts
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        assert health == (200, "text/plain; charset=utf-8", "ok")
+        assert _get(port, "/ready") == (503, "text/plain; charset=utf-8", "loading the model")
+        status, content_type, text = _get(port, "/metrics")
+        assert status == 200 and content_type.startswith("text/plain; version=")
+        assert "tokenmill_worker_info" in {family.name for family in text_string_to_metric_families(text)}
+        for path in ("/nope", "/", "/metrics/x", "/healthz"):
+            status, _, text = _get(port, path)
+            assert status == 404 and "/metrics, /health and /ready" in text, (path, text)
+        loaded.set()
+        deadline = time.monotonic() + scaled_s(10)
+        while _get(port, "/ready")[0] != 200:
+            assert time.monotonic() < deadline, _get(port, "/ready")
+            time.sleep(0.02)
+        assert _get(port, "/ready") == (200, "text/plain; charset=utf-8", "ok")
+        assert _get(port, "/health")[:2] == (200, "text/plain; charset=utf-8")
+        workers[0].stop()
+        thread.join(timeout=scaled_s(10))
+        assert not thread.is_alive()
+    finally:
+        loaded.set()
+        if workers:
+            workers[0].stop(force=True)
+        thread.join(timeout=10)
+    with pytest.raises(OSError):  # the port closes with the worker
+        _get(port, "/health")

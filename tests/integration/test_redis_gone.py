@@ -11,9 +11,9 @@ import uuid
 
 import redis
 
+from tests.processes import free_port
 from tests.worker_helpers import (
     enqueue,
-    free_port,
     make_settings,
     running_worker,
     wait_result,

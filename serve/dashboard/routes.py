@@ -1,0 +1,297 @@
+"""The dashboard's routes under ``/dashboard``: pages (server-rendered, refreshed in place by the script), their
+data as JSON under ``/dashboard/api`` (scripts and tests), the sign-in form, and the changes (replay, discard,
+cancel: POST, admin role, CSRF-safe). Without a key, every page and data route answers 401, the pages with the
+sign-in form: no data, not even a lane's name.
+
+Imports fastapi and producer; never torch, the engine or the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import quote
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+
+from tokenmill.producer.connection import REDIS_ERRORS
+from tokenmill.serve.dashboard import actions, reads
+from tokenmill.serve.dashboard.auth import (
+    COOKIE_PATH,
+    CSRF_COOKIE,
+    CSRF_FIELD,
+    SESSION_COOKIE,
+    NotAllowed,
+    Viewer,
+    check_change,
+    is_secure,
+    sign_in,
+    sign_out,
+    viewer_of,
+)
+from tokenmill.serve.dashboard.state import dashboard_of
+from tokenmill.serve.dashboard.views import error_json, error_page, page, secured, sign_in_page
+
+log = logging.getLogger("tokenmill.serve.dashboard")
+router = APIRouter(prefix="/dashboard")
+Read = Callable[[], Awaitable[dict[str, Any] | None]]
+
+
+async def _viewer_with_csrf(request: Request) -> Viewer | None:
+    viewer = await viewer_of(request)
+    if viewer is not None and viewer.via == "open" and not viewer.csrf:
+        viewer = Viewer(viewer.role, viewer.account, viewer.via, secrets.token_urlsafe(24))
+    return viewer
+
+
+def _with_csrf_cookie(request: Request, viewer: Viewer, response: Response) -> Response:
+    """Open dashboards (no keys configured) keep their CSRF token in a cookie (double submit)."""
+    if viewer.via == "open" and viewer.csrf and request.cookies.get(CSRF_COOKIE) != viewer.csrf:
+        response.set_cookie(CSRF_COOKIE, viewer.csrf, httponly=True, samesite="strict", path=COOKIE_PATH,
+                            secure=is_secure(request))
+    return response
+
+
+async def _show(request: Request, template: str, read: Read, *, refresh_s: float = 3.0,
+                missing: str = "not found") -> Response:
+    viewer = await _viewer_with_csrf(request)
+    if viewer is None:
+        return sign_in_page(request, status_code=401)
+    try:
+        data = await read()
+    except REDIS_ERRORS as exc:
+        return error_page(request, viewer, 503, f"Redis did not answer: {exc}")
+    if data is None:
+        return error_page(request, viewer, 404, missing)
+    return _with_csrf_cookie(request, viewer, page(request, template, viewer, data, refresh_s=refresh_s))
+
+
+async def _data(request: Request, read: Read, *, missing: str = "not found") -> Response:
+    if await viewer_of(request) is None:
+        return error_json(401, "a key is needed: Authorization: Bearer <key>, or sign in", "invalid_api_key")
+    try:
+        data = await read()
+    except REDIS_ERRORS as exc:
+        return error_json(503, f"Redis did not answer: {exc}", "redis_unavailable")
+    if data is None:
+        return error_json(404, missing, "not_found")
+    return secured(JSONResponse(data))
+
+
+# -- pages -------------------------------------------------------------------------------------------------------
+
+@router.get("")
+@router.get("/")
+async def overview_page(request: Request) -> Response:
+    state = dashboard_of(request)
+    return await _show(request, "overview.html", lambda: reads.overview(state))
+
+
+@router.get("/workers")
+async def workers_page(request: Request) -> Response:
+    state = dashboard_of(request)
+    return await _show(request, "workers.html", lambda: reads.workers(state))
+
+
+@router.get("/workers/{name:path}")
+async def worker_page(request: Request, name: str) -> Response:
+    state = dashboard_of(request)
+    return await _show(request, "worker.html", lambda: reads.worker(state, name), missing=f"no worker {name!r}")
+
+
+@router.get("/jobs")
+async def jobs_page(request: Request) -> Response:
+    state = dashboard_of(request)
+    return await _show(request, "jobs.html", lambda: reads.jobs(state))
+
+
+@router.get("/jobs/{job_id:path}")
+async def job_page(request: Request, job_id: str) -> Response:
+    state = dashboard_of(request)
+    return await _show(request, "job.html", lambda: reads.job(state, job_id), missing=f"no job {job_id!r}")
+
+
+@router.get("/requests")
+async def find_request(request: Request) -> Response:
+    """The search box: ``?id=...`` goes to that request's page."""
+    request_id = (request.query_params.get("id") or "").strip()
+    target = f"/dashboard/requests/{quote(request_id, safe='')}" if request_id else "/dashboard"
+    return secured(RedirectResponse(target, status_code=303))
+
+
+@router.get("/requests/{request_id:path}")
+async def request_page(request: Request, request_id: str) -> Response:
+    state = dashboard_of(request)
+    deep = request.query_params.get("deep") == "1"
+    return await _show(request, "request.html", lambda: reads.request_info(state, request_id, deep=deep),
+                       refresh_s=1.0)
+
+
+@router.get("/dead")
+async def dead_page(request: Request) -> Response:
+    state = dashboard_of(request)
+    reason, before = request.query_params.get("reason") or None, request.query_params.get("before") or None
+
+    async def read() -> dict[str, Any]:
+        return {**await reads.dead_page(state, reason=reason, before=before), "changes": await actions.recent(state)}
+
+    return await _show(request, "dead.html", read, refresh_s=5.0)
+
+
+# -- signing in --------------------------------------------------------------------------------------------------
+
+@router.get("/login")
+async def login_form(request: Request) -> Response:
+    return sign_in_page(request, status_code=200)
+
+
+@router.post("/login")
+async def login(request: Request) -> Response:
+    form = await request.form()
+    key, target = str(form.get("key") or "").strip(), str(form.get("next") or "/dashboard")
+    state = dashboard_of(request)
+    token = await sign_in(state, key) if key else None
+    if token is None:
+        log.warning("dashboard sign-in refused", extra={"event": "dashboard_sign_in_refused",
+                                                         "client": request.client.host if request.client else None})
+        return sign_in_page(request, status_code=401, error="That key is not accepted here.")
+    response = RedirectResponse(target if target.startswith("/dashboard") else "/dashboard", status_code=303)
+    response.set_cookie(SESSION_COOKIE, token, max_age=int(state.settings.serve.dashboard_session_ttl_s),
+                        httponly=True, samesite="strict", path=COOKIE_PATH, secure=is_secure(request))
+    log.info("dashboard sign-in", extra={"event": "dashboard_sign_in"})
+    return secured(response)
+
+
+@router.post("/logout")
+async def logout(request: Request) -> Response:
+    viewer = await viewer_of(request)
+    form = await request.form()
+    if viewer is not None and viewer.via == "session":
+        try:
+            check_change(Viewer("admin", viewer.account, viewer.via, viewer.csrf), request, str(form.get(CSRF_FIELD)))
+        except NotAllowed as exc:
+            return error_json(403, str(exc), "csrf")
+        await sign_out(dashboard_of(request), request.cookies.get(SESSION_COOKIE))
+    response = RedirectResponse("/dashboard/login", status_code=303)
+    response.delete_cookie(SESSION_COOKIE, path=COOKIE_PATH)
+    return secured(response)
+
+
+# -- data --------------------------------------------------------------------------------------------------------
+
+@router.get("/api/overview")
+async def overview_data(request: Request) -> Response:
+    state = dashboard_of(request)
+    return await _data(request, lambda: reads.overview(state))
+
+
+@router.get("/api/workers")
+async def workers_data(request: Request) -> Response:
+    state = dashboard_of(request)
+    return await _data(request, lambda: reads.workers(state))
+
+
+@router.get("/api/workers/{name:path}")
+async def worker_data(request: Request, name: str) -> Response:
+    state = dashboard_of(request)
+    return await _data(request, lambda: reads.worker(state, name), missing=f"no worker {name!r}")
+
+
+@router.get("/api/jobs")
+async def jobs_data(request: Request) -> Response:
+    state = dashboard_of(request)
+    return await _data(request, lambda: reads.jobs(state))
+
+
+@router.get("/api/jobs/{job_id:path}")
+async def job_data(request: Request, job_id: str) -> Response:
+    state = dashboard_of(request)
+    return await _data(request, lambda: reads.job(state, job_id), missing=f"no job {job_id!r}")
+
+
+@router.get("/api/requests/{request_id:path}")
+async def request_data(request: Request, request_id: str) -> Response:
+    state = dashboard_of(request)
+    deep = request.query_params.get("deep") == "1"
+    return await _data(request, lambda: reads.request_info(state, request_id, deep=deep))
+
+
+@router.get("/api/dead")
+async def dead_data(request: Request) -> Response:
+    state = dashboard_of(request)
+    reason, before = request.query_params.get("reason") or None, request.query_params.get("before") or None
+    return await _data(request, lambda: reads.dead_page(state, reason=reason, before=before))
+
+
+# -- changes -----------------------------------------------------------------------------------------------------
+
+Change = Callable[[Viewer, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+async def _change(request: Request, change: Change) -> Response:
+    """Run ``change`` for an admin caller whose request is CSRF-safe; the body is a JSON object."""
+    viewer = await viewer_of(request)
+    if viewer is None:
+        return error_json(401, "a key is needed: Authorization: Bearer <key>, or sign in", "invalid_api_key")
+    try:
+        body = await request.json() if await request.body() else {}
+    except ValueError:
+        return error_json(400, "the body must be a JSON object", "invalid_body")
+    if not isinstance(body, dict):
+        return error_json(400, "the body must be a JSON object", "invalid_body")
+    try:
+        check_change(viewer, request, body.get(CSRF_FIELD))
+    except NotAllowed as exc:
+        return error_json(403, str(exc), "forbidden")
+    try:
+        return secured(JSONResponse(await change(viewer, body)))
+    except REDIS_ERRORS as exc:
+        return error_json(503, f"Redis did not answer: {exc}", "redis_unavailable")
+
+
+def _dead_selection(body: dict[str, Any]) -> tuple[list[str], str | None] | None:
+    ids, reason = body.get("ids"), body.get("reason")
+    if reason is not None and not isinstance(reason, str):
+        return None
+    if reason is None and not (isinstance(ids, list) and ids and all(isinstance(i, str) for i in ids)):
+        return None
+    return (list(ids) if isinstance(ids, list) else []), reason
+
+
+def _where(request: Request) -> str:
+    return request.client.host if request.client else "-"
+
+
+@router.post("/api/dead/replay")
+async def replay(request: Request) -> Response:
+    state = dashboard_of(request)
+
+    async def change(viewer: Viewer, body: dict[str, Any]) -> dict[str, Any]:
+        selection = _dead_selection(body)
+        if selection is None:
+            return {"error": "name the dead letters: {\"ids\": [...]} or {\"reason\": \"...\"}"}
+        return await actions.replay(state, viewer, *selection, where=_where(request))
+
+    return await _change(request, change)
+
+
+@router.post("/api/dead/discard")
+async def discard(request: Request) -> Response:
+    state = dashboard_of(request)
+
+    async def change(viewer: Viewer, body: dict[str, Any]) -> dict[str, Any]:
+        selection = _dead_selection(body)
+        if selection is None:
+            return {"error": "name the dead letters: {\"ids\": [...]} or {\"reason\": \"...\"}"}
+        return await actions.discard(state, viewer, *selection, where=_where(request))
+
+    return await _change(request, change)
+
+
+@router.post("/api/requests/{request_id:path}/cancel")
+async def cancel(request: Request, request_id: str) -> Response:
+    state = dashboard_of(request)
+    return await _change(request, lambda viewer, _: actions.cancel(state, viewer, request_id, where=_where(request)))
