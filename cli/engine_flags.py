@@ -96,7 +96,8 @@ FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(("--max-num-batched-tokens",), "engine.scheduler.max_num_batched_tokens", int,
                "tokens per step, prefill and decode together (at least max_prefill_chunk, default 512)"),
     EngineFlag(("--gpu-memory-utilization",), "engine.cache.gpu_memory_utilization", float,
-               "CUDA: fraction of free GPU memory for the KV cache and the steps' activations"),
+               "CUDA: fraction of the GPU's total memory for the weights, the KV cache and the steps' activations, "
+               "as in vLLM"),
     EngineFlag(("--kv-cache-memory", "--kv-cache-memory-bytes"), "engine.cache.kv_cache_memory", str,
                "KV cache size, bytes or e.g. 4GiB (default: 1GiB on CPU, --gpu-memory-utilization on CUDA)",
                metavar="SIZE"),

@@ -3,7 +3,7 @@ a thread of their process (as ``tokenmill demo`` does), on the embedded Redis wh
 command answers, as ``vllm serve M`` / ``vllm run-batch`` do.
 
 Why a thread, not a child process: one process to signal and to stop (Ctrl-C, SIGTERM, a container's stop),
-nothing left running when the command is killed, no settings to hand over; the engine's forward releases the
+no worker left running when the command is killed, no settings to hand over; the engine's forward releases the
 GIL, and the HTTP front's or the bulk job's own work is small beside it. The worker is built (the model loaded)
 before the command starts its work, and stopped after it; its failure (a thread died, Redis gone for
 ``redis_give_up_s``) ends the command with one line on stderr.
@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import redis
 import typer
 
 from tokenmill.cli.common import CliState, fail
@@ -128,8 +129,11 @@ class LocalWorker:
         deadline = time.monotonic() + timeout_s
         stale_after_s = self.settings.worker.stale_after_s
         while self._thread.is_alive() and time.monotonic() < deadline:
-            if self.name in producer.stats(stale_after_s=stale_after_s)["workers"]:
-                return True
+            try:
+                if self.name in producer.stats(stale_after_s=stale_after_s)["workers"]:
+                    return True
+            except redis.RedisError:  # NOTE: the worker's own health decides; serve answers 503 meanwhile
+                pass
             time.sleep(0.05)
         return False
 
@@ -144,10 +148,13 @@ class LocalWorker:
         Sets :attr:`failure` when the worker does not end."""
         if not self._stop_asked.is_set() or force:
             self.stop(force=force)
-        if not self._thread.is_alive() and not self._thread.ident:
+        if self._thread.ident is None:
             return  # NOTE: never started
         config = self.settings.worker
-        self._thread.join(timeout=2 * config.drain_timeout_s + config.block_ms / 1000 + STOP_MARGIN_S)
+        try:
+            self._thread.join(timeout=2 * config.drain_timeout_s + config.block_ms / 1000 + STOP_MARGIN_S)
+        except KeyboardInterrupt:  # NOTE: Ctrl-C (bulk: or SIGTERM) while it drains: stop at once, as a second signal
+            pass
         if self._thread.is_alive():
             self.stop(force=True)
             self._thread.join(timeout=config.block_ms / 1000 + STOP_MARGIN_S)

@@ -108,7 +108,8 @@ def _serve_settings(ctx: typer.Context, serve_overrides: dict[str, Any]) -> Serv
 def _serve_with_worker(ctx: typer.Context, serve_overrides: dict[str, Any], worker_settings: Settings) -> None:
     """Load the model, start the worker, open the port once its heartbeat is in Redis; on SIGTERM / SIGINT the
     server stops first (its open requests still answered), then the worker drains; a second signal stops the
-    worker at once. The worker's failure stops the server at once and exits 1.
+    worker at once. The worker's failure stops the server (its open requests cut after :data:`STOP_GRACE_S`) and
+    exits 1 with one line.
 
     Raises:
         RedisUnavailable: Redis cannot be reached (or the embedded one would not start).

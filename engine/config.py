@@ -134,8 +134,9 @@ class CacheConfig(_Frozen):
     kv_cache_memory: int | str | None = Field(
         None, description="device KV pool size; None: 1GiB on CPU, gpu_memory_utilization on CUDA"
     )
-    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=0.99, description="CUDA: fraction of free memory for the "
-                                          "KV pool plus the largest steps' activations and the captured graphs")
+    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=0.99, description="CUDA: fraction of the device's total "
+                                          "memory (as vLLM reads it) for the weights, the KV pool, the largest steps' "
+                                          "activations and the captured graphs; memory in use by others counts too")
     swap_space: int | str = Field("1GiB", description="host KV pool for swapped-out requests")
     enable_prefix_caching: bool = Field(
         True, description="requests reuse the KV blocks of prompt prefixes computed before (shared system prompts)"

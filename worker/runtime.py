@@ -34,6 +34,7 @@ from tokenmill.worker.writer import Writer
 log = logging.getLogger("tokenmill.worker")
 
 IDLE_WAIT_S = 0.05  # engine thread: wait for commands this long when it has nothing to run
+WARM_JOIN_S = 30.0  # the most shut-down waits for the grammar warm-up still starting its compiler
 
 
 def build_engine(settings: Settings, client: redis.Redis | None = None) -> Engine:
@@ -104,6 +105,7 @@ class Worker:
         self._forced = threading.Event()
         self._failed = threading.Event()  # a thread died: exit non-zero at once
         self._threads: list[threading.Thread] = []  # the reader and the writer, once running
+        self._warm: threading.Thread | None = None  # the grammar compiler's warm-up, once started
         self._is_built = False  # the model is loaded and the threads' objects exist (the port answers before)
         # NOTE: one registry per worker, so several workers can live in one process (tests).
         self.metrics = None
@@ -182,8 +184,10 @@ class Worker:
             thread.start()
         self._threads = threads
         if self.settings.engine.structured_output.warm_at_start:
-            # NOTE: not supervised, never joined: plain requests never wait for it, and a failure is only logged
-            threading.Thread(target=self._engine.warm_grammars, name="tm-grammar-warm", daemon=True).start()
+            # NOTE: not supervised: plain requests never wait for it, and a failure is only logged. Joined (bounded)
+            # at shut-down: a process that exits while it is inside xgrammar's C++ aborts (std::terminate).
+            self._warm = threading.Thread(target=self._engine.warm_grammars, name="tm-grammar-warm", daemon=True)
+            self._warm.start()
         log.info("started", extra={"event": "started", "worker": self.name, "model": self._engine.model_name,
                                    "queue": self.settings.queue.name, "burst": self._burst})
         try:
@@ -234,6 +238,8 @@ class Worker:
     def _shut_down(self, threads: list[threading.Thread]) -> None:
         for event in (self._reader.stopping, self._reader.closing, self._writer.closing):
             event.set()
+        if self._warm is not None:
+            self._warm.join(timeout=WARM_JOIN_S)
         self._loop.close()
         self._engine.close()
         # NOTE: the writer may spend drain_timeout_s retrying results Redis refuses

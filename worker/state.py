@@ -27,6 +27,7 @@ class Load:
     num_finished: int = 0  # results handed to the writer since start
     live_ids: frozenset[str] = frozenset()  # request ids inside the engine, not yet aborted
     prefix_hit_ratio: float = 0.0  # of prompt tokens looked up in the prefix cache
+    kv_usage: float | None = None  # used fraction of the device KV pool (None before the engine's first stats)
     num_cached_blocks: int = 0  # KV blocks the prefix cache indexes
     spec_acceptance_rate: float | None = None  # speculative draft tokens kept / run; None before any draft
     spec_mean_accepted_length: float | None = None  # speculative draft tokens kept per draft; None before any
@@ -61,6 +62,7 @@ class Load:
             self.num_waiting, self.num_running, self.live_ids = num_waiting, num_running, live_ids
             if stats is not None:
                 self.prefix_hit_ratio, self.num_cached_blocks = stats.prefix.hit_ratio, stats.num_cached_blocks
+                self.kv_usage = stats.num_used_gpu_blocks / stats.num_gpu_blocks if stats.num_gpu_blocks else None
                 self.length = stats.length
                 if stats.speculation.num_drafts:
                     self.spec_acceptance_rate = stats.speculation.acceptance_rate

@@ -93,6 +93,7 @@ class Writer:
         self._beat.num_finished = self._load.num_finished
         self._beat.prefix_hit_ratio = self._load.prefix_hit_ratio
         self._beat.num_cached_blocks = self._load.num_cached_blocks
+        self._beat.kv_usage = self._load.kv_usage
         self._beat.spec_acceptance_rate = self._load.spec_acceptance_rate
         self._beat.spec_mean_accepted_length = self._load.spec_mean_accepted_length
         predicted = predicted_backlog(self._load.length, self._load.num_tokens, self._load.num_finished)

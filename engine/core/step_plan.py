@@ -146,7 +146,7 @@ class StepPlan:
             request_id=request.request_id,
             token_ids=request.token_slice(start, end) + request.draft_token_ids[:num_draft_tokens],
             start_position=start,
-            block_ids=block_manager.get_block_ids(request.request_id),
+            block_ids=block_manager.block_table(request.request_id),
             needs_sample=end >= request.num_tokens,
             sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,

@@ -71,6 +71,15 @@ class BlockManager:
         """The request's device block table (a copy; empty if it owns no device blocks)."""
         return list(self._gpu_tables.get(request_id, ()))
 
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's device block table itself, not a copy (a step's chunk must not cost the context).
+
+        NOTE: read-only for the caller. A table changes only while the scheduler plans (blocks appended, a shared
+        one copied) and applies a step (drafts' blocks trimmed); finishing a request drops it whole, never
+        changes it: a forward reading it (the engine's device thread) never sees it change.
+        """
+        return self._gpu_tables.get(request_id, [])
+
     def num_device_blocks(self, request_id: str) -> int:
         """How many device blocks the request's table holds (without copying it)."""
         return len(self._gpu_tables.get(request_id, ()))

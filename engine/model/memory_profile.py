@@ -1,5 +1,5 @@
 """How much device memory a step needs beside the weights and the KV pool, measured before the pool
-is carved from free memory (as vLLM and nano-vllm do): without it, a high ``gpu_memory_utilization``
+is carved out (as vLLM and nano-vllm do): without it, a high ``gpu_memory_utilization``
 leaves too little for the first large prefill or for the captured decode graphs.
 
 The profile runs the largest steps the scheduler can make through a model runner of their own, on
@@ -29,12 +29,17 @@ from tokenmill.engine.model.kv_cache import KVCache, KVCacheSpec
 from tokenmill.engine.model.model_loader import LoadedModel
 from tokenmill.engine.model.model_runner import ModelRunner
 from tokenmill.engine.sample.sampler import Sampler
-from tokenmill.protocol.sampling import SamplingParams
+from tokenmill.protocol.sampling import MAX_LOGPROBS, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 # Runs one step and returns the bytes it allocated at its peak beyond what was allocated before it.
 Measure = Callable[[Callable[[], object]], int]
+
+# How every profiled row samples: the sampler's largest path, not greedy's argmax over the logits. A top-p row
+# sorts the whole vocabulary (values and indices), then softmax and the random draw each make another
+# [rows, vocab] tensor, and logprobs a log-softmax of the rows: at 256 rows of a 128k vocabulary, gigabytes.
+PROFILE_SAMPLING = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, logprobs=MAX_LOGPROBS)
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,8 @@ def profile_steps(loaded: LoadedModel, spec: KVCacheSpec, backend: AttentionBack
 
 
 def _chunks(lengths: list[int], block_size: int) -> list[ScheduledChunk]:
-    """First prompt chunks of the given lengths, each in blocks of its own, all sampling (greedy)."""
+    """First prompt chunks of the given lengths, each in blocks of its own, all sampling as
+    :data:`PROFILE_SAMPLING` (a top-p draw with logprobs)."""
     chunks = []
     next_block = 0
     for i, length in enumerate(lengths):
@@ -94,7 +100,7 @@ def _chunks(lengths: list[int], block_size: int) -> list[ScheduledChunk]:
         chunks.append(ScheduledChunk(
             request_id=f"profile-{i}", token_ids=[0] * length, start_position=0,
             block_ids=list(range(next_block, next_block + num_blocks)), needs_sample=True,
-            sampling_params=SamplingParams(max_tokens=1), num_output_tokens=0,
+            sampling_params=PROFILE_SAMPLING, num_output_tokens=0,
         ))
         next_block += num_blocks
     return chunks
@@ -115,14 +121,17 @@ def cuda_peak_bytes(device: torch.device) -> Measure:
     return measure
 
 
-def kv_pool_bytes(free_bytes: int, gpu_memory_utilization: float, profiles: list[StepProfile]) -> int:
-    """Bytes of the KV pool on CUDA: ``gpu_memory_utilization`` of the memory free after the weights,
-    less what the steps need beside it. Eager steps reuse one another's memory (the largest counts);
-    captured decode graphs keep their activations in a pool of their own (they add to it).
+def kv_pool_bytes(free_bytes: int, total_bytes: int, gpu_memory_utilization: float,
+                  profiles: list[StepProfile]) -> int:
+    """Bytes of the KV pool on CUDA: ``gpu_memory_utilization`` of the device's total memory (as vLLM
+    reads it), less what is in use already (the weights, the CUDA context, anything else on the device:
+    ``total_bytes - free_bytes``) and what the steps need beside the pool. Eager steps reuse one another's
+    memory (the largest counts); captured decode graphs keep their activations in a pool of their own
+    (they add to it).
 
     Returns:
-        The pool's bytes; 0 or less when the steps alone take the whole share.
+        The pool's bytes; 0 or less when the rest already takes the whole share.
     """
     eager = max((p.peak_bytes for p in profiles if not p.captured), default=0)
     graphs = sum(p.peak_bytes for p in profiles if p.captured)
-    return int(free_bytes * gpu_memory_utilization) - eager - graphs
+    return int(total_bytes * gpu_memory_utilization) - (total_bytes - free_bytes) - eager - graphs

@@ -291,8 +291,8 @@ def size_kv_cache(config: CacheConfig, spec: KVCacheSpec, device: torch.device,
     """Number of device and host blocks.
 
     The device pool is ``kv_cache_memory`` when given; otherwise on CUDA a
-    ``gpu_memory_utilization`` fraction of the memory free after the weights, less what the profiled
-    steps need beside the pool (:func:`engine.model.memory_profile.kv_pool_bytes`); on CPU 1 GiB.
+    ``gpu_memory_utilization`` fraction of the device's total memory, less what is in use (the weights)
+    and what the profiled steps need beside the pool (:func:`engine.model.memory_profile.kv_pool_bytes`); on CPU 1 GiB.
 
     Raises:
         EngineError: the budget does not hold a single block.
@@ -300,8 +300,8 @@ def size_kv_cache(config: CacheConfig, spec: KVCacheSpec, device: torch.device,
     device_bytes = config.kv_cache_bytes
     if device_bytes is None:
         if device.type == "cuda":
-            free_bytes, _total = torch.cuda.mem_get_info(device)
-            device_bytes = kv_pool_bytes(free_bytes, config.gpu_memory_utilization, profiles or [])
+            free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+            device_bytes = kv_pool_bytes(free_bytes, total_bytes, config.gpu_memory_utilization, profiles or [])
         else:
             device_bytes = DEFAULT_CPU_KV_BYTES
     num_gpu_blocks = spec.num_blocks_for(max(0, device_bytes))

@@ -117,7 +117,7 @@ def serve(groups: ProcessGroups, model: Any, kv_cache: KVCache, backend: Attenti
                 _eager_hidden_states(base, input_ids, positions, attention)
         except TensorParallelLost:
             raise
-        except Exception as exc:  # noqa: BLE001 - failed on every rank; rank 0 retries the requests in parts
+        except Exception as exc:  # failed on every rank; rank 0 retries the requests in parts
             if groups.in_step:
                 logger.exception("a step failed on this rank: every rank fails it, and rank 0 retries its requests")
                 report_failure(f"{type(exc).__name__}: {exc}")

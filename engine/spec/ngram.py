@@ -35,15 +35,21 @@ class NgramIndex:
         """
         end = len(token_ids)
         # NOTE: grams ending at `end` (the suffix itself) are indexed on the next call, so the
-        # lookup below finds only occurrences strictly before the suffix.
-        for stop in range(max(self._num_indexed, 1), end):
-            for n in range(self.min_n, min(self.max_n, stop) + 1):
-                self._ends[tuple(token_ids[stop - n:stop])] = stop
+        # lookup below finds only occurrences strictly before the suffix. One slice each for the new tokens
+        # and for the suffix: ``token_ids`` may be a view (engine/core/request.py TokenView), slow to index.
+        start = max(self._num_indexed, 1)
+        if start < end:
+            base = max(0, start - self.max_n)
+            window = list(token_ids[base:end])
+            for stop in range(start, end):
+                for n in range(self.min_n, min(self.max_n, stop) + 1):
+                    self._ends[tuple(window[stop - n - base:stop - base])] = stop
         self._num_indexed = max(self._num_indexed, end)
         if num_tokens <= 0:
             return []
+        tail = list(token_ids[max(0, end - self.max_n):end])
         for n in range(min(self.max_n, end), max(self.min_n, min_n or 0) - 1, -1):
-            found = self._ends.get(tuple(token_ids[end - n:]))
+            found = self._ends.get(tuple(tail[len(tail) - n:]))
             if found is not None:
                 return list(token_ids[found:found + num_tokens])
         return []

@@ -51,14 +51,16 @@ def build(batch: int, prompt_tokens: int, spec: str, step_delay_s: float, steps:
         "scheduler": {"max_num_seqs": batch, "max_num_batched_tokens": max(8192, batch * 16),
                       "max_prefill_chunk": max(8192, prompt_tokens)},
         "speculative": {"method": spec},
-        "execution": {"overlap": overlap},
+        # NOTE: named only when on, so the script also runs on a tree from before the setting (a baseline)
+        **({"execution": {"overlap": overlap}} if overlap != "off" else {}),
     })
     engine = Engine.from_config(config)
     params = SamplingParams(max_tokens=steps * 16 + WARMUP_STEPS * 16, ignore_eos=True)
     for i in range(batch):
         # NOTE: distinct prompts (no prefix hits), echoed as their bytes
         engine.add_request(f"r{i}", [97 + (i * 7 + j * 13) % 26 for j in range(prompt_tokens)], params)
-    while engine.scheduler.counters.num_generated_tokens < batch:  # NOTE: every prompt computed, decoding
+    requests = [engine.scheduler.get_request(f"r{i}") for i in range(batch)]
+    while any(r is not None and not r.output_token_ids for r in requests):  # NOTE: every prompt computed, decoding
         engine.step()
     for _ in range(WARMUP_STEPS):
         engine.step()
@@ -92,6 +94,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batch 64 and 256, prompts of 32 and 2k tokens")
     parser.add_argument("--steps", type=int, default=40, help="timed decode steps per cell")
     parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--sync-only", action="store_true",
+                        help="the synchronous loop only (a tree from before the overlapped loop, as a baseline)")
     args = parser.parse_args()
     batches = [64, 256] if args.quick else [1, 64, 256, 1024]
     prompts = [32, 2048] if args.quick else [32, 2048, 8192]
@@ -113,15 +117,15 @@ def main() -> None:
     for batch in (64, 256):
         for delay_ms in (2, 5, 10):
             row = [batch, delay_ms]
-            for overlap in ("off", "on"):
+            for overlap in ("off",) if args.sync_only else ("off", "on"):
                 cell = measure(batch, 32, "off", delay_ms / 1e3, args.steps, overlap)
                 cells.append(cell)
                 row += [fmt(cell["ms_per_step"], 2), fmt(cell["device_fraction"], 3)]
             device_rows.append(row)
+    headers = ["batch", "step delay ms", "sync ms/step", "sync fraction"]
     print_table("fraction of the device's limit (steps x delay / wall), prompts of 32, speculation off: the "
                 "synchronous loop and the overlapped one, same run",
-                ["batch", "step delay ms", "sync ms/step", "sync fraction", "overlap ms/step", "overlap fraction"],
-                device_rows)
+                headers + ([] if args.sync_only else ["overlap ms/step", "overlap fraction"]), device_rows)
     write_json(args.json, {"machine": machine_info(), "cells": cells})
 
 

@@ -40,30 +40,31 @@ def _points(values: Sequence[float | None], width: float, height: float, top: fl
 
 
 def line_chart(values: Sequence[float | None], *, title: str, unit: str, width: int = 600,
-               height: int = 140) -> Markup:
-    """An area chart of one value per minute (oldest first), its peak and latest value labelled."""
-    plot_h = height - 22
-    runs = _points(values, width, plot_h, 0.0, 4.0)
+               height: int = 120) -> Markup:
+    """An area chart of one value per minute (oldest first), with its peak labelled below (HTML, so the text is not
+    stretched with the plot)."""
+    runs = _points(values, width, height, 0.0, 4.0)
     known = [v for v in values if v is not None]
     peak = max(known, default=None)
     last = next((v for v in reversed(values) if v is not None), None)
-    parts = [f'<svg class="chart" viewBox="0 0 {width} {height}" preserveAspectRatio="none" role="img" '
-             f'aria-label="{escape(title)}: latest {escape(compact(last, unit))}">',
+    parts = [f'<div class="chart-box"><svg class="chart" viewBox="0 0 {width} {height}" preserveAspectRatio="none" '
+             f'role="img" aria-label="{escape(title)}: latest {escape(compact(last, unit))}">',
              f'<title>{escape(title)}</title>',
-             f'<line class="grid" x1="0" y1="{plot_h}" x2="{width}" y2="{plot_h}"/>',
+             f'<line class="grid" x1="0" y1="{height}" x2="{width}" y2="{height}"/>',
              f'<line class="grid" x1="0" y1="4" x2="{width}" y2="4"/>']
     for run in runs:
         line = " ".join(f"{x},{y}" for x, y in run)
         if len(run) > 1:
-            parts.append(f'<polygon class="area" points="{run[0][0]},{plot_h} {line} {run[-1][0]},{plot_h}"/>')
-        parts.append(f'<polyline class="line" points="{line}"/>')
-    if not runs:
-        parts.append(f'<text class="empty" x="{width / 2}" y="{plot_h / 2}" text-anchor="middle">no data yet</text>')
-    parts.append(f'<text class="axis" x="0" y="{height - 6}">-60 min</text>')
-    parts.append(f'<text class="axis" x="{width}" y="{height - 6}" text-anchor="end">now</text>')
-    parts.append(f'<text class="axis" x="{width / 2}" y="{height - 6}" text-anchor="middle">peak '
-                 f'{escape(compact(peak, unit))}</text>')
+            parts.append(f'<polygon class="area" points="{run[0][0]},{height} {line} {run[-1][0]},{height}"/>')
+            parts.append(f'<polyline class="line" points="{line}"/>')
+        else:
+            x, y = run[0]
+            parts.append(f'<line class="line" x1="{max(0.0, x - 4)}" y1="{y}" x2="{min(width, x + 4)}" y2="{y}"/>')
     parts.append("</svg>")
+    if not runs:
+        parts.append('<span class="chart-empty">no data yet</span>')
+    parts.append(f'<div class="chart-axis"><span>-60 min</span><span>peak {escape(compact(peak, unit))}</span>'
+                 f'<span>now {escape(compact(last, unit))}</span></div></div>')
     return Markup("".join(parts))
 
 

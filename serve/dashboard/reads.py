@@ -133,8 +133,11 @@ async def overview(state: DashboardState) -> dict[str, Any]:
         stream = lane["stream"]
         age_s, added = infos.get(stream, (None, None))
         ins, outs, toks = buckets.in_rate([stream]), buckets.rate(OUT, [stream]), buckets.rate(TOKENS, [stream])
-        lane_rows.append({**lane, "oldest_age_s": age_s, "entries_added": added, "in_per_s": series.latest(ins),
-                          "out_per_s": series.latest(outs), "tokens_per_s": series.latest(toks), "out_series": outs,
+        is_busy = bool(lane["depth"] or lane["pending"] or any(outs) or any(v for v in ins if v))
+        lane_rows.append({**lane, "is_busy": is_busy, "oldest_age_s": age_s, "entries_added": added,
+                          "in_per_s": buckets.latest(ins),
+                          "out_per_s": buckets.latest(outs), "tokens_per_s": buckets.latest(toks),
+                          "out_series": buckets.charted(outs),
                           "in_series": ins})
     models: dict[str, dict[str, Any]] = {}
     for row in lane_rows:
@@ -145,9 +148,9 @@ async def overview(state: DashboardState) -> dict[str, Any]:
         model["streams"].append(row["stream"])
     for model in models.values():
         streams = model.pop("streams")
-        model["in_per_s"] = series.latest(buckets.in_rate(streams))
-        model["out_per_s"] = series.latest(buckets.rate(OUT, streams))
-        model["tokens_per_s"] = series.latest(buckets.rate(TOKENS, streams))
+        model["in_per_s"] = buckets.latest(buckets.in_rate(streams))
+        model["out_per_s"] = buckets.latest(buckets.rate(OUT, streams))
+        model["tokens_per_s"] = buckets.latest(buckets.rate(TOKENS, streams))
     ins, outs, toks = buckets.in_rate(), buckets.rate(OUT), buckets.rate(TOKENS)
     eta_s = stats["eta_s"]
     return {
@@ -156,11 +159,13 @@ async def overview(state: DashboardState) -> dict[str, Any]:
                    "cancelled": stats["cancelled"], "live_workers": stats["num_live_workers"],
                    "stale_workers": len(stats["stale_workers"]), "backlog_tokens": stats["backlog_tokens"],
                    "eta_s": eta_s, "drained_at": None if eta_s is None else now_s + eta_s,
-                   "in_per_s": series.latest(ins), "out_per_s": series.latest(outs),
-                   "tokens_per_s": series.latest(toks),
+                   "in_per_s": buckets.latest(ins), "out_per_s": buckets.latest(outs),
+                   "tokens_per_s": buckets.latest(toks),
                    "fleet_tokens_per_s": sum(w["tokens_per_s"] for w in stats["workers"].values())},
         "lanes": lane_rows, "models": sorted(models.values(), key=lambda m: m["model"]),
         "series": {"minutes": minutes, "in_per_s": ins, "out_per_s": outs, "tokens_per_s": toks},
+        "charts": {"in_per_s": buckets.charted(ins), "out_per_s": buckets.charted(outs),
+                   "tokens_per_s": buckets.charted(toks)},
         "has_added": bool(live_added) or not lane_rows,
         "workers": _worker_rows(stats),
     }
@@ -193,8 +198,9 @@ async def worker(state: DashboardState, name: str) -> dict[str, Any] | None:
     pipe = state.client.pipeline(transaction=False)
     series.queue_bucket_reads(pipe, state.layout.home, minutes, of_workers=True)
     buckets = series.Buckets(minutes, await pipe.execute(raise_on_error=False), now_s)
-    return {"now_s": now_s, "worker": row, "series": {"minutes": minutes, "out_per_s": buckets.rate(OUT, [name]),
-                                                      "tokens_per_s": buckets.rate(TOKENS, [name])}}
+    outs, toks = buckets.rate(OUT, [name]), buckets.rate(TOKENS, [name])
+    return {"now_s": now_s, "worker": row, "series": {"minutes": minutes, "out_per_s": outs, "tokens_per_s": toks},
+            "charts": {"out_per_s": buckets.charted(outs), "tokens_per_s": buckets.charted(toks)}}
 
 
 def _job_row(job_id: str, raw: Mapping[Any, Any], now_s: float) -> dict[str, Any]:

@@ -111,7 +111,8 @@ async def jobs_page(request: Request) -> Response:
 @router.get("/jobs/{job_id:path}")
 async def job_page(request: Request, job_id: str) -> Response:
     state = dashboard_of(request)
-    return await _show(request, "job.html", lambda: reads.job(state, job_id), missing=f"no job {job_id!r}")
+    return await _show(request, "job.html", lambda: reads.job(state, job_id), refresh_s=1.0,
+                       missing=f"no job {job_id!r}")
 
 
 @router.get("/requests")

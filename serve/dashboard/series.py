@@ -84,6 +84,19 @@ class Buckets:
         return [sum(n for (k, name), n in counts.items() if k == kind and (wanted is None or name in wanted))
                 / self._seconds(position) for position, counts in enumerate(self._counts)]
 
+    def latest(self, values: Sequence[float | None]) -> float | None:
+        """The rate "now" of a series of this window: over the last full minute and the current one's part."""
+        pairs = [(value, self._seconds(position)) for position, value in enumerate(values)][-2:]
+        known = [(value, seconds) for value, seconds in pairs if value is not None]
+        if not known:
+            return None
+        return sum(value * seconds for value, seconds in known) / sum(seconds for _, seconds in known)
+
+    def charted(self, values: Sequence[float | None]) -> list[float | None]:
+        """``values`` as a chart shows them: the minute under way only once it is 20 s old (before, its few
+        seconds read as a sudden drop)."""
+        return list(values) if self._seconds(len(values) - 1) >= 20 else list(values[:-1])
+
     def in_rate(self, streams: Iterable[str] | None = None) -> list[float | None]:
         """Requests added per second, per minute, to ``streams`` (None: all sampled): each pair of samples spreads its
         difference evenly over the time between them; None for a minute no pair covers."""
@@ -119,10 +132,6 @@ def spread(samples: Sequence[tuple[int, int]], minutes: Sequence[int]) -> list[f
     return [w / c if c > 0 else None for w, c in zip(weighted, covered)]
 
 
-def latest(values: Sequence[float | None]) -> float | None:
-    """The rate "now": the last full minute's, unless the current one already says more (a burst)."""
-    known = [v for v in values[-2:] if v is not None]
-    return max(known) if known else None
 
 
 def _text(value: Any) -> str:

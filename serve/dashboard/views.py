@@ -73,6 +73,8 @@ def page(request: Request, template: str, viewer: Viewer, context: dict[str, Any
 
 def sign_in_page(request: Request, *, status_code: int, error: str | None = None) -> Response:
     target = request.query_params.get("next") or request.url.path
+    if target.startswith("/dashboard/login") or target.startswith("/dashboard/logout"):
+        target = "/dashboard"
     return secured(templates.TemplateResponse(request, "login.html", {
         "error": error, "next": target if target.startswith("/dashboard") else "/dashboard"},
         status_code=status_code))

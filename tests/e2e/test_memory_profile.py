@@ -1,6 +1,6 @@
 """The profiling pass that sizes the KV pool on CUDA, run on the CPU through the same code path: the
 largest step and the largest decode bucket go through a model runner's ``execute`` on a pool of
-their own, every sequence sampling."""
+their own, every sequence sampling through the sampler's largest path (top-p)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from tokenmill.engine.model.kv_cache import KVCacheSpec
 from tokenmill.engine.model.memory_profile import largest_step, profile_steps
 from tokenmill.engine.model.model_loader import load_model
 from tokenmill.engine.model.model_setup import kv_cache_spec, size_kv_cache
+from tokenmill.engine.sample import sampler
 
 pytestmark = pytest.mark.e2e
 
@@ -33,11 +34,22 @@ def sampled_rows(step: Callable[[], object]) -> int:
 
 @pytest.mark.parametrize("with_decode_bucket", [False, True])
 def test_profile_runs_the_largest_steps_through_execute(tiny_model_dirs: dict[str, Path],
-                                                        with_decode_bucket: bool) -> None:
+                                                        with_decode_bucket: bool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row samples the sampler's largest way (top-p: a sort of the whole vocabulary), not greedy's argmax."""
     loaded = load_model(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", attn_implementation=register())
     spec = kv_cache_spec(loaded, block_size=4)
     config = SchedulerConfig(max_num_batched_tokens=96, max_num_seqs=8, max_prefill_chunk=32)
+    filtered: list[int] = []
+    top_k_top_p = sampler._apply_top_k_top_p
+
+    def spy(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+        filtered.append(sum(p < 1.0 for p in top_p))
+        return top_k_top_p(logits, top_k, top_p)
+
+    monkeypatch.setattr(sampler, "_apply_top_k_top_p", spy)
     profiles = profile_steps(loaded, spec, ReferenceBackend(), config, with_decode_bucket, sampled_rows)
+    assert filtered == [8] * len(profiles)  # each profiled step sorted every row's vocabulary
     expected = [("largest step", largest_step(config), False)]
     if with_decode_bucket:
         expected.append(("largest decode bucket", [1] * 8, True))

@@ -33,6 +33,7 @@ SKIPPED = {
     "make lint": "ruff over the checkout: make test runs it, so CI does",
     ".venv/bin/pytest": "runs the suite, this test included",
     "tokenmill --config configs/gpu.toml": "needs a GPU and a model under /models",
+    "tokenmill dashboard": "serves until stopped; tests/e2e/test_dashboard_browser.py drives the same pages",
     "tokenmill worker --fleet-cache": "workers of a prefill / decode split run until stopped; "
                                       "tests/e2e/test_fleet_workers.py runs the same roles",
 }

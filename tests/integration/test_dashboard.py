@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +14,8 @@ import redis
 import requests
 
 from tests.integration.bulk_helpers import write_input
-from tests.serve_helpers import running_server
+from tests.processes import free_port
+from tests.serve_helpers import ROOT, running_server
 from tests.worker_helpers import add_dead_letter, enqueue, make_settings, running_worker, wait_result, wait_until
 from tokenmill.producer import bulk
 from tokenmill.producer.client import Producer
@@ -196,3 +199,31 @@ def test_a_request_page_shows_its_result_and_where_a_queued_one_waits(dashboard:
     assert info["status"] == "finished" and info["result"]["text"] and info["result"]["worker"]
     assert info["result"]["text"] in page.text
     assert missing["status"] == "unknown"
+
+
+def test_tokenmill_dashboard_serves_it_alone(redis_url: str, key_prefix: str) -> None:
+    """The command for a fleet without the HTTP front: the same pages and keys, no OpenAI API."""
+    port = free_port()
+    help_text = subprocess.run([sys.executable, "-m", "tokenmill.cli", "dashboard", "--help"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=60)
+    assert help_text.returncode == 0 and "--admin-api-key" in help_text.stdout and "--port" in help_text.stdout
+    process = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "--redis-url", redis_url, "--prefix", key_prefix,
+                                "dashboard", "--port", str(port), "--api-key", READER, "--log-level", "warning"],
+                               cwd=ROOT, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _answers(base + "/health"), timeout_s=60, poll_s=0.1)
+        with _client(READER) as client, _client() as anonymous:
+            assert client.get(base + "/dashboard/api/overview").status_code == 200
+            assert anonymous.get(base + "/dashboard").status_code == 401
+            assert client.get(base + "/v1/models").status_code == 404
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:
+        return False

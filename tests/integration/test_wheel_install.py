@@ -152,6 +152,25 @@ def test_sdist_and_wheel_ship_every_cpp_source(installed: dict[str, Path]) -> No
     assert wanted <= in_wheel, f"missing from the wheel: {sorted(wanted - in_wheel)}"
 
 
+def test_the_wheel_ships_the_dashboards_templates_and_static_files(installed: dict[str, Path]) -> None:
+    """The dashboard has no build step and fetches nothing at run time: its templates, stylesheet and script are
+    package data, and an installed server renders its pages from them."""
+    import zipfile
+
+    folder = ROOT / "serve" / "dashboard"
+    wanted = {f"tokenmill/serve/dashboard/{p.relative_to(folder)}" for p in folder.rglob("*")
+              if p.parent.name in ("templates", "static") and p.is_file()}
+    assert any(name.endswith("dashboard.js") for name in wanted) and any(name.endswith(".html") for name in wanted)
+    with zipfile.ZipFile(installed["wheel"]) as wheel:
+        in_wheel = set(wheel.namelist())
+    assert wanted <= in_wheel, f"missing from the wheel: {sorted(wanted - in_wheel)}"
+    python = installed["venv"] / "bin" / "python"
+    rendered = _run([str(python), "-c", "from tokenmill.serve.dashboard.views import templates; "
+                     "print(templates.get_template('login.html').render(error=None, next='/dashboard', "
+                     "url_for=lambda *a, **k: '/x'))"], installed["tmp"])
+    assert 'name="key"' in rendered
+
+
 def test_the_wheel_installs_one_top_level_package(installed: dict[str, Path]) -> None:
     """Five generic names (engine, worker, producer, cli, serve) would collide inside a web
     application's virtualenv: an install adds ``tokenmill`` and its metadata, nothing else."""

@@ -87,7 +87,8 @@ def test_each_flag_sets_its_setting(flag: Any, command: list[str], started: list
     assert _setting(started[0], flag.setting) != expected  # NOTE: the flag set it, not a default
 
 
-def test_a_flag_wins_over_env_and_file(tmp_path: Path, started: list[Settings], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_flag_wins_over_env_and_file(tmp_path: Path, started: list[Settings],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "deploy.toml"
     config.write_text("[engine.model]\ndtype = \"bfloat16\"\n[engine.scheduler]\nmax_num_seqs = 5\n")
     monkeypatch.setenv("TOKENMILL_ENGINE__SCHEDULER__MAX_NUM_SEQS", "6")
@@ -152,12 +153,13 @@ def test_help_lists_every_flag(command: list[str]) -> None:
     assert outcome.exit_code == 0
     for flag in FLAGS:
         assert flag.flag in outcome.output, flag.flag
-    assert ("--model" in outcome.output) and ("[MODEL]" in outcome.output) == (command == ["serve"])
+    assert "--model" in outcome.output
+    assert ("[MODEL]" in outcome.output) == (command == ["serve"])  # NOTE: vllm serve MODEL
 
 
 def test_the_operations_guide_lists_every_flag_and_its_setting() -> None:
     guide = (ROOT / "docs" / "operations.md").read_text()
     for flag in FLAGS:
         assert f"`{flag.flag}`" in guide and flag.setting in guide, flag.flag
-    for flag in NOT_TAKEN:
-        assert f"`{flag}`" in guide, flag
+    for name in NOT_TAKEN:
+        assert f"`{name}`" in guide, name

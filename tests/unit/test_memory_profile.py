@@ -1,5 +1,6 @@
 """The sizing arithmetic of the KV pool on CUDA (engine/model/memory_profile.py): the largest step the
-scheduler can make, and the pool left once the profiled steps' memory is set aside."""
+scheduler can make, and the pool left of ``gpu_memory_utilization`` of the device's total memory once the memory in
+use and the profiled steps' memory are set aside."""
 
 from __future__ import annotations
 
@@ -26,12 +27,16 @@ def test_largest_step_fills_every_budget(budgets: dict[str, int], expected_sum: 
     assert lengths[0] == min(config.max_prefill_chunk, expected_sum - (expected_seqs - 1))  # the longest chunk
 
 
-def test_pool_is_the_share_of_free_memory_left_by_the_steps() -> None:
+def test_pool_is_the_share_of_total_memory_left_by_what_is_in_use_and_the_steps() -> None:
+    """As vLLM reads ``gpu_memory_utilization``: a fraction of the device's total memory, of which the memory in
+    use already (weights, context, other processes) and the steps' peaks are taken first."""
     eager = [StepProfile("largest step", [2048], 3 * GIB, captured=False)]
-    assert kv_pool_bytes(100 * GIB, 0.9, eager) == 87 * GIB
+    assert kv_pool_bytes(100 * GIB, 100 * GIB, 0.9, eager) == 87 * GIB
+    assert kv_pool_bytes(84 * GIB, 100 * GIB, 0.9, eager) == 71 * GIB  # 16 GiB of weights in use
+    assert kv_pool_bytes(84 * GIB, 100 * GIB, 0.9, eager) != int(84 * GIB * 0.9) - 3 * GIB  # not a share of free
     graphs = StepProfile("largest decode bucket", [1] * 64, 1 * GIB, captured=True)
-    assert kv_pool_bytes(100 * GIB, 0.9, [*eager, graphs]) == 86 * GIB  # a graph's memory is its own
+    assert kv_pool_bytes(100 * GIB, 100 * GIB, 0.9, [*eager, graphs]) == 86 * GIB  # a graph's memory is its own
     smaller = StepProfile("another eager step", [512], 2 * GIB, captured=False)
-    assert kv_pool_bytes(100 * GIB, 0.9, [*eager, smaller]) == 87 * GIB  # eager steps reuse one another's
-    assert kv_pool_bytes(100 * GIB, 0.9, []) == 90 * GIB
-    assert kv_pool_bytes(GIB, 0.5, eager) < 0  # the steps alone take the share: no pool
+    assert kv_pool_bytes(100 * GIB, 100 * GIB, 0.9, [*eager, smaller]) == 87 * GIB  # eager steps reuse memory
+    assert kv_pool_bytes(100 * GIB, 100 * GIB, 0.9, []) == 90 * GIB
+    assert kv_pool_bytes(40 * GIB, 100 * GIB, 0.5, eager) < 0  # what is in use takes the share: no pool
