@@ -115,6 +115,13 @@ def producer_warnings() -> Iterator[list[str]]:
                 messages.append(record.getMessage())
 
     logger, handler = logging.getLogger("tokenmill.producer"), Collect()
+    # NOTE: an earlier test may have set up a worker's or serve's logging (the "tokenmill" level, say ERROR), or
+    # a dictConfig may have disabled existing loggers: this logger is made to emit warnings for this test.
+    level, disabled = logger.level, logger.disabled
+    logger.setLevel(logging.WARNING)
+    logger.disabled = False
     logger.addHandler(handler)
     yield messages
     logger.removeHandler(handler)
+    logger.setLevel(level)
+    logger.disabled = disabled
