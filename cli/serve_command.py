@@ -58,6 +58,9 @@ def serve(
     log_level: Annotated[str | None, typer.Option(
         help="critical, error, warning, info (a line per request) or debug")] = None,
     log_json: Annotated[bool | None, typer.Option("--log-json/--log-text", help="JSON log lines")] = None,
+    dashboard_public: Annotated[bool | None, typer.Option(
+        "--dashboard-public/--dashboard-private", help="let anyone look at /dashboard without a key (replay, discard "
+        "and cancel still need an admin key; default: the serve section's dashboard_public, else private)")] = None,
     queue: QueueOption = None,
     engine_flags: EngineFlags = NO_FLAGS,
 ) -> None:
@@ -70,7 +73,8 @@ def serve(
     if model_tag is not None and model is not None and model_tag != model:
         raise fail(f"error: two models: {model_tag!r} and --model {model!r}; give one")
     model = model or model_tag
-    serve_overrides = {"host": host, "port": port, "api_keys": api_key, "log_level": log_level, "log_json": log_json}
+    serve_overrides = {"host": host, "port": port, "api_keys": api_key, "log_level": log_level, "log_json": log_json,
+                       "dashboard_public": dashboard_public}
     if model is None:
         refuse_engine_flags_without_model(engine_flags, "tokenmill serve")
         _serve(ctx, serve_overrides, None)

@@ -127,3 +127,15 @@ def test_structured_output_options_are_one_at_a_time(tmp_path: Path) -> None:
     schema.write_text("{not json")
     outcome = runner.invoke(app, ["--redis-url", "redis://localhost:1/0", "submit", "x", "--json-schema", str(schema)])
     assert outcome.exit_code == 1 and "is not JSON" in outcome.output
+
+
+@pytest.mark.parametrize(("flag", "expected"), [("--dashboard-public", True), ("--dashboard-private", False)])
+def test_serve_takes_the_dashboards_access_from_its_flag(flag: str, expected: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import tokenmill.serve.app as serve_app
+
+    seen = []
+    monkeypatch.setattr(serve_app, "run_server", lambda settings, **_: seen.append(settings.serve.dashboard_public))
+    result = runner.invoke(app, ["serve", flag])
+    assert result.exit_code == 0, result.output
+    assert seen == [expected]
