@@ -71,10 +71,8 @@ class AloneMark:
 
     def set(self, stream: str, entry_id: str) -> None:
         """Mark ``entry_id`` as the one entry this worker holds (before it runs)."""
-        if self.stream is not None and self.stream != stream:
-            self.clear()
         self._client.hset(alone_key(stream), self._consumer, entry_id)
-        self.stream = stream
+        self.was_set(stream)
 
     def was_set(self, stream: str) -> None:
         """The delivery script set the mark in ``stream`` (worker/pending.py)."""

@@ -268,26 +268,24 @@ def _where(request: Request) -> str:
 
 @router.post("/api/dead/replay")
 async def replay(request: Request) -> Response:
-    state = dashboard_of(request)
-
-    async def change(viewer: Viewer, body: dict[str, Any]) -> dict[str, Any]:
-        selection = _dead_selection(body)
-        if selection is None:
-            return {"error": "name the dead letters: {\"ids\": [...]} or {\"reason\": \"...\"}"}
-        return await actions.replay(state, viewer, *selection, where=_where(request))
-
-    return await _change(request, change)
+    return await _change_dead_letters(request, actions.replay)
 
 
 @router.post("/api/dead/discard")
 async def discard(request: Request) -> Response:
+    return await _change_dead_letters(request, actions.discard)
+
+
+async def _change_dead_letters(request: Request, action: Any) -> Response:
+    """Replay or discard (``action``) the dead letters the body names, by ids or by reason."""
     state = dashboard_of(request)
 
     async def change(viewer: Viewer, body: dict[str, Any]) -> dict[str, Any]:
         selection = _dead_selection(body)
         if selection is None:
             return {"error": "name the dead letters: {\"ids\": [...]} or {\"reason\": \"...\"}"}
-        return await actions.discard(state, viewer, *selection, where=_where(request))
+        result: dict[str, Any] = await action(state, viewer, *selection, where=_where(request))
+        return result
 
     return await _change(request, change)
 
