@@ -176,7 +176,7 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, length_group: str | None = None,
-                    is_handed_off: bool = False) -> None:
+                    is_handed_off: bool = False, streams: bool = True) -> None:
         """Queue a request. Per-request problems never raise: they finish the request with an
         ``error`` output on the next :meth:`step`.
 
@@ -191,6 +191,10 @@ class Engine:
                 (engine/core/length_predictor.py). None: predicted from its prompt and kind only.
             is_handed_off: a prefill worker published its prompt blocks to the fleet's store: the fleet cache
                 fetches them whatever they cost, and counts the blocks it had to compute instead.
+            streams: whether the caller reads its progress. False: :meth:`step` hands out only its first output
+                (that it started) and its final one, and its text is decoded once, when it finishes (each step
+                only where stop strings need the text): a caller that waits for whole results pays for nothing
+                else.
 
         Raises:
             ValueError: ``request_id`` is already live.
@@ -207,7 +211,7 @@ class Engine:
             self.processor.reject(request_id, exc.code, str(exc), arrival, num_prompt_tokens=exc.num_prompt_tokens)
             return
         request = Request(request_id, list(prompt_token_ids), params, arrival_time_s=arrival, priority=priority,
-                          length_group=length_group, is_handed_off=is_handed_off)
+                          length_group=length_group, is_handed_off=is_handed_off, streams=streams)
         self.scheduler.add_request(request)
         if self.fleet is not None:
             self.fleet.look_up(request)

@@ -150,3 +150,40 @@ def test_a_failed_step_drops_the_step_planned_ahead_of_it_and_the_others_go_on()
         if request_id != "r2":
             assert overlapped[request_id].token_ids == sync[request_id].token_ids, request_id
             assert overlapped[request_id].finish_reason == "length"
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_request_nobody_streams_gets_the_same_final_text_from_two_outputs(overlap: str) -> None:
+    """``add_request(streams=False)``: its first output (it started) and its final one only, the final one the same
+    as a streamed request's, with stop strings, stop ids, an abort and multi-byte text."""
+    prompts = PROMPTS + ["héllo wörld ✓ 日本語 ünïcode", "stop at the fox please"]
+    params = [SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=80, stop=["fox", "ll"]),
+              SamplingParams(max_tokens=80, stop_token_ids=[ord("w")], ignore_eos=True), SamplingParams(max_tokens=30)]
+
+    def run(streams: bool) -> tuple[dict[str, RequestOutput], dict[str, int]]:
+        engine = Engine.from_config(engine_config("echo", overlap=overlap, max_num_seqs=6, method="off"))
+        for i, prompt in enumerate(prompts):
+            for j, p in enumerate(params):
+                engine.add_request(f"r{i}-{j}", list(prompt.encode()), p, streams=streams)
+        finals: dict[str, RequestOutput] = {}
+        counts: dict[str, int] = {}
+        num_steps = 0
+        while engine.has_unfinished():
+            for output in engine.step():
+                counts[output.request_id] = counts.get(output.request_id, 0) + 1
+                if output.finished:
+                    finals[output.request_id] = output
+            num_steps += 1
+            if num_steps == 4:
+                engine.abort("r1-0")
+        engine.close()
+        return finals, counts
+
+    streamed, streamed_counts = run(True)
+    quiet, quiet_counts = run(False)
+    assert streamed.keys() == quiet.keys()
+    for request_id, output in streamed.items():
+        assert _summary(quiet[request_id]) == _summary(output), request_id
+        assert quiet_counts[request_id] <= 2, (request_id, quiet_counts[request_id])
+    assert streamed["r1-0"].finish_reason == "abort" and quiet["r1-0"].text == streamed["r1-0"].text
+    assert max(streamed_counts.values()) > 10
