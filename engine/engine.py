@@ -343,12 +343,11 @@ class Engine:
                 chunk.token_ids[0] = last_token_ids.get(chunk.request_id, 0)
         started_s = time.perf_counter()
         try:
-            output: ModelOutput | Exception = self.runner.execute(self._copies_first(plan))
+            output = self.runner.execute(self._copies_first(plan))
         except Exception as exc:  # noqa: BLE001 - handed to the engine thread: DeviceLost re-raised, others isolated
-            output = exc
             self._last_token_ids = {}
-        else:
-            self._last_token_ids = {rid: tokens[-1] for rid, tokens in output.sampled_token_ids.items() if tokens}
+            return exc, time.perf_counter() - started_s
+        self._last_token_ids = {rid: tokens[-1] for rid, tokens in output.sampled_token_ids.items() if tokens}
         return output, time.perf_counter() - started_s
 
     def _apply(self, scheduler_output: SchedulerOutput, model_output: ModelOutput, step_s: float) -> list[Request]:
