@@ -235,17 +235,20 @@ def pack_linears(model: nn.Module, choice: str = "auto") -> int:
     Raises:
         ModelLoadError: ``choice`` names a kernel that cannot pack this model's dtype here.
     """
-    weights = [m.weight for m in model.modules() if type(m) is nn.Linear]
-    if not weights or weights[0].device.type != "cpu" or weights[0].dtype not in (torch.float32, torch.bfloat16):
+    # NOTE: no list of the layers or their weights here: each plain layer is freed as soon as it is replaced, so
+    # packing holds one layer twice at a time, not the whole model (a tensor-parallel rank's peak is its shard)
+    first = next((m.weight for m in model.modules() if type(m) is nn.Linear), None)
+    if first is None or first.device.type != "cpu" or first.dtype not in (torch.float32, torch.bfloat16):
         return 0
-    dtype = weights[0].dtype
+    dtype = first.dtype
+    del first
     kernel = kernel_for(dtype, choice)
     if kernel is None:
         logger.info("linear layers: plain nn.Linear for %s (linear_kernel=%s%s)", dtype, choice,
                     "" if choice == "off" else ": no packed kernel here")
         return 0
     replaced = 0
-    for parent in list(model.modules()):
+    for parent in [m for m in model.modules() if type(m) is not nn.Linear]:
         replaced += _fuse_siblings(parent, dtype, kernel)
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == dtype:

@@ -7,6 +7,11 @@ directory holding one, or the file) with random weights on the device instead, s
 measured at any shape without a checkpoint; its tokenizer is the directory's if it has one, else
 none (token-id prompts only, engine/output/no_tokenizer.py). Knows nothing of Redis or the scheduler.
 
+A tensor-parallel rank loads its shard alone: random weights made only where the rank keeps them
+(engine/model/random_weights.py), a safetensors checkpoint read a slice at a time (engine/model/shard_loader.py).
+Any other checkpoint, or a rank whose weights are fingerprinted, loads the whole model and cuts it (the plain
+reference path, engine/model/tensor_parallel.py's ``shard_model``).
+
 With ``fingerprint_weights`` (the fleet cache on) it also digests every weight's bytes as loaded, before
 tensor-parallel sharding and before the CPU packs its linear layers (packed layers keep no plain weight, and
 their packing differs by CPU): the fleet cache's namespace (engine/kv/block_store.py) names the weights, so a
@@ -34,6 +39,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from tokenmill.engine.errors import ModelLoadError
 from tokenmill.engine.kernels.cpu_linear import pack_linears
+from tokenmill.engine.model.random_weights import RANDOM_INIT_SEED, random_shard
+from tokenmill.engine.model.shard_loader import load_shard
 from tokenmill.engine.model.tensor_parallel import Shard, ShardPlan, shard_model
 from tokenmill.engine.output.no_tokenizer import NoTokenizer
 
@@ -47,7 +54,6 @@ MODEL_ALIASES: dict[str, tuple[str, str]] = {
 
 # Files of a saved Hugging Face tokenizer: a random-weight model's directory with one of them has a tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-RANDOM_INIT_SEED = 0  # every random-weight load of one config and dtype builds the same model
 
 # NOTE: a large tensor is hashed in pieces of this size, so one embedding does not leave the other threads idle.
 # The fingerprint depends on it (a digest of the pieces' digests): changing it changes every namespace once.
@@ -227,10 +233,11 @@ def load_model(
         random_init: build ``model`` (a directory with ``config.json``, or a config ``.json`` file) with
             random weights instead of loading a checkpoint.
         linear_kernel: how a CPU model's linear layers are packed (``[engine.execution] linear_kernel``).
-        shard: keep only this rank's part of every layer (engine/model/tensor_parallel.py), cut before the
-            model moves to its device and before its linear layers are packed; None: the whole model.
+        shard: keep only this rank's part of every layer (engine/model/tensor_parallel.py), loaded alone where
+            the weights allow (module docstring), before its linear layers are packed; None: the whole model.
         fingerprint_weights: set :attr:`LoadedModel.weights_fingerprint` (of the whole model, before sharding
             and packing). It reads every weight byte once: about a second per few GB (ops/bench/fingerprint.py).
+            With a shard, the whole model is loaded to be fingerprinted, then cut.
 
     Raises:
         ModelLoadError: missing model, unsupported or non-decoder architecture, or one that does not split
@@ -238,10 +245,13 @@ def load_model(
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    alone = None if fingerprint_weights else shard  # NOTE: the fingerprint is of the whole model's weights
     if random_init:
-        config, hf_model, tokenizer, source = _build_random(model, torch_device, torch_dtype, attn_implementation)
+        config, hf_model, tokenizer, source, plan = _build_random(model, torch_device, torch_dtype,
+                                                                  attn_implementation, alone)
     else:
-        config, hf_model, tokenizer, source = _load_checkpoint(model, torch_dtype, attn_implementation, cache_dir)
+        config, hf_model, tokenizer, source, plan = _load_checkpoint(model, torch_device, torch_dtype,
+                                                                     attn_implementation, cache_dir, alone)
     if not getattr(hf_model, "_supports_attention_backend", False):
         raise ModelLoadError(f"{model}: architecture {type(hf_model).__name__} does not support custom attention")
     fingerprint = None
@@ -251,7 +261,8 @@ def load_model(
         logger.info("weights fingerprint %s (%.2f GB in %.1f s)", fingerprint,
                     sum(t.nbytes for t in [*hf_model.parameters(), *hf_model.buffers()] if not t.is_meta) / 1e9,
                     time.perf_counter() - started_s)
-    plan = shard_model(hf_model, shard) if shard is not None else None
+    if shard is not None and plan is None:  # the whole model was loaded: cut it
+        plan = shard_model(hf_model, shard)
     hf_model.to(torch_device).eval()
     hf_model.requires_grad_(False)
     if torch_device.type == "cpu":
@@ -318,9 +329,11 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase | NoTokenizer) -> s
     return hashlib.blake2b(json.dumps(vocab).encode(), digest_size=FINGERPRINT_BYTES).hexdigest()
 
 
-def _load_checkpoint(model: str, dtype: torch.dtype, attn_implementation: str,
-                     cache_dir: str | None) -> tuple[Any, Any, PreTrainedTokenizerBase, str]:
-    """``(config, model, tokenizer, source)`` of a checkpoint (an alias, directory, GGUF file or hub id)."""
+def _load_checkpoint(model: str, device: torch.device, dtype: torch.dtype, attn_implementation: str,
+                     cache_dir: str | None, shard: Shard | None
+                     ) -> tuple[Any, Any, PreTrainedTokenizerBase, str, ShardPlan | None]:
+    """``(config, model, tokenizer, source, plan)`` of a checkpoint (an alias, directory, GGUF file or hub id):
+    ``shard``'s part alone, on ``device``, where :func:`load_shard` reads it, else the whole model (plan None)."""
     path = resolve_model_path(model)
     if isinstance(path, Path) and path.suffix == ".gguf":
         path = _materialize_gguf(path, Path(cache_dir) if cache_dir else default_cache_dir())
@@ -333,18 +346,21 @@ def _load_checkpoint(model: str, dtype: torch.dtype, attn_implementation: str,
         raise ModelLoadError(_load_failure(model, path, exc)) from None
     _check_architecture(config, str(model))
     try:
-        hf_model: Any = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=local_only
-        )
+        alone = load_shard(path, config, dtype, device, attn_implementation, shard) if shard is not None else None
+        hf_model, plan = alone if alone is not None else (AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=local_only), None)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
+    except ModelLoadError:
+        raise
     except Exception as exc:  # noqa: BLE001 - whatever the files fail with (OSError, SafetensorError, ...)
         raise ModelLoadError(_load_failure(model, path, exc)) from None
-    return config, hf_model, tokenizer, str(path)
+    return config, hf_model, tokenizer, str(path), plan
 
 
-def _build_random(model: str, device: torch.device, dtype: torch.dtype,
-                  attn_implementation: str) -> tuple[Any, Any, PreTrainedTokenizerBase | NoTokenizer, str]:
-    """``(config, model, tokenizer, source)`` of a random-weight model from its ``config.json``."""
+def _build_random(model: str, device: torch.device, dtype: torch.dtype, attn_implementation: str, shard: Shard | None
+                  ) -> tuple[Any, Any, PreTrainedTokenizerBase | NoTokenizer, str, ShardPlan | None]:
+    """``(config, model, tokenizer, source, plan)`` of a random-weight model from its ``config.json``: ``shard``'s
+    part alone (None: whole)."""
     path = Path(model).expanduser()
     config_file = path / "config.json" if path.is_dir() else path
     if not (config_file.is_file() and config_file.suffix == ".json"):
@@ -354,7 +370,9 @@ def _build_random(model: str, device: torch.device, dtype: torch.dtype,
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"random_init: cannot read {config_file}: {' '.join(str(exc).split())}") from None
     _check_architecture(config, str(model))
-    hf_model = random_model(config, dtype, device, attn_implementation)
+    made = random_shard(config, dtype, device, attn_implementation, shard)
+    hf_model, plan = made if made is not None else (_random_from_config(config, dtype, device, attn_implementation),
+                                                    None)
     tokenizer: PreTrainedTokenizerBase | NoTokenizer = NoTokenizer(model)
     if path.is_dir() and any((path / name).is_file() for name in _TOKENIZER_FILES):
         try:
@@ -362,15 +380,24 @@ def _build_random(model: str, device: torch.device, dtype: torch.dtype,
         except Exception as exc:  # noqa: BLE001 - whatever the tokenizer files fail with
             raise ModelLoadError(f"random_init: cannot load the tokenizer in {path}: {' '.join(str(exc).split())}") \
                 from None
-    logger.info("random weights (seed %d) for %s: %s, %.2fB parameters", RANDOM_INIT_SEED, config_file,
-                type(hf_model).__name__, sum(p.numel() for p in hf_model.parameters()) / 1e9)
-    return config, hf_model, tokenizer, f"{config_file} (random weights)"
+    logger.info("random weights (seed %d) for %s: %s, %.2fB parameters%s", RANDOM_INIT_SEED, config_file,
+                type(hf_model).__name__, sum(p.numel() for p in hf_model.parameters()) / 1e9,
+                f" (rank {shard.rank} of {shard.world_size})" if shard is not None else "")
+    return config, hf_model, tokenizer, f"{config_file} (random weights)", plan
 
 
 def random_model(config: Any, dtype: torch.dtype, device: torch.device, attn_implementation: str) -> Any:
-    """The causal-LM model of ``config`` with random weights, made on ``device`` (a GPU initialises an
-    8B model in seconds, a CPU in minutes). Seeded with :data:`RANDOM_INIT_SEED` without touching
-    the caller's random state: the same config and dtype on the same device give the same model.
+    """The causal-LM model of ``config`` with random weights, made on ``device`` (engine/model/random_weights.py,
+    whose tensor-parallel shards the ranks of a ``random_init`` engine make alone; a family it does not make: by
+    ``from_config``): the same config and dtype on the same device give the same model. The caller's random
+    state is left as it was."""
+    made = random_shard(config, dtype, device, attn_implementation)
+    return made[0] if made is not None else _random_from_config(config, dtype, device, attn_implementation)
+
+
+def _random_from_config(config: Any, dtype: torch.dtype, device: torch.device, attn_implementation: str) -> Any:
+    """The whole model by ``from_config`` on ``device`` (a GPU initialises an 8B model in seconds, a CPU in
+    minutes), seeded with :data:`RANDOM_INIT_SEED` without touching the caller's random state.
 
     NOTE: the config is copied: transformers sets the attention implementation on the config it is
     given, which would switch the model that config came from to ``attn_implementation`` too."""

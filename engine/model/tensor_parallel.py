@@ -1,5 +1,8 @@
-"""Tensor parallelism's split rules: which part of every decoder layer one rank holds, and the in-place
-sharding of a loaded Hugging Face model to that part (Megatron-style).
+"""Tensor parallelism's split rules: which part of every decoder layer one rank holds (Megatron-style), as the
+part of each whole-model parameter it keeps (:func:`shard_cuts`, by the checkpoint's names: what a rank's loader
+reads or makes alone, engine/model/shard_loader.py and random_weights.py), and the in-place cut of a Hugging Face
+model to that part (:func:`shard_model`: of an empty model, the shard's shapes; of a loaded one, the plain
+reference path).
 
 Per decoder layer, with N ranks, rank r holds:
 
@@ -114,24 +117,81 @@ class RowParallelLinear(nn.Module):
         return out
 
 
-def shard_model(model: Any, shard: Shard) -> ShardPlan:
-    """Cut a loaded causal LM down, in place, to ``shard``'s part of every decoder layer (module docstring).
+@dataclass(frozen=True)
+class Cut:
+    """The part of one whole-model parameter a rank keeps: ``[start, stop)`` along ``dim`` (0: a weight's rows, the
+    output features, or a bias's entries; 1: a weight's columns, the input features)."""
+
+    dim: int
+    start: int
+    stop: int
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``tensor`` (a view)."""
+        return tensor.narrow(self.dim, self.start, self.stop - self.start)
+
+
+# A rank's part of each parameter the shard cuts, by its name in the whole model (a checkpoint's names): a Cut, or
+# None where the rank keeps none of it (a row-parallel bias off rank 0). A parameter not named is kept whole.
+Cuts = dict[str, Cut | None]
+
+
+def plan_model(model: Any, rank: int, world_size: int) -> ShardPlan:
+    """:func:`plan_shard` for a causal LM's own config and layers (the model may be on the meta device).
 
     Raises:
         ModelLoadError: the model lacks the Llama-style projections, or they do not split over the ranks.
     """
     layers = _decoder_layers(model)
-    plan = plan_shard(model.config, layers[0].mlp.gate_proj.out_features, shard.rank, shard.world_size)
+    return plan_shard(model.config, layers[0].mlp.gate_proj.out_features, rank, world_size)
+
+
+def shard_cuts(model: Any, plan: ShardPlan) -> Cuts:
+    """What ``plan``'s rank keeps of each projection of the whole (not yet sharded) ``model`` (module docstring):
+    the one statement of the ranges, which :func:`shard_model` cuts in memory and a shard's loader reads alone."""
+    names = {module: name for name, module in model.named_modules()}
     dim = plan.head_dim
+    heads = (plan.heads.start * dim, plan.heads.stop * dim)
+    kv_heads = (plan.kv_heads.start * dim, plan.kv_heads.stop * dim)
+    channels = (plan.intermediate.start, plan.intermediate.stop)
+    cuts: Cuts = {}
+    for layer in _decoder_layers(model):
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear, (start, stop) in ((attn.q_proj, heads), (attn.k_proj, kv_heads), (attn.v_proj, kv_heads),
+                                      (mlp.gate_proj, channels), (mlp.up_proj, channels)):  # column-parallel
+            cuts[f"{names[linear]}.weight"] = Cut(0, start, stop)
+            if linear.bias is not None:
+                cuts[f"{names[linear]}.bias"] = Cut(0, start, stop)
+        for linear, (start, stop) in ((attn.o_proj, heads), (mlp.down_proj, channels)):  # row-parallel
+            cuts[f"{names[linear]}.weight"] = Cut(1, start, stop)
+            if linear.bias is not None and plan.rank:
+                cuts[f"{names[linear]}.bias"] = None
+    return cuts
+
+
+def shard_model(model: Any, shard: Shard) -> ShardPlan:
+    """Cut a causal LM down, in place, to ``shard``'s part of every decoder layer (module docstring), and make its
+    row-parallel layers sum over the ranks. On a loaded model this is the plain reference path (the whole model
+    was in memory); on an empty one (the meta device) it gives the shard's shapes, which its loader then fills
+    (engine/model/shard_loader.py).
+
+    Raises:
+        ModelLoadError: the model lacks the Llama-style projections, or they do not split over the ranks.
+    """
+    plan = plan_model(model, shard.rank, shard.world_size)
+    for name, cut in shard_cuts(model, plan).items():
+        owner, attr = name.rsplit(".", 1)
+        module = model.get_submodule(owner)
+        kept = None if cut is None else \
+            nn.Parameter(cut.of(getattr(module, attr).detach()).clone(), requires_grad=False)
+        module.register_parameter(attr, kept)
+    layers = _decoder_layers(model)
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        _keep_rows(attn.q_proj, plan.heads.start * dim, plan.heads.stop * dim)
-        for kv in (attn.k_proj, attn.v_proj):
-            _keep_rows(kv, plan.kv_heads.start * dim, plan.kv_heads.stop * dim)
-        _keep_rows(mlp.gate_proj, plan.intermediate.start, plan.intermediate.stop)
-        _keep_rows(mlp.up_proj, plan.intermediate.start, plan.intermediate.stop)
-        attn.o_proj = _row_parallel(attn.o_proj, plan.heads.start * dim, plan.heads.stop * dim, shard)
-        mlp.down_proj = _row_parallel(mlp.down_proj, plan.intermediate.start, plan.intermediate.stop, shard)
+        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            linear.out_features, linear.in_features = linear.weight.shape
+        attn.o_proj = RowParallelLinear(attn.o_proj, shard.all_reduce)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, shard.all_reduce)
         if hasattr(attn, "num_key_value_groups"):  # HF's eager attention repeats KV heads by it: keep it true
             attn.num_key_value_groups = len(plan.heads) // plan.num_kv_heads
     if shard.on_sharded is not None:
@@ -150,20 +210,3 @@ def _decoder_layers(model: Any) -> list[Any]:
                              "q/k/v/o_proj and mlp.gate/up/down_proj linear layers); "
                              f"{type(model).__name__} has none; use tensor_parallel_size = 1")
     return layers
-
-
-def _keep_rows(linear: nn.Linear, start: int, stop: int) -> None:
-    """Column-parallel: keep output features ``[start, stop)`` (the weight's rows, the bias's entries)."""
-    linear.weight = nn.Parameter(linear.weight.detach()[start:stop].clone(), requires_grad=False)
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(linear.bias.detach()[start:stop].clone(), requires_grad=False)
-    linear.out_features = stop - start
-
-
-def _row_parallel(linear: nn.Linear, start: int, stop: int, shard: Shard) -> RowParallelLinear:
-    """Row-parallel: keep input features ``[start, stop)`` (the weight's columns); the bias stays on rank 0 only."""
-    linear.weight = nn.Parameter(linear.weight.detach()[:, start:stop].clone(), requires_grad=False)
-    linear.in_features = stop - start
-    if shard.rank:
-        linear.register_parameter("bias", None)
-    return RowParallelLinear(linear, shard.all_reduce)

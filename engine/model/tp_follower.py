@@ -2,7 +2,7 @@
 
     python -m tokenmill.engine.model.tp_follower --rank R --world-size N --port P --parent-pid PID
 
-It reads the engine's config from rank 0's store, loads the model and keeps its shard (as rank 0 does),
+It reads the engine's config from rank 0's store, loads its shard of the model alone (as rank 0 does),
 meets the other ranks, builds a KV pool of rank 0's size over its own KV heads, then runs each step rank 0
 broadcasts (engine/model/tp_step.py): the block copies, then the decoder layers over the step's inputs,
 whose all-reduces pair with the other ranks'. Rank 0 alone computes logits and samples, so a follower

@@ -2,7 +2,7 @@
 shard, send them every step (engine/model/tp_step.py), notice when one is gone, and stop them.
 
 Followers are plain subprocesses (``python -m tokenmill.engine.model.tp_follower``), not forks: each loads
-the model from the same config (passed through the store) and shards it itself. They never outlive rank 0:
+its own shard of the model, alone, from the same config (passed through the store). They never outlive rank 0:
 they leave their loop on :meth:`TensorParallelLeader.close`, are terminated when the leader is collected or
 the interpreter exits, and exit by themselves when rank 0's process is gone (a watchdog, and their broken
 connections). A follower that fails is noticed before the next step (its exit status) or in the step

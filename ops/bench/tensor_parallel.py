@@ -12,6 +12,11 @@ attention FLOPs, random weights (``random_init``), token-id prompts. ``--keep-he
 is (only where its heads divide by the ranks). Each engine is timed with its default fast path (the native C++
 decoder stack, on every rank) and eager (``compile = "off"``); the two-rank engine with its all-reduces through
 shared memory (the default) and through gloo (the reference path, ``tensor_parallel_cpu_all_reduce = "gloo"``).
+
+Each engine's host memory is printed per rank (ops/bench/rank_memory.py): the peak RSS of the rank's process
+(``VmHWM``) above its baseline, beside the bytes of its part of the model and of its resident KV. Each rank loads
+only its part (issue 48), so a rank of two peaks near half the model plus its KV, where one rank peaks near the
+whole model plus its KV.
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
+import torch
+
 from ops.bench.common import machine_info, print_table, write_json
+from ops.bench.rank_memory import follower_baseline, model_bytes, rank_memory, reset_peak
 from ops.bench.throughput import resolve_model_dir
 
 RUNS = (  # (name, tensor_parallel_size, threads per rank, compile, CPU all-reduce)
@@ -57,8 +65,9 @@ def divisible_shape(config: dict[str, Any], ranks: int) -> dict[str, Any]:
 
 
 def run_engine(model: str, random_init: bool, ranks: int, threads: int, compile_mode: str, all_reduce: str,
-               prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """One engine over the workload; its output tokens per second (after a warm-up request)."""
+               prompts: list[list[int]], max_tokens: int, follower_base: int) -> dict[str, Any]:
+    """One engine over the workload; its output tokens per second (after a warm-up request), and each rank's
+    memory at the end (``follower_base``: a follower's baseline RSS)."""
     from tokenmill.engine import Engine, EngineConfig, SamplingParams
 
     config = EngineConfig.model_validate({
@@ -68,6 +77,7 @@ def run_engine(model: str, random_init: bool, ranks: int, threads: int, compile_
         "execution": {"compile": compile_mode},
         "speculative": {"method": "off"},
     })
+    baseline = reset_peak()
     engine = Engine.from_config(config)
     try:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -75,12 +85,14 @@ def run_engine(model: str, random_init: bool, ranks: int, threads: int, compile_
         start = time.perf_counter()
         outputs = engine.generate(prompts, params, progress=False)
         elapsed = time.perf_counter() - start
+        memory = rank_memory(engine, model, torch.float32, ranks, baseline, follower_base)
     finally:
         engine.close()
     tokens = sum(len(out.token_ids) for out in outputs)
     return {"ranks": ranks, "threads_per_rank": threads, "compile": compile_mode, "all_reduce": all_reduce,
             "output_tokens": tokens,
-            "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed, "token_ids": [out.token_ids for out in outputs]}
+            "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed, "token_ids": [out.token_ids for out in outputs],
+            "memory": memory}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,10 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [[rng.randrange(100, config["vocab_size"]) for _ in range(rng.randint(64, 256))]
                    for _ in range(args.prompts)]
         results = {}
+        follower_base = follower_baseline()
         for name, ranks, threads, compile_mode, all_reduce in RUNS:
             results[name] = run_engine(model, random_init, ranks, threads, compile_mode, all_reduce, prompts,
-                                       args.max_tokens)
+                                       args.max_tokens, follower_base)
             print(f"{name}: {results[name]['tokens_per_s']:.1f} tokens/s", flush=True)
+        whole, half = model_bytes(model, torch.float32, 0, 1), model_bytes(model, torch.float32, 0, 2)
     baseline, eager = results[NATIVE]["tokens_per_s"], results[EAGER]["tokens_per_s"]
     tp, gloo = results[TP_NATIVE], results[TP_GLOO]
     print_table(f"{args.prompts} prompts x {args.max_tokens} output tokens, greedy, float32 "
@@ -111,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                 ["engine", "tokens/s", "seconds", "x vs native", "x vs eager"],
                 [[name, r["tokens_per_s"], r["elapsed_s"], r["tokens_per_s"] / baseline, r["tokens_per_s"] / eager]
                  for name, r in results.items()])
+
+    print_memory(results, whole, half)
 
     def same(a: str, b: str) -> int:
         return sum(x == y for x, y in zip(results[a]["token_ids"], results[b]["token_ids"]))
@@ -132,8 +148,27 @@ def main(argv: list[str] | None = None) -> int:
                            "prompts": args.prompts, "max_tokens": args.max_tokens, "runs": results,
                            "tp2_vs_native": tp["tokens_per_s"] / baseline, "tp2_vs_eager": tp["tokens_per_s"] / eager,
                            "tp2_native_vs_tp2_eager": tp["tokens_per_s"] / results[TP_EAGER]["tokens_per_s"],
-                           "tp2_shared_memory_vs_gloo": tp["tokens_per_s"] / gloo["tokens_per_s"], **counts})
+                           "tp2_shared_memory_vs_gloo": tp["tokens_per_s"] / gloo["tokens_per_s"],
+                           "model_bytes": whole, "rank_model_bytes_of_2": half, **counts})
     return 0
+
+
+def print_memory(results: dict[str, dict[str, Any]], whole: int, half: int) -> None:
+    """Each engine's ranks: peak RSS above the baseline beside the rank's model bytes (as loaded; held, once its
+    linear layers are packed) plus its resident KV."""
+    rows = []
+    for name, result in results.items():
+        for rank in result["memory"]:
+            grown, holds = rank["peak_rss"] - rank["baseline"], rank["held_bytes"] + rank["kv_bytes"]
+            rows.append([name if rank["rank"] == 0 else "", rank["rank"], *(round(b / 2**20) for b in (
+                rank["peak_rss"], rank["baseline"], grown, rank["model_bytes"], rank["held_bytes"], rank["kv_bytes"],
+                holds)), grown / holds])
+    print_table("host memory per rank, MiB: peak RSS (VmHWM) and its baseline (rank 0: its RSS as the engine "
+                "started; a follower: a fresh interpreter after its imports)",
+                ["engine", "rank", "peak RSS", "baseline", "peak - base", "model loaded", "model held", "KV resident",
+                 "held + KV", "(peak - base) / (held + KV)"], rows)
+    print(f"the whole model: {whole / 2**20:.0f} MiB; one rank's part of it with 2 ranks: {half / 2**20:.0f} MiB "
+          f"({half / whole:.2f} of it: the embeddings and norms are whole on every rank)")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
