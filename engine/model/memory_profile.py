@@ -122,16 +122,18 @@ def cuda_peak_bytes(device: torch.device) -> Measure:
 
 
 def kv_pool_bytes(free_bytes: int, total_bytes: int, gpu_memory_utilization: float,
-                  profiles: list[StepProfile]) -> int:
+                  profiles: list[StepProfile], reserved_bytes: int = 0) -> int:
     """Bytes of the KV pool on CUDA: ``gpu_memory_utilization`` of the device's total memory (as vLLM
-    reads it), less what is in use already (the weights, the CUDA context, anything else on the device:
-    ``total_bytes - free_bytes``) and what the steps need beside the pool. Eager steps reuse one another's
-    memory (the largest counts); captured decode graphs keep their activations in a pool of their own
-    (they add to it).
+    reads it), less what is in use already (the weights -- a draft model's too, loaded before this is
+    read --, the CUDA context, anything else on the device: ``total_bytes - free_bytes``), what the
+    steps need beside the pool and ``reserved_bytes`` (a draft model's batched forwards, which may run
+    while a step does). Eager steps reuse one another's memory (the largest counts); captured decode
+    graphs keep their activations in a pool of their own (they add to it).
 
     Returns:
-        The pool's bytes; 0 or less when the rest already takes the whole share.
+        The pool's bytes (with a draft model, its cache's too: engine/model/model_setup.py
+        :func:`size_kv_cache` splits them); 0 or less when the rest already takes the whole share.
     """
     eager = max((p.peak_bytes for p in profiles if not p.captured), default=0)
     graphs = sum(p.peak_bytes for p in profiles if p.captured)
-    return int(total_bytes * gpu_memory_utilization) - (total_bytes - free_bytes) - eager - graphs
+    return int(total_bytes * gpu_memory_utilization) - (total_bytes - free_bytes) - eager - graphs - reserved_bytes

@@ -27,7 +27,13 @@ from tokenmill.engine.kv.block_manager import BlockManager
 from tokenmill.engine.kv.block_store import BlockStore, namespace
 from tokenmill.engine.kv.prefix_cache import PrefixCache
 from tokenmill.engine.model import native_decoder
-from tokenmill.engine.model.draft_proposer import DraftModelProposer
+from tokenmill.engine.model.draft_proposer import (
+    BLOCK_TOKENS,
+    DraftModelProposer,
+    check_draft_model,
+    draft_kv_bytes_per_token,
+    draft_working_bytes,
+)
 from tokenmill.engine.model.hf_attention import register
 from tokenmill.engine.model.kv_cache import KVCache, KVCacheSpec
 from tokenmill.engine.model.memory_profile import StepProfile, cuda_peak_bytes, kv_pool_bytes, profile_steps
@@ -103,6 +109,9 @@ def _build_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStore
     loaded = load_engine_model(config, leader.shard if leader is not None else None)
     if leader is not None:
         leader.connect(loaded.device)
+    # NOTE: the draft model loads before the KV pool is sized: its weights are in use when free memory is read,
+    # and its cache is sized with the pool, out of the same budget
+    draft = load_draft_model(config, loaded)
     spec = kv_cache_spec(loaded, config.cache.block_size)
     backend = select_backend(config.execution.attention_backend, loaded.device)
     logger.info("attention backend: %s", backend.name)
@@ -113,7 +122,9 @@ def _build_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStore
                                  measure=cuda_peak_bytes(loaded.device))
         gc.collect()  # NOTE: the profile's pool and activations go back to the device before free memory is read
         torch.cuda.empty_cache()
-    num_gpu_blocks, num_cpu_blocks = size_kv_cache(config.cache, spec, loaded.device, profiles)
+    draft_token_bytes, draft_reserved_bytes = draft_memory(draft, config.scheduler.max_num_seqs)
+    num_gpu_blocks, num_cpu_blocks = size_kv_cache(config.cache, spec, loaded.device, profiles,
+                                                   draft_token_bytes, draft_reserved_bytes)
     if leader is not None:
         leader.share_cache(num_gpu_blocks, num_cpu_blocks, backend.name)
     kv_cache = KVCache(spec, num_gpu_blocks, num_cpu_blocks, loaded.device)
@@ -122,7 +133,9 @@ def _build_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStore
     grammars = None if isinstance(loaded.tokenizer, NoTokenizer) else \
         GrammarCompiler(loaded.tokenizer, loaded.model.config.vocab_size, loaded.eos_token_ids,
                         limits=_compile_limits(config))
-    speculator = build_speculator(config.speculative, draft_proposer_for(config, loaded),
+    draft_proposer = None if draft is None else \
+        DraftModelProposer(draft, loaded, kv_cache_spec(draft, BLOCK_TOKENS), num_gpu_blocks * spec.block_size)
+    speculator = build_speculator(config.speculative, draft_proposer,
                                   GrammarForcedProposer(grammars) if grammars is not None else None)
     scheduler = Scheduler(config.scheduler, block_manager, clock, loaded.eos_token_ids, loaded.max_model_len,
                           prefix_cache, speculator, build_length_predictor(config.length))
@@ -226,14 +239,31 @@ def with_fast_paths(reference: ModelRunner, grammars: GrammarCompiler | None, co
                        native_decoder=decoder, static_decode=static, tensor_parallel=reference.tensor_parallel)
 
 
-def draft_proposer_for(config: EngineConfig, loaded: LoadedModel) -> DraftModelProposer | None:
-    """The draft model's proposer when ``[engine.speculative] method = "draft"`` (it loads the model)."""
+def load_draft_model(config: EngineConfig, loaded: LoadedModel) -> LoadedModel | None:
+    """The draft model when ``[engine.speculative] method = "draft"`` (else None), on the engine's device: load
+    it before the KV pool is sized (:func:`size_kv_cache` counts its cache; on CUDA, free memory its weights).
+
+    Raises:
+        ModelLoadError: it cannot be loaded, or does not share the tokenizer of ``loaded``.
+    """
     spec = config.speculative
     if spec.method != "draft" or not spec.draft_model:
         return None
     draft = load_model(spec.draft_model, device=config.model.device, dtype=config.model.dtype,
                        attn_implementation="sdpa", cache_dir=config.model.cache_dir)
-    return DraftModelProposer(draft, loaded)
+    check_draft_model(draft, loaded)
+    return draft
+
+
+def draft_memory(draft: LoadedModel | None, max_num_seqs: int) -> tuple[int, int]:
+    """What a draft model needs of the KV budget: its keys and values per token (its cache holds as many
+    tokens as the engine's pool), and the bytes its batched forwards (of up to ``max_num_seqs`` requests) need
+    beside them; (0, 0) without one."""
+    if draft is None:
+        return 0, 0
+    spec, config = kv_cache_spec(draft, BLOCK_TOKENS), draft.model.config
+    return draft_kv_bytes_per_token(spec), draft_working_bytes(spec, config.num_attention_heads, config.vocab_size,
+                                                               max_num_seqs)
 
 
 def captures_decode_steps(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> bool:
@@ -287,12 +317,17 @@ def kv_cache_spec(loaded: LoadedModel, block_size: int) -> KVCacheSpec:
 
 
 def size_kv_cache(config: CacheConfig, spec: KVCacheSpec, device: torch.device,
-                  profiles: list[StepProfile] | None = None) -> tuple[int, int]:
+                  profiles: list[StepProfile] | None = None, draft_token_bytes: int = 0,
+                  reserved_bytes: int = 0) -> tuple[int, int]:
     """Number of device and host blocks.
 
-    The device pool is ``kv_cache_memory`` when given; otherwise on CUDA a
-    ``gpu_memory_utilization`` fraction of the device's total memory, less what is in use (the weights)
-    and what the profiled steps need beside the pool (:func:`engine.model.memory_profile.kv_pool_bytes`); on CPU 1 GiB.
+    The KV budget is ``kv_cache_memory`` when given; otherwise on CUDA a
+    ``gpu_memory_utilization`` fraction of the device's total memory, less what is in use (the weights, a
+    draft model's included), what the profiled steps need beside the pool and ``reserved_bytes``
+    (:func:`engine.model.memory_profile.kv_pool_bytes`); on CPU 1 GiB. With a draft model
+    (``draft_token_bytes``: its keys and values per token) the budget holds both models' caches token for
+    token, as one pool of both models' layers would: the engine's pool gets ``budget x its bytes per token /
+    (its + the draft's)``, and the draft model's cache as many tokens.
 
     Raises:
         EngineError: the budget does not hold a single block.
@@ -301,17 +336,23 @@ def size_kv_cache(config: CacheConfig, spec: KVCacheSpec, device: torch.device,
     if device_bytes is None:
         if device.type == "cuda":
             free_bytes, total_bytes = torch.cuda.mem_get_info(device)
-            device_bytes = kv_pool_bytes(free_bytes, total_bytes, config.gpu_memory_utilization, profiles or [])
+            device_bytes = kv_pool_bytes(free_bytes, total_bytes, config.gpu_memory_utilization, profiles or [],
+                                         reserved_bytes)
         else:
             device_bytes = DEFAULT_CPU_KV_BYTES
-    num_gpu_blocks = spec.num_blocks_for(max(0, device_bytes))
+    block_bytes = spec.bytes_per_block + spec.block_size * draft_token_bytes
+    num_gpu_blocks = max(0, device_bytes) // block_bytes
     if num_gpu_blocks < 1:
         steps = sum(p.peak_bytes for p in profiles or [])
+        draft = " with the draft model's cache of its tokens" if draft_token_bytes else ""
         raise EngineError(
             f"the KV cache budget ({device_bytes} bytes; the largest steps need {steps} bytes beside it) holds no "
-            f"block of {spec.bytes_per_block} bytes; raise kv_cache_memory or gpu_memory_utilization, or lower "
+            f"block of {block_bytes} bytes{draft}; raise kv_cache_memory or gpu_memory_utilization, or lower "
             "max_num_batched_tokens / max_num_seqs"
         )
+    if draft_token_bytes:
+        logger.info("draft model's cache: %d tokens (%.1f MiB) beside the KV pool, out of the same budget",
+                    num_gpu_blocks * spec.block_size, num_gpu_blocks * spec.block_size * draft_token_bytes / 2**20)
     num_cpu_blocks = spec.num_blocks_for(config.swap_space_bytes)
     logger.info(
         "KV cache: %d device blocks (%.1f MiB), %d host blocks (%.1f MiB), %d tokens per block",

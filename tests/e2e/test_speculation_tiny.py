@@ -262,7 +262,7 @@ def test_a_model_drafting_for_itself_is_accepted_fully(tiny_model_dirs: dict[str
     assert [o.token_ids for o in outputs] == expected
     counters = speculator.counters
     assert counters.num_draft_tokens > 0 and counters.num_accepted_tokens == counters.num_draft_tokens
-    assert not draft._caches  # every request's draft cache went with it
+    assert draft.num_cached_requests == 0 and draft.num_used_blocks == 0  # every request's draft cache went with it
 
 
 @pytest.mark.parametrize("params", [
