@@ -16,15 +16,21 @@ from tokenmill.engine.core.speculation import accept_drafts
 from tokenmill.engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput
 from tokenmill.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from tokenmill.engine.model.hf_attention import StepAttention
+from tokenmill.engine.model.input_batch import InputBatch
 from tokenmill.engine.model.kv_cache import KVCache
 from tokenmill.engine.model.model_loader import LoadedModel
 from tokenmill.engine.model.static_decode import StaticDecode
-from tokenmill.engine.model.step_inputs import StepInputs
+from tokenmill.engine.model.step_inputs import StepInputs, TableRows
 from tokenmill.engine.sample.context import SamplingContext
 from tokenmill.engine.sample.sampler import Sampler
 
 # The lists of one step's inputs (engine/model/step_inputs.py), in the order they are packed.
 STEP_INPUT_NAMES = ("input_ids", "positions", "slots", "sample_indices", "seq_lens", "query_start", "tables")
+
+# Whether a runner keeps its requests' block tables in a persistent batch (engine/model/input_batch.py), each step
+# changed by difference and its tables gathered from it; False: every step's tables are flattened from the chunks
+# (the plain reference, O(batch x context) Python work a step). A runner's ``persistent_batch`` argument overrides it.
+PERSISTENT_BATCH = True
 
 
 class StepForward(Protocol):
@@ -48,6 +54,14 @@ class StepBroadcast(Protocol):
     def all_reduce(self, tensor: torch.Tensor) -> None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass
+class StaticStep:
+    """A decode step that runs in a static-shape bucket (engine/model/static_decode.py), with its block tables."""
+
+    static: StaticDecode
+    tables: TableRows | None  # the persistent batch's rows, in chunk order; None: flattened from the chunks
 
 
 @dataclass
@@ -101,11 +115,14 @@ class ModelRunner:
         tensor_parallel: the follower ranks of a sharded model, sent every step before it runs here (then
             no static decode steps; the native decoder stack, if given, runs on every rank); None: the model is
             whole.
+        persistent_batch: keep the block tables in a persistent batch, changed by difference each step
+            (engine/model/input_batch.py); False: flatten them from the chunks every step (the plain reference,
+            whose inputs are the same integers); None: :data:`PERSISTENT_BATCH`.
     """
 
     def __init__(self, loaded: LoadedModel, kv_cache: KVCache, sampler: Sampler, backend: AttentionBackend, *,
                  native_decoder: StepForward | None = None, static_decode: StaticDecode | None = None,
-                 tensor_parallel: StepBroadcast | None = None) -> None:
+                 tensor_parallel: StepBroadcast | None = None, persistent_batch: bool | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -117,6 +134,8 @@ class ModelRunner:
         self.static_decode = static_decode
         self.native_decoder = native_decoder
         self.tensor_parallel = tensor_parallel
+        is_persistent = PERSISTENT_BATCH if persistent_batch is None else persistent_batch
+        self.input_batch = InputBatch(self.block_size) if is_persistent else None
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Swap out, swap in, run the forward, sample.
@@ -128,7 +147,7 @@ class ModelRunner:
             One sampled token for every chunk with ``needs_sample``.
         """
         chunks = scheduler_output.chunks
-        planned = self._plan(chunks)
+        planned = self.plan_step(scheduler_output)
         if self.tensor_parallel is not None:
             self.tensor_parallel.send_step(scheduler_output, planned if isinstance(planned, PreparedBatch) else None)
         # NOTE: this order: swap-outs read blocks a copy or swap-in may reuse; copies read shared
@@ -141,7 +160,7 @@ class ModelRunner:
         if isinstance(planned, PreparedBatch):
             logits, sample_chunks = self._forward(planned), planned.sample_chunks
         else:
-            logits, sample_chunks = planned.run(chunks), chunks
+            logits, sample_chunks = planned.static.run(chunks, planned.tables), chunks
         if not sample_chunks:
             return ModelOutput()
         # NOTE: a chunk with draft tokens samples one row after each of its last 1 + k tokens, each
@@ -164,13 +183,24 @@ class ModelRunner:
                 output.logprobs[chunk.request_id] = [entry for entry in logprobs if entry is not None]
         return output
 
-    def _plan(self, chunks: list[ScheduledChunk]) -> PreparedBatch | StaticDecode | None:
+    def plan_step(self, scheduler_output: SchedulerOutput) -> PreparedBatch | StaticStep | None:
+        """The first part of :meth:`execute`: the step's inputs, with the persistent batch brought up to it (rows of
+        preempted requests released, then the chunks' rows), or None when it runs no chunk."""
+        if self.input_batch is not None and scheduler_output.preempted_request_ids:
+            self.input_batch.release(scheduler_output.preempted_request_ids)
+        return self._plan(scheduler_output.chunks)
+
+    def _plan(self, chunks: list[ScheduledChunk]) -> PreparedBatch | StaticStep | None:
         """How a step's chunks run: in a static decode bucket, through the forward (prepared here, before
         the step's block copies, so tensor-parallel followers get both in one message), or not at all."""
         if not chunks:
             return None
         if self.static_decode is not None and self.static_decode.fits(chunks):
-            return self.static_decode
+            tables = None
+            if self.input_batch is not None:
+                rows = self.input_batch.rows(chunks)
+                tables = self.input_batch.gather(rows, self.input_batch.max_length(rows))
+            return StaticStep(self.static_decode, tables)
         return self.prepare(chunks)
 
     def _forward(self, batch: PreparedBatch) -> torch.Tensor:
@@ -190,7 +220,9 @@ class ModelRunner:
         """Flatten chunks into model inputs and attention metadata: single-token chunks first,
         longest context first (the reference backend gathers less padding), then prefill chunks.
 
-        Host work is a few list operations per chunk and one host-to-device copy (engine/model/step_inputs.py).
+        Host work is a few list operations per chunk and one host-to-device copy (engine/model/step_inputs.py); the
+        block tables are a gather of the persistent batch's rows (engine/model/input_batch.py: these chunks are
+        the next step it sees), or, without one, flattened here (work that grows with the context).
         """
         bs = self.block_size
         decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -c.start_position)
@@ -218,8 +250,11 @@ class ModelRunner:
                                       for index in range(query_start[i + 1] - c.num_sample_rows, query_start[i + 1])])
         inputs.add("seq_lens", seq_lens)
         inputs.add("query_start", query_start)
-        inputs.add("tables", [b for c in ordered
-                              for b in c.block_ids[:width] + [0] * (width - len(c.block_ids[:width]))])
+        if self.input_batch is not None:
+            inputs.add_rows("tables", self.input_batch.gather(self.input_batch.rows(ordered), width))
+        else:
+            inputs.add("tables", [b for c in ordered
+                                  for b in c.block_ids[:width] + [0] * (width - len(c.block_ids[:width]))])
         on_device, attention = step_tensors(inputs, len(decodes), self.kv_cache, self.backend, self.device)
         return PreparedBatch(
             input_ids=on_device["input_ids"].view(1, -1),

@@ -28,7 +28,7 @@ from tokenmill.engine.core.step_io import ScheduledChunk
 from tokenmill.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from tokenmill.engine.model.hf_attention import StepAttention
 from tokenmill.engine.model.kv_cache import KVCache
-from tokenmill.engine.model.step_inputs import StepInputs
+from tokenmill.engine.model.step_inputs import StepInputs, TableRows
 
 logger = logging.getLogger(__name__)
 
@@ -104,11 +104,17 @@ class StaticDecode:
             logger.info("%s: bucket %d (%d/%d)", what, bucket, i, len(self.buckets))
         logger.info("%s: %d buckets in %.1f s", what, len(self.buckets), time.perf_counter() - start)
 
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits ``[len(chunks), vocab]`` of a decode step, rows in chunk order."""
+    def run(self, chunks: list[ScheduledChunk], tables: TableRows | None = None) -> torch.Tensor:
+        """Logits ``[len(chunks), vocab]`` of a decode step, rows in chunk order.
+
+        Args:
+            chunks: the step's decodes.
+            tables: their block tables, a row per chunk in order, as wide as the longest (the runner's persistent
+                batch, engine/model/input_batch.py); None: flattened from the chunks here.
+        """
         num = len(chunks)
         bucket = self.bucket_for(num)
-        self._fill(chunks)
+        self._fill(chunks, tables)
         self._fill_padding(num, bucket)
         self.num_runs[bucket] += 1
         return self._runners[bucket]()[:num]
@@ -130,20 +136,24 @@ class StaticDecode:
         keep = self._logits_to_keep[:bucket]
         return lambda: self._forward(input_ids, positions, keep, step)
 
-    def _fill(self, chunks: list[ScheduledChunk]) -> None:
+    def _fill(self, chunks: list[ScheduledChunk], rows: TableRows | None = None) -> None:
         """Copy one step's inputs into the first rows of the buffers: one host-to-device copy (pinned
         memory on CUDA, engine/model/step_inputs.py), then one device copy per buffer."""
         bs = self.block_size
         num = len(chunks)
         positions = [c.start_position for c in chunks]
         tables = [c.block_ids for c in chunks]
-        width = max(len(t) for t in tables)
         inputs = StepInputs()
         inputs.add("ids", [c.token_ids[0] for c in chunks])
         inputs.add("positions", positions)
         inputs.add("slots", [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)])
-        inputs.add("tables", [b for t in tables for b in t + [0] * (width - len(t))])
         inputs.add("seq_lens", [p + 1 for p in positions])
+        if rows is not None:
+            width = rows.width
+            inputs.add_rows("tables", rows)
+        else:
+            width = max(len(t) for t in tables)
+            inputs.add("tables", [b for t in tables for b in t + [0] * (width - len(t))])
         on_device = inputs.upload(self._kv_cache.device)
         self._input_ids[0, :num].copy_(on_device["ids"])
         self._positions[0, :num].copy_(on_device["positions"])

@@ -4,6 +4,7 @@ because random tiny models have near-flat logits."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from tests.e2e.parity_helpers import BACKENDS, DEVICES, attention_backend, hf_gr
 from tests.engine_helpers import build_engine
 from tests.tiny_models import FAMILIES, VOCAB_SIZE
 from tokenmill.engine import SamplingParams
+from tokenmill.engine.core.request import Request
 
 pytestmark = pytest.mark.e2e
 
@@ -133,3 +135,66 @@ def test_the_overlapped_loop_matches_hf_generate(scenario: str, tiny_model_dirs:
             assert counters.num_steps_ahead > 0, counters
         assert not engine.has_unfinished() and engine.stats().num_used_gpu_blocks == 0
         engine.close()
+
+
+class _OracleDrafts:
+    """Drafts each prompt's known greedy continuation with every third output position wrong: drafts kept in full,
+    in part (the rest trimmed) and not at all (tiny random models seldom repeat themselves for the n-gram lookup)."""
+
+    name = "oracle"
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]]) -> None:
+        self.continuations = continuations
+
+    def propose(self, wanted: list[tuple[Request, Sequence[int], int]]) -> dict[str, list[int]]:
+        drafts = {}
+        for request, _, num_tokens in wanted:
+            start = request.num_output_tokens
+            truth = self.continuations[tuple(request.prompt_token_ids)][start:start + num_tokens]
+            drafts[request.request_id] = [(t + 1) % VOCAB_SIZE if (start + i) % 3 == 2 else t
+                                          for i, t in enumerate(truth)]
+        return {request_id: draft for request_id, draft in drafts.items() if draft}
+
+    def finished(self, request: Request) -> None:
+        pass
+
+
+@pytest.mark.parametrize("scenario", ["block4-chunked", "recompute-preemption", "swap-preemption", "drafts"])
+def test_the_plain_and_the_persistent_step_inputs_give_the_same_tokens(
+        scenario: str, tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's block tables flattened from the chunks every step (the plain reference) and kept in its
+    persistent batch (engine/model/input_batch.py, its assumptions checked every step): the same greedy tokens,
+    Hugging Face's, through chunked prefill, both kinds of preemption and drafts (kept, partly kept, trimmed)."""
+    from tokenmill.engine.model import input_batch, model_runner
+    from tokenmill.engine.model.model_runner import ModelRunner
+    from tokenmill.engine.spec.speculator import DraftSpeculator
+
+    family = FAMILIES[0]
+    path = tiny_model_dirs[family]
+    prompts, expected = _reference(family, path, "cpu")
+    settings = dict(SCENARIOS["block4-chunked" if scenario == "drafts" else scenario])
+    monkeypatch.setattr(input_batch, "CHECK_ROWS", True)
+    tokens = {}
+    for persistent in (False, True):
+        monkeypatch.setattr(model_runner, "PERSISTENT_BATCH", persistent)
+        method = "auto" if scenario == "drafts" else "off"
+        engine = build_engine(str(path), device="cpu", dtype="float64", method=method, **settings,
+                              **_kv_budget(path, scenario))
+        runner = engine.runner
+        assert isinstance(runner, ModelRunner) and (runner.input_batch is not None) == persistent
+        speculator = engine.scheduler.speculator
+        if scenario == "drafts":
+            assert isinstance(speculator, DraftSpeculator)
+            speculator.proposers = [_OracleDrafts({tuple(p): e for p, e in zip(prompts, expected)})]
+            speculator.min_acceptance = 0.0
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
+        tokens[persistent] = [out.token_ids for out in outputs]
+        if "preemption" in scenario:
+            assert engine.stats().counters.num_preemptions > 0
+        if scenario == "drafts":
+            assert isinstance(speculator, DraftSpeculator) and 0 < speculator.counters.num_accepted_tokens < \
+                speculator.counters.num_draft_tokens
+        if runner.input_batch is not None:
+            assert runner.input_batch.num_entry_writes > 0 and runner.input_batch.num_releases > 0
+        assert not engine.has_unfinished() and engine.stats().num_used_gpu_blocks == 0
+    assert tokens[False] == tokens[True] == expected
