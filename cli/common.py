@@ -18,9 +18,9 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from tokenmill.producer.client import Producer
-from tokenmill.producer.config import ClientSettings
-from tokenmill.producer.errors import ProducerError
-from tokenmill.producer.version import package_version
+from tokenmill.protocol.config import ClientSettings
+from tokenmill.protocol.errors import ProducerError
+from tokenmill.protocol.version import package_version
 
 T = TypeVar("T")
 

@@ -12,8 +12,6 @@ from tokenmill.engine.errors import EngineError, InvariantError, ModelLoadError
 from tokenmill.engine.offline import GenerationOutput
 from tokenmill.engine.output.prompts import ChatPrompt, Prompt, PromptError, TextPrompt, TokensPrompt
 from tokenmill.engine.output.request_output import RequestMetrics, RequestOutput
-from tokenmill.protocol.outcomes import ErrorCode, FinishReason
-from tokenmill.protocol.sampling import SamplingParams
 
 __all__ = [
     "CacheConfig",
@@ -22,17 +20,14 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "EngineStats",
-    "FinishReason",
     "GenerationOutput",
     "InvariantError",
     "ModelConfig",
     "ModelLoadError",
     "Prompt",
     "PromptError",
-    "ErrorCode",
     "RequestMetrics",
     "RequestOutput",
-    "SamplingParams",
     "SchedulerConfig",
     "TextPrompt",
     "TokensPrompt",

@@ -1,6 +1,6 @@
 """Translation between the wire schema and the engine: request -> engine call, output -> result.
 
-Imports producer.schema and engine's torch-free modules; never torch. Both speak the vocabulary
+Imports protocol.schema and engine's torch-free modules; never torch. Both speak the vocabulary
 of protocol/ (sampling parameters, finish reasons, error codes, logprobs), so what is left to
 translate is the envelope: prompts in, results out.
 """
@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from tokenmill.engine.output.prompts import ChatPrompt, Prompt, TextPrompt, TokensPrompt
 from tokenmill.engine.output.request_output import RequestOutput
-from tokenmill.producer.schema import (
-    ErrorCode,
+from tokenmill.protocol.outcomes import ErrorCode, FinishReason
+from tokenmill.protocol.schema import (
     ErrorInfo,
-    FinishReason,
     GenerationRequest,
     GenerationResult,
     Sample,

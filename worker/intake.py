@@ -1,16 +1,16 @@
 """Triage of raw stream entries: decode, validate and sort each into run / answer now / dead-letter.
 
-Pure functions over producer.schema; no Redis, no engine, no threads.
+Pure functions over protocol.schema; no Redis, no engine, no threads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.producer.errors import SchemaError
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.schema import (
-    ErrorCode,
+from tokenmill.protocol.errors import SchemaError
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.outcomes import ErrorCode
+from tokenmill.protocol.schema import (
     GenerationRequest,
     GenerationResult,
     check_reply_to,

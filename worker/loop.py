@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.output.prompts import PromptError
 from tokenmill.engine.output.request_output import RequestOutput
-from tokenmill.producer.schema import ErrorCode, GenerationResult
-from tokenmill.protocol.outcomes import FinishReason
+from tokenmill.protocol.outcomes import ErrorCode, FinishReason
 from tokenmill.protocol.sampling import SamplingParams
+from tokenmill.protocol.schema import GenerationResult
 from tokenmill.worker.convert import build_result
 from tokenmill.worker.messages import Abort, Admit, Entry, Finish, Handoff, Incoming, Outgoing, Prepared, TokenDelta
 from tokenmill.worker.metrics import WorkerMetrics

@@ -1,13 +1,13 @@
 """Plain records passed between the worker's threads.
 
-Standard library and producer.schema only; never imports the engine or redis.
+Standard library and protocol/ (schema, outcomes) only; never imports the engine or redis.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.producer.schema import GenerationRequest, GenerationResult
+from tokenmill.protocol.schema import GenerationRequest, GenerationResult
 
 
 @dataclass(frozen=True)

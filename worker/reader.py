@@ -8,11 +8,12 @@ this name) are suspects: each runs alone, so a request that kills workers takes 
 with it (docs/design.md, "Reclaim by heartbeats"). The worker also checks its own pending list
 against what it holds and takes back entries whose delivery never reached it.
 
-On a sharded queue (producer/shards.py) it reads and reclaims the lanes of the shards it claims
+On a sharded queue (protocol/shards.py) it reads and reclaims the lanes of the shards it claims
 (worker/shard_claims.py; every shard by default), the shards in turn within a priority; it compares its
 pending list with what it holds on every shard's lanes (it may have read a shard it no longer claims).
 
-Imports redis and producer (keys, shards, schema); never the engine object (it only sees queues and Load).
+Imports redis, protocol (keys, shards, schema) and producer.connection; never the engine object (it only
+sees queues and Load).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from typing import Any
 import redis
 
 from tokenmill.producer.connection import REDIS_ERRORS, is_transient
-from tokenmill.producer.keys import CONSUMER_GROUP, Keys, Lane
-from tokenmill.producer.schema import ErrorCode, GenerationResult, peek_request_id
-from tokenmill.producer.shards import QueueLayout
+from tokenmill.protocol.keys import CONSUMER_GROUP, Keys, Lane
+from tokenmill.protocol.outcomes import ErrorCode
+from tokenmill.protocol.schema import GenerationResult, peek_request_id
+from tokenmill.protocol.shards import QueueLayout
 from tokenmill.worker.backoff import Backoff
 from tokenmill.worker.config import WorkerConfig
 from tokenmill.worker.health import RedisHealth

@@ -59,7 +59,8 @@ def divisible_shape(config: dict[str, Any], ranks: int) -> dict[str, Any]:
 def run_engine(model: str, random_init: bool, ranks: int, threads: int, compile_mode: str, all_reduce: str,
                prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     """One engine over the workload; its output tokens per second (after a warm-up request)."""
-    from tokenmill.engine import Engine, EngineConfig, SamplingParams
+    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.protocol.sampling import SamplingParams
 
     config = EngineConfig.model_validate({
         "model": {"name": model, "device": "cpu", "dtype": "float32", "num_threads": threads,

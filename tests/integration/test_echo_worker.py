@@ -13,7 +13,7 @@ from tests.worker_helpers import ROOT, enqueue, make_settings, running_worker, w
 from tokenmill.engine.core.request import PreemptionCause
 from tokenmill.engine.engine import Engine
 from tokenmill.producer.client import Producer
-from tokenmill.producer.schema import decode_result
+from tokenmill.protocol.schema import decode_result
 
 SLOW = "echo:step_delay_s=0.01"
 

@@ -37,8 +37,8 @@ from tokenmill.engine.kernels import panel_linear
 from tokenmill.engine.kernels.attention import cpu_kernel
 from tokenmill.engine.kernels.cpp_build import CppExtension
 from tokenmill.engine.model import native_decoder
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.schema import decode_result
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.schema import decode_result
 
 pytestmark = pytest.mark.timeout(900)
 

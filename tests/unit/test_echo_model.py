@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.engine import Engine, EngineConfig, SamplingParams
+from tokenmill.engine import Engine, EngineConfig
 from tokenmill.engine.echo import EOS_TOKEN_ID, EchoOptions
 from tokenmill.engine.output.prompts import ChatPrompt
 from tokenmill.protocol.outcomes import FinishReason
+from tokenmill.protocol.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 

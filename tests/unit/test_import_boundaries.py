@@ -249,7 +249,7 @@ def test_the_vocabulary_loads_nothing_but_pydantic_and_msgpack() -> None:
 
 def test_producer_loads_without_torch_or_engine() -> None:
     modules = _loaded_modules_after("import tokenmill.producer.client, tokenmill.producer.aio, "
-                                    "tokenmill.producer.schema")
+                                    "tokenmill.protocol.schema")
     assert not {"torch", "transformers", "tokenmill.engine", "tokenmill.worker"} & modules
 
 

@@ -14,14 +14,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tokenmill.producer.errors import SchemaError
-from tokenmill.protocol.outcomes import ErrorCode, FinishReason, TokenLogprob, TopLogprob
+from tokenmill.protocol.errors import SchemaError
+from tokenmill.protocol.outcomes import ErrorCode, FinishReason, TokenLogprob
 from tokenmill.protocol.sampling import (
     INT32_END,
-    MAX_SAMPLES,
-    JsonSchemaSpec,
     Metadata,
-    ResponseFormat,
     SamplingParams,
     Text,
     TokenId,
@@ -30,7 +27,7 @@ from tokenmill.protocol.sampling import (
 from tokenmill.protocol.values import check_metadata, is_utf8, safe_text, version_of
 
 if TYPE_CHECKING:
-    from tokenmill.producer.keys import Keys
+    from tokenmill.protocol.keys import Keys
 
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
@@ -39,10 +36,7 @@ MAX_REPLY_TO_LENGTH = 1024
 MAX_TOOLS = 128  # function tools per request (OpenAI's limit)
 _MAX_ERROR_CLAUSES = 10
 
-__all__ = [  # the vocabulary's types, re-exported: the wire speaks them (protocol/ defines them)
-    "MAX_SAMPLES", "ErrorCode", "FinishReason", "JsonSchemaSpec", "Metadata", "ResponseFormat", "SamplingParams",
-    "Text", "TokenId", "TokenLogprob", "TopLogprob",
-    # this module's own
+__all__ = [
     "MAX_TOOLS", "SCHEMA_VERSION", "SUPPORTED_VERSIONS", "ErrorInfo", "FunctionSpec", "GenerationRequest",
     "GenerationResult", "Message", "ResultStatus", "Sample", "Timings", "ToolSpec", "Usage", "WireFinishReason",
     "check_reply_to", "decode_request", "decode_result", "describe_validation_error", "encode_request",

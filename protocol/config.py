@@ -26,10 +26,10 @@ from pydantic_settings import (
 )
 from typing_extensions import Self
 
-from tokenmill.producer.errors import ConfigError
-from tokenmill.producer.keys import DEFAULT_NUM_LANES, DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
-from tokenmill.producer.shards import MAX_SHARDS, QueueLayout
+from tokenmill.protocol.errors import ConfigError
 from tokenmill.protocol.heartbeat import STALE_AFTER_S
+from tokenmill.protocol.keys import DEFAULT_NUM_LANES, DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
+from tokenmill.protocol.shards import MAX_SHARDS, QueueLayout
 
 URL_SCHEMES = ("redis", "rediss", "unix")
 # A Redis Cluster: the node URL as redis:// / rediss://, with "+cluster" saying what it is (producer/connection.py).
@@ -67,7 +67,7 @@ class QueueConfig(_Frozen):
     # NOTE: shards > 1 on one Redis instance is allowed: it spreads the pending lists and lanes over keys (the
     # same names a cluster uses, so moving to one is a key copy), though one instance's core stays the limit.
     shards: int = Field(1, ge=1, le=MAX_SHARDS, description="streams the queue is spread over, one cluster slot "
-                        "each (producer/shards.py); every producer and worker of the queue must agree on it")
+                        "each (protocol/shards.py); every producer and worker of the queue must agree on it")
     placement: Literal["prefix", "id"] = Field(
         "prefix", description="shard of a request: by its prompt's first characters (shared prefixes meet one "
         "worker's prefix cache; ids the producer generates, and bulk's and Celery's derived ids) or by its id")
@@ -163,7 +163,7 @@ class ProducerConfig(_Frozen):
 
     @property
     def layout(self) -> QueueLayout:
-        """The queue's keys, its own and its shards' (producer/shards.py)."""
+        """The queue's keys, its own and its shards' (protocol/shards.py)."""
         return self.queue.layout(self.redis.is_cluster)
 
     @property
