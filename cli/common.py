@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from tokenmill.producer.client import Producer
-from tokenmill.protocol.config import ClientSettings
+from tokenmill.producer.config import ClientSettings
 from tokenmill.protocol.errors import ProducerError
 from tokenmill.protocol.version import package_version
 

@@ -25,8 +25,8 @@ from tokenmill.cli.local_worker import (
     use_embedded_redis_if_unset,
 )
 from tokenmill.producer.client import Producer
+from tokenmill.producer.config import ServeSettings
 from tokenmill.producer.errors import RedisUnavailable
-from tokenmill.protocol.config import ServeSettings
 from tokenmill.protocol.errors import ProducerError
 
 if TYPE_CHECKING:

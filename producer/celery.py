@@ -22,8 +22,8 @@ from celery import Celery
 
 from tokenmill.producer import common
 from tokenmill.producer.client import Producer
+from tokenmill.producer.config import ProducerConfig
 from tokenmill.producer.errors import JobFailed, ResultTimeout
-from tokenmill.protocol.config import ProducerConfig
 from tokenmill.protocol.errors import SchemaError
 from tokenmill.protocol.outcomes import ErrorCode
 from tokenmill.protocol.sampling import SamplingParams

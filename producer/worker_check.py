@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.protocol.config import ProducerConfig
+from tokenmill.producer.config import ProducerConfig
 from tokenmill.protocol.heartbeat import (
     READ_WORKERS_LUA,
     STALE_AFTER_S,

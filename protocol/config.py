@@ -1,10 +1,14 @@
-"""Typed, validated configuration shared by every tokenmill process (pydantic only).
+"""Typed, validated configuration shared by every tokenmill process (pydantic and pydantic-settings only).
 
 Owns ``QueueConfig``, ``RedisConfig`` and ``ServeConfig`` (the ``[queue]`` / ``[redis]`` / ``[serve]``
-sections of a deployment's TOML file), ``ProducerConfig``, and ``FileSettings``: the one merge of
-flags (explicit arguments) > env > file (``--config``, else ``$TOKENMILL_CONFIG``) > defaults, which the CLI,
-the worker, serve, ``Producer()``, ``AsyncProducer()`` and Celery's ``register_tasks`` all load through.
-Never imports redis, torch, the engine or the worker.
+sections of a deployment's TOML file), and ``FileSettings``: the one merge of flags (explicit arguments) > env >
+file (``--config``, else ``$TOKENMILL_CONFIG``) > defaults, which the CLI, the worker, serve, ``Producer()``,
+``AsyncProducer()`` and Celery's ``register_tasks`` all load through.
+
+Why here and not in producer/: the ``[queue]`` section is the key layout every producer and worker of a queue
+must agree on, and the worker's settings (worker/config.py) declare all three sections so that one deployment
+file validates whole, ``[serve]`` included; the producer-side roots (``ProducerConfig``, ``ClientSettings``,
+``ServeSettings``) are producer/config.py's. Never imports redis, torch, the engine, the producer or the worker.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from pydantic_settings import (
 from typing_extensions import Self
 
 from tokenmill.protocol.errors import ConfigError
-from tokenmill.protocol.heartbeat import STALE_AFTER_S
 from tokenmill.protocol.keys import DEFAULT_NUM_LANES, DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
 from tokenmill.protocol.shards import MAX_SHARDS, QueueLayout
 
@@ -141,37 +144,6 @@ class RedisConfig(_Frozen):
         return self.cluster or urlsplit(url).scheme in CLUSTER_SCHEMES
 
 
-class ProducerConfig(_Frozen):
-    """Which queue a producer feeds and how it talks to it."""
-
-    redis: RedisConfig = Field(default_factory=RedisConfig)
-    queue: QueueConfig = Field(default_factory=QueueConfig)
-    submit_chunk_size: int = Field(default=500, ge=1, le=100_000, description="requests per pipelined round trip")
-
-    @classmethod
-    def load(cls, config_file: Path | str | None = None, **overrides: Mapping[str, Any] | None) -> ProducerConfig:
-        """The ``[redis]`` and ``[queue]`` settings as every tokenmill process loads them (:meth:`FileSettings.load`):
-        ``overrides`` (by section, as in the file: ``queue={"name": "q"}``; None values count as not given) >
-        ``TOKENMILL_*`` variables and ``REDIS_URL`` > the TOML file ``config_file`` (default: ``$TOKENMILL_CONFIG``)
-        > defaults.
-
-        Raises:
-            ConfigError: the file is missing or not TOML, or a refused env name is set.
-            pydantic.ValidationError: a value is invalid or a key unknown.
-        """
-        return ClientSettings.load(config_file, overrides).producer_config
-
-    @property
-    def layout(self) -> QueueLayout:
-        """The queue's keys, its own and its shards' (protocol/shards.py)."""
-        return self.queue.layout(self.redis.is_cluster)
-
-    @property
-    def keys(self) -> Keys:
-        """The queue's own keys (all of them for a queue of one shard): heartbeats, reply streams, files."""
-        return self.layout.home
-
-
 SERVE_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
 
@@ -275,37 +247,3 @@ def _given(values: Mapping[str, Any]) -> dict[str, Any]:
     """``values`` without None leaves and without sections left empty."""
     pruned = {key: _given(value) if isinstance(value, Mapping) else value for key, value in values.items()}
     return {key: value for key, value in pruned.items() if value is not None and value != {}}
-
-
-class WorkerView(BaseModel):
-    """What producer-side commands read of the ``[worker]`` section: when a heartbeat is stale
-    (``tokenmill status`` judges liveness as the workers' reclaim does). Other keys pass unread."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    stale_after_s: float = Field(STALE_AFTER_S, gt=0, description="heartbeat age after which a worker counts as dead")
-
-
-class ClientSettings(FileSettings):
-    """The ``[redis]`` and ``[queue]`` sections of a deployment's settings (and the worker's
-    ``stale_after_s``), for producer-side commands.
-
-    NOTE: the other sections of a deployment (``[worker]``, ``[engine.*]``, ``[serve]``) are
-    accepted unread, so one file serves a whole deployment; an unknown section is an error.
-    """
-
-    redis: RedisConfig = Field(default_factory=RedisConfig)
-    queue: QueueConfig = Field(default_factory=QueueConfig)
-    worker: WorkerView = Field(default_factory=WorkerView)
-    engine: dict[str, Any] = Field(default_factory=dict, description="the workers' section: not read here")
-    serve: dict[str, Any] = Field(default_factory=dict, description="tokenmill serve's section: not read here")
-
-    @property
-    def producer_config(self) -> ProducerConfig:
-        return ProducerConfig(redis=self.redis, queue=self.queue)
-
-
-class ServeSettings(ClientSettings):
-    """The sections ``tokenmill serve`` reads: ``[redis]``, ``[queue]`` and ``[serve]``."""
-
-    serve: ServeConfig = Field(default_factory=ServeConfig)  # type: ignore[assignment]

@@ -19,7 +19,8 @@ from pydantic import BaseModel
 from typer.testing import CliRunner
 
 from tokenmill.cli.app import app
-from tokenmill.protocol.config import ClientSettings, FileSettings, ServeSettings
+from tokenmill.producer.config import ClientSettings, ServeSettings
+from tokenmill.protocol.config import FileSettings
 from tokenmill.worker.config import Settings
 
 ROOT = Path(__file__).resolve().parents[1]

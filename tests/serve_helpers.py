@@ -22,7 +22,7 @@ from typing import Any
 import uvicorn
 
 from tests.processes import free_port, scaled_s
-from tokenmill.protocol.config import ServeSettings
+from tokenmill.producer.config import ServeSettings
 from tokenmill.serve.app import server_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from tokenmill.producer.bulk.options import BulkOptions
 from tokenmill.producer.bulk.pipeline import BulkJob
 from tokenmill.producer.bulk.report import BulkSummary
 from tokenmill.producer.client import Producer
-from tokenmill.protocol.config import ProducerConfig
+from tokenmill.producer.config import ProducerConfig
 
 
 def run(input_path: str | Path, output_path: str | Path, *, producer: Producer | None = None,

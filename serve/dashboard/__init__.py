@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from tokenmill.protocol.config import ServeSettings
+from tokenmill.producer.config import ServeSettings
 from tokenmill.serve.dashboard import reads, routes
 from tokenmill.serve.dashboard.state import DashboardState
 from tokenmill.serve.dashboard.views import HERE

@@ -15,8 +15,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenmill.producer.config import ServeSettings
 from tokenmill.producer.connection import connect
-from tokenmill.protocol.config import ServeSettings
 from tokenmill.serve.dashboard import mount
 from tokenmill.serve.dashboard.state import dashboard_of
 from tokenmill.serve.guard import Guard

@@ -18,8 +18,8 @@ import redis.asyncio
 from fastapi import Request
 
 from tokenmill.producer.aio import AsyncProducer
+from tokenmill.producer.config import ServeSettings
 from tokenmill.producer.connection import REDIS_ERRORS, aconnect, connect
-from tokenmill.protocol.config import ServeSettings
 from tokenmill.protocol.shards import QueueLayout
 
 log = logging.getLogger("tokenmill.serve.dashboard")

@@ -22,7 +22,8 @@ from redis.crc import key_slot
 from tests.cluster_helpers import LocalCluster, wait_for
 from tests.worker_helpers import FAST_WORKER, start_worker_process
 from tokenmill.producer import AsyncProducer, Producer, common
-from tokenmill.protocol.config import ProducerConfig, QueueConfig, RedisConfig
+from tokenmill.producer.config import ProducerConfig
+from tokenmill.protocol.config import QueueConfig, RedisConfig
 from tokenmill.protocol.keys import CONSUMER_GROUP
 from tokenmill.protocol.schema import GenerationRequest, GenerationResult, decode_result
 from tokenmill.protocol.shards import QueueLayout

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 from typer.testing import CliRunner
 
 from tokenmill.cli.app import app
-from tokenmill.protocol.config import ClientSettings
+from tokenmill.producer.config import ClientSettings
 from tokenmill.protocol.errors import ConfigError
 from tokenmill.worker.config import Settings, load_settings
 
