@@ -6,7 +6,7 @@ Each name has one home, imported from it (this package re-exports nothing; ``tok
 common names lazily)::
 
     sampling.py    SamplingParams, ResponseFormat: how to generate (the engine's input too)
-    outcomes.py    FinishReason, ErrorCode, token logprobs: how a request ended
+    outcomes.py    FinishReason, ErrorCode, AbortReason, token logprobs: how a request ended
     schema.py      GenerationRequest / GenerationResult and their msgpack encoding: the messages
     keys.py        Keys: every Redis key and stream name of a queue
     shards.py      QueueLayout: a queue spread over shards, and which shard a request lives on

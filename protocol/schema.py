@@ -15,7 +15,7 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tokenmill.protocol.errors import SchemaError
-from tokenmill.protocol.outcomes import ErrorCode, FinishReason, TokenLogprob
+from tokenmill.protocol.outcomes import AbortReason, ErrorCode, FinishReason, TokenLogprob
 from tokenmill.protocol.sampling import (
     INT32_END,
     Metadata,
@@ -218,19 +218,21 @@ class GenerationResult(_Model):
     def failure(
         cls,
         request_id: str,
-        code: ErrorCode | str,
+        code: ErrorCode | AbortReason | str,
         message: str,
         *,
-        status: ResultStatus = "error",
+        status: ResultStatus | AbortReason = "error",
         worker: str | None = None,
         metadata: dict[str, Any] | None = None,
     ) -> GenerationResult:
-        """A result that carries no generation, only why (``message`` made encodable: see :func:`safe_text`)."""
-        code_text = code.value if isinstance(code, ErrorCode) else code
+        """A result that carries no generation, only why (``message`` made encodable: see :func:`safe_text`).
+        An abort's ``status`` is its reason (``cancelled``, ``expired``); a hand-over is never answered."""
+        code_text = code.value if isinstance(code, (ErrorCode, AbortReason)) else code
+        status_text = status.value if isinstance(status, AbortReason) else status
         return cls(
             id=request_id,
-            status=status,
-            finish_reason="abort" if status != "error" else None,
+            status=status_text,
+            finish_reason="abort" if status_text != "error" else None,
             worker=worker,
             error=ErrorInfo(code=code_text, message=safe_text(message)),
             metadata=metadata or {},

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 from tokenmill.protocol.errors import SchemaError
 from tokenmill.protocol.keys import Keys
-from tokenmill.protocol.outcomes import ErrorCode
+from tokenmill.protocol.outcomes import AbortReason, ErrorCode
 from tokenmill.protocol.schema import (
     GenerationRequest,
     GenerationResult,
+    ResultStatus,
     check_reply_to,
     decode_request,
     peek_reply_to,
@@ -64,17 +65,17 @@ def triage(entry: Entry, now_s: float, policy: IntakePolicy) -> Admit | Finish |
         message = f"this worker serves {' / '.join(sorted(map(repr, policy.model_names)))}, not {request.model!r}"
         return answer(request, entry, ErrorCode.MODEL_NOT_SERVED.value, message, policy.worker)
     if request.deadline is not None and request.deadline <= now_s:
-        return answer(request, entry, "expired", "deadline passed before the request started", policy.worker,
-                      status="expired")
+        return answer(request, entry, AbortReason.EXPIRED, "deadline passed before the request started",
+                      policy.worker, status=AbortReason.EXPIRED)
     lane = policy.keys.parse_lane(entry.stream)
     return Admit(request, entry, now_s, is_handed_off=lane is not None and lane.is_decode)
 
 
-def answer(request: GenerationRequest, entry: Entry, code: str, message: str, worker: str,
-           status: str = "error") -> Finish:
+def answer(request: GenerationRequest, entry: Entry, code: AbortReason | str, message: str, worker: str,
+           status: ResultStatus | AbortReason = "error") -> Finish:
     """An immediate answer (error, expired, cancelled) to a decoded request that will not run."""
-    result = GenerationResult.failure(request.id, code, message, status=status,  # type: ignore[arg-type]
-                                      worker=worker, metadata=request.metadata)
+    result = GenerationResult.failure(request.id, code, message, status=status, worker=worker,
+                                      metadata=request.metadata)
     return Finish(result, entry, request.reply_to, request.stream_tokens)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.protocol.outcomes import AbortReason
 from tokenmill.protocol.schema import GenerationRequest, GenerationResult
 
 
@@ -44,7 +45,7 @@ class Abort:
     """Reader -> engine thread: stop a request; its result gets ``status``."""
 
     request_id: str
-    status: str  # "cancelled" or "expired"
+    status: AbortReason
 
 
 @dataclass

@@ -30,7 +30,7 @@ import redis
 
 from tokenmill.producer.connection import REDIS_ERRORS, is_transient
 from tokenmill.protocol.keys import CONSUMER_GROUP, Keys, Lane
-from tokenmill.protocol.outcomes import ErrorCode
+from tokenmill.protocol.outcomes import AbortReason, ErrorCode
 from tokenmill.protocol.schema import GenerationResult, peek_request_id
 from tokenmill.protocol.shards import QueueLayout
 from tokenmill.worker.backoff import Backoff
@@ -257,7 +257,7 @@ class Reader:
             return
         self._next_cancel_poll_s = now_s + self._config.cancel_poll_s
         for request_id in self._cancelled_ids(sorted(self._load.live_ids)):
-            self._inbox.put(Abort(request_id, "cancelled"))
+            self._inbox.put(Abort(request_id, AbortReason.CANCELLED))
 
     def _read_lanes(self, count: int, block_ms: int | None) -> list[Entry]:
         """Up to ``count`` new entries, lane 0 (of every model and shard) first, the shards in turn within a lane;
@@ -438,8 +438,8 @@ class Reader:
             raise
         for item in decided:
             if isinstance(item, Admit) and item.request.id in cancelled:
-                self._outbox.put(answer(item.request, item.entry, "cancelled", "cancelled before it ran",
-                                        self._config.name, status="cancelled"))
+                self._outbox.put(answer(item.request, item.entry, AbortReason.CANCELLED, "cancelled before it ran",
+                                        self._config.name, status=AbortReason.CANCELLED))
             elif isinstance(item, Admit):
                 self._load.add_queued(1)
                 self._inbox.put(item)

@@ -30,6 +30,7 @@ HOMES = {
     "ResponseFormat": "tokenmill.protocol.sampling",
     "ErrorCode": "tokenmill.protocol.outcomes",
     "FinishReason": "tokenmill.protocol.outcomes",
+    "AbortReason": "tokenmill.protocol.outcomes",
 }
 # The package's face, which lends common names lazily (tokenmill/__init__.py's __getattr__, nothing bound).
 FACE = "tokenmill"
