@@ -175,10 +175,11 @@ class ExecutionConfig(_Frozen):
         "nn.Linear"
     )
     overlap: Literal["auto", "on", "off"] = Field(
-        "auto", description="run a step's forward on a device thread while the engine makes the previous step's "
-        "outputs (detokenize, stop strings, output objects); outputs then come one step later. auto: on for CUDA "
-        "(the host work hides behind the device's), off on the CPU, where the forward's threads need both cores "
-        "(measured: ops/bench/overhead.py and the note in docs/design.md); off: the synchronous loop (the reference)"
+        "auto", description="run a step's forward on a device thread while the engine plans the next step "
+        "(async scheduling: its input token is filled in from this step's) and makes the previous step's outputs "
+        "(detokenize, stop strings, output objects); outputs then come one step later. auto: on for CUDA (the host "
+        "work hides behind the device's), off on the CPU, where the forward's threads need both cores (measured: "
+        "ops/bench/overhead.py and docs/design.md); off: the synchronous loop (the reference)"
     )
 
 

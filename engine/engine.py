@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Self
 
 from tokenmill.engine.config import EngineConfig
@@ -42,6 +42,14 @@ logger = logging.getLogger(__name__)
 FLEET_IDLE_WAIT_S = 0.02  # an engine with only requests waiting for fleet blocks waits this long per step for them
 
 
+@dataclasses.dataclass
+class _InFlight:
+    """A step dispatched to the device thread and not landed yet."""
+
+    plan: SchedulerOutput
+    future: Future[tuple[ModelOutput | Exception, float]]
+
+
 class Engine:
     """Continuous batching over a paged KV cache for any Hugging Face decoder model.
 
@@ -55,11 +63,15 @@ class Engine:
         grammars: compiles structured-output grammars (the runner's sampler shares it); None =
             requests with a structured response_format are refused.
         fleet: shares prompt blocks with other engines through a block store; None = local prefix caching only.
+        overlap: run each forward on a device thread while this thread makes the previous step's outputs
+            (``[engine.execution] overlap``); False = the synchronous loop, the reference.
+        schedule_ahead: with ``overlap``, also plan each step while the one before still runs
+            (``Scheduler.schedule_ahead``); False keeps scheduling between forwards (tests compare the two).
     """
 
     def __init__(self, scheduler: Scheduler, runner: StepRunner, processor: OutputProcessor, tokenizer: Any,
                  limits: ModelLimits, clock: Clock, grammars: Grammars | None = None,
-                 fleet: FleetCache | None = None, overlap: bool = False) -> None:
+                 fleet: FleetCache | None = None, overlap: bool = False, schedule_ahead: bool = True) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.processor = processor
@@ -77,6 +89,11 @@ class Engine:
         # previous step's outputs; the requests that progressed in the last forward wait here for theirs.
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-device") if overlap else None
         self._unreported: list[Request] = []
+        # ... and the next step is planned while the forward runs (Scheduler.schedule_ahead): the step on the
+        # device, the token each of its requests sampled last (device thread only), and whether to plan ahead
+        self._inflight: _InFlight | None = None
+        self._last_token_ids: dict[str, int] = {}
+        self._schedules_ahead = schedule_ahead
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None,
@@ -159,7 +176,7 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, length_group: str | None = None,
-                    is_handed_off: bool = False) -> None:
+                    is_handed_off: bool = False, streams: bool = True) -> None:
         """Queue a request. Per-request problems never raise: they finish the request with an
         ``error`` output on the next :meth:`step`.
 
@@ -174,6 +191,10 @@ class Engine:
                 (engine/core/length_predictor.py). None: predicted from its prompt and kind only.
             is_handed_off: a prefill worker published its prompt blocks to the fleet's store: the fleet cache
                 fetches them whatever they cost, and counts the blocks it had to compute instead.
+            streams: whether the caller reads its progress. False: :meth:`step` hands out only its first output
+                (that it started) and its final one, and its text is decoded once, when it finishes (each step
+                only where stop strings need the text): a caller that waits for whole results pays for nothing
+                else.
 
         Raises:
             ValueError: ``request_id`` is already live.
@@ -190,7 +211,7 @@ class Engine:
             self.processor.reject(request_id, exc.code, str(exc), arrival, num_prompt_tokens=exc.num_prompt_tokens)
             return
         request = Request(request_id, list(prompt_token_ids), params, arrival_time_s=arrival, priority=priority,
-                          length_group=length_group, is_handed_off=is_handed_off)
+                          length_group=length_group, is_handed_off=is_handed_off, streams=streams)
         self.scheduler.add_request(request)
         if self.fleet is not None:
             self.fleet.look_up(request)
@@ -242,7 +263,7 @@ class Engine:
     def has_unfinished(self) -> bool:
         """Whether a step would run something or hand out an output not seen yet."""
         return (self.scheduler.has_unfinished() or self.scheduler.has_finished() or self.processor.has_rejected()
-                or bool(self._unreported))
+                or bool(self._unreported) or self._inflight is not None)
 
     @property
     def overlaps(self) -> bool:
@@ -258,36 +279,75 @@ class Engine:
         """
         if self.fleet is not None:
             self._poll_fleet(self.fleet)
-        scheduler_output = self.scheduler.schedule()
         if self._device is None:
+            scheduler_output = self.scheduler.schedule()
             started_s = time.perf_counter()
             model_output = self._execute(scheduler_output)
             return self._outputs(self._apply(scheduler_output, model_output, time.perf_counter() - started_s))
-        started = threading.Event()
-        forward = self._device.submit(self._forward, scheduler_output, started)
-        # NOTE: wait until the device thread holds the GIL and starts the forward: left to Python's switch interval
-        # (5 ms), it would wait for this thread to block, and nothing would overlap.
-        started.wait()
-        # NOTE: while the forward runs: a request a stop string ends here may be in it; update() skips its chunk, so
-        # it emits nothing past the stop (its blocks are reused only by the next schedule(), after the forward).
+        return self._overlapped_step()
+
+    def _overlapped_step(self) -> list[RequestOutput]:
+        """:meth:`step` with the device thread: while a step's forward runs, the next step is planned ahead and
+        dispatched behind it (``Scheduler.schedule_ahead``; where it cannot be, the next call lands the step and
+        schedules as usual), and the outputs of the step landed last are made.
+
+        NOTE: on this thread between the forward's dispatch and its landing: a request a stop string ends (or an
+        abort) may be in the steps in flight; update() skips their chunks, so it emits nothing past the stop, and
+        its blocks, freed now, are handed out only by a later schedule, whose step runs after these on the device.
+        """
+        device = self._device
+        assert device is not None
+        inflight = self._inflight
+        if inflight is None:
+            plan = self.scheduler.schedule()
+            started = threading.Event()
+            inflight = _InFlight(plan, device.submit(self._forward, plan, started))
+            # NOTE: wait until the device thread holds the GIL and starts the forward: left to Python's switch
+            # interval (5 ms), it would wait for this thread to block, and nothing would overlap.
+            started.wait()
+        ahead_plan = self.scheduler.schedule_ahead(inflight.plan) if self._schedules_ahead else None
+        ahead = None
+        if ahead_plan is not None:
+            ahead = _InFlight(ahead_plan, device.submit(self._forward, ahead_plan, None))
         outputs = self._outputs(self._unreported)
         self._unreported = []
-        result, step_s = forward.result()
+        result, step_s = inflight.future.result()
         if isinstance(result, DeviceLost):
             raise result
-        model_output = self._isolate(scheduler_output.chunks, result) if isinstance(result, Exception) else result
-        self._unreported = self._apply(scheduler_output, model_output, step_s)
+        if isinstance(result, Exception):
+            if ahead is not None:
+                # NOTE: the step ahead ran on this step's tokens, which failed: its results are dropped (its requests
+                # compute those positions again next step) before this one is re-run in parts here.
+                ahead.future.result()
+                ahead = None
+            model_output = self._isolate(inflight.plan.chunks, result)
+        else:
+            model_output = result
+        self._unreported = self._apply(inflight.plan, model_output, step_s)
+        self._inflight = ahead
         return outputs
 
-    def _forward(self, plan: SchedulerOutput, started: threading.Event) -> tuple[ModelOutput | Exception, float]:
+    def _forward(self, plan: SchedulerOutput,
+                 started: threading.Event | None) -> tuple[ModelOutput | Exception, float]:
         """Device thread: run the step's block copies and forward; a failure is returned, for the engine thread to
-        trace to its requests (the scheduler is only ever touched there)."""
-        started.set()
+        trace to its requests (the scheduler is only ever touched there).
+
+        A chunk planned ahead gets its input here: the token the step before (this thread's last forward) sampled
+        for its request."""
+        if started is not None:
+            started.set()
+        last_token_ids = self._last_token_ids
+        for chunk in plan.chunks:
+            if chunk.takes_last_token:
+                # NOTE: none when the step before failed: the engine drops this step's results then
+                chunk.token_ids[0] = last_token_ids.get(chunk.request_id, 0)
         started_s = time.perf_counter()
         try:
-            output: ModelOutput | Exception = self.runner.execute(self._copies_first(plan))
+            output = self.runner.execute(self._copies_first(plan))
         except Exception as exc:  # noqa: BLE001 - handed to the engine thread: DeviceLost re-raised, others isolated
-            output = exc
+            self._last_token_ids = {}
+            return exc, time.perf_counter() - started_s
+        self._last_token_ids = {rid: tokens[-1] for rid, tokens in output.sampled_token_ids.items() if tokens}
         return output, time.perf_counter() - started_s
 
     def _apply(self, scheduler_output: SchedulerOutput, model_output: ModelOutput, step_s: float) -> list[Request]:

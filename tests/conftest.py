@@ -28,6 +28,22 @@ from tokenmill.producer.embedded import server_binary
 # NOTE: before any test module imports triton (transformers does, through torch._dynamo): see there.
 enable_interpreter_without_cuda()
 
+
+def _force_overlap(mode: str) -> None:
+    """``TOKENMILL_TEST_OVERLAP=on`` (or ``off``): every engine the tests build without naming the loop runs it
+    (the overlapped loop with async scheduling, or the synchronous reference), worker processes they start too;
+    the suite is then run once more under the loop that is not the default."""
+    from tokenmill.engine.config import EngineConfig, ExecutionConfig
+
+    ExecutionConfig.model_fields["overlap"].default = mode
+    ExecutionConfig.model_rebuild(force=True)
+    EngineConfig.model_rebuild(force=True)
+    os.environ.setdefault("TOKENMILL_ENGINE__EXECUTION__OVERLAP", mode)
+
+
+if os.environ.get("TOKENMILL_TEST_OVERLAP"):
+    _force_overlap(os.environ["TOKENMILL_TEST_OVERLAP"])
+
 log = logging.getLogger("tests")
 
 

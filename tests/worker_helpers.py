@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from tests.processes import scaled_s
-from tokenmill.protocol.heartbeat import Heartbeat, encode_heartbeat
+from tokenmill.protocol.heartbeat import Heartbeat, decode_heartbeat, encode_heartbeat
 from tokenmill.protocol.keys import Keys
 from tokenmill.protocol.outcomes import ErrorCode
 from tokenmill.protocol.schema import GenerationRequest, GenerationResult, decode_result, encode_request, encode_result
@@ -154,6 +154,17 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, poll_s: float = 
     while not condition():
         assert time.monotonic() < deadline, f"not reached within {timeout_s} s"
         time.sleep(poll_s)
+
+
+def wait_serving(client: redis.Redis, keys: Keys, name: str, process: subprocess.Popen[bytes],
+                 timeout_s: float = 30.0) -> None:
+    """Wait until the worker process beats under ``name`` (its model loaded, its signal handlers installed): a
+    SIGTERM before then ends a process still starting, by the signal's default (exit -15), not a worker's stop."""
+    def beats() -> bool:
+        raw = client.hget(keys.workers, name)
+        beat = decode_heartbeat(name, raw) if raw is not None else None
+        return process.poll() is not None or (beat is not None and beat.pid == process.pid)
+    wait_until(beats, timeout_s)
 
 
 def start_worker_process(redis_url: str, prefix: str, name: str, *args: str, model: str = "echo",

@@ -1,7 +1,8 @@
 """The engine thread: admits requests, steps the engine, turns outputs into results.
 
 Owns the engine object and the table of live requests. Never touches Redis (the reader and
-writer threads do all I/O through queues), so Redis latency never stalls a step.
+writer threads do all I/O through queues), so Redis latency never stalls a step. What one iteration
+sends the writer goes in one put: each put wakes the writer, which then takes the GIL from this thread.
 """
 
 from __future__ import annotations
@@ -19,7 +20,19 @@ from tokenmill.protocol.outcomes import ErrorCode, FinishReason
 from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.protocol.schema import GenerationResult
 from tokenmill.worker.convert import build_result
-from tokenmill.worker.messages import Abort, Admit, Entry, Finish, Handoff, Incoming, Outgoing, Prepared, TokenDelta
+from tokenmill.worker.messages import (
+    Abort,
+    Admit,
+    AdmitBatch,
+    Entry,
+    Finish,
+    Handoff,
+    Incoming,
+    Outbound,
+    Outgoing,
+    Prepared,
+    TokenDelta,
+)
 from tokenmill.worker.metrics import WorkerMetrics
 from tokenmill.worker.preparation import Preparation
 from tokenmill.worker.state import Load
@@ -27,7 +40,9 @@ from tokenmill.worker.state import Load
 log = logging.getLogger("tokenmill.worker")
 
 HANDOVER = "handover"  # abort status of work given back to the queue on shutdown: no result
-STATS_EVERY_S = 0.05  # the engine's whole stats (metrics, heartbeat fields) are taken this often while it runs
+# NOTE: the engine's whole stats (metrics, heartbeat fields) are taken this often while it runs: they cost about a
+# millisecond with a few hundred requests live, and the heartbeat (every 2 s) and a scrape read them.
+STATS_EVERY_S = 0.25
 # NOTE: what a prefill worker runs: the prompt and one greedy token, so every full prompt block is computed and
 # published; the decode worker computes the last prompt token again and samples with the request's own parameters.
 PREFILL_PARAMS = SamplingParams(max_tokens=1)
@@ -55,7 +70,7 @@ class EngineLoop:
         role: ``[worker] role``: ``prefill`` runs each request's prompt only and hands it to the decode pool.
     """
 
-    def __init__(self, engine: Engine, inbox: queue.Queue[Incoming], outbox: queue.Queue[Outgoing],
+    def __init__(self, engine: Engine, inbox: queue.Queue[Incoming], outbox: queue.Queue[Outbound],
                  load: Load, worker_name: str, metrics: WorkerMetrics | None = None, role: str = "both") -> None:
         self._metrics = metrics
         self._engine = engine
@@ -64,6 +79,13 @@ class EngineLoop:
         self._load = load
         self._worker_name = worker_name
         self._live: dict[str, _Live] = {}
+        # NOTE: kept beside _live, so that a step costs nothing per live request: the ids the reader polls for
+        # cancellation (live, not aborted; published as a frozenset when changed), and the deadlines of requests
+        # that may still expire (pruned once started, finished or aborted).
+        self._live_ids: set[str] = set()
+        self._published_ids: frozenset[str] = frozenset()
+        self._deadlines: dict[str, float] = {}
+        self._sending: list[Outgoing] = []  # for the writer, put in the outbox at the end of the iteration
         self._role = role
         # Prefilled requests waiting for their blocks' publish to finish before they are handed off.
         self._handoffs: list[tuple[Future[None], _Live]] = []
@@ -82,13 +104,19 @@ class EngineLoop:
         Args:
             idle_wait_s: how long to wait for a command when the engine has nothing to do.
         """
-        self._take_commands(wait_s=0.0 if self._engine.has_unfinished() else idle_wait_s)
-        self._expire_waiting(time.time())
-        if self._engine.has_unfinished():
-            for output in self._engine.step():
-                self._handle_output(output)
-        if self._handoffs:
-            self._hand_off_published()
+        try:
+            self._take_commands(wait_s=0.0 if self._engine.has_unfinished() else idle_wait_s)
+            if self._deadlines:
+                self._expire_waiting(time.time())
+            if self._engine.has_unfinished():
+                for output in self._engine.step():
+                    self._handle_output(output)
+            if self._handoffs:
+                self._hand_off_published()
+        finally:
+            if self._sending:
+                self._outbox.put(self._sending)
+                self._sending = []
         # NOTE: the whole stats (counters copied, every live request's predicted length) cost more than a short
         # step: taken every STATS_EVERY_S and whenever the engine goes idle, for metrics and the heartbeat; the
         # queues the reader's backpressure needs are published after every step.
@@ -100,16 +128,16 @@ class EngineLoop:
             stats = self._engine.stats()
             if self._metrics is not None:
                 self._metrics.observe_engine(stats)
-        live_ids = frozenset(rid for rid, live in self._live.items() if live.abort_status is None)
-        self._load.publish(scheduler.num_waiting, scheduler.num_running, live_ids, stats)
+        if self._published_ids != self._live_ids:
+            self._published_ids = frozenset(self._live_ids)
+        self._load.publish(scheduler.num_waiting, scheduler.num_running, self._published_ids, stats)
 
     def hand_back_waiting(self) -> None:
         """Stop admitting and abort every request that has not started, leaving its entry pending."""
         self.is_admitting = False
         for request_id, live in self._live.items():
             if not live.is_started and live.abort_status is None:
-                live.abort_status = HANDOVER
-                self._engine.abort(request_id)
+                self._stop(request_id, live, HANDOVER)
 
     def close(self) -> None:
         """Stop preparing (requests still being tokenized stay pending in Redis)."""
@@ -129,18 +157,24 @@ class EngineLoop:
             wait_s = 0.0
             if isinstance(command, Abort):
                 self._abort(command)
-            elif isinstance(command, Admit):
-                self._preparation.submit(command)
+            elif isinstance(command, AdmitBatch):
+                self._preparation.submit(command.admits)
             else:
-                self._load.add_queued(-1)
+                self._load.add_queued(-len(command.prepared))
                 if self.is_admitting:  # NOTE: while draining, a dropped admit stays pending in Redis
-                    self._admit(command)
+                    for prepared in command.prepared:
+                        self._admit(prepared)
 
     def _abort(self, command: Abort) -> None:
         live = self._live.get(command.request_id)
         if live is not None and live.abort_status is None:
-            live.abort_status = command.status
-            self._engine.abort(command.request_id)
+            self._stop(command.request_id, live, command.status)
+
+    def _stop(self, request_id: str, live: _Live, status: str) -> None:
+        """Abort a live request in the engine; its result gets ``status`` (none for a hand-over)."""
+        live.abort_status = status
+        self._live_ids.discard(request_id)
+        self._engine.abort(request_id)
 
     def _admit(self, prepared: Prepared) -> None:
         admit = prepared.admit
@@ -157,26 +191,33 @@ class EngineLoop:
             # the next ones' lengths best, and the heartbeat reports its predicted backlog under that name.
             self._engine.add_request(request.id, prepared.prompt_token_ids,
                                      PREFILL_PARAMS if is_prefill else request.params, priority=admit.entry.lane,
-                                     length_group=request.reply_to, is_handed_off=admit.is_handed_off)
+                                     length_group=request.reply_to, is_handed_off=admit.is_handed_off,
+                                     streams=request.stream_tokens)
         except Exception as exc:  # one request's failure must not stop the engine thread
             log.exception("admission failed", extra={"event": "error", "request_id": request.id})
             self._finish_early(admit, ErrorCode.INTERNAL, f"admission failed: {type(exc).__name__}: {exc}")
             return
         self._live[request.id] = _Live(admit, is_prefill=is_prefill)
+        self._live_ids.add(request.id)
+        if request.deadline is not None:
+            self._deadlines[request.id] = request.deadline
         log.info("claimed", extra={"event": "claimed", "request_id": request.id, "lane": admit.entry.lane,
                                    "prefill_only": is_prefill, "handed_off": admit.is_handed_off})
 
     def _finish_early(self, admit: Admit, code: ErrorCode | str, message: str) -> None:
         result = GenerationResult.failure(admit.request.id, code, message, worker=self._worker_name,
                                           metadata=admit.request.metadata)
-        self._outbox.put(Finish(result, admit.entry, admit.request.reply_to, admit.request.stream_tokens))
+        self._sending.append(Finish(result, admit.entry, admit.request.reply_to, admit.request.stream_tokens))
 
     def _expire_waiting(self, now_s: float) -> None:
-        for request_id, live in self._live.items():
-            deadline = live.admit.request.deadline
-            if deadline is not None and deadline <= now_s and not live.is_started and live.abort_status is None:
-                live.abort_status = "expired"
-                self._engine.abort(request_id)
+        """Abort (``expired``) the requests whose deadline passed before they started."""
+        for request_id, deadline in list(self._deadlines.items()):
+            live = self._live.get(request_id)
+            if live is None or live.is_started or live.abort_status is not None:
+                del self._deadlines[request_id]
+            elif deadline <= now_s:
+                del self._deadlines[request_id]
+                self._stop(request_id, live, "expired")
 
     def _handle_output(self, output: RequestOutput) -> None:
         live = self._live.get(output.request_id)
@@ -185,10 +226,11 @@ class EngineLoop:
         live.is_started = live.is_started or bool(output.token_ids)
         request = live.admit.request
         if request.stream_tokens and output.text_delta and live.abort_status != HANDOVER and not live.is_prefill:
-            self._outbox.put(TokenDelta(request.id, output.text_delta))
+            self._sending.append(TokenDelta(request.id, output.text_delta))
         if not output.finished:
             return
         del self._live[output.request_id]
+        self._live_ids.discard(output.request_id)
         if live.abort_status == HANDOVER:
             return
         if live.is_prefill and live.abort_status is None and output.finish_reason in (FinishReason.LENGTH,
@@ -205,7 +247,7 @@ class EngineLoop:
                                               worker=self._worker_name)
         self._load.count_finished(len(output.token_ids))
         for entry in [live.admit.entry, *live.extra_entries]:
-            self._outbox.put(Finish(result, entry, request.reply_to, request.stream_tokens))
+            self._sending.append(Finish(result, entry, request.reply_to, request.stream_tokens))
 
 
     def _hand_off_published(self) -> None:
@@ -216,7 +258,7 @@ class EngineLoop:
                 waiting.append((published, live))
                 continue
             for entry in [live.admit.entry, *live.extra_entries]:
-                self._outbox.put(Handoff(entry, live.admit.request.id))
+                self._sending.append(Handoff(entry, live.admit.request.id))
         self._handoffs = waiting
 
 

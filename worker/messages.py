@@ -41,6 +41,20 @@ class Prepared:
 
 
 @dataclass
+class AdmitBatch:
+    """Reader -> engine thread: the admits of one read, in one hand-off (a queue put wakes the other thread)."""
+
+    admits: list[Admit]
+
+
+@dataclass
+class PreparedBatch:
+    """Tokenizer thread -> engine thread: the admits one preparation job prepared, in one hand-off."""
+
+    prepared: list[Prepared]
+
+
+@dataclass
 class Abort:
     """Reader -> engine thread: stop a request; its result gets ``status``."""
 
@@ -89,4 +103,5 @@ class DeadLetter:
 
 
 Outgoing = TokenDelta | Finish | DeadLetter | Handoff
-Incoming = Admit | Prepared | Abort
+Outbound = Outgoing | list[Outgoing]  # what the outbox holds: an item, or the items of one engine step in one put
+Incoming = AdmitBatch | PreparedBatch | Abort

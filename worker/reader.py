@@ -38,7 +38,7 @@ from tokenmill.worker.config import WorkerConfig
 from tokenmill.worker.health import RedisHealth
 from tokenmill.worker.heartbeat import as_text, read_workers
 from tokenmill.worker.intake import IntakePolicy, answer, triage
-from tokenmill.worker.messages import Abort, Admit, DeadLetter, Entry, Finish, Incoming, Outgoing
+from tokenmill.worker.messages import Abort, Admit, AdmitBatch, DeadLetter, Entry, Finish, Incoming, Outbound
 from tokenmill.worker.pending import OwnDelivery, Pending, list_pending
 from tokenmill.worker.poison import AloneMark, find_culprit
 from tokenmill.worker.reclaim import Reclaimer
@@ -86,7 +86,7 @@ class Reader:
     """
 
     def __init__(self, client: redis.Redis, keys: Keys | QueueLayout, config: WorkerConfig, load: Load,
-                 inbox: queue.Queue[Incoming], outbox: queue.Queue[Outgoing], model_names: frozenset[str],
+                 inbox: queue.Queue[Incoming], outbox: queue.Queue[Outbound], model_names: frozenset[str],
                  health: RedisHealth, lanes: list[Lane] | None = None, readers_per_shard: int = 0) -> None:
         self._layout = keys if isinstance(keys, QueueLayout) else QueueLayout.single(keys)
         self._client, self._keys, self._config, self._load = client, self._layout.home, config, load
@@ -436,16 +436,19 @@ class Reader:
             self._load.release([(e.stream, e.entry_id) for e in entries])
             self._needs_pending_check = True
             raise
+        running = []
         for item in decided:
             if isinstance(item, Admit) and item.request.id in cancelled:
                 self._outbox.put(answer(item.request, item.entry, AbortReason.CANCELLED, "cancelled before it ran",
                                         self._config.name, status=AbortReason.CANCELLED))
             elif isinstance(item, Admit):
-                self._load.add_queued(1)
-                self._inbox.put(item)
+                running.append(item)
             else:
                 self._log_refusal(item)
                 self._outbox.put(item)
+        if running:  # NOTE: one hand-off for the read: each put may wake the engine thread
+            self._load.add_queued(len(running))
+            self._inbox.put(AdmitBatch(running))
 
     def _moved_misplaced(self, entries: list[Entry]) -> list[Entry]:
         """``entries`` without those on a shard their id does not live on (written to a lane by hand, or by a

@@ -9,7 +9,7 @@ Owns the worker's Redis writes of answers. Imports redis and protocol (schema, k
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import redis
 from redis.commands.core import Script
@@ -20,57 +20,78 @@ from tokenmill.protocol.schema import SCHEMA_VERSION, GenerationResult, encode_r
 from tokenmill.protocol.shards import QueueLayout
 from tokenmill.worker.messages import DeadLetter, Finish, Handoff
 
-# NOTE: one script, so "stored + notified + replied + acked" is a single atomic step. The
-# result is stored only if absent (SET NX); only the call that stored it notifies (done list,
-# reply stream, token-stream end marker). The entry is acked either way, so a re-run of an
-# already answered request (reclaimed from a worker that also finished it) changes nothing.
-# The answered entry is then deleted (what XACKDEL does on Redis 8.2), so lane streams hold only
-# unanswered work and never grow without bound under `maxmemory-policy noeviction`.
+# NOTE: one script call answers a batch of entries, and each answer in it is one step: "stored + notified +
+# replied + acked". The result is stored only if absent (SET NX); only the step that stored it notifies (done list,
+# reply stream, token-stream end marker). The entry is acked either way, so a re-run of an already answered request
+# (reclaimed from a worker that also finished it) changes nothing. The answered entry is then deleted (what XACKDEL
+# does on Redis 8.2), so lane streams hold only unanswered work and never grow without bound under
+# `maxmemory-policy noeviction`.
 #
-# The script never fails half-way: every write after the first checks the key's type first
-# (a client may have created, say, a string where a reply stream is expected: that write is
-# skipped, never an error), and the ack uses pcall (a lane whose group was deleted). Under
-# `maxmemory` Redis refuses only a script's *first* write, so an OOM refusal leaves nothing
-# behind and the whole step is retried. With ack 0 the entry stays pending (a reply stream on another
-# cluster slot is written first: :data:`REPLY_ONCE_LUA`).
-#   KEYS: 1 result, 2 done list, 3 lane stream, 4 reply stream, 5 token stream, 6 dead stream
-#   ARGV: 1 group, 2 entry id, 3 result bytes, 4 result ttl ms, 5 done ttl ms, 6 schema version,
-#         7 status, 8 has reply (0/1), 9 has tokens (0/1), 10 token ttl ms,
-#         11 dead-letter reason ('' = none), 12 ack (0/1), 13.. original entry fields as name, value pairs
+# A step never fails half-way: every write after the first checks the key's type first (a client may have created,
+# say, a string where a reply stream is expected: that write is skipped, never an error), and the ack uses pcall (a
+# lane whose group was deleted). Each step runs in a pcall of its own, so one refused step is an error reply for
+# that entry alone and the batch goes on. Under `maxmemory` Redis refuses only a script's *first* write: a refused
+# batch has written nothing (every step's first write is refused in turn) and is retried whole, and one whose first
+# write passed completes. With ack 0 the entry stays pending (a reply stream on another cluster slot is written
+# first: :data:`REPLY_ONCE_LUA`).
+#
+# NOTE: one call per batch rather than per entry (a pipeline of single-answer calls): the client packs and parses
+# one command instead of FINISH_BATCH, and the server looks the script up once (ops/bench/README.md, queue_bench).
+#   KEYS: per answer, 6: result, done list, lane stream, reply stream, token stream, dead stream
+#   ARGV: 1 group, 2 result ttl ms, 3 done ttl ms, 4 schema version, 5 token ttl ms, then per answer: the number n of
+#         its arguments, then n: entry id, result bytes, status, has reply (0/1), has tokens (0/1), dead-letter reason
+#         ('' = none), ack (0/1), the original entry fields as name, value pairs
+#   Returns: per answer, 1 (stored by this step), 0 (answered before) or the error that refused it
 FINISH_LUA = """
 local function holds(key, kind)
   local t = redis.call('TYPE', key)['ok']
   return t == 'none' or t == kind
 end
-local stored = false
-if ARGV[3] ~= '' then
-  stored = redis.call('SET', KEYS[1], ARGV[3], 'NX', 'PX', ARGV[4])
-end
-if ARGV[11] ~= '' and holds(KEYS[6], 'stream') then
-  local fields = {'reason', ARGV[11], 'stream', KEYS[3], 'entry_id', ARGV[2]}
-  for i = 13, #ARGV do fields[#fields + 1] = ARGV[i] end
-  redis.call('XADD', KEYS[6], '*', unpack(fields))
-end
-if stored then
-  if holds(KEYS[2], 'list') then
-    redis.call('LPUSH', KEYS[2], ARGV[7])
-    redis.call('PEXPIRE', KEYS[2], ARGV[5])
+local function finish(k, a, n)
+  local stored = false
+  if ARGV[a + 2] ~= '' then
+    stored = redis.call('SET', KEYS[k + 1], ARGV[a + 2], 'NX', 'PX', ARGV[2])
   end
-  if ARGV[8] == '1' and holds(KEYS[4], 'stream') then
-    redis.call('XADD', KEYS[4], '*', 'd', ARGV[3], 'v', ARGV[6])
+  if ARGV[a + 6] ~= '' and holds(KEYS[k + 6], 'stream') then
+    local fields = {'reason', ARGV[a + 6], 'stream', KEYS[k + 3], 'entry_id', ARGV[a + 1]}
+    for i = a + 8, a + n do fields[#fields + 1] = ARGV[i] end
+    redis.call('XADD', KEYS[k + 6], '*', unpack(fields))
   end
-  if ARGV[9] == '1' and holds(KEYS[5], 'stream') then
-    redis.call('XADD', KEYS[5], '*', 'end', '1', 'status', ARGV[7])
-    redis.call('PEXPIRE', KEYS[5], ARGV[10])
+  if stored then
+    if holds(KEYS[k + 2], 'list') then
+      redis.call('LPUSH', KEYS[k + 2], ARGV[a + 3])
+      redis.call('PEXPIRE', KEYS[k + 2], ARGV[3])
+    end
+    if ARGV[a + 4] == '1' and holds(KEYS[k + 4], 'stream') then
+      redis.call('XADD', KEYS[k + 4], '*', 'd', ARGV[a + 2], 'v', ARGV[4])
+    end
+    if ARGV[a + 5] == '1' and holds(KEYS[k + 5], 'stream') then
+      redis.call('XADD', KEYS[k + 5], '*', 'end', '1', 'status', ARGV[a + 3])
+      redis.call('PEXPIRE', KEYS[k + 5], ARGV[5])
+    end
   end
+  if ARGV[a + 7] == '1' then
+    redis.pcall('XACK', KEYS[k + 3], ARGV[1], ARGV[a + 1])
+    redis.pcall('XDEL', KEYS[k + 3], ARGV[a + 1])
+  end
+  if stored then return 1 end
+  return 0
 end
-if ARGV[12] == '1' then
-  redis.pcall('XACK', KEYS[3], ARGV[1], ARGV[2])
-  redis.pcall('XDEL', KEYS[3], ARGV[2])
+local replies = {}
+local a = 5
+for item = 1, #KEYS / 6 do
+  local n = tonumber(ARGV[a + 1])
+  local ok, reply = pcall(finish, 6 * (item - 1), a + 1, n)
+  if ok then
+    replies[item] = reply
+  else
+    replies[item] = redis.error_reply(type(reply) == 'table' and reply.err or tostring(reply))
+  end
+  a = a + 1 + n
 end
-if stored then return 1 end
-return 0
+return replies
 """
+FINISH_BATCH = 64  # answers per finish call: bounds how long one call holds the server (about 10 commands each)
 
 # NOTE: the reply of a finish whose reply stream is on another cluster slot than its shard: a marker set NX
 # (as long as the result lives) guards the XADD, so the reply goes out once however often the finish runs
@@ -186,15 +207,19 @@ class ResultWriter:
         self._reply_script: Script = client.register_script(REPLY_ONCE_LUA)
         # Ids whose result a flush stored though a later step of theirs failed (retried whole: still "stored").
         self._stored_before: set[str] = set()
-        # NOTE: redis-py's cluster pipeline loads no script: they are loaded on every primary before the first flush
-        self._needs_scripts = self._layout.is_cluster
+        # NOTE: the calls are EVALSHA, loaded before the first flush and again after a NOSCRIPT (a restarted server, a
+        # promoted replica): redis-py's own script handling in a pipeline asks SCRIPT EXISTS on every execute, one
+        # more round trip per flush.
+        self._needs_scripts = True
 
     def flush(self, items: list[Writable]) -> list[FlushOutcome]:
-        """Write ``items`` in order, in one round trip (three on a cluster for finishes whose reply stream is on
-        another slot: store and notify without the ack; the reply, once (:data:`REPLY_ONCE_LUA`); the ack).
+        """Write ``items`` in one round trip (three on a cluster for finishes whose reply stream is on another slot:
+        store and notify without the ack; the reply, once (:data:`REPLY_ONCE_LUA`); the ack): the token deltas in
+        order, then the hand-offs, then the answers, :data:`FINISH_BATCH` to a script call (on a cluster, those of
+        one shard together).
 
         Returns:
-            One outcome per finish / dead-letter item, in order. Token deltas that Redis refuses
+            One outcome per finish / dead-letter / hand-off item, in order. Token deltas that Redis refuses
             are dropped (a stream is best effort; the result carries the whole text).
 
         Raises:
@@ -204,35 +229,63 @@ class ResultWriter:
         if self._needs_scripts:
             self._load_scripts()
         pipe = self._client.pipeline(transaction=False)
-        finishes: list[tuple[int, Finish | DeadLetter | Handoff]] = []
+        answers: list[Finish | DeadLetter | Handoff] = []
+        payloads: list[bytes | None] = []
         for item in items:
-            if isinstance(item, PositionedDelta):
+            if isinstance(item, PositionedDelta):  # NOTE: first: a token stream's end marker is the finish's
                 self._add_token_delta(pipe, item)
             elif isinstance(item, Handoff):
-                finishes.append((len(pipe), item))
-                self._handoff_script(**vars(self.handoff_call(item)), client=pipe)
+                answers.append(item)
+                payloads.append(None)
             else:
                 item, payload = encodable(item)
-                finishes.append((len(pipe), item))
-                call = self.finish_call(item, payload)
-                self._script(**vars(call), client=pipe)
-                if self._defers_ack(item):
-                    pipe.get(call.keys[0])  # NOTE: the stored result (this run's or an earlier one's), for the reply
+                answers.append(item)
+                payloads.append(payload)
+        # Where each answer's reply is: its pipeline position, and its index in a batch's reply (None: a call alone).
+        where: list[tuple[int, int | None]] = [(0, None)] * len(answers)
+        batches: dict[int | None, list[int]] = {}  # the shard (a cluster slot) -> its answers, as indexes
+        for index, answer in enumerate(answers):
+            if isinstance(answer, Handoff):
+                where[index] = (len(pipe), None)
+                self._call(pipe, self._handoff_script, self.handoff_call(answer))
+            else:
+                shard = self._layout.shard_of_stream(answer.entry.stream) if self._layout.is_cluster else None
+                batches.setdefault(shard, []).append(index)
+        for indexes in batches.values():
+            for start in range(0, len(indexes), FINISH_BATCH):
+                chunk = indexes[start:start + FINISH_BATCH]
+                calls = []
+                for offset, index in enumerate(chunk):
+                    answer = answers[index]
+                    assert not isinstance(answer, Handoff)
+                    where[index] = (len(pipe), offset)
+                    calls.append(self.finish_call(answer, payloads[index]))
+                self._call(pipe, self._script, self.finish_batch_call(calls))
+        stored_at = {}  # NOTE: the stored result (this run's or an earlier one's) of a deferred ack, for the reply
+        for index, answer in enumerate(answers):
+            if self._defers_ack(answer):
+                stored_at[index] = len(pipe)
+                pipe.get(self._keys_of(answer.entry.stream).result(answer.result.id))
         replies = pipe.execute(raise_on_error=False)
         self._load_scripts_if_missing(replies)
-        outcomes = [self._outcome(item, replies[position]) for position, item in finishes]
-        deferred = [(i, replies[position + 1]) for i, (position, item) in enumerate(finishes)
-                    if self._defers_ack(item) and outcomes[i].error is None]
+        outcomes = [self._outcome(answer, _reply_at(replies, *where[index])) for index, answer in enumerate(answers)]
+        deferred = [(index, replies[position]) for index, position in stored_at.items()
+                    if outcomes[index].error is None]
         if deferred:
             self._reply_and_ack(outcomes, deferred)
         return outcomes
+
+    @staticmethod
+    def _call(pipe: Any, script: Script, call: ScriptCall) -> None:
+        """Queue ``call`` of ``script`` in ``pipe`` by its SHA1 (loaded by :meth:`_load_scripts`)."""
+        pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
 
     def _outcome(self, item: Finish | DeadLetter | Handoff, reply: Any) -> FlushOutcome:
         if isinstance(reply, redis.RedisError):
             return FlushOutcome(item, error=reply)
         return FlushOutcome(item, is_stored=bool(int(reply)))
 
-    def _defers_ack(self, item: Finish | DeadLetter | Handoff) -> bool:
+    def _defers_ack(self, item: Finish | DeadLetter | Handoff) -> TypeGuard[Finish]:
         return self._is_reply_apart and isinstance(item, Finish) and item.reply_to is not None
 
     def _reply_and_ack(self, outcomes: list[FlushOutcome], deferred: list[tuple[int, Any]]) -> None:
@@ -249,7 +302,7 @@ class ResultWriter:
             if isinstance(stored, bytes):
                 item = outcomes[index].item
                 assert isinstance(item, Finish)
-                self._reply_script(**vars(self.reply_call(item, stored)), client=pipe)
+                self._call(pipe, self._reply_script, self.reply_call(item, stored))
                 sent.append(index)
         replies = pipe.execute(raise_on_error=False) if sent else []
         self._load_scripts_if_missing(replies)
@@ -277,8 +330,8 @@ class ResultWriter:
                 outcomes[index] = FlushOutcome(item, is_stored=was_stored)
 
     def _load_scripts_if_missing(self, replies: list[Any]) -> None:
-        """Load the scripts on every primary when a node answered NOSCRIPT (a replica a failover promoted:
-        redis-py's cluster pipeline loads none); the items it refused are retried by the caller."""
+        """Load the scripts (on every primary) when the server answered NOSCRIPT (restarted, flushed, or a replica a
+        failover promoted); the items it refused are retried by the caller."""
         if any(isinstance(reply, redis.exceptions.NoScriptError) for reply in replies):
             self._load_scripts()
 
@@ -314,8 +367,9 @@ class ResultWriter:
         return keys.decode_lane(lane).stream
 
     def finish_call(self, item: Finish | DeadLetter, payload: bytes | None) -> ScriptCall:
-        """The :data:`FINISH_LUA` call of an answer: every key its lane's shard's (on a cluster with several
-        shards, the reply stream is left out and the ack deferred: :meth:`flush`)."""
+        """One answer's keys and arguments in a :data:`FINISH_LUA` batch (:meth:`finish_batch_call`): every key its
+        lane's shard's (on a cluster with several shards, the reply stream is left out and the ack deferred:
+        :meth:`flush`)."""
         entry = item.entry
         result = item.result
         request_id = result.id if result is not None else "-"
@@ -327,13 +381,22 @@ class ResultWriter:
         shard = self._keys_of(entry.stream)
         keys = [shard.result(request_id), shard.done(request_id), entry.stream,
                 reply_to if has_reply and reply_to else entry.stream, shard.tokens(request_id), shard.dead]
-        args: list[Any] = [CONSUMER_GROUP, entry.entry_id, payload or b"",
-                           self._ttl_ms["result"], self._ttl_ms["done"], SCHEMA_VERSION,
-                           result.status if result else "", int(has_reply), int(has_tokens),
-                           self._ttl_ms["tokens"], reason, int(not defers_ack)]
+        args: list[Any] = [entry.entry_id, payload or b"", result.status if result else "", int(has_reply),
+                           int(has_tokens), reason, int(not defers_ack)]
         if reason:
             for name, value in entry.fields.items():
                 args.extend((name, value))
+        return ScriptCall(keys, args)
+
+    def finish_batch_call(self, calls: list[ScriptCall]) -> ScriptCall:
+        """The :data:`FINISH_LUA` call of the answers ``calls`` (:meth:`finish_call`'s, of one shard on a cluster)."""
+        keys: list[str] = []
+        args: list[Any] = [CONSUMER_GROUP, self._ttl_ms["result"], self._ttl_ms["done"], SCHEMA_VERSION,
+                           self._ttl_ms["tokens"]]
+        for call in calls:
+            keys += call.keys
+            args.append(len(call.args))
+            args += call.args
         return ScriptCall(keys, args)
 
     def reply_call(self, item: Finish, stored: bytes) -> ScriptCall:
@@ -341,3 +404,12 @@ class ResultWriter:
         assert item.reply_to is not None and item.result is not None
         marker = self._layout.home.replied(item.result.id)
         return ScriptCall([marker, item.reply_to], [stored, SCHEMA_VERSION, self._ttl_ms["result"]])
+
+
+def _reply_at(replies: list[Any], position: int, offset: int | None) -> Any:
+    """The reply of one answer: the call's at ``position`` in the pipeline, or its ``offset``-th entry when the call
+    was a batch (an error that refused the whole call is every answer's)."""
+    reply = replies[position]
+    if offset is None or isinstance(reply, redis.RedisError):
+        return reply
+    return reply[offset]

@@ -25,7 +25,7 @@ from tokenmill.worker.health import RedisHealth
 from tokenmill.worker.heartbeat import STOPPED
 from tokenmill.worker.logs import setup_logging
 from tokenmill.worker.loop import EngineLoop
-from tokenmill.worker.messages import Incoming, Outgoing
+from tokenmill.worker.messages import Incoming, Outbound
 from tokenmill.worker.metrics import WorkerMetrics
 from tokenmill.worker.reader import Reader, lanes_for_role
 from tokenmill.worker.state import Load
@@ -66,7 +66,20 @@ def run_worker(settings: Settings, *, burst: bool = False) -> int:
     """Set up logging, serve (see :class:`Worker`) and return the exit code; ``RedisUnavailable``
     when Redis cannot be reached, ``StartupError`` when the engine cannot be built."""
     setup_logging(settings.worker.log_level, settings.worker.log_json)
-    return Worker(settings, burst=burst).run()
+    # NOTE: a SIGTERM while the model loads (minutes for a large one) is a stop like any other: kept here until
+    # the worker installs its own handlers, then the worker stops as it would after starting (exit 0, not -15).
+    stop_signals: list[int] = []
+    is_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: stop_signals.append(signum)) if is_main else None
+    try:
+        worker = Worker(settings, burst=burst)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if stop_signals:
+        log.info("signal", extra={"event": "signal", "signal": "SIGTERM", "forced": False, "while": "starting"})
+        worker.stop()  # NOTE: run() then drains at once: it reads nothing new and shuts down as after any stop
+    return worker.run()
 
 
 class Worker:
@@ -90,7 +103,7 @@ class Worker:
         self._client = client if client is not None else connect(settings.redis)
         self._handle_signals, self._burst = handle_signals, burst
         inbox: queue.Queue[Incoming] = queue.Queue()
-        outbox: queue.Queue[Outgoing] = queue.Queue()
+        outbox: queue.Queue[Outbound] = queue.Queue()
         self._load = load = Load()
         # NOTE: the queue's shards (protocol/shards.py): hash-tagged names on a cluster or with several shards
         layout, config = settings.queue.layout(settings.redis.is_cluster), settings.worker

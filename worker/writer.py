@@ -24,7 +24,7 @@ from tokenmill.worker.backoff import Backoff
 from tokenmill.worker.config import WorkerConfig
 from tokenmill.worker.health import RedisHealth
 from tokenmill.worker.heartbeat import RUNNING, STOPPED, Heartbeat, forget_old, write_heartbeat
-from tokenmill.worker.messages import DeadLetter, Finish, Handoff, Outgoing, TokenDelta
+from tokenmill.worker.messages import DeadLetter, Finish, Handoff, Outbound, Outgoing, TokenDelta
 from tokenmill.worker.metrics import WorkerMetrics
 from tokenmill.worker.results import PositionedDelta, ResultWriter, Writable
 from tokenmill.worker.state import Load
@@ -54,7 +54,7 @@ class Writer:
     """
 
     def __init__(self, client: redis.Redis, queue_config: QueueConfig, config: WorkerConfig, load: Load,
-                 outbox: queue.Queue[Outgoing], model_name: str, served_model_name: str,
+                 outbox: queue.Queue[Outbound], model_name: str, served_model_name: str,
                  model_names: Collection[str], health: RedisHealth, metrics: WorkerMetrics | None = None,
                  layout: QueueLayout | None = None) -> None:
         self._health = health
@@ -150,22 +150,24 @@ class Writer:
         self.beat(STOPPED)
 
     def _take(self, timeout_s: float) -> list[Outgoing]:
+        """What the outbox holds, MAX_BATCH items or a few more (an engine step's come whole), waiting up to
+        ``timeout_s`` for the first."""
         try:
-            items = [self._outbox.get(timeout=timeout_s)]
+            items = _items(self._outbox.get(timeout=timeout_s))
         except queue.Empty:
             return []
         while len(items) < MAX_BATCH:
             try:
-                items.append(self._outbox.get_nowait())
+                items += _items(self._outbox.get_nowait())
             except queue.Empty:
                 break
         return items
 
     def _take_all(self) -> list[Outgoing]:
-        items = []
+        items: list[Outgoing] = []
         while True:
             try:
-                items.append(self._outbox.get_nowait())
+                items += _items(self._outbox.get_nowait())
             except queue.Empty:
                 return items
 
@@ -234,3 +236,8 @@ class Writer:
         for keys in self._layout.shards:
             self._client.zremrangebyscore(keys.cancel, "-inf", now_s - self._cancel_ttl_s)
         forget_old(self._client, self._keys)
+
+
+def _items(taken: Outbound) -> list[Outgoing]:
+    """The items of one outbox entry (an item, or an engine step's list)."""
+    return taken if isinstance(taken, list) else [taken]

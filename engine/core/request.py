@@ -118,7 +118,10 @@ class Request:
     admitted_length_estimate: LengthEstimate | None = field(default=None, repr=False)
     group: ParallelGroup | None = None  # the n > 1 request this one is a sample of
     sample_index: int = 0  # which sample of its group
-    # Output side: turns output_token_ids into text; set by the output processor on admission.
+    # Output side: whether the caller reads its progress (False: its first output, that it started, and its final
+    # one are made, and its text is decoded when it finishes, or each step only where stop strings need the text);
+    # what turns output_token_ids into text, set by the output processor on admission.
+    streams: bool = True
     detokenizer: TextDecoder | None = None
     num_detokenized_tokens: int = 0  # output tokens already appended to the detokenizer
     num_reported_tokens: int = 0  # output tokens already handed out in a RequestOutput

@@ -47,6 +47,12 @@ from tokenmill.protocol.outcomes import ErrorCode
 
 logger = logging.getLogger(__name__)
 
+# schedule_ahead: while requests wait or a speculator may draft, a full schedule() runs at least every this many steps
+# (priority aging, the long-output limit and the speculator act there; arrivals and resumptions get one at once)
+FULL_SCHEDULE_EVERY = 8
+# the input of a chunk planned ahead until the engine writes in the token the step before samples (never embedded)
+PLACEHOLDER_TOKEN_ID = -1
+
 
 class Scheduler:
     """Decides, once per engine step, which requests run how many tokens, and what to swap;
@@ -102,6 +108,9 @@ class Scheduler:
         # "reused" = those an admission finds in the prefix cache (a second request uses them: shared).
         self.collects_prompt_blocks: Literal["none", "computed", "reused"] = "none"
         self._new_prompt_blocks: list[tuple[Request, int, int]] = []
+        # schedule_ahead: whether a request arrived since the last full schedule(), and that schedule's step
+        self._needs_full_schedule = False
+        self._last_full_schedule = 0
 
     @property
     def num_waiting(self) -> int:
@@ -142,6 +151,7 @@ class Scheduler:
             self._add_samples(request, self._fork(request, is_running=False))
             return
         self._queues.add(request)
+        self._needs_full_schedule = True
         request.seq_no = self._next_seq_no
         self._next_seq_no += 1
         request.waiting_since_s = self.clock.now()
@@ -158,6 +168,8 @@ class Scheduler:
             and who was preempted.
         """
         plan = StepPlan.start(self.config, self.counters.num_steps, self.clock.now())
+        self._needs_full_schedule = False
+        self._last_full_schedule = self.counters.num_steps
         for parent in [r for r in self._queues.running if r.is_fork_pending]:
             if parent.num_computed_tokens == parent.num_schedulable_tokens:
                 self._add_samples(parent, self._fork(parent, is_running=True), plan.index)
@@ -198,6 +210,79 @@ class Scheduler:
             self._schedule_drafts(plan, self.speculator)
         self.counters.num_steps += 1
         return plan.build_output(self._queues.requests, self.block_manager)
+
+    def schedule_ahead(self, inflight: SchedulerOutput) -> SchedulerOutput | None:
+        """Plan the step after ``inflight`` while that step still runs on the device (async scheduling).
+
+        Every request of ``inflight`` decodes the token after the one ``inflight`` samples for it; that token is not
+        known yet, so the chunk carries a placeholder (``takes_last_token``) that the engine fills on its device
+        thread just before the forward. Only the steady state of a decoding batch is planned ahead; anything that
+        needs what ``inflight`` returns, or a decision of the full :meth:`schedule`, gives None, and the engine
+        lands ``inflight`` and schedules as usual:
+
+        - arrivals and resumptions (a request added since the last full schedule, a swapped one, free seats
+          while requests wait), demotions, and a full schedule every :data:`FULL_SCHEDULE_EVERY` steps while
+          requests wait (priority aging, the long-output limit);
+        - a running request ``inflight`` does not hold, one whose chunk there has drafts (a draft needs the tokens
+          before it: while the speculator drafts, steps are scheduled in full; a step planned ahead drafts nothing,
+          and with a speculator a full schedule every :data:`FULL_SCHEDULE_EVERY` steps asks it again) or samples
+          nothing, an ``n > 1`` request before its fork;
+        - a request whose sampling reads its own tokens on the device thread (penalties, a grammar);
+        - a step that would need a copy-on-write, a preemption, or more blocks or budget than there is.
+
+        A request the in-flight token may end still runs ahead if only its text can say so (EOS, stop ids and
+        strings): that step's token is dropped when the request is found finished (``update`` skips the chunks of
+        finished requests) and nothing past the stop is emitted. One that the in-flight token ends for sure
+        (``max_tokens``, the model's context) is left out.
+        """
+        queues = self._queues
+        if (self._needs_full_schedule or queues.swapped or not inflight.chunks
+                or len(inflight.chunks) != len(queues.running)):
+            return None
+        is_full_schedule_due = self.counters.num_steps - self._last_full_schedule >= FULL_SCHEDULE_EVERY
+        if self.speculator is not None and is_full_schedule_due:
+            return None  # NOTE: the full schedule asks the speculator; while it drafts, steps are not planned ahead
+        if queues.waiting and (is_full_schedule_due or self._policy.has_room(0, 0, 0)
+                               or any(r.is_demoted for r in queues.running) or self._policy.requests_to_demote()):
+            return None
+        plan = StepPlan.start(self.config, self.counters.num_steps, self.clock.now())
+        if len(inflight.chunks) > min(plan.num_tokens_left, plan.num_decode_tokens_left):
+            return None
+        bm = self.block_manager
+        ahead: list[tuple[Request, int]] = []
+        num_new_blocks = 0
+        for chunk in inflight.chunks:
+            request = queues.requests.get(chunk.request_id)
+            if (request is None or request.status is not RequestStatus.RUNNING or not chunk.needs_sample
+                    or chunk.num_draft_tokens or request.is_fork_pending
+                    or request.num_computed_tokens != chunk.start_position):
+                return None
+            params = request.sampling_params
+            if params.has_penalties or params.is_structured:
+                return None
+            position = chunk.start_position + chunk.num_tokens  # where the token in flight goes
+            if bm.num_copies_on_write(request.request_id, position):
+                return None
+            is_context_full = self.max_model_len is not None and request.num_tokens + 1 >= self.max_model_len
+            if request.num_output_tokens + 1 >= request.max_tokens or is_context_full:
+                continue  # the token in flight is its last
+            num_new_blocks += bm.num_new_blocks(request.request_id, position + 1)
+            ahead.append((request, position))
+        if num_new_blocks > bm.num_free_gpu_blocks:
+            return None
+        chunks: list[ScheduledChunk] = []
+        for request, position in ahead:
+            if bm.append_slots(request.request_id, position + 1) is None:
+                raise InvariantError(f"no blocks for {request.request_id} after room was checked")
+            chunks.append(ScheduledChunk(
+                request_id=request.request_id, token_ids=[PLACEHOLDER_TOKEN_ID], start_position=position,
+                block_ids=bm.block_table(request.request_id), needs_sample=True,
+                sampling_params=request.sampling_params, num_output_tokens=request.num_output_tokens + 1,
+                sampling_state=request.sampling_state, takes_last_token=True,
+            ))
+        self.counters.num_steps += 1
+        self.counters.num_steps_ahead += 1
+        return SchedulerOutput(chunks=chunks)
 
     def update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
         """Apply one executed step: advance computed tokens, append sampled tokens, and finish

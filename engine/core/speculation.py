@@ -60,7 +60,9 @@ class Speculator(Protocol):
         ...
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """One executed step: its tokens and how long it took (the cost model)."""
+        """One executed decode step, as it lands: its tokens and its forward's seconds (the cost model). The time
+        from one call to the next, where one :meth:`draft` came between, is a step's wall time: less the forward,
+        the engine's host time per step."""
         ...
 
     def finished(self, request: Request) -> None:

@@ -17,7 +17,8 @@ from tokenmill.engine.kv.prefix_cache import PrefixStats
 class SchedulerCounters:
     """Counters since the scheduler was created; all only ever grow."""
 
-    num_steps: int = 0  # schedule() calls
+    num_steps: int = 0  # steps planned (schedule() and schedule_ahead() calls that planned one)
+    num_steps_ahead: int = 0  # of those, planned while the step before still ran (schedule_ahead)
     cause_to_num_preemptions: dict[PreemptionCause, int] = field(
         default_factory=lambda: {cause: 0 for cause in PreemptionCause}
     )  # preemptions per cause

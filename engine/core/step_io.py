@@ -32,6 +32,9 @@ class ScheduledChunk:
     # Speculative decoding: the last this many of token_ids are draft tokens; the runner samples after
     # each of the last 1 + num_draft_tokens tokens and keeps what engine.core.speculation.accept_drafts says.
     num_draft_tokens: int = 0
+    # Planned ahead (Scheduler.schedule_ahead) while the step before still ran: token_ids is one placeholder, the
+    # token that step samples for this request; the engine writes it in on its device thread before the forward.
+    takes_last_token: bool = False
 
     @property
     def num_tokens(self) -> int:

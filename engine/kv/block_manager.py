@@ -74,9 +74,10 @@ class BlockManager:
     def block_table(self, request_id: str) -> list[int]:
         """The request's device block table itself, not a copy (a step's chunk must not cost the context).
 
-        NOTE: read-only for the caller. A table changes only while the scheduler plans (blocks appended, a shared
-        one copied) and applies a step (drafts' blocks trimmed); finishing a request drops it whole, never
-        changes it: a forward reading it (the engine's device thread) never sees it change.
+        NOTE: read-only for the caller. A table grows into a new list (:meth:`append_slots`), so a step planned
+        earlier and still running on the engine's device thread keeps the list it was given while the next step
+        is planned ahead (engine/core/scheduler.py ``schedule_ahead``); in place it changes only while nothing
+        runs (a shared block copied, drafts' blocks trimmed); finishing a request drops it whole.
         """
         return self._gpu_tables.get(request_id, [])
 
@@ -176,7 +177,10 @@ class BlockManager:
         new_block_ids = self._gpu.take(self.num_new_blocks(request_id, num_tokens))
         if new_block_ids is None:
             return None
-        self._gpu_tables.setdefault(request_id, []).extend(new_block_ids)
+        table = self._gpu_tables.get(request_id)
+        if table is None or new_block_ids:
+            # NOTE: a new list, not extend(): see block_table (one copy of the table per block_size tokens)
+            self._gpu_tables[request_id] = (table or []) + new_block_ids
         return new_block_ids
 
     def trim(self, request_id: str, num_tokens: int) -> None:

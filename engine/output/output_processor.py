@@ -55,6 +55,8 @@ class OutputProcessor:
         matched: list[Request] = []
         failed: list[tuple[Request, Exception]] = []
         for request in requests:
+            if not request.streams and not request.is_finished and not request.sampling_params.stop:
+                continue  # NOTE: nobody reads its text before it finishes: decoded then, in one call
             detokenizer = self._detokenizer(request)
             # NOTE: its own cursor, not num_reported_tokens: samples of an n > 1 request report
             # nothing until the group ends, yet their text must still be decoded token by token once.
@@ -64,7 +66,7 @@ class OutputProcessor:
                 new_token_ids = new_token_ids[:-1]
             if detokenizer.stop_matched is None:
                 try:
-                    num_past_stop = self._append(detokenizer, new_token_ids)
+                    num_past_stop = self._append(detokenizer, new_token_ids, bool(request.sampling_params.stop))
                 except Exception as exc:  # noqa: BLE001 - one request's tokens; the others go on
                     failed.append((request, exc))
                     continue
@@ -74,10 +76,11 @@ class OutputProcessor:
         return matched, failed
 
     @staticmethod
-    def _append(detokenizer: TextDecoder, token_ids: list[int]) -> int:
-        """Append a step's tokens; with several (a verified draft), one at a time, so that a stop
-        string ends the text at the token that completed it. Returns the tokens left past it."""
-        if len(token_ids) <= 1:
+    def _append(detokenizer: TextDecoder, token_ids: list[int], has_stop_strings: bool) -> int:
+        """Append a step's tokens; with several (a verified draft, or a request decoded only when it finished),
+        one at a time where stop strings are looked for, so that one ends the text at the token that completed
+        it. Returns the tokens left past it."""
+        if len(token_ids) <= 1 or not has_stop_strings:
             detokenizer.append(token_ids)
             return 0
         for index, token_id in enumerate(token_ids):
@@ -93,7 +96,8 @@ class OutputProcessor:
         of them finished.
         """
         outputs, self._rejected = self._rejected, []
-        outputs += [self._output(r) for r in progressed if not r.is_finished and r.group is None]
+        outputs += [self._output(r) for r in progressed
+                    if not r.is_finished and r.group is None and (r.streams or not r.num_reported_tokens)]
         for request in finished:
             self._finish_text(request)
             if request.group is None:
@@ -107,7 +111,13 @@ class OutputProcessor:
         if request.status is RequestStatus.FINISHED_ERROR:  # NOTE: its text stays as far as it got
             return
         try:
-            self._detokenizer(request).finish()
+            detokenizer = self._detokenizer(request)
+            if request.num_detokenized_tokens < request.num_output_tokens and detokenizer.stop_matched is None:
+                # NOTE: a request nobody streams, finished without a step of its own (aborted): its text now
+                new_token_ids = request.output_token_ids[request.num_detokenized_tokens:]
+                request.num_detokenized_tokens = request.num_output_tokens
+                detokenizer.append(new_token_ids[:-1] if request.stop_token_id is not None else new_token_ids)
+            detokenizer.finish()
         except Exception as exc:  # noqa: BLE001 - this request's tokens; the others go on
             request.fail_finished(ErrorCode.INTERNAL, f"its text could not be decoded: {type(exc).__name__}: {exc}")
 

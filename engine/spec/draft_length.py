@@ -9,12 +9,27 @@ dominates, ``b * goodput`` is tiny): it drafts deeply. A large batch is bound by
 dominates, ``b * goodput`` nears 1): only near-certain drafts pay, so it drafts little or nothing.
 Acceptance alone cannot make that call, since the same acceptance is worth it at batch 1 and not at
 batch 64. The acceptance floor stays as a last guard: a request whose drafts are rarely accepted
-stops drafting, and probes with a short draft now and then. Standard library only.
+stops drafting, and probes with a short draft now and then.
+
+The goodput is the step's expected tokens over its wall time, ``t(T) + h``: ``h`` is the engine's host
+time per step outside the forward (``StepCost.host_s``, measured between steps), which a step saved by
+accepted drafts saves too. Over the forward alone, a device that costs next to nothing beside the host
+(the echo model's, whose forward grows with its tokens and has no fixed part) makes every draft look too
+dear. And proposing costs host time: the proposers run per request, in Python (or run a draft model),
+and a step with drafts waits for them. The speculator measures their seconds per request proposed for
+(``p``, ``StepCost.proposal_s``), and a request's first draft token is charged them on top of ``b``:
+``a > (b + p) * goodput``, so a draft that costs more host time than it saves is not chosen. That
+matters where a request's share of a step is short next to its proposing -- a fast device, a slow
+proposer -- and not where a step takes milliseconds. Until a step's host time is measured, proposing
+is taken as free. A request whose first draft token ``b`` alone rules out is not proposed for at all
+(:meth:`StepCost.draft_threshold`): a compute-bound batch drafts nothing, and spends nothing on it.
+Standard library only.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from dataclasses import dataclass
 
 # Acceptance is an exponentially decayed count over a request's recent drafts, starting from a
@@ -47,14 +62,26 @@ class StepCost:
     """``t(T) = fixed_s + per_token_s * T``: a least-squares fit over the engine's recent decode steps
     (exponentially decayed; the engine leaves steps with prefill chunks out), ``T`` the step's tokens.
     Until the steps seen vary enough in size to fit a slope, drafting is taken as free
-    (``per_token_s = 0``); the drafts it then runs vary the steps' sizes, and the slope follows."""
+    (``per_token_s = 0``); the drafts it then runs vary the steps' sizes, and the slope follows.
+
+    And the host side of a step, each the median of recent steps': ``proposal_s``, the proposers' seconds
+    per request they were asked to draft for (0 until ``MIN_PROPOSALS`` steps proposed), and ``host_s``,
+    the engine's seconds per step outside the forward (0 until measured). Medians, since the outliers are
+    one-off: the step that first indexes a batch of new prompts, a pause between two steps; either would
+    stand for many steps in a mean."""
 
     DECAY = 0.99
+    HOST_STEPS = 15  # recent steps the host medians are taken over
+    MIN_PROPOSALS = 3  # proposing steps measured before proposal_s counts
 
     def __init__(self) -> None:
         self._n = self._t = self._x = self._xx = self._xt = 0.0
         self.fixed_s = 0.0
         self.per_token_s = 0.0
+        self._proposals: deque[float] = deque(maxlen=self.HOST_STEPS)
+        self.proposal_s = 0.0
+        self._host: deque[float] = deque(maxlen=self.HOST_STEPS)
+        self.host_s = 0.0
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or seconds <= 0.0:
@@ -72,13 +99,47 @@ class StepCost:
             self.per_token_s = max(0.0, slope)
         self.fixed_s = max(mean_t - self.per_token_s * mean_x, 1e-6)
 
+    def observe_proposals(self, num_requests: int, seconds: float) -> None:
+        """One step's proposing: ``seconds`` of host time for drafts for ``num_requests`` requests."""
+        if num_requests <= 0 or seconds < 0.0:
+            return
+        self._proposals.append(seconds / num_requests)
+        if len(self._proposals) >= self.MIN_PROPOSALS:
+            self.proposal_s = _median(self._proposals)
+
+    def observe_host(self, seconds: float) -> None:
+        """One step's host time outside its forward (its wall time less the forward's)."""
+        self._host.append(max(0.0, seconds))
+        self.host_s = _median(self._host)
+
     def seconds(self, num_tokens: int) -> float:
         return self.fixed_s + self.per_token_s * num_tokens
+
+    def draft_threshold(self, num_scheduled_tokens: int, num_decodes: int) -> float:
+        """The acceptance rate a request's drafts must beat for :func:`choose_draft_lengths` to take their
+        first token at ``b`` alone, in a step of ``num_scheduled_tokens`` tokens and ``num_decodes`` decodes
+        (0: any).
+
+        The rule compares a token's gain with the step's goodput, which only grows as it takes tokens: a
+        request at or under this rate would never be chosen, and the speculator does not ask its proposers
+        for it. (Not ``b + p``: the proposing's cost is measured only where requests are proposed for, and
+        a stop it caused would keep it at what it was then.)
+        """
+        seconds = self.seconds(num_scheduled_tokens) + self.host_s
+        if self.per_token_s <= 0.0 or seconds <= 0.0:
+            return 0.0
+        return self.per_token_s * num_decodes / seconds
+
+
+def _median(values: deque[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def choose_draft_lengths(proposals: list[tuple[str, int, float]], num_tokens_left: int, num_scheduled_tokens: int,
                          num_decodes: int, cost: StepCost) -> dict[str, int]:
-    """Draft tokens per request by the goodput rule (module docstring).
+    """Draft tokens per request by the goodput rule (module docstring), a request's first token also
+    paying for its proposing: what :func:`greedy_draft_lengths` chooses, where every proposed token pays (a
+    weight-bound step, the common case while drafting is cheap) found without going token by token.
 
     Args:
         proposals: ``(request id, draft tokens proposed, acceptance rate)`` per request.
@@ -90,23 +151,79 @@ def choose_draft_lengths(proposals: list[tuple[str, int, float]], num_tokens_lef
     Returns:
         How many of its proposed tokens each request runs (requests with none are left out).
     """
+    lengths = _every_token_if_all_pay(proposals, num_tokens_left, num_scheduled_tokens, num_decodes, cost)
+    if lengths is None:
+        lengths = greedy_draft_lengths(proposals, num_tokens_left, num_scheduled_tokens, num_decodes, cost)
+    return lengths
+
+
+def _every_token_if_all_pay(proposals: list[tuple[str, int, float]], num_tokens_left: int, num_scheduled_tokens: int,
+                            num_decodes: int, cost: StepCost) -> dict[str, int] | None:
+    """Every proposed token, if the budget holds them and the greedy rule would take each; None if that is not
+    shown here (the greedy rule decides).
+
+    The greedy rule takes a token while its gain beats ``b`` (a first token: ``b + p``) times the goodput so far,
+    and each token it takes raises the goodput; after the last it is the goodput with every token in. So if the
+    least gain of all (each request's last token; a first token's: its rate) beats that final goodput, every test
+    on the way passed. One pass over the requests, where the greedy rule pops each token off a heap.
+    """
+    lengths = {request_id: num_proposed for request_id, num_proposed, _ in proposals if num_proposed > 0}
+    num_tokens = sum(lengths.values())
+    if num_tokens > num_tokens_left:
+        return None
+    per_token_s, host_s = cost.per_token_s, cost.host_s
+    charge_proposal = cost.proposal_s > 0.0 and host_s > 0.0
+    seconds = cost.fixed_s + per_token_s * (num_scheduled_tokens + num_tokens) + host_s
+    if seconds <= 0.0 or (per_token_s <= 0.0 and not charge_proposal):
+        return lengths  # NOTE: no test applies (drafting taken as free)
+    expected, least_gain, least_rate = float(num_decodes), 1.0, 1.0
+    for _, num_proposed, rate in proposals:
+        if num_proposed > 0:
+            last_gain = rate ** num_proposed
+            # rate + rate ** 2 + ... + rate ** num_proposed
+            expected += (rate - last_gain * rate) / (1.0 - rate) if rate < 1.0 else float(num_proposed)
+            least_gain, least_rate = min(least_gain, last_gain), min(least_rate, rate)
+    goodput = expected / seconds * (1.0 + 1e-9)  # NOTE: a margin for the greedy rule's own rounding
+    if per_token_s > 0.0 and least_gain <= per_token_s * goodput:
+        return None
+    if charge_proposal and least_rate <= (per_token_s + cost.proposal_s) * goodput:
+        return None
+    return lengths
+
+
+def greedy_draft_lengths(proposals: list[tuple[str, int, float]], num_tokens_left: int, num_scheduled_tokens: int,
+                         num_decodes: int, cost: StepCost) -> dict[str, int]:
+    """The goodput rule token by token (the arguments and result of :func:`choose_draft_lengths`): the best
+    expected gain next, while it pays and the budget lasts."""
     # Candidates: (-expected tokens, request, position); a request's positions come in order since
     # rate ** i falls with i.
     heap = [(-rate, request_id, 1, rate) for request_id, num_proposed, rate in proposals if num_proposed > 0]
     heapq.heapify(heap)
+    heappop, heapreplace = heapq.heappop, heapq.heapreplace
     limit = {request_id: num_proposed for request_id, num_proposed, _ in proposals}
     chosen: dict[str, int] = {}
+    fixed_s, per_token_s, host_s = cost.fixed_s, cost.per_token_s, cost.host_s
+    charge_proposal = cost.proposal_s > 0.0 and host_s > 0.0  # NOTE: taken as free until a step's host time is known
+    first_token_s = per_token_s + cost.proposal_s
     num_tokens, expected = num_scheduled_tokens, float(num_decodes)
     while heap and num_tokens_left > 0:
-        negative_gain, request_id, position, rate = heapq.heappop(heap)
+        negative_gain, request_id, position, rate = heap[0]
         gain = -negative_gain
-        seconds = cost.seconds(num_tokens)
-        if cost.per_token_s > 0.0 and seconds > 0.0 and gain <= cost.per_token_s * expected / seconds:
-            break  # NOTE: every later candidate gains less
+        seconds = fixed_s + per_token_s * num_tokens + host_s
+        if seconds > 0.0:
+            if per_token_s > 0.0 and gain <= per_token_s * expected / seconds:
+                break  # NOTE: every later candidate gains less
+            if position == 1 and charge_proposal and gain <= first_token_s * expected / seconds:
+                # NOTE: a first token that does not pay for its proposing: no later first token does (they gain
+                # less, and the goodput only grows), but later tokens of requests already drafting still may
+                heappop(heap)
+                continue
         chosen[request_id] = position
         num_tokens += 1
         num_tokens_left -= 1
         expected += gain
         if position < limit[request_id]:
-            heapq.heappush(heap, (-(gain * rate), request_id, position + 1, rate))
+            heapreplace(heap, (-(gain * rate), request_id, position + 1, rate))
+        else:
+            heappop(heap)
     return chosen

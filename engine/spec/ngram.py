@@ -4,7 +4,11 @@ code edits -- repeats spans of its prompt, which this drafts for free.
 
 Each request keeps an index of its n-grams (n-gram -> where its latest earlier occurrence ends),
 grown by the tokens added since the last lookup, so a lookup costs O(new tokens x n range), not a
-scan of the whole context. Standard library only.
+scan of the whole context. :class:`LazyNgramIndex` is the one the speculator runs: a step's lookup
+runs on every decoding request of the batch, in Python, so its cost per request is most of the
+speculator's share of the engine's host time. :class:`NgramIndex` is the plain form of the same rule,
+kept as its specification (tests/unit/test_spec_fast_paths.py holds the two to the same drafts).
+Standard library only.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from collections.abc import Sequence
 
 
 class NgramIndex:
-    """One request's n-grams, for :meth:`propose`.
+    """One request's n-grams, for :meth:`propose`: the plain form (every n-gram of every n indexed as its
+    tokens come), the specification :class:`LazyNgramIndex` is tested against.
 
     Args:
         min_n: shortest n-gram indexed (a lookup may ask for longer ones only).
@@ -52,4 +57,83 @@ class NgramIndex:
             found = self._ends.get(tuple(tail[len(tail) - n:]))
             if found is not None:
                 return list(token_ids[found:found + num_tokens])
+        return []
+
+
+# NOTE: the new n-grams a lookup stores one by one, up to this many; more (a prompt) at once, in C (which
+# costs more to set up than a few grams take)
+BULK_GRAMS = 16
+
+
+class LazyNgramIndex:
+    """One request's n-grams, for :meth:`propose`: what :class:`NgramIndex` proposes, at a fraction of its
+    host time.
+
+    Two things make it cheap. It indexes an n only when a lookup reaches that n: a lookup tries the longest
+    suffix first and stops at the first that occurred before, so where the request copies (the case drafts
+    pay for) only ``max_n``-grams are ever indexed, one per token, not one per token and n. And it works on
+    its own copy of the tokens, taken from the request's prompt and output lists by a slice each (a list's
+    slice costs C only, where a view of the two costs a Python call per slice, as much as the rest of a
+    lookup), and indexes a long run of new grams -- a prompt -- in one ``dict.update`` over ``zip`` of
+    shifted slices, the grams made and stored in C. The rule is the plain one's, since a lookup of an n sees
+    every n-gram that ends before the request's last token (the index of an n catches up to there first),
+    the latest occurrence winning (each run is stored in order).
+
+    Args:
+        min_n: shortest n-gram matched (a lookup may ask for longer ones only); at least 1.
+        max_n: longest suffix matched (tried first: a longer match predicts better).
+    """
+
+    __slots__ = ("_ends", "_missed", "_num_indexed", "_tokens", "max_n", "min_n")
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n} and {max_n}")
+        self.min_n = min_n
+        self.max_n = max_n
+        self._tokens: list[int] = []  # the request's tokens, copied as they come (slicing a list costs C only)
+        self._ends: dict[tuple[int, ...], int] = {}  # n-gram (any n) -> end (exclusive) of its latest occurrence
+        self._num_indexed = [0] * (max_n + 1)  # per n: the n-grams ending before this are in _ends
+        # (tokens, n): the suffixes of n or more tokens of the request's first `tokens` tokens never occurred
+        # before. A lookup is a function of the tokens alone, so a later tier's lookup at the same length (with
+        # a shorter min_n) starts below n, not over again.
+        self._missed = (0, max_n + 1)
+
+    def propose(self, prompt: list[int], output: list[int], num_tokens: int, min_n: int | None = None) -> list[int]:
+        """What :meth:`NgramIndex.propose` proposes for ``prompt + output`` and the same arguments: up to
+        ``num_tokens`` tokens that followed the latest earlier occurrence of the longest suffix of the
+        request's tokens (between ``min_n``, default the index's, and ``max_n`` long) that occurred before;
+        [] if none.
+
+        ``prompt`` and ``output`` are the request's own lists: the prompt stays, the output only grows.
+        """
+        tokens = self._tokens
+        num_copied, num_prompt = len(tokens), len(prompt)
+        if num_copied < num_prompt:
+            tokens += prompt[num_copied:]
+            num_copied = num_prompt
+        tokens += output[num_copied - num_prompt:]
+        if num_tokens <= 0:
+            return []
+        end = len(tokens)
+        ends, num_indexed = self._ends, self._num_indexed
+        longest = min(self.max_n, end)
+        shortest = max(self.min_n, min_n or 0)
+        if self._missed[0] == end:
+            longest = min(longest, self._missed[1] - 1)
+        for n in range(longest, shortest - 1, -1):
+            start = num_indexed[n]
+            if start < end:
+                start = max(start, n)  # NOTE: the first n-gram ends at n
+                if end - start <= BULK_GRAMS:
+                    for stop in range(start, end):
+                        ends[tuple(tokens[stop - n:stop])] = stop
+                else:  # the n-grams ending at start..end-1 made by zip from n shifted slices, and stored, in C
+                    ends.update(zip(zip(*[tokens[start - n + i:end - n + i] for i in range(n)]), range(start, end)))
+                num_indexed[n] = end
+            found = ends.get(tuple(tokens[end - n:]))
+            if found is not None:
+                return tokens[found:found + num_tokens]
+        if shortest <= longest:
+            self._missed = (end, shortest)
         return []

@@ -11,10 +11,16 @@ the long matches' drafts nor stop them. At a small batch a draft token costs a f
 drops them where the step is bound by compute.
 Standard library only; a draft model's proposer (engine/model/draft_proposer.py) comes in through
 the same :class:`Proposer` interface.
+
+The speculator runs on every decoding request every step, so its host time per request is kept small: a
+request the goodput rule could not give a draft to (its acceptance at or under what a first draft token
+must buy on the device's cost) is not proposed for, and the proposers' own time is measured, for the rule
+to charge a request's first draft token with it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -30,7 +36,7 @@ from tokenmill.engine.spec.draft_length import (
     StepCost,
     choose_draft_lengths,
 )
-from tokenmill.engine.spec.ngram import NgramIndex
+from tokenmill.engine.spec.ngram import LazyNgramIndex
 from tokenmill.engine.spec.suffix_pool import SuffixPool
 
 
@@ -40,7 +46,7 @@ class DraftState:
 
     acceptance: dict[str, Acceptance] = field(default_factory=dict)  # proposer name -> its drafts' acceptance
     proposer: str | None = None  # the proposer of the draft the request ran last
-    ngram: NgramIndex | None = None
+    ngram: LazyNgramIndex | None = None
 
     def acceptance_of(self, proposer: str) -> Acceptance:
         acceptance = self.acceptance.get(proposer)
@@ -60,8 +66,8 @@ class Proposer(Protocol):
 
 
 class NgramProposer:
-    """Prompt lookup over each request's own tokens (engine/spec/ngram.py), matches of ``min_n`` or
-    more tokens.
+    """Prompt lookup over each request's own tokens (engine/spec/ngram.py :class:`LazyNgramIndex`), matches
+    of ``min_n`` or more tokens.
 
     Args:
         index_min_n: the shortest n-gram the request's index holds (the least ``min_n`` of the tiers).
@@ -73,11 +79,13 @@ class NgramProposer:
 
     def propose(self, wanted: list[tuple[Request, Sequence[int], int]]) -> dict[str, list[int]]:
         drafts = {}
-        for request, token_ids, num_tokens in wanted:
+        min_n = self.min_n
+        for request, _, num_tokens in wanted:  # NOTE: the index copies the request's lists, not its view
             state = draft_state(request)
-            if state.ngram is None:
-                state.ngram = NgramIndex(self.index_min_n, self.max_n)
-            draft = state.ngram.propose(token_ids, num_tokens, self.min_n)
+            index = state.ngram
+            if index is None:
+                index = state.ngram = LazyNgramIndex(self.index_min_n, self.max_n)
+            draft = index.propose(request.prompt_token_ids, request.output_token_ids, num_tokens, min_n)
             if draft:
                 drafts[request.request_id] = draft
         return drafts
@@ -135,48 +143,71 @@ class DraftSpeculator:
         self.num_speculative_tokens = num_speculative_tokens
         self.min_acceptance = min_acceptance
         self.cost = StepCost()
+        self._stepped_at_s: float | None = None  # when the last observe_step came
+        self._drafts_since_step = 0  # draft calls since then
         self.counters = SpeculationCounters(drafted_by_position=[0] * num_speculative_tokens,
                                             accepted_by_position=[0] * num_speculative_tokens)
 
     def draft(self, candidates: list[tuple[Request, int]], room: DraftRoom) -> dict[str, list[int]]:
-        states = {}
-        for request, _ in candidates:
-            state = states[request.request_id] = draft_state(request)
+        self._drafts_since_step += 1
+        threshold = self.cost.draft_threshold(room.num_scheduled_tokens, room.num_decodes)
+        pending = []  # (request, bound, state, tokens) of the requests without a draft yet
+        for request, bound in candidates:
+            state = draft_state(request)
             for acceptance in state.acceptance.values():
                 acceptance.steps_since_draft += 1
-        proposed: dict[str, tuple[list[int], str]] = {}  # request id -> (draft, its proposer's name)
+            pending.append((request, bound, state, request.token_view))
+        proposed: dict[str, tuple[list[int], str, DraftState]] = {}  # request id -> (draft, proposer, state)
+        asked: set[str] = set()
+        started_s = time.perf_counter()
         for proposer in self.proposers:
-            if len(proposed) == len(candidates):
+            if not pending:
                 break  # NOTE: every request has its draft: the later proposers have nothing to add
+            name = proposer.name
             wanted: list[tuple[Request, Sequence[int], int]] = []
-            for request, bound in candidates:
-                if request.request_id not in proposed:
-                    num_tokens = self._allowed(states[request.request_id].acceptance_of(proposer.name), bound)
-                    if num_tokens > 0:
-                        wanted.append((request, request.token_view, num_tokens))
-            if wanted:
-                proposed.update((request_id, (draft, proposer.name))
-                                for request_id, draft in proposer.propose(wanted).items())
+            for request, bound, state, token_ids in pending:
+                num_tokens = self._allowed(state.acceptance_of(name), bound, threshold)
+                if num_tokens > 0:
+                    wanted.append((request, token_ids, num_tokens))
+            if not wanted:
+                continue
+            asked.update([request.request_id for request, _, _ in wanted])
+            found = proposer.propose(wanted)
+            if found:
+                still = []
+                for item in pending:
+                    draft = found.get(item[0].request_id)
+                    if draft is None:
+                        still.append(item)
+                    else:
+                        proposed[item[0].request_id] = (draft, name, item[2])
+                pending = still
+        if asked:
+            self.cost.observe_proposals(len(asked), time.perf_counter() - started_s)
         lengths = choose_draft_lengths(
-            [(request_id, len(draft), states[request_id].acceptance_of(name).rate)
-             for request_id, (draft, name) in proposed.items()],
+            [(request_id, len(draft), state.acceptance[name].rate)
+             for request_id, (draft, name, state) in proposed.items()],
             room.num_tokens_left, room.num_scheduled_tokens, room.num_decodes, self.cost)
         counts = self.counters.draft_length_counts
-        for request, _ in candidates:
-            length = lengths.get(request.request_id, 0)
-            counts[length] = counts.get(length, 0) + 1
+        if len(lengths) < len(candidates):
+            counts[0] = counts.get(0, 0) + len(candidates) - len(lengths)
         drafts = {}
         for request_id, length in lengths.items():
-            draft, name = proposed[request_id]
+            counts[length] = counts.get(length, 0) + 1
+            draft, name, state = proposed[request_id]
             drafts[request_id] = draft[:length]
-            states[request_id].proposer = name
+            state.proposer = name
         return drafts
 
-    def _allowed(self, acceptance: Acceptance, bound: int) -> int:
-        """Most draft tokens a proposer may offer a request: none while its drafts for it are accepted
-        under the floor, except a short probe now and then."""
+    def _allowed(self, acceptance: Acceptance, bound: int, threshold: float) -> int:
+        """Most draft tokens a proposer may offer a request: none where the goodput rule could not take its
+        first (its acceptance rate at or under ``threshold``, :meth:`StepCost.draft_threshold`), none while
+        its drafts for it are accepted under the floor, except a short probe now and then."""
+        rate = acceptance.rate
+        if threshold > 0.0 and rate <= threshold:
+            return 0
         num_tokens = min(bound, self.num_speculative_tokens)
-        if acceptance.rate < self.min_acceptance:
+        if rate < self.min_acceptance:
             return min(num_tokens, PROBE_TOKENS) if acceptance.steps_since_draft >= PROBE_EVERY_STEPS else 0
         return num_tokens
 
@@ -196,6 +227,12 @@ class DraftSpeculator:
             counters.accepted_by_position[position] += 1
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
+        now_s = time.perf_counter()
+        if self._drafts_since_step == 1 and self._stepped_at_s is not None:
+            # NOTE: from the previous step's forward to this one's: one whole step (one draft call between), so
+            # its wall time less this forward is the engine's host time per step
+            self.cost.observe_host(now_s - self._stepped_at_s - seconds)
+        self._stepped_at_s, self._drafts_since_step = now_s, 0
         self.cost.observe(num_tokens, seconds)
         self.counters.step_fixed_s, self.counters.step_per_token_s = self.cost.fixed_s, self.cost.per_token_s
 

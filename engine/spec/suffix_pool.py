@@ -54,8 +54,10 @@ class SuffixPool:
         output; [] if no suffix of at least ``min_n`` tokens (default: the pool's) was seen."""
         if num_tokens <= 0:
             return []
-        for n in range(min(self.max_n, len(token_ids)), max(self.min_n, min_n or 0) - 1, -1):
-            continuation = self._continuations.get(tuple(token_ids[-n:]))
+        tail = token_ids[-self.max_n:]  # NOTE: one slice: ``token_ids`` may be a view, slow to index
+        continuations = self._continuations
+        for n in range(min(self.max_n, len(tail)), max(self.min_n, min_n or 0) - 1, -1):
+            continuation = continuations.get(tuple(tail[len(tail) - n:]))
             if continuation:
                 return list(continuation[:num_tokens])
         return []

@@ -8,9 +8,11 @@ gives the fraction of the device's limit reached (steps x S / wall: 1.0 means th
 Two tables, each measured in this run:
 
 - host time: microseconds per running request per decode step, at batch 1 / 64 / 256 / 1024 and prompts of
-  32 / 2k / 8k tokens, speculation off and ``auto``;
+  32 / 2k / 8k tokens, speculation off and ``auto``, the requests added as a worker adds those whose callers wait
+  for the whole result (``streams=False``) and, speculation off, streamed (text every step);
 - device fraction: step delays of 2 / 5 / 10 ms at batch 64 and 256, for the synchronous loop and the overlapped
-  one (``[engine.execution] overlap``: the forward on a device thread while the previous step's outputs are made).
+  one (``[engine.execution] overlap``: the forward on a device thread while the previous step's outputs are made
+  and the next step is planned, engine/core/scheduler.py ``schedule_ahead``).
 
 Every request decodes ``--steps`` tokens past its prompt (``ignore_eos``), so the batch stays whole while it is
 timed (speculation ``auto`` drafts the echo's repeated prompt: several tokens a step, fewer steps).
@@ -43,8 +45,10 @@ from tokenmill.protocol.sampling import SamplingParams
 WARMUP_STEPS = 3
 
 
-def build(batch: int, prompt_tokens: int, spec: str, step_delay_s: float, steps: int, overlap: str = "off") -> Engine:
-    """An echo engine holding ``batch`` requests of ``prompt_tokens``, prefilled, decoding."""
+def build(batch: int, prompt_tokens: int, spec: str, step_delay_s: float, steps: int, overlap: str = "off",
+          streams: bool = False) -> Engine:
+    """An echo engine holding ``batch`` requests of ``prompt_tokens``, prefilled, decoding; added as a worker adds
+    a request whose caller waits for the whole result (``streams=False``), or streamed (an output every step)."""
     name = f"echo:step_delay_s={step_delay_s}" if step_delay_s else "echo"
     config = EngineConfig.model_validate({
         "model": {"name": name, "max_model_len": prompt_tokens + steps * 16 + 64},
@@ -58,7 +62,11 @@ def build(batch: int, prompt_tokens: int, spec: str, step_delay_s: float, steps:
     params = SamplingParams(max_tokens=steps * 16 + WARMUP_STEPS * 16, ignore_eos=True)
     for i in range(batch):
         # NOTE: distinct prompts (no prefix hits), echoed as their bytes
-        engine.add_request(f"r{i}", [97 + (i * 7 + j * 13) % 26 for j in range(prompt_tokens)], params)
+        prompt = [97 + (i * 7 + j * 13) % 26 for j in range(prompt_tokens)]
+        try:
+            engine.add_request(f"r{i}", prompt, params, streams=streams)
+        except TypeError:  # NOTE: a tree from before add_request(streams=...): every request streams there
+            engine.add_request(f"r{i}", prompt, params)
     requests = [engine.scheduler.get_request(f"r{i}") for i in range(batch)]
     while any(r is not None and not r.output_token_ids for r in requests):  # NOTE: every prompt computed, decoding
         engine.step()
@@ -68,9 +76,9 @@ def build(batch: int, prompt_tokens: int, spec: str, step_delay_s: float, steps:
 
 
 def measure(batch: int, prompt_tokens: int, spec: str, step_delay_s: float, steps: int,
-            overlap: str = "off") -> dict[str, Any]:
+            overlap: str = "off", streams: bool = False) -> dict[str, Any]:
     """Time ``steps`` decode steps of a full batch."""
-    engine = build(batch, prompt_tokens, spec, step_delay_s, steps, overlap)
+    engine = build(batch, prompt_tokens, spec, step_delay_s, steps, overlap, streams)
     gc.collect()
     generated_before = engine.scheduler.counters.num_generated_tokens
     started = time.perf_counter()
@@ -81,7 +89,9 @@ def measure(batch: int, prompt_tokens: int, spec: str, step_delay_s: float, step
     tokens = engine.scheduler.counters.num_generated_tokens - generated_before
     engine.close()
     host_s = wall_s - steps * step_delay_s
-    return {"batch": batch, "prompt_tokens": prompt_tokens, "spec": spec, "overlap": overlap,
+    counters = engine.scheduler.counters
+    return {"batch": batch, "prompt_tokens": prompt_tokens, "spec": spec, "overlap": overlap, "streams": streams,
+            "steps_planned": counters.num_steps, "steps_ahead": getattr(counters, "num_steps_ahead", 0),
             "step_delay_ms": step_delay_s * 1e3,
             "steps": steps, "running_at_end": running, "wall_s": wall_s, "tokens": tokens,
             "us_per_request_step": host_s / steps / batch * 1e6, "ms_per_step": wall_s / steps * 1e3,
@@ -100,19 +110,21 @@ def main() -> None:
     batches = [64, 256] if args.quick else [1, 64, 256, 1024]
     prompts = [32, 2048] if args.quick else [32, 2048, 8192]
     host_rows, cells = [], []
-    for spec in ("off", "auto"):
+    for spec, streams in (("off", False), ("off", True), ("auto", False)):
         for batch in batches:
-            row: list[Any] = [spec, batch]
+            row: list[Any] = [spec, "yes" if streams else "no", batch]
             for prompt_tokens in prompts:
                 if batch * prompt_tokens > 2_200_000:  # NOTE: batch 1024 x 8k: 8M prompt tokens to prefill first
                     row.append("-")
                     continue
-                cell = measure(batch, prompt_tokens, spec, 0.0, args.steps)
+                cell = measure(batch, prompt_tokens, spec, 0.0, args.steps, streams=streams)
                 cells.append(cell)
                 row.append(fmt(cell["us_per_request_step"]))
             host_rows.append(row)
-    print_table("engine host time: us per running request per step (echo, no step delay)",
-                ["spec", "batch", *[f"prompt {p}" for p in prompts]], host_rows)
+    print_table("engine host time: us per running request per step (echo, no step delay, the synchronous loop); "
+                "streamed: an output with text every step, else the first and the final one (a worker's request "
+                "whose caller waits for the result)",
+                ["spec", "streamed", "batch", *[f"prompt {p}" for p in prompts]], host_rows)
     device_rows = []
     for batch in (64, 256):
         for delay_ms in (2, 5, 10):
@@ -121,11 +133,14 @@ def main() -> None:
                 cell = measure(batch, 32, "off", delay_ms / 1e3, args.steps, overlap)
                 cells.append(cell)
                 row += [fmt(cell["ms_per_step"], 2), fmt(cell["device_fraction"], 3)]
+                if overlap == "on":
+                    row.append(f"{cell['steps_ahead']}/{cell['steps_planned']}")
             device_rows.append(row)
     headers = ["batch", "step delay ms", "sync ms/step", "sync fraction"]
     print_table("fraction of the device's limit (steps x delay / wall), prompts of 32, speculation off: the "
-                "synchronous loop and the overlapped one, same run",
-                headers + ([] if args.sync_only else ["overlap ms/step", "overlap fraction"]), device_rows)
+                "synchronous loop and the overlapped one (each step planned while the one before runs), same run",
+                headers + ([] if args.sync_only else ["overlap ms/step", "overlap fraction", "steps ahead"]),
+                device_rows)
     write_json(args.json, {"machine": machine_info(), "cells": cells})
 
 

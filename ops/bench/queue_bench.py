@@ -94,7 +94,9 @@ def bench_tokenmill(url: str, args: argparse.Namespace, log_dir: Path) -> dict[s
 
     prefix, queue_name = f"tmbench-{os.getpid()}-{secrets.token_hex(3)}", "bench"
     # NOTE: the echo model's steps run no forward pass, so the worker's intake (backpressure
-    # high-water mark) is sized like a GPU worker's (configs/gpu.toml), not the CPU default of 32.
+    # high-water mark) is sized like a GPU worker's (configs/gpu.toml), not the CPU default of 32. The engine keeps
+    # its defaults (64 running, speculation auto), as a deployment runs it: 128 or 256 running cost the engine 15-45%
+    # more CPU per result (ops/bench/README.md, queue_bench.py, 2026-12-06).
     cmd = [sys.executable, "-m", "tokenmill.cli", "--prefix", prefix, "--queue", queue_name, "--redis-url", url,
            "worker", "--model", "echo", "--log-text", "--log-level", "WARNING", "--max-waiting", str(args.max_waiting)]
     proc = spawn(cmd, log_dir / "tokenmill-worker.log")
@@ -104,7 +106,7 @@ def bench_tokenmill(url: str, args: argparse.Namespace, log_dir: Path) -> dict[s
         requests = [{"prompt": PROMPT, "max_tokens": MAX_TOKENS} for _ in range(args.warmup)]
         list(producer.as_completed(producer.submit_many(requests), timeout=60))
         throughput = _tokenmill_throughput(producer, args.num_requests)
-        drain = _tokenmill_drain(producer, args.num_requests)
+        drain = _tokenmill_drain(producer, args.num_requests, proc.pid)
         latencies = []
         for _ in range(args.num_latency):
             start = time.perf_counter()
@@ -142,10 +144,15 @@ def _tokenmill_throughput(producer: Any, num: int) -> dict[str, Any]:
             "requests_per_s": num / elapsed}
 
 
-def _tokenmill_drain(producer: Any, num: int) -> dict[str, Any]:
+def _tokenmill_drain(producer: Any, num: int, worker_pid: int) -> dict[str, Any]:
     """Diagnostic: how fast the worker alone turns requests into stored results. Results are
-    found by MGET polling every 10 ms instead of ``as_completed`` (one BLPOP per result)."""
+    found by MGET polling every 10 ms instead of ``as_completed`` (one BLPOP per result).
+
+    NOTE: also the CPU the worker process and the Redis server spent per result meanwhile: on a busy machine
+    results/s move with the load, CPU per result much less (what one worker does with a core of its own).
+    """
     requests = [{"prompt": PROMPT, "max_tokens": MAX_TOKENS} for _ in range(num)]
+    worker_cpu_s, redis_cpu_s = _process_cpu_s(worker_pid), _redis_cpu_s([producer.client])
     start = time.perf_counter()  # as for as_completed: from the first submit to the last result
     ids = producer.submit_many(requests)
     keys = [producer.keys.result(i) for i in ids]
@@ -160,7 +167,20 @@ def _tokenmill_drain(producer: Any, num: int) -> dict[str, Any]:
         if remaining:
             time.sleep(0.01)
     elapsed = time.perf_counter() - start
-    return {"drain_elapsed_s": elapsed, "drain_requests_per_s": num / elapsed}
+    worker_cpu_s = _process_cpu_s(worker_pid) - worker_cpu_s
+    redis_cpu_s = _redis_cpu_s([producer.client]) - redis_cpu_s
+    return {"drain_elapsed_s": elapsed, "drain_requests_per_s": num / elapsed,
+            "drain_worker_cpu_us": 1e6 * worker_cpu_s / num, "drain_redis_cpu_us": 1e6 * redis_cpu_s / num}
+
+
+def _process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` used so far (Linux /proc; NaN elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ----------------------------------------------------------------------------- sharded (--cluster)
@@ -330,7 +350,9 @@ def print_report(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     tm = results.get("tokenmill", {})
     if "drain_requests_per_s" in tm:
         print(f"\ndiagnostic: the tokenmill worker alone stores {tm['drain_requests_per_s']:,.0f} results/s "
-              f"(submit_many, results found by MGET polling; as_completed above: {tm['requests_per_s']:,.0f}/s)")
+              f"(submit_many, results found by MGET polling; as_completed above: {tm['requests_per_s']:,.0f}/s); "
+              f"CPU per result: worker {tm['drain_worker_cpu_us']:.0f} us, "
+              f"redis-server {tm['drain_redis_cpu_us']:.0f} us")
     celery_runs = [r for k, r in results.items() if k.startswith("celery") and "error" not in r]
     summary: dict[str, Any] = {}
     if not tm or "error" in tm or not celery_runs:

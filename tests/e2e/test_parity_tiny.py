@@ -115,15 +115,21 @@ def test_parity_with_decode_attention_in_chunks(
 @pytest.mark.parametrize("scenario", ["block16", "block4-chunked", "recompute-preemption", "swap-preemption"])
 def test_the_overlapped_loop_matches_hf_generate(scenario: str, tiny_model_dirs: dict[str, Path]) -> None:
     """``[engine.execution] overlap = "on"`` (the forward on a device thread while the previous step's outputs are
-    made): the same tokens as Hugging Face, through chunking and both kinds of preemption."""
+    made and the next step is planned ahead, its input token filled in from the step before): the same tokens as
+    Hugging Face, through chunking and both kinds of preemption, with speculation off (every steady step planned
+    ahead) and on."""
     family = FAMILIES[0]
     prompts, expected = _reference(family, tiny_model_dirs[family], "cpu")
-    engine = build_engine(str(tiny_model_dirs[family]), device="cpu", dtype="float64", overlap="on",
-                          **SCENARIOS[scenario], **_kv_budget(tiny_model_dirs[family], scenario))
-    assert engine.overlaps
-    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
-    assert [out.token_ids for out in outputs] == expected
-    if "preemption" in scenario:
-        assert engine.stats().counters.num_preemptions > 0
-    assert not engine.has_unfinished() and engine.stats().num_used_gpu_blocks == 0
-    engine.close()
+    for method in ("off", "auto"):
+        engine = build_engine(str(tiny_model_dirs[family]), device="cpu", dtype="float64", overlap="on",
+                              method=method, **SCENARIOS[scenario], **_kv_budget(tiny_model_dirs[family], scenario))
+        assert engine.overlaps
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
+        assert [out.token_ids for out in outputs] == expected, method
+        counters = engine.stats().counters
+        if "preemption" in scenario:
+            assert counters.num_preemptions > 0
+        if method == "off":
+            assert counters.num_steps_ahead > 0, counters
+        assert not engine.has_unfinished() and engine.stats().num_used_gpu_blocks == 0
+        engine.close()

@@ -5,13 +5,14 @@ worker; one batched with others at most two (it once took five, and ten innocent
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import time
 
 import redis
 
-from tests.worker_helpers import enqueue, start_worker_process
+from tests.worker_helpers import enqueue, start_worker_process, wait_serving
 from tokenmill.protocol.keys import Keys
 from tokenmill.protocol.schema import decode_result
 
@@ -43,7 +44,9 @@ def _supervise(redis_url: str, redis_client: redis.Redis, key_prefix: str, ids: 
                     workers[name] = _start(redis_url, key_prefix, name)
             time.sleep(0.05)
     finally:
-        for process in workers.values():
+        for name, process in workers.items():
+            with contextlib.suppress(AssertionError):  # NOTE: stopped anyway; its exit code then says so
+                wait_serving(redis_client, keys, name, process)  # one just restarted may still be loading
             process.send_signal(signal.SIGTERM)
         codes = [_wait_or_kill(process) for process in workers.values()]
     return deaths, codes

@@ -1,8 +1,8 @@
 """Every attention backend against the reference on random paged pools: block sizes 1/4/16, ragged
 contexts, GQA/MQA, head widths 8 to 128, decodes mixed with prefill chunks over a cached prefix and
 first chunks, and the strided per-layer pool views the engine passes; decodes over long contexts
-that the Triton kernel splits into partitions; a pool past 2^31 elements; the backend's own write
-of the step's keys and values.
+that the Triton kernel splits into segments; a pool past 2^31 elements; the backend's own write
+of the step's keys and values. (How the Triton kernels are launched: tests/unit/test_triton_paged_launch.py.)
 
 Every case runs on the CPU (Triton in its interpreter, see tests/triton_interpreter.py) and, on a
 machine with CUDA, on the GPU too (marked ``gpu``), with the same tensors moved there.
@@ -108,12 +108,11 @@ def test_bfloat16_matches_the_float32_reference(kind: str, device: str, heads: t
 @pytest.mark.parametrize(("kind", "device"), TRITON_CASES)
 def test_split_decode_matches_the_reference(kind: str, device: str, heads: tuple[int, int, int],
                                             dtype: torch.dtype) -> None:
-    """Long ragged decodes over few (sequence, kv head) pairs go through the partitions and their merge;
-    partitions past a short context stay empty."""
+    """Long ragged decodes over few (sequence, kv head) pairs go through the segments and their merge;
+    a short context leaves all segments but its first unused."""
     module = triton_module(device)
     num_sms = 64
-    partitions, size = module.decode_partitions(len(LONG_DECODES), heads[1], 1000, num_sms)
-    assert partitions > 1 and size < 333, (partitions, size)  # every context but the shortest is split
+    assert module.splits_decode(len(LONG_DECODES), heads[1], num_sms)
     args = make_batch(LONG_DECODES, heads, 16, dtype, seed=5)
     expected = paged_attention(**args)
     out = attend(kind, device, on_device(args, device), LONG_DECODES, num_sms=num_sms)
@@ -123,8 +122,8 @@ def test_split_decode_matches_the_reference(kind: str, device: str, heads: tuple
 
 @pytest.mark.parametrize(("kind", "device"), TRITON_CASES)
 def test_static_decode_width_splits_like_the_step(kind: str, device: str) -> None:
-    """A captured step sizes partitions by its block table's width, not by the contexts of the step:
-    the result must not depend on it."""
+    """A captured step passes its block table's width as the longest context: the result must not depend
+    on it (the launches do not either: tests/unit/test_triton_paged_launch.py)."""
     host_args = make_batch(LONG_DECODES, (8, 2, 64), 16, torch.float32, seed=6)
     expected = paged_attention(**host_args)
     args = on_device(host_args, device)
@@ -136,13 +135,11 @@ def test_static_decode_width_splits_like_the_step(kind: str, device: str) -> Non
 
 
 @NO_TRITON
-def test_decode_partitions() -> None:
+def test_split_decision_and_padded_heads() -> None:
     module = triton_module("cpu")
-    assert module.decode_partitions(64, 8, 4096, 132) == (1, 4096)  # 512 programs already fill the GPU
-    assert module.decode_partitions(1, 8, 100, 132) == (1, 100)  # too short to split
-    partitions, size = module.decode_partitions(1, 8, 8192, 132)
-    assert size % module.TILE_N == 0 and size >= module.MIN_PARTITION and partitions * size >= 8192
-    assert 8 * partitions >= 132  # the multiprocessors are busy
+    assert not module.splits_decode(64, 8, 132)  # 512 programs already fill the GPU
+    assert module.splits_decode(1, 8, 132)  # 8 programs on 132 multiprocessors
+    assert module.splits_decode(16, 8, 132) and not module.splits_decode(33, 8, 132)  # under 2 per multiprocessor
     assert module.head_dim_padded(8) == 16 and module.head_dim_padded(40) == 64 and module.head_dim_padded(128) == 128
 
 

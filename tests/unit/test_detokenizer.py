@@ -102,6 +102,25 @@ def test_random_ids_concatenate_to_full_decode(new: New, tokenizer_name: str, re
             assert not any("\ufffd" in d for d in deltas)
 
 
+@pytest.mark.parametrize("tokenizer_name", ["byte_tokenizer", "sp_tokenizer"])
+def test_a_whole_output_in_one_append_decodes_as_token_by_token(new: New, tokenizer_name: str,
+                                                                 request: pytest.FixtureRequest) -> None:
+    """A request nobody streams is decoded once, when it finishes (engine/output/output_processor.py): the same
+    text as streaming it token by token."""
+    tokenizer: PreTrainedTokenizerFast = request.getfixturevalue(tokenizer_name)
+    rng = random.Random(1)
+    for trial in range(100):
+        prompt = tokenizer.encode(" ".join(rng.sample(CORPUS[0].split(), rng.randrange(0, 4))))
+        ids = tokenizer.encode(rng.choice(CORPUS + MULTI_BYTE_TEXTS))[rng.randrange(0, 3):]
+        ids += [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 5))]
+        streamed = new(tokenizer, prompt, [])
+        stream(streamed, ids)
+        at_once = new(tokenizer, prompt, [])
+        at_once.append(ids)
+        at_once.finish()
+        assert at_once.text == streamed.text, (trial, prompt, ids)
+
+
 def test_special_tokens_skipped_or_kept(new: New, byte_tokenizer: PreTrainedTokenizerFast) -> None:
     eos = byte_tokenizer.eos_token_id
     ids = byte_tokenizer.encode("hello") + [eos, eos] + byte_tokenizer.encode(" world")

@@ -5,6 +5,7 @@ the prefix cache, stop rules token by token, and the same output as without spec
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ from tokenmill.engine.spec.draft_length import (
     StepCost,
     choose_draft_lengths,
 )
-from tokenmill.engine.spec.ngram import NgramIndex
+from tokenmill.engine.spec.ngram import LazyNgramIndex, NgramIndex
 from tokenmill.engine.spec.speculator import DraftSpeculator, build_speculator, draft_state
 from tokenmill.engine.spec.suffix_pool import SuffixPool
 from tokenmill.protocol.outcomes import FinishReason
@@ -53,6 +54,16 @@ def test_ngram_lookup_continues_the_latest_earlier_occurrence_of_the_longest_suf
     assert NgramIndex(2, 3).propose([1, 2, 3, 4], 4) == []  # no repeated n-gram
     assert NgramIndex(2, 3).propose([7, 7, 7, 7], 2) == [7]  # the continuation stops at the end
     assert NgramIndex(1, 2).propose([1, 2], 0) == []
+    # The index the speculator runs, over the request's prompt and output lists (tests/unit/test_spec_fast_paths.py
+    # holds it to the plain one's drafts in general).
+    lazy = LazyNgramIndex(min_n=2, max_n=3)
+    output = [9, 2, 3, 7, 1, 2, 3]
+    assert lazy.propose([1, 2, 3, 4, 5], output, 2) == [4, 5]
+    output.append(4)
+    assert lazy.propose([1, 2, 3, 4, 5], output, 3) == [5, 9, 2]
+    assert lazy.propose([1, 2, 3, 4, 5], output, 3, min_n=4) == []  # a tier asking for longer matches only
+    with pytest.raises(ValueError, match="min_n"):
+        LazyNgramIndex(min_n=0, max_n=3)
 
 
 def test_the_suffix_pool_drafts_from_earlier_outputs_and_forgets_the_oldest() -> None:
@@ -273,6 +284,83 @@ def test_a_failing_speculator_costs_the_drafts_not_the_engine(caplog: pytest.Log
 def test_a_fresh_speculator_drafts_before_any_step_was_timed() -> None:
     """No decode step measured yet (the cost model is empty): drafting is taken as free, not divided by zero."""
     assert choose_draft_lengths([("a", 3, 0.5)], 100, 1, 1, StepCost()) == {"a": 3}
+
+
+def test_a_first_draft_token_pays_for_its_proposing_out_of_the_steps_wall_time() -> None:
+    """4 decodes, a 1.04 ms forward and 4 ms of host time per step. Proposing at 0.2 ms a request: three 0.9 drafts
+    still pay, and lift the step's goodput to where a 0.3 draft's first token no longer buys its 0.21 ms; at 2 ms a
+    request no draft pays. Until the host time is known, proposing is taken as free; known, with free proposing,
+    it makes a draft token cheaper than the forward alone says."""
+    proposals = [("a", 4, 0.9), ("b", 4, 0.9), ("c", 4, 0.9), ("weak", 4, 0.3)]
+    cost = _cost(fixed_s=0.001, per_token_s=0.00001)
+    assert choose_draft_lengths(proposals, 4096, 4, 4, cost) == {"a": 4, "b": 4, "c": 4, "weak": 1}
+    cost.proposal_s = 0.0002
+    assert choose_draft_lengths(proposals, 4096, 4, 4, cost) == {"a": 4, "b": 4, "c": 4, "weak": 1}
+    cost.host_s = 0.004
+    assert choose_draft_lengths(proposals, 4096, 4, 4, cost) == {"a": 4, "b": 4, "c": 4}
+    cost.proposal_s = 0.002
+    assert choose_draft_lengths(proposals, 4096, 4, 4, cost) == {}
+    cost.proposal_s = 0.0
+    assert choose_draft_lengths(proposals, 4096, 4, 4, cost) == {"a": 4, "b": 4, "c": 4, "weak": 3}
+
+
+def test_requests_the_goodput_rule_could_not_draft_for_are_not_proposed_for() -> None:
+    """A compute-bound step (every token costs what the step makes per token): no draft token can pay, and the
+    proposers are not run at all; the requests are counted as drafting nothing, and proposing is not timed."""
+    asked: list[str] = []
+
+    class Recording:
+        name = "recording"
+
+        def propose(self, wanted: list[tuple[Request, list[int], int]]) -> dict[str, list[int]]:
+            asked.extend(request.request_id for request, _, _ in wanted)
+            return {request.request_id: [1, 2] for request, _, _ in wanted}
+
+        def finished(self, request: Request) -> None:
+            pass
+
+    speculator = DraftSpeculator([Recording()], num_speculative_tokens=4, min_acceptance=0.0)
+    requests = [(make_request(f"r{i}"), 4) for i in range(8)]
+    room = DraftRoom(num_tokens_left=4096, num_scheduled_tokens=8, num_decodes=8)
+    speculator.cost.fixed_s, speculator.cost.per_token_s = 1e-6, 0.001
+    assert speculator.cost.draft_threshold(8, 8) > 0.99
+    assert speculator.draft(requests, room) == {} and asked == []
+    assert speculator.counters.draft_length_counts == {0: 8}
+    assert speculator.cost.proposal_s == 0.0
+    speculator.cost.fixed_s = 0.1  # weight-bound: drafting pays again
+    assert speculator.draft(requests, room) == {f"r{i}": [1, 2] for i in range(8)}
+    assert asked == [f"r{i}" for i in range(8)]
+
+
+def test_the_engines_host_time_per_step_is_measured_between_two_steps() -> None:
+    """From one step's forward to the next, with one draft call between: that step's wall time; less its forward,
+    the host's. A gap with no draft call, or two, is not one step, and is left out."""
+    speculator = build_speculator(SpeculativeConfig(method="ngram"))
+    assert speculator is not None
+    room = DraftRoom(num_tokens_left=4096, num_scheduled_tokens=1, num_decodes=1)
+    speculator.observe_step(1, 0.001)
+    time.sleep(0.02)
+    speculator.draft([(make_request("r", prompt_token_ids=[1, 2, 1]), 4)], room)
+    speculator.observe_step(2, 0.005)
+    assert speculator.cost.host_s >= 0.015
+    speculator.observe_step(1, 0.001)  # no draft call between
+    speculator.draft([], room)
+    speculator.draft([], room)
+    speculator.observe_step(1, 0.001)  # two
+    assert len(speculator.cost._host) == 1
+
+
+def test_the_proposers_cost_is_a_median_one_slow_step_does_not_set_it() -> None:
+    """The step that first indexes a batch of prompts costs many times a steady one: a median over recent steps,
+    and none until a few were seen, keeps it from standing for the proposers' cost."""
+    cost = StepCost()
+    cost.observe_proposals(4, 0.004)  # 1 ms a request: new prompts indexed
+    cost.observe_proposals(256, 0.000512)
+    assert cost.proposal_s == 0.0
+    cost.observe_proposals(256, 0.000512)
+    assert cost.proposal_s == pytest.approx(2e-6)
+    cost.observe_proposals(0, 0.001)  # nobody asked: nothing to learn
+    assert len(cost._proposals) == 3
 
 
 # ------------------------------------------------------------------------------ lookup tiers

@@ -1,23 +1,36 @@
 """Paged attention for CUDA in Triton: every query row reads its sequence's keys and values straight
 from the block pool through the block table (no gather), decodes and prefill chunks alike.
 
-Imports torch and triton (triton only where this module is imported: the CUDA path). The grid
-depends only on the number of sequences, the longest query and (for a split decode) the longest
-context the step may have, never on the contexts themselves, so a decode step's launch is the same
-every step and can be captured in a CUDA graph.
+Imports torch and triton (triton only where this module is imported: the CUDA path). Grids and
+compile-time constants depend only on the step's shapes (tokens, sequences, heads), never on its
+contexts: an eager step compiles each kernel once whatever its contexts grow to, and a captured decode
+step (which knows only its block table's width) launches exactly what the eager step of its batch does.
 
-Tiles (one program per sequence, kv head and block of query tokens)::
+Tiles (one program per kv head and block of one sequence's query tokens)::
 
     rows of the tile:   q_tok 0: heads g0..gG | q_tok 1: heads g0..gG | ...   (BLOCK_M rows)
     keys of the tile:   TILE_N consecutive context positions; each position's block is looked
                         up in the block table, so any block size works (1, 4, 16, ...)
 
-Decode steps with few (sequence, kv head) pairs split each context into partitions (flash-decoding):
-one program per (sequence, kv head, partition) writes its partial softmax state, and a second
-kernel merges the partitions of each (sequence, head)::
+The query blocks of all sequences are numbered in one flat grid axis, so a mixed step launches about
+as many programs as it has query blocks, not sequences x the longest query's blocks (most of which
+would exit at once); each program finds its sequence by a binary search over ``query_start_loc``
+(vLLM's unified attention does the same)::
 
-    context:      | partition 0 | partition 1 | ... | partition P-1 |   (partitions past a
-    partial:        (m0, l0, acc0)  (m1, l1, acc1)       ...              context: m = -inf, l = 0)
+    sequence s owns flat blocks  first(s) .. first(s + 1) - 1,   first(s) = (query_start[s] - s) // BLOCK_Q + s
+
+    (first(s + 1) - first(s) >= cdiv(q_len_s, BLOCK_Q) for q_len_s >= 1; first(S) = (T - S) // BLOCK_Q + S
+    from the shapes alone: exactly S for a decode step, and over the sum of cdiv(q_len, BLOCK_Q) by less
+    than one block per prefill chunk)
+
+Decode steps with few (sequence, kv head) pairs split each context into NUM_SEGMENTS segments
+(flash-decoding): one program per (sequence, kv head, segment) writes its partial softmax state, and a
+second kernel merges the segments of each (sequence, head). The segment count is fixed; each segment's
+length comes from the sequence's own context, in the kernels::
+
+    length:       max(MIN_SEGMENT, cdiv(context, NUM_SEGMENTS) rounded up to TILE_N)
+    context:      | segment 0 | segment 1 | ... | segment k-1 |  (segments k.. past the context:
+    partial:        (m0, l0, acc0)  (m1, l1, acc1)   ...           no program works, the merge skips them)
     output:       sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p,   M = max_p m_p
 """
 
@@ -34,8 +47,10 @@ from tokenmill.engine.kernels.attention.metadata import AttentionMetadata
 TILE_N = 32  # context positions per inner step
 MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows on the GPU
 MIN_HEAD_DIM_P = 16  # and a K of at least 16: an 8-wide head is padded (NVIDIA Triton before 2026-04)
-MIN_PARTITION = 128  # fewest context positions of one decode partition (a multiple of TILE_N)
-PROGRAMS_PER_SM = 2  # a split decode aims at this many programs per multiprocessor
+NUM_SEGMENTS = 16  # segments of a split decode's context (a power of two: the merge loads them as one vector)
+# NOTE: a shorter segment would load the query and write a partial state for a handful of keys.
+MIN_SEGMENT = 128  # fewest context positions of one segment (a multiple of TILE_N: no tile is cut)
+PROGRAMS_PER_SM = 2  # a decode step with fewer (sequence, kv head) programs per multiprocessor splits
 INTERPRETER_SMS = 4  # what a split decode assumes off CUDA (Triton's interpreter, in tests)
 
 
@@ -81,9 +96,29 @@ def _attend_range(
 
 
 @triton.jit
+def _first_q_block(query_start_ptr, seq, BLOCK_Q: tl.constexpr):
+    """The flat index of sequence ``seq``'s first query block (see the module's docstring)."""
+    return (tl.load(query_start_ptr + seq) - seq) // BLOCK_Q + seq
+
+
+@triton.jit
+def _find_sequence(query_start_ptr, q_block, num_sequences, BLOCK_Q: tl.constexpr):
+    """The sequence that owns flat query block ``q_block``: the last one whose first block is not past it."""
+    lo = q_block * 0  # an int32 of the loop's type (num_sequences may be specialised to a constant)
+    hi = lo + num_sequences
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _first_q_block(query_start_ptr, mid, BLOCK_Q) <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    scale,
+    scale, num_sequences,
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -93,12 +128,13 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    flat_block = tl.program_id(0)
     kv_head = tl.program_id(1)
-    q_block = tl.program_id(2)
+    seq = _find_sequence(query_start_ptr, flat_block, num_sequences, BLOCK_Q)
+    q_block = flat_block - _first_q_block(query_start_ptr, seq, BLOCK_Q)  # within the sequence
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
-    if q_block * BLOCK_Q >= q_len:
+    if q_block * BLOCK_Q >= q_len:  # first(s + 1) may leave one block past sequence s's queries
         return
     seq_len = tl.load(seq_lens_ptr + seq)
 
@@ -127,24 +163,38 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _decode_partition_kernel(
+def _segment_length(seq_len, NUM_SEGMENTS: tl.constexpr, MIN_SEGMENT: tl.constexpr, TILE: tl.constexpr):
+    """Context positions per segment of a ``seq_len`` context, whole tiles: both kernels of a split decode
+    derive it, so the segments in use follow each sequence's own context, not a host-side bound."""
+    tiles = (seq_len + NUM_SEGMENTS * TILE - 1) // (NUM_SEGMENTS * TILE)
+    return tl.maximum(tiles * TILE, MIN_SEGMENT)
+
+
+@triton.jit
+def _decode_segment_kernel(
     m_ptr, l_ptr, acc_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    scale, partition_size,
+    scale,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt,
-    NUM_HEADS: tl.constexpr, NUM_PARTITIONS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-    ACC: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_SEGMENTS: tl.constexpr, MIN_SEGMENT: tl.constexpr, GROUP: tl.constexpr,
+    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr, ACC: tl.constexpr,
 ):
-    """One partition of one decode row's context, for the query heads of one kv head: the partial
-    softmax state ``(m, l, acc)`` of each head at ``[seq, head, partition]``."""
+    """One segment of one decode row's context, for the query heads of one kv head: the partial
+    softmax state ``(m, l, acc)`` of each head at ``[seq, head, segment]``; nothing for a segment
+    past the context (the merge does not read it)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    partition = tl.program_id(2)
-    q_start = tl.load(query_start_ptr + seq)
+    segment = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    length = _segment_length(seq_len, NUM_SEGMENTS, MIN_SEGMENT, TILE)
+    lo = segment * length
+    if lo >= seq_len:
+        return
+    hi = tl.minimum(seq_len, lo + length)
+    q_start = tl.load(query_start_ptr + seq)
 
     rows = tl.arange(0, ROWS)  # the group's heads of the one query token; rows past GROUP pad tl.dot
     head = kv_head * GROUP + rows
@@ -154,41 +204,42 @@ def _decode_partition_kernel(
     q_offsets = q_start.to(tl.int64) * stride_qt + head[:, None].to(tl.int64) * stride_qh + dims[None, :]
     q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     q_pos = tl.zeros([ROWS], tl.int32) + seq_len - 1
-    lo = partition * partition_size
-    hi = tl.minimum(seq_len, lo + partition_size)  # lo >= hi past the context: m = -inf, l = 0
     m, denom, acc = _attend_range(
         q, q_pos, row_ok, lo, hi,
         k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, scale,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         ROWS, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE, ACC,
     )
-    state = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_PARTITIONS + partition  # [ROWS]
+    state = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SEGMENTS + segment  # [ROWS]
     tl.store(m_ptr + state, m, mask=row_ok)
     tl.store(l_ptr + state, denom, mask=row_ok)
     tl.store(acc_ptr + state[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit
-def _merge_partitions_kernel(
-    out_ptr, m_ptr, l_ptr, acc_ptr, query_start_ptr,
+def _merge_segments_kernel(
+    out_ptr, m_ptr, l_ptr, acc_ptr, seq_lens_ptr, query_start_ptr,
     stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, NUM_PARTITIONS: tl.constexpr, NUM_PARTITIONS_P: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_SEGMENTS: tl.constexpr, MIN_SEGMENT: tl.constexpr, TILE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
 ):
-    """The output of one (decode row, head) from its partitions' partial softmax states."""
+    """The output of one (decode row, head) from the partial softmax states of its context's segments;
+    the segments past the context count as empty (max -inf, sum 0)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    parts = tl.arange(0, NUM_PARTITIONS_P)
-    part_ok = parts < NUM_PARTITIONS
+    seq_len = tl.load(seq_lens_ptr + seq)
+    length = _segment_length(seq_len, NUM_SEGMENTS, MIN_SEGMENT, TILE)
+    segments = tl.arange(0, NUM_SEGMENTS)
+    used = segments * length < seq_len
     dims = tl.arange(0, HEAD_DIM_P)
     dim_ok = dims < HEAD_DIM
-    state = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_PARTITIONS + parts
-    m = tl.load(m_ptr + state, mask=part_ok, other=float("-inf"))
-    denom = tl.load(l_ptr + state, mask=part_ok, other=0.0)
-    acc = tl.load(acc_ptr + state[:, None] * HEAD_DIM + dims[None, :], mask=part_ok[:, None] & dim_ok[None, :],
+    state = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SEGMENTS + segments
+    m = tl.load(m_ptr + state, mask=used, other=float("-inf"))
+    denom = tl.load(l_ptr + state, mask=used, other=0.0)
+    acc = tl.load(acc_ptr + state[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None] & dim_ok[None, :],
                   other=0.0)
     m_max = tl.max(m, axis=0)
-    weight = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty partitions weigh 0
+    weight = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty segments weigh 0
     total = tl.sum(weight * denom, axis=0)
     out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total == 0.0, 1.0, total)
     q_start = tl.load(query_start_ptr + seq).to(tl.int64)
@@ -201,20 +252,16 @@ def head_dim_padded(head_dim: int) -> int:
     return max(MIN_HEAD_DIM_P, int(triton.next_power_of_2(head_dim)))
 
 
-def decode_partitions(num_sequences: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> tuple[int, int]:
-    """``(partitions, positions per partition)`` of a decode step's contexts; ``(1, max_seq_len)`` = no split.
+def splits_decode(num_sequences: int, num_kv_heads: int, num_sms: int) -> bool:
+    """Whether a decode step splits its contexts into ``NUM_SEGMENTS`` segments.
 
     NOTE: a decode step has one program per (sequence, kv head): at batch 1 with 8 kv heads that is
-    8 programs on 132 multiprocessors, each walking the whole context. Splitting the context brings
-    the step to about ``PROGRAMS_PER_SM`` programs per multiprocessor, in partitions of at least
-    ``MIN_PARTITION`` positions (a merge pass costs more than a partition that short saves).
+    8 programs on 132 multiprocessors, each walking the whole context. Under ``PROGRAMS_PER_SM`` per
+    multiprocessor the step splits. Only the batch's shape decides, never its contexts: a captured
+    step, which sees only its block table's width, takes the eager step's path, and the segments of a
+    short context that are not needed cost a program that exits at once.
     """
-    wanted = -(-PROGRAMS_PER_SM * num_sms // max(1, num_sequences * num_kv_heads))
-    partitions = min(wanted, -(-max_seq_len // MIN_PARTITION))
-    if partitions <= 1:
-        return 1, max_seq_len
-    size = -(-max_seq_len // (partitions * TILE_N)) * TILE_N
-    return -(-max_seq_len // size), size
+    return num_sequences * num_kv_heads < PROGRAMS_PER_SM * num_sms
 
 
 @functools.cache
@@ -233,7 +280,6 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     max_query_len: int,
-    max_seq_len: int,
     num_sms: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged context (the unified op of
@@ -245,16 +291,15 @@ def paged_attention(
         value_cache: same shape and dtype as ``key_cache``.
         block_tables: int32 ``[S, max_blocks]``.
         seq_lens: int32 ``[S]``: context lengths, this step's tokens included.
-        query_start_loc: int32 ``[S + 1]``.
+        query_start_loc: int32 ``[S + 1]``; every sequence has at least one query token.
         scale: softmax scale.
-        max_query_len: the most query tokens of one sequence (sizes the grid; 1 for decodes).
-        max_seq_len: at least the longest context (sizes a split decode's partitions).
+        max_query_len: the most query tokens of one sequence (1: a decode step, which may split).
         num_sms: multiprocessors a split decode fills; None: the device's.
 
     Returns:
         ``[T, heads, head_dim]`` in the query's dtype (accumulated in float32; float64 for float64).
     """
-    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
@@ -265,31 +310,29 @@ def paged_attention(
     shared = dict(HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_padded(head_dim), BLOCK_SIZE=block_size, TILE=TILE_N, ACC=acc)
     cache_strides = (key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                      value_cache.stride(0), value_cache.stride(1), value_cache.stride(2))
-    if max_query_len == 1:
-        sms = num_sms if num_sms is not None else _multiprocessors(query.device)
-        partitions, partition_size = decode_partitions(num_sequences, num_kv_heads, max_seq_len, sms)
-        if partitions > 1:
-            rows = max(MIN_BLOCK_M, group_p)
-            m = torch.empty(num_sequences, num_heads, partitions, dtype=acc_torch, device=query.device)
-            denom = torch.empty_like(m)
-            partial = torch.empty(num_sequences, num_heads, partitions, head_dim, dtype=acc_torch, device=query.device)
-            _decode_partition_kernel[(num_sequences, num_kv_heads, partitions)](
-                m, denom, partial, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                scale, partition_size,
-                query.stride(0), query.stride(1), *cache_strides, block_tables.stride(0),
-                NUM_HEADS=num_heads, NUM_PARTITIONS=partitions, GROUP=group, ROWS=rows, **shared,
-            )
-            _merge_partitions_kernel[(num_sequences, num_heads)](
-                out, m, denom, partial, query_start_loc, out.stride(0), out.stride(1),
-                NUM_HEADS=num_heads, NUM_PARTITIONS=partitions, NUM_PARTITIONS_P=triton.next_power_of_2(partitions),
-                HEAD_DIM=head_dim, HEAD_DIM_P=shared["HEAD_DIM_P"],
-            )
-            return out
+    sms = num_sms if num_sms is not None else _multiprocessors(query.device)
+    if max_query_len == 1 and splits_decode(num_sequences, num_kv_heads, sms):
+        m = torch.empty(num_sequences, num_heads, NUM_SEGMENTS, dtype=acc_torch, device=query.device)
+        denom = torch.empty_like(m)
+        partial = torch.empty(num_sequences, num_heads, NUM_SEGMENTS, head_dim, dtype=acc_torch, device=query.device)
+        _decode_segment_kernel[(num_sequences, num_kv_heads, NUM_SEGMENTS)](
+            m, denom, partial, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+            scale,
+            query.stride(0), query.stride(1), *cache_strides, block_tables.stride(0),
+            NUM_HEADS=num_heads, NUM_SEGMENTS=NUM_SEGMENTS, MIN_SEGMENT=MIN_SEGMENT, GROUP=group,
+            ROWS=max(MIN_BLOCK_M, group_p), **shared,
+        )
+        _merge_segments_kernel[(num_sequences, num_heads)](
+            out, m, denom, partial, seq_lens, query_start_loc, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, NUM_SEGMENTS=NUM_SEGMENTS, MIN_SEGMENT=MIN_SEGMENT, TILE=TILE_N,
+            HEAD_DIM=head_dim, HEAD_DIM_P=shared["HEAD_DIM_P"],
+        )
+        return out
     block_q = max(1, MIN_BLOCK_M // group_p) if max_query_len == 1 else max(1, 64 // group_p)
-    grid = (num_sequences, num_kv_heads, triton.cdiv(max_query_len, block_q))
-    _paged_attention_kernel[grid](
+    q_blocks = (num_tokens - num_sequences) // block_q + num_sequences  # first(S): the module's docstring
+    _paged_attention_kernel[(q_blocks, num_kv_heads)](
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale,
+        scale, num_sequences,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         *cache_strides,
@@ -320,4 +363,4 @@ class TritonBackend:
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                               meta.query_start_loc, scale, meta.max_query_len, meta.max_seq_len, self.num_sms)
+                               meta.query_start_loc, scale, meta.max_query_len, self.num_sms)

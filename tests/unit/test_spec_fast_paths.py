@@ -1,0 +1,93 @@
+"""Property tests: the speculator's fast paths choose exactly what their plain forms do.
+
+The n-gram index it runs (``LazyNgramIndex``) proposes the drafts of the plain one it replaced (``NgramIndex``,
+kept as the specification): the same longest suffix, its latest earlier occurrence, the same continuation, call
+after call as a request's output grows, for any n range, any tier's ``min_n``, any draft length, whether a call
+brings one new token or a whole prompt (the bulk path), and whether the lookup reaches an n the index has not
+needed before (the lazy catch-up). And ``choose_draft_lengths`` sizes drafts as the token-by-token goodput rule
+(``greedy_draft_lengths``) does, whatever the step cost, the proposing's cost, the host time and the budget.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.unit.scheduler_helpers import make_request
+from tokenmill.engine.config import SpeculativeConfig
+from tokenmill.engine.core.speculation import DraftRoom
+from tokenmill.engine.spec.draft_length import StepCost, choose_draft_lengths, greedy_draft_lengths
+from tokenmill.engine.spec.ngram import BULK_GRAMS, LazyNgramIndex, NgramIndex
+from tokenmill.engine.spec.speculator import NgramProposer, build_speculator, draft_state
+
+
+@st.composite
+def histories(draw: st.DrawFn) -> dict[str, Any]:
+    max_n = draw(st.integers(1, 6))
+    # NOTE: few distinct tokens make repeats (matches of every length); a large id now and then, as a vocabulary has
+    alphabet = draw(st.lists(st.integers(0, 200_000), min_size=1, max_size=draw(st.integers(1, 5)), unique=True))
+    tokens = st.sampled_from(alphabet)
+    calls = draw(st.lists(st.tuples(
+        st.lists(tokens, max_size=draw(st.sampled_from([3, BULK_GRAMS + 8]))),  # output tokens added before the call
+        st.integers(0, 8),  # draft tokens asked for
+        st.one_of(st.none(), st.integers(0, max_n + 1)),  # the tier's min_n
+    ), min_size=1, max_size=25))
+    return {"min_n": draw(st.integers(1, max_n)), "max_n": max_n,
+            "prompt": draw(st.lists(tokens, max_size=draw(st.sampled_from([4, 3 * BULK_GRAMS])))), "calls": calls}
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(histories())
+def test_the_lazy_index_proposes_the_plain_indexs_drafts(history: dict[str, Any]) -> None:
+    reference = NgramIndex(history["min_n"], history["max_n"])
+    lazy = LazyNgramIndex(history["min_n"], history["max_n"])
+    prompt: list[int] = history["prompt"]
+    output: list[int] = []
+    for new_tokens, num_tokens, min_n in history["calls"]:
+        output.extend(new_tokens)
+        expected = reference.propose(prompt + output, num_tokens, min_n)
+        assert lazy.propose(prompt, output, num_tokens, min_n) == expected, (prompt, output, num_tokens, min_n)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.lists(st.integers(0, 3), max_size=5), min_size=1, max_size=20), st.integers(1, 3))
+def test_every_tier_drafts_what_the_plain_index_proposes(steps: list[list[int]], ngram_min: int) -> None:
+    """Through the speculator (``auto``'s tiers over the request's own tokens, the suffix pool empty): each step's
+    draft is the plain index's for the first tier that finds one."""
+    speculator = build_speculator(SpeculativeConfig(method="auto", ngram_min=ngram_min, min_acceptance=0.0))
+    assert speculator is not None
+    tiers = [(p.name, p.min_n) for p in speculator.proposers if isinstance(p, NgramProposer)]
+    reference = NgramIndex(ngram_min, SpeculativeConfig().ngram_max)
+    request = make_request("r", prompt_token_ids=[1, 2, 3, 1, 2], max_tokens=1000)
+    room = DraftRoom(num_tokens_left=4096, num_scheduled_tokens=1, num_decodes=1)
+    for new_tokens in steps:
+        request.output_token_ids.extend(new_tokens)
+        tokens = request.prompt_token_ids + request.output_token_ids
+        expected = next(((name, draft) for name, draft in ((name, reference.propose(tokens, 10, min_n))
+                                                           for name, min_n in tiers) if draft), ("", []))
+        assert speculator.draft([(request, 10)], room).get("r", []) == expected[1]
+        if expected[1]:
+            assert draft_state(request).proposer == expected[0]
+            speculator.observe(request, len(expected[1]), len(expected[1]))
+
+
+@st.composite
+def draft_choices(draw: st.DrawFn) -> dict[str, Any]:
+    rates = st.one_of(st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0]), st.floats(0.0, 1.0))
+    proposals = [(f"r{i}", draw(st.integers(0, 10)), draw(rates)) for i in range(draw(st.integers(0, 12)))]
+    cost = StepCost()
+    seconds = st.one_of(st.just(0.0), st.floats(1e-7, 0.05))
+    cost.fixed_s, cost.per_token_s, cost.host_s, cost.proposal_s = (draw(seconds), draw(seconds) / 100,
+                                                                    draw(seconds), draw(seconds) / 100)
+    num_decodes = draw(st.integers(max(1, len(proposals)), 300))
+    return {"proposals": proposals, "num_tokens_left": draw(st.integers(0, 150)),
+            "num_scheduled_tokens": num_decodes + draw(st.integers(0, 200)), "num_decodes": num_decodes,
+            "cost": cost}
+
+
+@settings(max_examples=1500, deadline=None)
+@given(draft_choices())
+def test_draft_lengths_are_the_greedy_rules(case: dict[str, Any]) -> None:
+    assert choose_draft_lengths(**case) == greedy_draft_lengths(**case)
