@@ -3,6 +3,10 @@
 Never imports torch, transformers, the engine or the worker.
 """
 
+if __name__ != "tokenmill.producer":  # the folder under its bare name would be a second copy of each module
+    raise ImportError(f"{__file__} is tokenmill.producer: import it by that name, not as {__name__!r}",
+                      name=__name__)
+
 from tokenmill.producer.aio import AsyncProducer
 from tokenmill.producer.client import Producer
 from tokenmill.producer.common import SubmitOptions

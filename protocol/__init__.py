@@ -18,3 +18,7 @@ common names lazily)::
     logs.py        the log line
     version.py     tokenmill's version, as every part reports it
 """
+
+if __name__ != "tokenmill.protocol":  # the folder under its bare name would be a second copy of each module
+    raise ImportError(f"{__file__} is tokenmill.protocol: import it by that name, not as {__name__!r}",
+                      name=__name__)
