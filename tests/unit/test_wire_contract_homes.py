@@ -53,8 +53,11 @@ import tokenmill
 
 names, optional = json.loads(sys.argv[1]), set(json.loads(sys.argv[2]))
 found, skipped, failed = {}, {}, {}
-modules = ["tokenmill"] + sorted(m.name for m in pkgutil.walk_packages(tokenmill.__path__, "tokenmill.")
-                                 if m.name.rpartition(".")[2] != "__main__")
+# NOTE: the parts are found by tokenmill's own finder in a checkout (not through tokenmill.__path__): walk each
+parts = [importlib.import_module(f"tokenmill.{part}") for part in json.loads(sys.argv[3])]
+modules = ["tokenmill"] + [part.__name__ for part in parts] + sorted(
+    m.name for part in parts for m in pkgutil.walk_packages(part.__path__, part.__name__ + ".")
+    if m.name.rpartition(".")[2] != "__main__")
 for name in modules:
     try:
         module = importlib.import_module(name)
@@ -80,7 +83,8 @@ print(json.dumps({"found": found, "skipped": skipped, "failed": failed}))
 @pytest.fixture(scope="module")
 def walk() -> dict[str, Any]:
     """Every module of tokenmill, imported in a child process: what each holds and exports of :data:`HOMES`."""
-    out = subprocess.run([sys.executable, "-c", _WALK, json.dumps(sorted(HOMES)), json.dumps(sorted(OPTIONAL))],
+    out = subprocess.run([sys.executable, "-c", _WALK, json.dumps(sorted(HOMES)), json.dumps(sorted(OPTIONAL)),
+                          json.dumps(PARTS)],
                          cwd=ROOT, capture_output=True, text=True, check=True, timeout=600)
     result: dict[str, Any] = json.loads(out.stdout)
     return result
