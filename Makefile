@@ -41,14 +41,14 @@ demo: run
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
-	$(BIN)/mypy
+	$(BIN)/python ops/typecheck.py
 	$(BIN)/ruff check .
 
 test-fast: install
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 typecheck: install
-	$(BIN)/mypy
+	$(BIN)/python ops/typecheck.py
 
 lint: install
 	$(BIN)/ruff check .

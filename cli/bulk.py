@@ -34,7 +34,7 @@ from tokenmill.cli.local_worker import (
 from tokenmill.producer import bulk
 from tokenmill.producer.bulk import BulkInputError, BulkJob, BulkOptions, BulkSummary
 from tokenmill.producer.bulk.report import render_summary
-from tokenmill.producer.errors import ProducerError
+from tokenmill.protocol.errors import ProducerError
 
 if TYPE_CHECKING:
     from tokenmill.worker.config import Settings

@@ -25,10 +25,12 @@ from tokenmill.cli.common import (
 from tokenmill.cli.tables import print_line, print_rows
 from tokenmill.producer import dead_letters
 from tokenmill.producer.common import build_request
-from tokenmill.producer.errors import ResultTimeout, SchemaError
+from tokenmill.producer.errors import ResultTimeout
 from tokenmill.producer.eta import format_duration
-from tokenmill.producer.schema import GenerationRequest, GenerationResult, SamplingParams
+from tokenmill.protocol.errors import SchemaError
 from tokenmill.protocol.heartbeat import STALE_AFTER_S
+from tokenmill.protocol.sampling import SamplingParams
+from tokenmill.protocol.schema import GenerationRequest, GenerationResult
 
 EXIT_NOT_READY = 2  # result: not landed (yet), or the wait ran out
 LANE_COLUMNS = ("lane", "model", "depth", "pending", "lag")  # model: "-" for the shared lanes

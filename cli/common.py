@@ -19,8 +19,8 @@ from pydantic_core import ErrorDetails
 
 from tokenmill.producer.client import Producer
 from tokenmill.producer.config import ClientSettings
-from tokenmill.producer.errors import ProducerError
-from tokenmill.producer.version import package_version
+from tokenmill.protocol.errors import ProducerError
+from tokenmill.protocol.version import package_version
 
 T = TypeVar("T")
 

@@ -21,7 +21,7 @@ import typer
 from pydantic import ValidationError
 
 from tokenmill.cli.common import fail, validation_exit
-from tokenmill.producer.errors import ProducerError
+from tokenmill.protocol.errors import ProducerError
 
 if TYPE_CHECKING:
     from tokenmill.worker.config import Settings

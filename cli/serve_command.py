@@ -26,7 +26,8 @@ from tokenmill.cli.local_worker import (
 )
 from tokenmill.producer.client import Producer
 from tokenmill.producer.config import ServeSettings
-from tokenmill.producer.errors import ProducerError, RedisUnavailable
+from tokenmill.producer.errors import RedisUnavailable
+from tokenmill.protocol.errors import ProducerError
 
 if TYPE_CHECKING:
     import uvicorn

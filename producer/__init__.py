@@ -3,21 +3,20 @@
 Never imports torch, transformers, the engine or the worker.
 """
 
+if __name__ != "tokenmill.producer":  # the folder under its bare name would be a second copy of each module
+    raise ImportError(f"{__file__} is tokenmill.producer: import it by that name, not as {__name__!r}",
+                      name=__name__)
+
 from tokenmill.producer.aio import AsyncProducer
 from tokenmill.producer.client import Producer
 from tokenmill.producer.common import SubmitOptions
-from tokenmill.producer.config import ProducerConfig, QueueConfig, RedisConfig
+from tokenmill.producer.config import ProducerConfig
 from tokenmill.producer.connection import aconnect, connect
-from tokenmill.producer.errors import (
-    JobFailed,
-    ProducerError,
-    RedisUnavailable,
-    ResultTimeout,
-    SchemaError,
-    SubmitUncertain,
-)
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.schema import GenerationRequest, GenerationResult, Message, SamplingParams
+from tokenmill.producer.errors import JobFailed, RedisUnavailable, ResultTimeout, SubmitUncertain
+from tokenmill.protocol.config import QueueConfig, RedisConfig
+from tokenmill.protocol.errors import ProducerError, SchemaError
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.schema import GenerationRequest, GenerationResult, Message
 
 __all__ = [
     "AsyncProducer",
@@ -33,7 +32,6 @@ __all__ = [
     "RedisConfig",
     "RedisUnavailable",
     "ResultTimeout",
-    "SamplingParams",
     "SchemaError",
     "SubmitOptions",
     "SubmitUncertain",

@@ -17,9 +17,9 @@ from tokenmill.producer import common, worker_check
 from tokenmill.producer.common import Deadline, SubmitOptions
 from tokenmill.producer.config import ProducerConfig
 from tokenmill.producer.connection import aconnect
-from tokenmill.producer.keys import DONE_TTL_S
-from tokenmill.producer.schema import GenerationRequest, GenerationResult
 from tokenmill.protocol.heartbeat import STALE_AFTER_S
+from tokenmill.protocol.keys import DONE_TTL_S
+from tokenmill.protocol.schema import GenerationRequest, GenerationResult
 
 
 class AsyncProducer:
@@ -52,7 +52,7 @@ class AsyncProducer:
 
     def _setup(self, config: ProducerConfig, client: redis.asyncio.Redis | None, check_workers: bool) -> None:
         self.config = config
-        self.layout = config.layout  # the queue's shards (producer/shards.py)
+        self.layout = config.layout  # the queue's shards (protocol/shards.py)
         self.keys = self.layout.home  # the queue's own keys: heartbeats, reply streams (all of them for one shard)
         self._owns_client = client is None
         self._client = client

@@ -23,8 +23,11 @@ from celery import Celery
 from tokenmill.producer import common
 from tokenmill.producer.client import Producer
 from tokenmill.producer.config import ProducerConfig
-from tokenmill.producer.errors import JobFailed, ResultTimeout, SchemaError
-from tokenmill.producer.schema import ErrorCode, GenerationResult, SamplingParams
+from tokenmill.producer.errors import JobFailed, ResultTimeout
+from tokenmill.protocol.errors import SchemaError
+from tokenmill.protocol.outcomes import ErrorCode
+from tokenmill.protocol.sampling import SamplingParams
+from tokenmill.protocol.schema import GenerationResult
 
 Mode = Literal["recheck", "blocking"]
 TASK_NAME = "tokenmill.generate"

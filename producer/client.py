@@ -17,9 +17,9 @@ from tokenmill.producer import common, worker_check
 from tokenmill.producer.common import Deadline, SubmitOptions
 from tokenmill.producer.config import ProducerConfig
 from tokenmill.producer.connection import connect
-from tokenmill.producer.keys import DONE_TTL_S, Lane
-from tokenmill.producer.schema import GenerationRequest, GenerationResult
 from tokenmill.protocol.heartbeat import STALE_AFTER_S
+from tokenmill.protocol.keys import DONE_TTL_S, Lane
+from tokenmill.protocol.schema import GenerationRequest, GenerationResult
 
 
 class Producer:
@@ -65,7 +65,7 @@ class Producer:
 
     def _setup(self, config: ProducerConfig, client: redis.Redis | None, check_workers: bool) -> None:
         self.config = config
-        self.layout = config.layout  # the queue's shards (producer/shards.py)
+        self.layout = config.layout  # the queue's shards (protocol/shards.py)
         self.keys = self.layout.home  # the queue's own keys: heartbeats, reply streams (all of them for one shard)
         self._owns_client = client is None
         self.client = client if client is not None else connect(config.redis)
@@ -107,7 +107,7 @@ class Producer:
                 ``stream_tokens``; ``metadata`` (JSON-compatible, echoed back); ``model``.
 
         A cancel mark left on the same id by an earlier request is cleared in the same round trip.
-        On a sharded queue a generated id is chosen on the shard of the queue's placement (producer/shards.py).
+        On a sharded queue a generated id is chosen on the shard of the queue's placement (protocol/shards.py).
 
         Returns:
             The request id.

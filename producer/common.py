@@ -15,17 +15,18 @@ from typing import Any, Literal, TypedDict
 import redis
 from pydantic import ValidationError
 
-from tokenmill.producer.config import MAX_BLOCK_S
-from tokenmill.producer.errors import JobFailed, ResultTimeout, SchemaError, SubmitUncertain
+from tokenmill.producer.errors import JobFailed, ResultTimeout, SubmitUncertain
 from tokenmill.producer.eta import queue_eta
-from tokenmill.producer.keys import CONSUMER_GROUP, Keys, Lane
-from tokenmill.producer.schema import (
-    ErrorCode,
+from tokenmill.protocol.config import MAX_BLOCK_S
+from tokenmill.protocol.errors import SchemaError
+from tokenmill.protocol.heartbeat import READ_WORKERS_LUA, Heartbeat, decode_heartbeat, split_workers_reply
+from tokenmill.protocol.keys import CONSUMER_GROUP, Keys, Lane
+from tokenmill.protocol.outcomes import ErrorCode
+from tokenmill.protocol.sampling import ResponseFormat, SamplingParams
+from tokenmill.protocol.schema import (
     GenerationRequest,
     GenerationResult,
     Message,
-    ResponseFormat,
-    SamplingParams,
     ToolSpec,
     check_reply_to,
     decode_result,
@@ -33,8 +34,7 @@ from tokenmill.producer.schema import (
     encode_request,
     peek_request_id,
 )
-from tokenmill.producer.shards import QueueLayout
-from tokenmill.protocol.heartbeat import READ_WORKERS_LUA, Heartbeat, decode_heartbeat, split_workers_reply
+from tokenmill.protocol.shards import QueueLayout
 
 # Longest single blocking command; a wait longer than this is a loop of such slices, each
 # followed by a re-check of the result keys (so a lost wake-up costs at most one slice).
@@ -178,7 +178,7 @@ def coerce_request(keys: Keys, item: GenerationRequest | Mapping[str, Any]) -> G
 
 def build_placed(layout: QueueLayout, options: Mapping[str, Any]) -> GenerationRequest:
     """:func:`build_request` on the queue's shards: without a ``request_id`` the id is chosen on the shard of the
-    queue's placement (producer/shards.py); a given id decides its shard itself.
+    queue's placement (protocol/shards.py); a given id decides its shard itself.
 
     Raises:
         SchemaError: code ``validation``.

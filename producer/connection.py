@@ -4,7 +4,7 @@ Picks the server (config url > $REDIS_URL > embedded Redis), then retries with b
 PINGs and logs. With ``[redis] cluster = true`` or a ``redis+cluster://`` / ``rediss+cluster://`` URL
 the client is redis-py's cluster client (it follows MOVED/ASK and refreshes its slot map after a
 failover); it is typed as ``redis.Redis`` for the callers, which use only commands both serve, each
-naming keys of one slot (producer/shards.py). Never imports torch, the engine or the worker.
+naming keys of one slot (protocol/shards.py). Never imports torch, the engine or the worker.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from redis.exceptions import ClusterError, RedisClusterException, TryAgainError
 from redis.retry import Retry
 
 from tokenmill.producer import embedded
-from tokenmill.producer.config import CLUSTER_SCHEMES, RedisConfig
 from tokenmill.producer.errors import RedisUnavailable
+from tokenmill.protocol.config import CLUSTER_SCHEMES, RedisConfig
 
 logger = logging.getLogger("tokenmill.connection")
 

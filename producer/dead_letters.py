@@ -1,7 +1,7 @@
 """Dead letters of a queue: read them, and requeue them onto their lane as fresh deliveries.
 
 Each shard of a queue has its dead-letter stream (the worker writes it in the same script as the answer);
-reading goes over every shard's. Imports redis and producer (keys, shards, schema) only; never the engine
+reading goes over every shard's. Imports redis and protocol (keys, shards, schema) only; never the engine
 or the worker.
 """
 
@@ -13,9 +13,10 @@ from typing import Any, cast
 
 import redis
 
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.schema import ErrorCode, decode_result, peek_request_id
-from tokenmill.producer.shards import QueueLayout
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.outcomes import ErrorCode
+from tokenmill.protocol.schema import decode_result, peek_request_id
+from tokenmill.protocol.shards import QueueLayout
 
 # Fields the worker adds when it dead-letters an entry; the rest are the original entry's.
 _DEAD_FIELDS = (b"reason", b"stream", b"entry_id")

@@ -1,5 +1,5 @@
-"""Exceptions of the producer side. Imports pydantic only: never the schema (which imports this
-module), torch or the engine."""
+"""Exceptions of the producer side. Imports pydantic and protocol.errors only (whose ``ProducerError`` is the base
+of all of them, and of the wire's ``SchemaError`` and ``ConfigError``); never torch or the engine."""
 
 from __future__ import annotations
 
@@ -8,22 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-
-class ProducerError(Exception):
-    """Base class of every error the producer raises on purpose."""
-
-
-class SchemaError(ProducerError):
-    """A message could not be decoded or validated.
-
-    Attributes:
-        code: one of :class:`producer.schema.ErrorCode`'s values, e.g. ``"undecodable"``.
-    """
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
+from tokenmill.protocol.errors import ProducerError
 
 
 class ResultTimeout(ProducerError, TimeoutError):
@@ -51,10 +36,6 @@ class JobFailed(ProducerError):
 
     def __str__(self) -> str:
         return self.message
-
-
-class ConfigError(ProducerError):
-    """A settings file cannot be read, or the environment names a setting in a refused way."""
 
 
 class RedisUnavailable(ProducerError, ConnectionError):

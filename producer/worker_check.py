@@ -25,9 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.producer.config import ProducerConfig
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.schema import GenerationRequest
-from tokenmill.producer.shards import QueueLayout
 from tokenmill.protocol.heartbeat import (
     READ_WORKERS_LUA,
     STALE_AFTER_S,
@@ -35,6 +32,9 @@ from tokenmill.protocol.heartbeat import (
     decode_heartbeat,
     split_workers_reply,
 )
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.schema import GenerationRequest
+from tokenmill.protocol.shards import QueueLayout
 
 log = logging.getLogger("tokenmill.producer")
 

@@ -1,21 +1,24 @@
-"""The vocabulary every part of tokenmill speaks: sampling parameters and response formats, finish
-reasons, error codes, token logprobs, worker heartbeats, the log line. Pydantic and msgpack only, so the engine,
-the worker, the producer, serve and the CLI can all import it (it imports none of them).
+"""The wire contract of tokenmill: everything two processes must agree on, in one folder. Pydantic, pydantic-settings
+and msgpack only, so the engine, the worker, the producer, serve and the CLI can all import it (it imports none
+of them, and never redis or torch).
+
+Each name has one home, imported from it (this package re-exports nothing; ``tokenmill`` itself lends a few
+common names lazily)::
+
+    sampling.py    SamplingParams, ResponseFormat: how to generate (the engine's input too)
+    outcomes.py    FinishReason, ErrorCode, AbortReason, token logprobs: how a request ended
+    schema.py      GenerationRequest / GenerationResult and their msgpack encoding: the messages
+    keys.py        Keys: every Redis key and stream name of a queue
+    shards.py      QueueLayout: a queue spread over shards, and which shard a request lives on
+    heartbeat.py   Heartbeat: the workers hash, its scripts and the liveness rule
+    rates.py       the per-minute counters behind the dashboard's rates
+    config.py      the [queue], [redis] and [serve] sections of a deployment file and their one loader
+    errors.py      SchemaError, ConfigError (and their base, ProducerError)
+    values.py      what one value on the wire may be (UTF-8 text, bounded metadata, the version field)
+    logs.py        the log line
+    version.py     tokenmill's version, as every part reports it
 """
 
-from tokenmill.protocol.heartbeat import STALE_AFTER_S, Heartbeat
-from tokenmill.protocol.outcomes import ErrorCode, FinishReason, TokenLogprob, TopLogprob
-from tokenmill.protocol.sampling import MAX_SAMPLES, JsonSchemaSpec, ResponseFormat, SamplingParams
-
-__all__ = [
-    "MAX_SAMPLES",
-    "STALE_AFTER_S",
-    "ErrorCode",
-    "FinishReason",
-    "Heartbeat",
-    "JsonSchemaSpec",
-    "ResponseFormat",
-    "SamplingParams",
-    "TokenLogprob",
-    "TopLogprob",
-]
+if __name__ != "tokenmill.protocol":  # the folder under its bare name would be a second copy of each module
+    raise ImportError(f"{__file__} is tokenmill.protocol: import it by that name, not as {__name__!r}",
+                      name=__name__)

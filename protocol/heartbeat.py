@@ -113,7 +113,7 @@ class Heartbeat(BaseModel):
     # Every name a request's ``model`` may give to reach this worker: it reads those models' lanes. Empty
     # from a worker of an older release, which reads the shared lanes only (serves no request naming a model).
     model_names: list[str] = Field(default_factory=list)
-    # The layout of the queue the worker reads (producer/shards.py), so a producer can tell its own from the
+    # The layout of the queue the worker reads (protocol/shards.py), so a producer can tell its own from the
     # workers' (producer/worker_check.py). None from a worker of an older release (the fields are absent).
     prefix: str | None = None
     queue: str | None = None

@@ -1,5 +1,5 @@
-"""How a request ended: finish reasons, error codes and token logprobs, as the engine reports them
-and the wire carries them. Pydantic only."""
+"""How a request ended: finish reasons, error codes, abort reasons and token logprobs, as the engine and the
+worker report them and the wire carries them. Pydantic only."""
 
 from __future__ import annotations
 
@@ -31,6 +31,19 @@ class ErrorCode(str, enum.Enum):
     MODEL_NOT_SERVED = "model_not_served"  # request names a model this worker does not run
     MAX_DELIVERIES = "max_deliveries"  # delivered too often (worker crashes); dead-lettered
     INTERNAL = "internal"  # the engine failed on this request (the worker lives on)
+
+
+class AbortReason(str, enum.Enum):
+    """Why a worker aborted a request it had taken, or answered one without running it. A str enum, like
+    :class:`FinishReason`: ``AbortReason.EXPIRED == "expired"``.
+
+    ``cancelled`` and ``expired`` are also the result's ``status`` and its error ``code``; a ``handover``
+    is never answered: the entry stays pending for another worker.
+    """
+
+    CANCELLED = "cancelled"  # the request's id is in the queue's cancel set
+    EXPIRED = "expired"  # its deadline passed before it started
+    HANDOVER = "handover"  # the worker is shutting down and gives back work that has not started
 
 
 class _Record(BaseModel):

@@ -25,7 +25,7 @@ import redis
 
 from tokenmill.producer.bulk import BulkJob, BulkOptions
 from tokenmill.producer.client import Producer
-from tokenmill.producer.config import ServeConfig
+from tokenmill.protocol.config import ServeConfig
 from tokenmill.serve.batch_store import ACTIVE, EXTENSION, BatchStore
 from tokenmill.serve.batch_usage import requested_model, summarize_output
 from tokenmill.serve.files import FileGone, FileStore, path_chunks

@@ -21,7 +21,7 @@ from typing import Any, cast
 
 import redis.asyncio
 
-from tokenmill.producer.keys import Keys
+from tokenmill.protocol.keys import Keys
 from tokenmill.serve.listing import account_objects
 from tokenmill.serve.stray_keys import absent_if_stray
 

@@ -30,7 +30,7 @@ from tokenmill.producer.openai_compat import (
 )
 from tokenmill.producer.openai_compat.objects import chunk_object, tool_call_deltas, usage_chunk
 from tokenmill.producer.openai_compat.tool_calls import ParsedAnswer, ToolCallStream
-from tokenmill.producer.schema import GenerationResult
+from tokenmill.protocol.schema import GenerationResult
 from tokenmill.serve.body import json_object
 from tokenmill.serve.context import CallContext, call_context, state_of
 from tokenmill.serve.errors import APIError

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request
 
 from tokenmill.producer.aio import AsyncProducer
-from tokenmill.producer.config import ServeConfig
+from tokenmill.protocol.config import ServeConfig
 from tokenmill.serve.errors import APIError
 from tokenmill.serve.live_models import LiveModels
 

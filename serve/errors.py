@@ -19,8 +19,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.producer.connection import CLUSTER_TRANSIENT_ERRORS
-from tokenmill.producer.errors import ProducerError, RedisUnavailable, SchemaError, SubmitUncertain
+from tokenmill.producer.errors import RedisUnavailable, SubmitUncertain
 from tokenmill.producer.openai_compat import BodyError, error_object
+from tokenmill.protocol.errors import ProducerError, SchemaError
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # What a route meets when Redis is gone, stalls or fails over: each is a 503 (redis_unavailable), never a 500.

@@ -26,7 +26,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.datastructures import UploadFile
 
-from tokenmill.producer.keys import Keys
+from tokenmill.protocol.keys import Keys
 from tokenmill.serve.context import account_of
 from tokenmill.serve.errors import APIError, found_or_404, not_found
 from tokenmill.serve.listing import account_objects, list_object

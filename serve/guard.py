@@ -25,8 +25,8 @@ import hmac
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenmill.producer.config import ServeConfig
-from tokenmill.producer.schema import new_request_id
+from tokenmill.protocol.config import ServeConfig
+from tokenmill.protocol.schema import new_request_id
 from tokenmill.serve.errors import REQUEST_ID_HEADER, APIError
 
 PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"})  # probes and scrapers carry no API key

@@ -13,8 +13,8 @@ import time
 import redis
 import redis.asyncio
 
-from tokenmill.producer.keys import Keys
 from tokenmill.protocol.heartbeat import READ_WORKERS_LUA, Heartbeat, decode_workers
+from tokenmill.protocol.keys import Keys
 from tokenmill.serve.errors import APIError
 
 CACHE_S = 1.0  # a burst of requests reads the workers hash once; a worker that starts is seen this late

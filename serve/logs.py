@@ -17,9 +17,9 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.config import LOG_LEVELS
 
-from tokenmill.producer.config import ServeConfig
-from tokenmill.producer.schema import Usage
+from tokenmill.protocol.config import ServeConfig
 from tokenmill.protocol.logs import log_to_stderr
+from tokenmill.protocol.schema import Usage
 from tokenmill.serve.guard import PUBLIC_PATHS
 
 log = logging.getLogger("tokenmill.serve")

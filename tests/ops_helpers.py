@@ -18,8 +18,10 @@ import typer
 from pydantic import BaseModel
 from typer.testing import CliRunner
 
+from ops.typecheck import package_files as installed_files
 from tokenmill.cli.app import app
-from tokenmill.producer.config import ClientSettings, FileSettings, ServeSettings
+from tokenmill.producer.config import ClientSettings, ServeSettings
+from tokenmill.protocol.config import FileSettings
 from tokenmill.worker.config import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,13 +133,7 @@ def settings_class(command: str) -> type[FileSettings]:
 
 
 def package_files() -> list[str]:
-    """Every file the wheel is built from: pyproject.toml, the readme, and the files of each package
-    (pyproject's packages.find patterns) and of each part folder it links (tokenmill/engine -> engine/),
-    relative to the checkout."""
-    patterns = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
-    packages = [p for p in ROOT.iterdir() if (p / "__init__.py").is_file()
-                and any(re.fullmatch(pat.replace("*", ".*"), p.name) for pat in patterns)]
-    folders = packages + [link.resolve() for package in packages for link in package.iterdir() if link.is_symlink()]
-    files = [str(f.relative_to(ROOT)) for folder in folders for f in folder.rglob("*")
-             if f.is_file() and "__pycache__" not in f.parts]
+    """Every file the wheel is built from, relative to the checkout: pyproject.toml, the readme, and each module
+    and data file of the package (pyproject's package-dir maps engine/ to tokenmill.engine, ...)."""
+    files = [path.relative_to(ROOT).as_posix() for path in installed_files().values()]
     return ["pyproject.toml", PYPROJECT["project"]["readme"], *files]

@@ -18,16 +18,10 @@ from typing import Any
 import redis
 
 from tests.processes import scaled_s
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.schema import (
-    ErrorCode,
-    GenerationRequest,
-    GenerationResult,
-    decode_result,
-    encode_request,
-    encode_result,
-)
 from tokenmill.protocol.heartbeat import Heartbeat, decode_heartbeat, encode_heartbeat
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.outcomes import ErrorCode
+from tokenmill.protocol.schema import GenerationRequest, GenerationResult, decode_result, encode_request, encode_result
 from tokenmill.worker.config import Settings
 from tokenmill.worker.logs import setup_logging
 from tokenmill.worker.runtime import Worker

@@ -1,6 +1,6 @@
 """The worker process's settings: ``WorkerConfig`` and the root ``Settings`` (sections ``[queue]``,
 ``[redis]``, ``[worker]``, ``[engine]``; flags > env > TOML file > defaults, see
-:class:`producer.config.FileSettings`). Pydantic only; never imports redis or torch.
+:class:`protocol.config.FileSettings`). Pydantic only; never imports redis or torch.
 NOTE: measurements behind these choices: ops/bench/README.md, "Figures behind the kernels' comments".
 """
 
@@ -16,7 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.echo import ECHO_MODEL, EchoOptions, is_echo_model
-from tokenmill.producer.config import FileSettings, Name, QueueConfig, RedisConfig, ServeConfig
+from tokenmill.protocol.config import FileSettings, Name, QueueConfig, RedisConfig, ServeConfig
 from tokenmill.protocol.heartbeat import STALE_AFTER_S
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]  # any case on input

@@ -1,6 +1,6 @@
 """Translation between the wire schema and the engine: request -> engine call, output -> result.
 
-Imports producer.schema and engine's torch-free modules; never torch. Both speak the vocabulary
+Imports protocol.schema and engine's torch-free modules; never torch. Both speak the vocabulary
 of protocol/ (sampling parameters, finish reasons, error codes, logprobs), so what is left to
 translate is the envelope: prompts in, results out.
 """
@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from tokenmill.engine.output.prompts import ChatPrompt, Prompt, TextPrompt, TokensPrompt
 from tokenmill.engine.output.request_output import RequestOutput
-from tokenmill.producer.schema import (
-    ErrorCode,
+from tokenmill.protocol.outcomes import AbortReason, ErrorCode, FinishReason
+from tokenmill.protocol.schema import (
     ErrorInfo,
-    FinishReason,
     GenerationRequest,
     GenerationResult,
     Sample,
@@ -34,14 +33,16 @@ def engine_prompt(request: GenerationRequest) -> Prompt:
     return TextPrompt(request.prompt or "")
 
 
-def build_result(output: RequestOutput, admit: Admit, worker: str, abort_status: str | None) -> GenerationResult:
+def build_result(output: RequestOutput, admit: Admit, worker: str,
+                 abort_reason: AbortReason | str | None) -> GenerationResult:
     """The result of a finished engine output.
 
     Args:
         output: the engine's final output for the request.
         admit: what the worker admitted (request, intake time).
         worker: this worker's name, recorded in the result.
-        abort_status: ``"cancelled"`` / ``"expired"`` when the worker aborted the request, else None.
+        abort_reason: why the worker aborted the request (an :class:`AbortReason` or its value: cancelled /
+            expired), else None.
 
     Returns:
         ``ok`` for stop/length, ``error`` with the wire code for errors, the abort status for aborts.
@@ -66,7 +67,7 @@ def build_result(output: RequestOutput, admit: Admit, worker: str, abort_status:
         info = ErrorInfo(code=code.value, message=output.error or code.value)
         return result.model_copy(update={"status": "error", "error": info})
     if reason is FinishReason.ABORT:
-        status = abort_status or "cancelled"
+        status = AbortReason(abort_reason or AbortReason.CANCELLED).value
         info = ErrorInfo(code=status, message=f"request {status} while {'running' if completion_tokens else 'waiting'}")
         return result.model_copy(update={"status": status, "error": info})
     return result

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from rich.console import Console
 
 from tokenmill.producer.client import Producer
-from tokenmill.producer.config import RedisConfig
 from tokenmill.producer.connection import resolve_url
+from tokenmill.protocol.config import RedisConfig
 from tokenmill.worker.config import Settings
 from tokenmill.worker.runtime import Worker
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import redis
 
-from tokenmill.producer.keys import Keys
 from tokenmill.protocol.heartbeat import (
     READ_WORKERS_LUA,
     RUNNING,
@@ -25,6 +24,7 @@ from tokenmill.protocol.heartbeat import (
     is_dead,
     server_time_s,
 )
+from tokenmill.protocol.keys import Keys
 
 __all__ = ["RUNNING", "STOPPED", "Heartbeat", "Workers", "as_text", "forget_old", "is_dead", "read_heartbeats",
            "read_workers", "write_heartbeat"]

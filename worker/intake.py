@@ -1,6 +1,6 @@
 """Triage of raw stream entries: decode, validate and sort each into run / answer now / dead-letter.
 
-Pure functions over producer.schema; no Redis, no engine, no threads.
+Pure functions over protocol.schema; no Redis, no engine, no threads.
 """
 
 from __future__ import annotations
@@ -8,12 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.producer.errors import SchemaError
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.schema import (
-    ErrorCode,
+from tokenmill.protocol.errors import SchemaError
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.outcomes import AbortReason, ErrorCode
+from tokenmill.protocol.schema import (
     GenerationRequest,
     GenerationResult,
+    ResultStatus,
     check_reply_to,
     decode_request,
     peek_reply_to,
@@ -75,8 +76,8 @@ def triage(entry: Entry, now_s: float, policy: IntakePolicy) -> Admit | Finish |
         message = f"this worker serves {' / '.join(sorted(map(repr, policy.model_names)))}, not {request.model!r}"
         return answer(request, entry, ErrorCode.MODEL_NOT_SERVED.value, message, policy.worker)
     if request.deadline is not None and request.deadline <= now_s:
-        return answer(request, entry, "expired", "deadline passed before the request started", policy.worker,
-                      status="expired")
+        return answer(request, entry, AbortReason.EXPIRED, "deadline passed before the request started",
+                      policy.worker, status=AbortReason.EXPIRED)
     return Admit(request, entry, now_s, is_handed_off=policy.is_decode_lane(entry.stream))
 
 
@@ -87,7 +88,7 @@ def _starts_with_id(fields: dict[Any, Any], request_id: str) -> bool:
 
     NOTE: only the shortest encodings (msgpack's own) match; anything else is peeked.
     """
-    payload = fields.get("d", fields.get(b"d"))  # NOTE: the field decode_request read (producer.schema._field)
+    payload = fields.get("d", fields.get(b"d"))  # NOTE: the field decode_request read (protocol.schema._field)
     if not isinstance(payload, bytes) or not payload:
         return False
     start = _MAP_HEADER_SIZES.get(payload[0], 0)
@@ -108,11 +109,11 @@ def _starts_with_id(fields: dict[Any, Any], request_id: str) -> bool:
 _MAP_HEADER_SIZES = {**dict.fromkeys(range(0x81, 0x90), 1), 0xDE: 3, 0xDF: 5}
 
 
-def answer(request: GenerationRequest, entry: Entry, code: str, message: str, worker: str,
-           status: str = "error") -> Finish:
+def answer(request: GenerationRequest, entry: Entry, code: AbortReason | str, message: str, worker: str,
+           status: ResultStatus | AbortReason = "error") -> Finish:
     """An immediate answer (error, expired, cancelled) to a decoded request that will not run."""
-    result = GenerationResult.failure(request.id, code, message, status=status,  # type: ignore[arg-type]
-                                      worker=worker, metadata=request.metadata)
+    result = GenerationResult.failure(request.id, code, message, status=status, worker=worker,
+                                      metadata=request.metadata)
     return Finish(result, entry, request.reply_to, request.stream_tokens)
 
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.output.prompts import PromptError
 from tokenmill.engine.output.request_output import RequestOutput
-from tokenmill.producer.schema import ErrorCode, GenerationResult
-from tokenmill.protocol.outcomes import FinishReason
+from tokenmill.protocol.outcomes import AbortReason, ErrorCode, FinishReason
 from tokenmill.protocol.sampling import SamplingParams
+from tokenmill.protocol.schema import GenerationResult
 from tokenmill.worker.convert import build_result
 from tokenmill.worker.messages import (
     Abort,
@@ -39,7 +39,6 @@ from tokenmill.worker.state import Load
 
 log = logging.getLogger("tokenmill.worker")
 
-HANDOVER = "handover"  # abort status of work given back to the queue on shutdown: no result
 # NOTE: the engine's whole stats (metrics, heartbeat fields) are taken this often while it runs: they cost about a
 # millisecond with a few hundred requests live, and the heartbeat (every 2 s) and a scrape read them.
 STATS_EVERY_S = 0.25
@@ -53,7 +52,7 @@ class _Live:
     admit: Admit
     extra_entries: list[Entry] = field(default_factory=list)  # duplicates of the same id, acked together
     is_started: bool = False  # produced tokens; deadlines no longer apply
-    abort_status: str | None = None  # why the worker aborted it: cancelled / expired / handover
+    abort_status: AbortReason | None = None  # why the worker aborted it (a hand-over: no result)
     is_prefill: bool = False  # a prefill worker's: computes the prompt's KV, then hands the request to decode
 
 
@@ -137,7 +136,7 @@ class EngineLoop:
         self.is_admitting = False
         for request_id, live in self._live.items():
             if not live.is_started and live.abort_status is None:
-                self._stop(request_id, live, HANDOVER)
+                self._stop(request_id, live, AbortReason.HANDOVER)
 
     def close(self) -> None:
         """Stop preparing (requests still being tokenized stay pending in Redis)."""
@@ -170,7 +169,7 @@ class EngineLoop:
         if live is not None and live.abort_status is None:
             self._stop(command.request_id, live, command.status)
 
-    def _stop(self, request_id: str, live: _Live, status: str) -> None:
+    def _stop(self, request_id: str, live: _Live, status: AbortReason) -> None:
         """Abort a live request in the engine; its result gets ``status`` (none for a hand-over)."""
         live.abort_status = status
         self._live_ids.discard(request_id)
@@ -217,7 +216,7 @@ class EngineLoop:
                 del self._deadlines[request_id]
             elif deadline <= now_s:
                 del self._deadlines[request_id]
-                self._stop(request_id, live, "expired")
+                self._stop(request_id, live, AbortReason.EXPIRED)
 
     def _handle_output(self, output: RequestOutput) -> None:
         live = self._live.get(output.request_id)
@@ -225,13 +224,14 @@ class EngineLoop:
             return
         live.is_started = live.is_started or bool(output.token_ids)
         request = live.admit.request
-        if request.stream_tokens and output.text_delta and live.abort_status != HANDOVER and not live.is_prefill:
+        is_handed_over = live.abort_status is AbortReason.HANDOVER
+        if request.stream_tokens and output.text_delta and not is_handed_over and not live.is_prefill:
             self._sending.append(TokenDelta(request.id, output.text_delta))
         if not output.finished:
             return
         del self._live[output.request_id]
         self._live_ids.discard(output.request_id)
-        if live.abort_status == HANDOVER:
+        if live.abort_status is AbortReason.HANDOVER:
             return
         if live.is_prefill and live.abort_status is None and output.finish_reason in (FinishReason.LENGTH,
                                                                                       FinishReason.STOP):

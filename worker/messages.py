@@ -1,13 +1,14 @@
 """Plain records passed between the worker's threads.
 
-Standard library and producer.schema only; never imports the engine or redis.
+Standard library and protocol/ (schema, outcomes) only; never imports the engine or redis.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.producer.schema import GenerationRequest, GenerationResult
+from tokenmill.protocol.outcomes import AbortReason
+from tokenmill.protocol.schema import GenerationRequest, GenerationResult
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Abort:
     """Reader -> engine thread: stop a request; its result gets ``status``."""
 
     request_id: str
-    status: str  # "cancelled" or "expired"
+    status: AbortReason
 
 
 @dataclass

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.core.fleet_cache import Fallback
 from tokenmill.engine.core.stats import EngineStats
-from tokenmill.producer.keys import CONSUMER_GROUP, Keys, Lane
-from tokenmill.producer.schema import GenerationResult
-from tokenmill.producer.shards import QueueLayout
+from tokenmill.protocol.keys import CONSUMER_GROUP, Keys, Lane
+from tokenmill.protocol.schema import GenerationResult
+from tokenmill.protocol.shards import QueueLayout
 from tokenmill.worker import http_port
 from tokenmill.worker.backlog import engine_backlog_tokens
 

@@ -3,7 +3,7 @@ worker's own again, atomically and only while it is still this worker's (Lua).
 
 A pending entry that is delivered again is the one Redis counts: XPENDING's ``times_delivered``
 is how often the entry reached a worker, which ``max_deliveries`` and the quarantine of suspects
-read (docs/design.md, "Reclaim by heartbeats"). Imports redis and producer.keys; never the engine.
+read (docs/design.md, "Reclaim by heartbeats"). Imports redis and protocol.keys; never the engine.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from tokenmill.producer.keys import CONSUMER_GROUP
+from tokenmill.protocol.keys import CONSUMER_GROUP
 from tokenmill.worker.heartbeat import as_text
 from tokenmill.worker.messages import Entry
 

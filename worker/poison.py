@@ -15,7 +15,7 @@ nothing, and clears its mark as it stops. A worker killed from outside while it 
 operator's ``kill -9``, a host lost) charges that request all the same: it is dead-lettered, not lost, and
 ``tokenmill dead --requeue`` runs it again.
 
-Imports redis and producer's key layout; never the engine.
+Imports redis and protocol's key layout; never the engine.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from collections.abc import Iterable
 
 import redis
 
-from tokenmill.producer.keys import Lane
 from tokenmill.protocol.heartbeat import STOPPED, Heartbeat
+from tokenmill.protocol.keys import Lane
 from tokenmill.worker.heartbeat import as_text
 from tokenmill.worker.pending import alone_key, pending_entry
 

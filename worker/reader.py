@@ -8,11 +8,12 @@ this name) are suspects: each runs alone, so a request that kills workers takes 
 with it (docs/design.md, "Reclaim by heartbeats"). The worker also checks its own pending list
 against what it holds and takes back entries whose delivery never reached it.
 
-On a sharded queue (producer/shards.py) it reads and reclaims the lanes of the shards it claims
+On a sharded queue (protocol/shards.py) it reads and reclaims the lanes of the shards it claims
 (worker/shard_claims.py; every shard by default), the shards in turn within a priority; it compares its
 pending list with what it holds on every shard's lanes (it may have read a shard it no longer claims).
 
-Imports redis and producer (keys, shards, schema); never the engine object (it only sees queues and Load).
+Imports redis, protocol (keys, shards, schema) and producer.connection; never the engine object (it only
+sees queues and Load).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from typing import Any
 import redis
 
 from tokenmill.producer.connection import REDIS_ERRORS, is_transient
-from tokenmill.producer.keys import CONSUMER_GROUP, Keys, Lane
-from tokenmill.producer.schema import ErrorCode, GenerationResult, peek_request_id
-from tokenmill.producer.shards import QueueLayout
+from tokenmill.protocol.keys import CONSUMER_GROUP, Keys, Lane
+from tokenmill.protocol.outcomes import AbortReason, ErrorCode
+from tokenmill.protocol.schema import GenerationResult, peek_request_id
+from tokenmill.protocol.shards import QueueLayout
 from tokenmill.worker.backoff import Backoff
 from tokenmill.worker.config import WorkerConfig
 from tokenmill.worker.health import RedisHealth
@@ -255,7 +257,7 @@ class Reader:
             return
         self._next_cancel_poll_s = now_s + self._config.cancel_poll_s
         for request_id in self._cancelled_ids(sorted(self._load.live_ids)):
-            self._inbox.put(Abort(request_id, "cancelled"))
+            self._inbox.put(Abort(request_id, AbortReason.CANCELLED))
 
     def _read_lanes(self, count: int, block_ms: int | None) -> list[Entry]:
         """Up to ``count`` new entries, lane 0 (of every model and shard) first, the shards in turn within a lane;
@@ -437,8 +439,8 @@ class Reader:
         running = []
         for item in decided:
             if isinstance(item, Admit) and item.request.id in cancelled:
-                self._outbox.put(answer(item.request, item.entry, "cancelled", "cancelled before it ran",
-                                        self._config.name, status="cancelled"))
+                self._outbox.put(answer(item.request, item.entry, AbortReason.CANCELLED, "cancelled before it ran",
+                                        self._config.name, status=AbortReason.CANCELLED))
             elif isinstance(item, Admit):
                 running.append(item)
             else:

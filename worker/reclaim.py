@@ -1,7 +1,7 @@
 """Reclaiming entries of dead consumers (stale or stopped heartbeat) and removing those consumers,
 in the lanes this worker reads only: it never takes a request for a model it does not serve.
 
-Imports redis, producer.keys and worker.heartbeat; never the engine. Entries of a consumer with
+Imports redis, protocol.keys and worker.heartbeat; never the engine. Entries of a consumer with
 a fresh heartbeat are never taken, however long its generation runs. Claims move ownership only
 (``JUSTID``: the delivery count stays): an entry counts as delivered again when it runs
 (:class:`worker.pending.OwnDelivery`), so entries that wait here behind a suspect are not counted
@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from tokenmill.producer.keys import CONSUMER_GROUP, Keys, Lane
+from tokenmill.protocol.keys import CONSUMER_GROUP, Keys, Lane
 from tokenmill.worker.heartbeat import Heartbeat, Workers, as_text, is_dead, read_workers
 from tokenmill.worker.pending import Pending, alone_key, list_pending, pending_entry
 from tokenmill.worker.poison import find_culprit

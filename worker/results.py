@@ -1,9 +1,9 @@
 """Writing results to Redis: the one atomic finish step (Lua), dead-lettering and token deltas.
 
 Every script call names keys of one shard (one cluster slot): the request's result, done list and token
-stream live on the shard of its lane (producer/shards.py). A reply stream is queue-wide: on a cluster with
+stream live on the shard of its lane (protocol/shards.py). A reply stream is queue-wide: on a cluster with
 several shards it is on another slot, and the finish is three steps (see :meth:`ResultWriter.flush`).
-Owns the worker's Redis writes of answers. Imports redis and producer (schema, keys, shards); never engine.
+Owns the worker's Redis writes of answers. Imports redis and protocol (schema, keys, shards); never engine.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from typing import Any, TypeGuard
 import redis
 from redis.commands.core import Script
 
-from tokenmill.producer.keys import CONSUMER_GROUP, DONE_TTL_S, Keys
-from tokenmill.producer.schema import SCHEMA_VERSION, ErrorCode, GenerationResult, encode_result
-from tokenmill.producer.shards import QueueLayout
+from tokenmill.protocol.keys import CONSUMER_GROUP, DONE_TTL_S, Keys
+from tokenmill.protocol.outcomes import ErrorCode
+from tokenmill.protocol.schema import SCHEMA_VERSION, GenerationResult, encode_result
+from tokenmill.protocol.shards import QueueLayout
 from tokenmill.worker.messages import DeadLetter, Finish, Handoff
 
 # NOTE: one script call answers a batch of entries, and each answer in it is one step: "stored + notified +
@@ -178,7 +179,7 @@ def encodable(item: Finish | DeadLetter) -> tuple[Finish | DeadLetter, bytes | N
 
 @dataclass(frozen=True)
 class ScriptCall:
-    """One script call's keys and arguments (what :func:`producer.shards` keeps in one slot)."""
+    """One script call's keys and arguments (what :mod:`protocol.shards` keeps in one slot)."""
 
     keys: list[str]
     args: list[Any]

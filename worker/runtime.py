@@ -105,7 +105,7 @@ class Worker:
         inbox: queue.Queue[Incoming] = queue.Queue()
         outbox: queue.Queue[Outbound] = queue.Queue()
         self._load = load = Load()
-        # NOTE: the queue's shards (producer/shards.py): hash-tagged names on a cluster or with several shards
+        # NOTE: the queue's shards (protocol/shards.py): hash-tagged names on a cluster or with several shards
         layout, config = settings.queue.layout(settings.redis.is_cluster), settings.worker
         model = engine.model_name if engine is not None else settings.engine.model.name  # as the engine names it
         health = RedisHealth(config.redis_give_up_s)

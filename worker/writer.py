@@ -1,6 +1,7 @@
 """The writer thread: persists results (atomic finish), token deltas (each with its byte offset)
 and heartbeats; trims old cancel marks and heartbeats; tells the reader which entries are answered.
-Imports redis and producer (config, keys); never the engine object: it only drains the outbox.
+Imports redis, protocol (config, shards, rates, version) and producer.connection; never the engine object:
+it only drains the outbox.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from collections.abc import Collection
 
 import redis
 
-from tokenmill.producer.config import QueueConfig
 from tokenmill.producer.connection import REDIS_ERRORS
-from tokenmill.producer.rates import RateCounter
-from tokenmill.producer.shards import QueueLayout
-from tokenmill.producer.version import package_version
+from tokenmill.protocol.config import QueueConfig
+from tokenmill.protocol.rates import RateCounter
+from tokenmill.protocol.shards import QueueLayout
+from tokenmill.protocol.version import package_version
 from tokenmill.worker.backlog import predicted_backlog
 from tokenmill.worker.backoff import Backoff
 from tokenmill.worker.config import WorkerConfig
@@ -70,7 +71,7 @@ class Writer:
                                prefix=home.prefix, queue=home.queue, num_lanes=home.num_lanes,
                                shards=self._layout.num_shards, hash_tag=home.hash_tag, cluster=self._layout.is_cluster,
                                role=config.role, version=package_version())
-        self._rates = RateCounter(home, config.name)  # the dashboard's per-minute counters (producer/rates.py)
+        self._rates = RateCounter(home, config.name)  # the dashboard's per-minute counters (protocol/rates.py)
         self._unwritten: list[Writable] = []  # items of a flush that failed, retried first
         self._stream_bytes: dict[str, int] = {}  # request id -> bytes of token deltas so far in this run
         self._backoff = Backoff()

@@ -48,7 +48,8 @@ def engine_config(args: argparse.Namespace, method: str = "auto") -> dict[str, d
 
 def run_offline(items: list[WorkItem], config: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Engine.generate over the workload's token ids; returns tokens/s and wall time."""
-    from tokenmill.engine import Engine, EngineConfig, SamplingParams
+    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.protocol.sampling import SamplingParams
 
     engine = Engine.from_config(EngineConfig.model_validate(config))
     params = [SamplingParams(max_tokens=item.max_tokens, ignore_eos=True) for item in items]

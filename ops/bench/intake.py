@@ -28,7 +28,7 @@ sys.path.insert(0, str(_HERE.parents[1]))
 
 from ops.bench.common import current_rss_bytes, mib, percentile, print_table
 from tokenmill.producer.client import Producer
-from tokenmill.producer.schema import GenerationRequest, encode_request
+from tokenmill.protocol.schema import GenerationRequest, encode_request
 from tokenmill.worker.config import Settings
 from tokenmill.worker.runtime import Worker
 

@@ -154,7 +154,7 @@ def engine_sections(args: argparse.Namespace, mode: str, kv_cache_bytes: int) ->
 
 def warm_up(engine: Any, prompt: list[int]) -> None:
     """A few untimed steps, then abort: an aborted request teaches the length predictor nothing."""
-    from tokenmill.engine import SamplingParams
+    from tokenmill.protocol.sampling import SamplingParams
 
     engine.add_request("warm-up", prompt, SamplingParams(max_tokens=16, ignore_eos=True))
     num_steps = 0
@@ -171,7 +171,8 @@ def log_error(predicted: float, actual: int) -> float:
 
 def run_mode(mode: str, jobs: list[Job], args: argparse.Namespace, kv_cache_bytes: int) -> dict[str, Any]:
     """The whole job on a fresh engine in ``mode``; per-request lengths and times, counters, ETA checkpoints."""
-    from tokenmill.engine import Engine, EngineConfig, SamplingParams
+    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.protocol.sampling import SamplingParams
 
     config = EngineConfig.model_validate(engine_sections(args, mode, kv_cache_bytes))
     engine = Engine.from_config(config)

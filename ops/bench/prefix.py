@@ -102,7 +102,8 @@ def run_tokenmill(args: argparse.Namespace, prompts: list[list[int]], *, caching
     import torch
 
     torch.set_num_threads(args.threads)
-    from tokenmill.engine import Engine, EngineConfig, SamplingParams
+    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.protocol.sampling import SamplingParams
 
     config = EngineConfig.model_validate({
         "model": {"name": args.model, "dtype": args.dtype, "num_threads": args.threads},

@@ -65,7 +65,8 @@ def build_schedule(tokenizer: Any, args: argparse.Namespace) -> list[Arrival]:
 
 def run_mode(mode: str, schedule: list[Arrival], args: argparse.Namespace) -> dict[str, Any]:
     """Run the schedule on a fresh engine; ``mode`` is ``priority`` or ``fifo``."""
-    from tokenmill.engine import Engine, EngineConfig, SamplingParams
+    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.protocol.sampling import SamplingParams
 
     config = EngineConfig.model_validate({
         "model": {"name": args.model, "device": "cpu", "dtype": "float32", "num_threads": args.threads},

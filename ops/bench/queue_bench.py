@@ -197,7 +197,8 @@ def bench_sharded(setup: str, args: argparse.Namespace, log_dir: Path, workdir: 
     cluster of 3 primaries (``"cluster"``): throughput, p50 round trip and the servers' CPU seconds."""
     from tests.cluster_helpers import start_cluster, start_server
     from tokenmill.producer.client import Producer
-    from tokenmill.producer.config import ProducerConfig, QueueConfig, RedisConfig
+    from tokenmill.producer.config import ProducerConfig
+    from tokenmill.protocol.config import QueueConfig, RedisConfig
 
     if setup == "cluster":
         cluster = start_cluster(workdir, num_primaries=3, replicas_per_primary=0)

@@ -315,7 +315,8 @@ def run_tokenmill(args: argparse.Namespace, cells: list[dict[str, Any]],
     import torch
 
     torch.set_num_threads(args.threads)
-    from tokenmill.engine import Engine, EngineConfig, SamplingParams
+    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.protocol.sampling import SamplingParams
 
     def build(method: str, **speculative: Any) -> Any:
         return Engine.from_config(EngineConfig.model_validate({

@@ -44,7 +44,7 @@ SCHEMA: dict[str, Any] = {
 
 def build_params(num_rows: int, structured: bool, max_tokens: int) -> list[Any]:
     """Sampled rows (seeded); with ``structured``, every other row follows SCHEMA."""
-    from tokenmill.engine import SamplingParams
+    from tokenmill.protocol.sampling import SamplingParams
 
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     return [SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i, response_format=fmt)

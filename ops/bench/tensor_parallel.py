@@ -68,7 +68,8 @@ def run_engine(model: str, random_init: bool, ranks: int, threads: int, compile_
                prompts: list[list[int]], max_tokens: int, follower_base: int) -> dict[str, Any]:
     """One engine over the workload; its output tokens per second (after a warm-up request), and each rank's
     memory at the end (``follower_base``: a follower's baseline RSS)."""
-    from tokenmill.engine import Engine, EngineConfig, SamplingParams
+    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.protocol.sampling import SamplingParams
 
     config = EngineConfig.model_validate({
         "model": {"name": model, "device": "cpu", "dtype": "float32", "num_threads": threads,

@@ -249,7 +249,8 @@ def decode_step_ms(generate: Any, vocab_size: int) -> dict[str, float]:
 
 def run_tokenmill(items: list[WorkItem], args: argparse.Namespace, compile_mode: str = "auto") -> dict[str, Any]:
     torch = _setup_torch(args.threads)
-    from tokenmill.engine import Engine, EngineConfig, SamplingParams
+    from tokenmill.engine import Engine, EngineConfig
+    from tokenmill.protocol.sampling import SamplingParams
 
     config = EngineConfig.model_validate({
         "model": {"name": args.model, "device": args.device, "dtype": args.dtype, "num_threads": args.threads,

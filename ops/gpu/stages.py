@@ -97,7 +97,7 @@ def time_decode(engine: Any, batch: int, context: int, steps: int, seed: int = 0
     """
     import torch
 
-    from tokenmill.engine import SamplingParams
+    from tokenmill.protocol.sampling import SamplingParams
 
     rng = random.Random(seed)
     vocab = engine.limits.vocab_size
@@ -161,7 +161,7 @@ def engine_speculation(engine: Any) -> str:
 
 def time_prefill(engine: Any, num_tokens: int, seed: int = 1) -> float:
     """Seconds of one step that prefills a single ``num_tokens``-token prompt (after one such step untimed)."""
-    from tokenmill.engine import SamplingParams
+    from tokenmill.protocol.sampling import SamplingParams
 
     rng = random.Random(seed)
     seconds = []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmill.producer.errors import ProducerError
+from tokenmill.protocol.errors import ProducerError
 
 
 class BulkError(ProducerError):

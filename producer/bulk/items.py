@@ -1,7 +1,7 @@
 """Bulk input: reading JSONL, OpenAI Batch, CSV and Parquet files into :class:`BulkItem` records.
 
 Owns format detection and per-line parsing (never raises for one bad line: the line becomes an
-:class:`InvalidItem`). Imports only the standard library and producer.schema; pyarrow lazily (producer.bulk.arrow).
+:class:`InvalidItem`). Imports only the standard library and protocol.schema; pyarrow lazily (producer.bulk.arrow).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pydantic import TypeAdapter, ValidationError
 from tokenmill.producer.bulk.arrow import import_pyarrow
 from tokenmill.producer.bulk.errors import BulkInputError
 from tokenmill.producer.openai_compat.bodies import ENDPOINTS, BodyError, Endpoint, parse_body
-from tokenmill.producer.schema import SamplingParams
+from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.protocol.values import is_utf8
 
 InputFormat = Literal["jsonl", "openai", "csv", "parquet"]

@@ -18,7 +18,7 @@ from typing import IO, Any, Literal
 from tokenmill.producer.bulk.errors import BulkError
 from tokenmill.producer.bulk.items import BulkItem, InvalidItem
 from tokenmill.producer.openai_compat.objects import completion_object, result_error
-from tokenmill.producer.schema import GenerationResult
+from tokenmill.protocol.schema import GenerationResult
 from tokenmill.protocol.values import is_utf8
 
 OutputFormat = Literal["plain", "openai"]

@@ -38,11 +38,12 @@ from tokenmill.producer.bulk.parquet_output import ParquetOutput, is_parquet_out
 from tokenmill.producer.bulk.record import JobRecord
 from tokenmill.producer.bulk.report import BulkProgress, BulkSummary
 from tokenmill.producer.client import Producer
-from tokenmill.producer.errors import SchemaError
 from tokenmill.producer.eta import Eta, JobMeter, job_eta, live_beats
 from tokenmill.producer.openai_compat import ENDPOINTS
-from tokenmill.producer.schema import ErrorCode, GenerationRequest, GenerationResult, decode_result
+from tokenmill.protocol.errors import SchemaError
 from tokenmill.protocol.heartbeat import READ_WORKERS_LUA, STALE_AFTER_S, split_workers_reply
+from tokenmill.protocol.outcomes import ErrorCode
+from tokenmill.protocol.schema import GenerationRequest, GenerationResult, decode_result
 
 # Remote failures worth another attempt; every other non-ok result is final.
 RETRYABLE_CODES = frozenset({ErrorCode.INTERNAL.value, ErrorCode.MAX_DELIVERIES.value})

@@ -8,7 +8,7 @@ Hash fields (text): ``kind`` (bulk or batch), ``input``, ``output``, ``state`` (
 (completion tokens of this run's results), ``backlog_tokens``, ``eta_s``, ``tokens_per_s`` and ``eta_error``
 (:func:`prediction_error`; empty when unknown), ``started_at`` and ``updated_at`` (the Redis server's time).
 
-Imports producer (keys, eta); never torch, the engine or the worker.
+Imports protocol.keys and producer.eta; never torch, the engine or the worker.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokenmill.producer.eta import Eta
-from tokenmill.producer.keys import Keys
+from tokenmill.protocol.keys import Keys
 
 RECORD_TTL_S = 7 * 86_400  # a job's record outlives its run by a week
 MAX_FAILURES = 1000  # failed rows kept per job (the newest)

@@ -1,7 +1,7 @@
 """OpenAI request bodies (``/v1/chat/completions``, ``/v1/completions``) as tokenmill submit options.
 
 Every field a client may send is either passed through (its value then validated by the wire
-schema, :class:`~producer.schema.SamplingParams`), accepted as a no-op, or refused with a
+schema, :class:`~protocol.sampling.SamplingParams`), accepted as a no-op, or refused with a
 :class:`BodyError` naming it: never silently dropped. Pure: no I/O; never imports torch, the
 engine, the worker or a web framework.
 """

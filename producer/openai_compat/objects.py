@@ -15,7 +15,8 @@ from pydantic import BaseModel
 from tokenmill.producer.openai_compat.bodies import Endpoint
 from tokenmill.producer.openai_compat.tool_calls import ParsedAnswer, ToolCall, call_id, parse_answer
 from tokenmill.producer.openai_compat.tools import ToolPlan
-from tokenmill.producer.schema import ErrorCode, GenerationResult
+from tokenmill.protocol.outcomes import ErrorCode
+from tokenmill.protocol.schema import GenerationResult
 
 OBJECT_NAMES: dict[Endpoint, str] = {"chat": "chat.completion", "completions": "text_completion"}
 CHUNK_NAMES: dict[Endpoint, str] = {"chat": "chat.completion.chunk", "completions": "text_completion"}

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from pydantic import TypeAdapter, ValidationError
 
 from tokenmill.producer.openai_compat.errors import BodyError
-from tokenmill.producer.schema import MAX_TOOLS, ToolSpec, describe_validation_error
+from tokenmill.protocol.schema import MAX_TOOLS, ToolSpec, describe_validation_error
 
 ToolChoice = Literal["auto", "required", "function"]
 _TOOLS = TypeAdapter(list[ToolSpec])

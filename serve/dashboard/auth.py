@@ -28,7 +28,7 @@ from typing import Literal, cast
 
 from fastapi import Request
 
-from tokenmill.producer.config import ServeConfig
+from tokenmill.protocol.config import ServeConfig
 from tokenmill.serve.dashboard.state import DashboardState, dashboard_of
 from tokenmill.serve.guard import ANONYMOUS, account_of_key
 

@@ -19,10 +19,10 @@ from typing import Any
 import redis
 
 from tokenmill.producer import common, dead_letters
-from tokenmill.producer.keys import CONSUMER_GROUP, Lane
-from tokenmill.producer.rates import OUT, TOKENS
-from tokenmill.producer.schema import decode_request, decode_result
 from tokenmill.protocol.heartbeat import READ_WORKERS_LUA, split_workers_reply
+from tokenmill.protocol.keys import CONSUMER_GROUP, Lane
+from tokenmill.protocol.rates import OUT, TOKENS
+from tokenmill.protocol.schema import decode_request, decode_result
 from tokenmill.serve.dashboard import series
 from tokenmill.serve.dashboard.state import DashboardState
 

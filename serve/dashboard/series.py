@@ -1,4 +1,4 @@
-"""The dashboard's rates over the last hour, from the per-minute hashes in Redis (producer/rates.py): results and
+"""The dashboard's rates over the last hour, from the per-minute hashes in Redis (protocol/rates.py): results and
 tokens per second as the workers counted them, requests in per second from the lanes' ``entries-added`` samples.
 
 Reads are a fixed number of commands (one HGETALL per minute of the window, pipelined): they never depend on how
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.rates import ADDED, BUCKET_S, OUT, RATE_TTL_S, TOKENS, field, minute_of
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.rates import ADDED, BUCKET_S, OUT, RATE_TTL_S, TOKENS, field, minute_of
 
 WINDOW_MINUTES = 60  # the hour the charts show (plus the minute under way)
 

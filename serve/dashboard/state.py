@@ -20,7 +20,7 @@ from fastapi import Request
 from tokenmill.producer.aio import AsyncProducer
 from tokenmill.producer.config import ServeSettings
 from tokenmill.producer.connection import REDIS_ERRORS, aconnect, connect
-from tokenmill.producer.shards import QueueLayout
+from tokenmill.protocol.shards import QueueLayout
 
 log = logging.getLogger("tokenmill.serve.dashboard")
 

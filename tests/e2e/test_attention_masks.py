@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, masking_utils
 
 from tests.e2e.parity_helpers import hf_greedy, random_prompts
 from tests.engine_helpers import build_engine
-from tokenmill.engine import SamplingParams
+from tokenmill.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
 

@@ -23,9 +23,9 @@ from tests.worker_helpers import add_dead_letter, enqueue, make_settings, runnin
 from tokenmill.producer import bulk, eta
 from tokenmill.producer.bulk import pipeline
 from tokenmill.producer.client import Producer
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.rates import ADDED, OUT, RATE_TTL_S, TOKENS, field, minute_of
-from tokenmill.producer.schema import GenerationRequest, encode_request
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.rates import ADDED, OUT, RATE_TTL_S, TOKENS, field, minute_of
+from tokenmill.protocol.schema import GenerationRequest, encode_request
 
 pytestmark = pytest.mark.e2e
 READER, ADMIN = "reader-key", "admin-key"
@@ -77,7 +77,7 @@ def waiting(client: redis.Redis, keys: Keys, lane: int) -> None:
 
 
 def an_hour_of_counters(client: redis.Redis, keys: Keys) -> None:
-    """What workers and dashboards would have written over the last hour (producer/rates.py): a day-shaped load on
+    """What workers and dashboards would have written over the last hour (protocol/rates.py): a day-shaped load on
     the shared lane 1."""
     now_s = float(client.time()[0])
     current = minute_of(now_s)

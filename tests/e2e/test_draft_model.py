@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from tests.e2e.parity_helpers import random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import VOCAB_SIZE
-from tokenmill.engine import Engine, SamplingParams
+from tokenmill.engine import Engine
 from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.model import model_setup
 from tokenmill.engine.model.draft_proposer import (
@@ -31,6 +31,7 @@ from tokenmill.engine.model.draft_proposer import (
 from tokenmill.engine.model.model_loader import LoadedModel, load_model
 from tokenmill.engine.model.model_setup import kv_cache_spec
 from tokenmill.engine.spec.speculator import DraftSpeculator
+from tokenmill.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
 

@@ -15,8 +15,8 @@ import torch
 from tests.tiny_models import save_tiny_model
 from tests.worker_helpers import start_worker_process, wait_result
 from tokenmill.producer.client import Producer
-from tokenmill.producer.keys import Keys
 from tokenmill.producer.openai_compat.bodies import parse_body
+from tokenmill.protocol.keys import Keys
 
 PEAK_RSS_LIMIT_BYTES = 3 << 30  # the worker holds torch and a tiny model: well under 1 GiB; the leak grew past 2 GiB
 

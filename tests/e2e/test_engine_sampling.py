@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.engine_helpers import build_engine
-from tokenmill.engine import Engine, PromptError, SamplingParams, TextPrompt
+from tokenmill.engine import Engine, PromptError, TextPrompt
+from tokenmill.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
 

@@ -18,9 +18,9 @@ import torch
 from tests.e2e.parity_helpers import hf_greedy, load_reference, random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import VOCAB_SIZE
-from tokenmill.engine import SamplingParams
 from tokenmill.engine.kv.block_store import ENVELOPE_HEADER, LocalBlockStore, block_digests, seal, unseal
 from tokenmill.engine.model.model_loader import load_model
+from tokenmill.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
 

@@ -22,11 +22,11 @@ import redis
 from tests.engine_helpers import build_engine
 from tests.processes import scaled_s
 from tests.worker_helpers import enqueue, make_settings, running_worker, start_worker_process, wait_until
-from tokenmill.engine import SamplingParams
 from tokenmill.engine.core.stats import EngineStats
 from tokenmill.producer.embedded import server_binary
-from tokenmill.producer.keys import CONSUMER_GROUP, Keys
-from tokenmill.producer.schema import decode_result
+from tokenmill.protocol.keys import CONSUMER_GROUP, Keys
+from tokenmill.protocol.sampling import SamplingParams
+from tokenmill.protocol.schema import decode_result
 from tokenmill.worker.runtime import Worker
 
 pytestmark = pytest.mark.e2e

@@ -12,8 +12,8 @@ import pytest
 
 from tests.engine_helpers import build_engine
 from tests.worker_helpers import make_settings, running_worker, wait_until
-from tokenmill.engine import SamplingParams
 from tokenmill.producer import Producer
+from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.runtime import Worker
 
 pytestmark = pytest.mark.e2e

@@ -17,10 +17,10 @@ from transformers import AutoModelForCausalLM, Gemma2Config, GptOssConfig
 from tests.e2e.parity_helpers import assert_parity, hf_greedy, random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import build_tokenizer
-from tokenmill.engine import SamplingParams
 from tokenmill.engine.kernels.attention import AttentionMetadata
 from tokenmill.engine.kernels.attention.reference import ReferenceBackend
 from tokenmill.engine.model.hf_attention import attend_with_logit_terms
+from tokenmill.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
 

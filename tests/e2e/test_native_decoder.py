@@ -17,13 +17,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from tests.e2e.parity_helpers import random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import VOCAB_SIZE, build_tokenizer
-from tokenmill.engine import Engine, SamplingParams
+from tokenmill.engine import Engine
 from tokenmill.engine.core.step_io import ScheduledChunk
 from tokenmill.engine.kernels import cpu_linear
 from tokenmill.engine.model import native_decoder
 from tokenmill.engine.model.model_runner import ModelRunner
 from tokenmill.engine.model.native_decoder import NativeDecoder
 from tokenmill.engine.sample.sampler import greedy_token_ids
+from tokenmill.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
 

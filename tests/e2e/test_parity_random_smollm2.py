@@ -15,10 +15,10 @@ import torch
 from ops.gpu.models import export_smollm2_files
 from tests.e2e.parity_helpers import DEVICES, assert_parity, attention_backend, hf_greedy, random_prompts
 from tests.engine_helpers import build_engine
-from tokenmill.engine import SamplingParams
 from tokenmill.engine.model.model_loader import random_model
 from tokenmill.engine.model.model_runner import ModelRunner
 from tokenmill.engine.model.static_decode import CapturedStep
+from tokenmill.protocol.sampling import SamplingParams
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

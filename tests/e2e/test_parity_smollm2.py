@@ -10,9 +10,10 @@ import torch
 
 from tests.e2e.parity_helpers import DEVICES, assert_parity, attention_backend, hf_greedy, load_reference
 from tests.engine_helpers import build_engine
-from tokenmill.engine import Engine, SamplingParams
+from tokenmill.engine import Engine
 from tokenmill.engine.kv.block_store import LocalBlockStore
 from tokenmill.engine.model.model_runner import ModelRunner
+from tokenmill.protocol.sampling import SamplingParams
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -13,8 +13,8 @@ import pytest
 from tests.e2e.parity_helpers import BACKENDS, DEVICES, attention_backend, hf_greedy, load_reference, random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import FAMILIES, VOCAB_SIZE
-from tokenmill.engine import SamplingParams
 from tokenmill.engine.core.request import Request
+from tokenmill.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
 

@@ -18,8 +18,8 @@ from tests.worker_helpers import make_settings, running_worker, wait_result
 from tokenmill.engine import Engine, EngineConfig
 from tokenmill.engine.core.step_io import ModelOutput, SchedulerOutput
 from tokenmill.engine.output.prompts import TextPrompt
-from tokenmill.producer.schema import GenerationRequest, encode_request
 from tokenmill.protocol.sampling import MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MIN_REPETITION_PENALTY
+from tokenmill.protocol.schema import GenerationRequest, encode_request
 from tokenmill.worker.runtime import Worker
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

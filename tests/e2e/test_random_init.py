@@ -13,12 +13,12 @@ from pydantic import ValidationError
 from tests.e2e.parity_helpers import hf_greedy, random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import VOCAB_SIZE, save_tiny_model, tiny_config
-from tokenmill.engine import EngineConfig, SamplingParams
+from tokenmill.engine import EngineConfig
 from tokenmill.engine.errors import ModelLoadError
 from tokenmill.engine.model.hf_attention import register
 from tokenmill.engine.model.model_loader import load_model, random_model
 from tokenmill.engine.output.no_tokenizer import NoTokenizer
-from tokenmill.protocol.sampling import ResponseFormat
+from tokenmill.protocol.sampling import ResponseFormat, SamplingParams
 
 pytestmark = pytest.mark.e2e
 

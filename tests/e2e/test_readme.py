@@ -31,6 +31,7 @@ SKIPPED = {
     "make run": "builds a virtualenv and runs the demo (the demo has its own test)",
     "make test": "runs the whole suite, this test included",
     "make lint": "ruff over the checkout: make test runs it, so CI does",
+    "make typecheck": "mypy over the package: make test runs it, so CI does",
     ".venv/bin/pytest": "runs the suite, this test included",
     "tokenmill --config configs/gpu.toml": "needs a GPU and a model under /models",
     "tokenmill dashboard": "serves until stopped; tests/e2e/test_dashboard_browser.py drives the same pages",

@@ -15,7 +15,8 @@ import torch
 from tests.e2e.parity_helpers import hf_greedy, load_reference, random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import FAMILIES, VOCAB_SIZE
-from tokenmill.engine import Engine, SamplingParams
+from tokenmill.engine import Engine
+from tokenmill.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
 

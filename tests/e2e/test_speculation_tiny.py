@@ -19,11 +19,12 @@ import torch
 from tests.e2e.parity_helpers import DEVICES, attention_backend, hf_greedy, load_reference, random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import VOCAB_SIZE
-from tokenmill.engine import Engine, SamplingParams
+from tokenmill.engine import Engine
 from tokenmill.engine.core.request import Request
 from tokenmill.engine.model.draft_proposer import DraftModelProposer
 from tokenmill.engine.model.model_runner import ModelRunner
 from tokenmill.engine.spec.speculator import DraftSpeculator
+from tokenmill.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
 

@@ -14,11 +14,12 @@ import torch
 from tests.e2e.parity_helpers import hf_greedy, load_reference, random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import VOCAB_SIZE
-from tokenmill.engine import Engine, SamplingParams
+from tokenmill.engine import Engine
 from tokenmill.engine.core.step_io import ModelOutput, SchedulerOutput
 from tokenmill.engine.kernels.attention import cpu_kernel
 from tokenmill.engine.model.model_runner import ModelRunner
 from tokenmill.engine.model.static_decode import CapturedStep, StaticDecode, decode_buckets
+from tokenmill.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
 NEEDS_CPU_KERNEL = pytest.mark.skipif(not cpu_kernel.is_available(), reason="needs the CPU kernel")

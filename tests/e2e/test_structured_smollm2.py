@@ -9,7 +9,8 @@ import jsonschema
 import pytest
 
 from tests.engine_helpers import build_engine
-from tokenmill.engine import ChatPrompt, SamplingParams
+from tokenmill.engine import ChatPrompt
+from tokenmill.protocol.sampling import SamplingParams
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -27,7 +27,7 @@ from transformers import AutoConfig, LlamaConfig
 from tests.e2e.parity_helpers import random_prompts
 from tests.engine_helpers import build_engine, engine_config
 from tests.tiny_models import VOCAB_SIZE, save_tiny_model
-from tokenmill.engine import Engine, ModelConfig, SamplingParams
+from tokenmill.engine import Engine, ModelConfig
 from tokenmill.engine.core.step_io import ScheduledChunk
 from tokenmill.engine.errors import EngineError, ModelLoadError
 from tokenmill.engine.model import model_setup, native_decoder, shm_all_reduce
@@ -35,6 +35,7 @@ from tokenmill.engine.model.model_runner import ModelRunner
 from tokenmill.engine.model.native_decoder import NativeDecoder
 from tokenmill.engine.model.tensor_parallel import plan_shard
 from tokenmill.engine.model.tp_group import ProcessGroups, TensorParallelLost
+from tokenmill.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
 

@@ -16,8 +16,9 @@ from tests import tp_faults
 from tests.e2e.parity_helpers import random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import VOCAB_SIZE
-from tokenmill.engine import Engine, SamplingParams
+from tokenmill.engine import Engine
 from tokenmill.protocol.outcomes import FinishReason
+from tokenmill.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
 

@@ -14,8 +14,8 @@ import redis
 
 from tests.cluster_helpers import LocalCluster, start_cluster
 from tokenmill.producer import AsyncProducer, Producer
-from tokenmill.producer.keys import DONE_TTL_S, Keys
-from tokenmill.producer.schema import SCHEMA_VERSION, GenerationResult, encode_result
+from tokenmill.protocol.keys import DONE_TTL_S, Keys
+from tokenmill.protocol.schema import SCHEMA_VERSION, GenerationResult, encode_result
 
 
 class FakeWorker:

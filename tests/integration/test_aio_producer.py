@@ -11,8 +11,8 @@ import redis
 from tests.integration.conftest import FakeWorker
 from tokenmill.producer import AsyncProducer, JobFailed, ResultTimeout, SchemaError
 from tokenmill.producer.common import WAIT_SLICE_S
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.schema import GenerationRequest, decode_request
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.schema import GenerationRequest, decode_request
 
 
 async def test_submit_and_submit_many(aproducer: AsyncProducer, redis_client: redis.Redis, keys: Keys) -> None:

@@ -19,11 +19,12 @@ from tests.worker_helpers import FAST_WORKER, make_settings, running_worker
 from tokenmill.producer import Producer, bulk
 from tokenmill.producer.bulk import BulkJob, BulkOptions
 from tokenmill.producer.bulk.options import job_id_of, request_id_of
-from tokenmill.producer.config import ProducerConfig, QueueConfig, RedisConfig
+from tokenmill.producer.config import ProducerConfig
 from tokenmill.producer.eta import Eta
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.schema import GenerationResult, Usage, decode_request, encode_result
+from tokenmill.protocol.config import QueueConfig, RedisConfig
 from tokenmill.protocol.heartbeat import Heartbeat, JobBacklog, encode_heartbeat
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.schema import GenerationResult, Usage, decode_request, encode_result
 from tokenmill.worker.config import Settings
 
 SUFFIXES = {"jsonl": "jsonl", "openai": "jsonl", "csv": "csv", "parquet": "parquet"}

@@ -22,7 +22,7 @@ from tokenmill.cli.app import app
 from tokenmill.producer import Producer, bulk
 from tokenmill.producer.bulk import BulkError, BulkJob, BulkOptions
 from tokenmill.producer.bulk.parquet_output import JOURNAL_SUFFIX
-from tokenmill.producer.keys import Keys
+from tokenmill.protocol.keys import Keys
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

@@ -23,7 +23,7 @@ from tests.worker_helpers import make_settings, running_worker
 from tokenmill.producer import Producer, bulk
 from tokenmill.producer.bulk import BulkJob, BulkOptions
 from tokenmill.producer.bulk.options import job_id_of, request_id_of
-from tokenmill.producer.schema import decode_result
+from tokenmill.protocol.schema import decode_result
 from tokenmill.worker.runtime import Worker
 
 pytest.importorskip("prometheus_client")

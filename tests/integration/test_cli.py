@@ -14,8 +14,8 @@ from tests.integration.bulk_helpers import read_jsonl, write_input
 from tests.worker_helpers import add_dead_letter, make_settings, running_worker, wait_result
 from tokenmill.cli.app import app
 from tokenmill.producer import Producer
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.schema import GenerationResult, decode_request
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.schema import GenerationResult, decode_request
 
 runner = CliRunner()
 

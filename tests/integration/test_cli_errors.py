@@ -18,8 +18,8 @@ import pytest
 from tests.processes import free_port
 from tests.worker_helpers import ROOT, make_settings, running_worker
 from tokenmill.producer import Producer
-from tokenmill.producer.schema import GenerationResult, encode_result
 from tokenmill.protocol.heartbeat import STALE_AFTER_S
+from tokenmill.protocol.schema import GenerationResult, encode_result
 
 DOWN_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1
 

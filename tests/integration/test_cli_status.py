@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from tests.worker_helpers import add_dead_letter, make_settings, running_worker
 from tokenmill.cli.app import app
 from tokenmill.producer import Producer
-from tokenmill.producer.keys import Keys
 from tokenmill.protocol.heartbeat import Heartbeat, JobBacklog, encode_heartbeat
+from tokenmill.protocol.keys import Keys
 
 runner = CliRunner()
 LONG_WORKER = "worker-" + "".join(str(i % 10) for i in range(113))  # 120 characters

@@ -22,10 +22,11 @@ from redis.crc import key_slot
 from tests.cluster_helpers import LocalCluster, wait_for
 from tests.worker_helpers import FAST_WORKER, start_worker_process
 from tokenmill.producer import AsyncProducer, Producer, common
-from tokenmill.producer.config import ProducerConfig, QueueConfig, RedisConfig
-from tokenmill.producer.keys import CONSUMER_GROUP
-from tokenmill.producer.schema import GenerationRequest, GenerationResult, decode_result
-from tokenmill.producer.shards import QueueLayout
+from tokenmill.producer.config import ProducerConfig
+from tokenmill.protocol.config import QueueConfig, RedisConfig
+from tokenmill.protocol.keys import CONSUMER_GROUP
+from tokenmill.protocol.schema import GenerationRequest, GenerationResult, decode_result
+from tokenmill.protocol.shards import QueueLayout
 from tokenmill.worker.block_store import redis_block_store
 from tokenmill.worker.config import Settings
 from tokenmill.worker.messages import DeadLetter, Entry, Finish, Handoff

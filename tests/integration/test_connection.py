@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from tokenmill.producer.config import RedisConfig
 from tokenmill.producer.connection import connect
 from tokenmill.producer.errors import RedisUnavailable
+from tokenmill.protocol.config import RedisConfig
 
 
 def test_tls_to_a_plain_port_fails_fast_with_a_hint(redis_url: str) -> None:

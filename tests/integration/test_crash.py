@@ -9,8 +9,8 @@ import time
 import redis
 
 from tests.worker_helpers import enqueue, start_worker_process, wait_result
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.schema import decode_result
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.schema import decode_result
 from tokenmill.worker.heartbeat import read_heartbeats, read_workers
 
 NUM_REQUESTS = 200

@@ -19,7 +19,7 @@ from tests.serve_helpers import ROOT, running_server
 from tests.worker_helpers import add_dead_letter, enqueue, make_settings, running_worker, wait_result, wait_until
 from tokenmill.producer import bulk
 from tokenmill.producer.client import Producer
-from tokenmill.producer.keys import Keys
+from tokenmill.protocol.keys import Keys
 
 READER, ADMIN = "reader-key", "admin-key"
 

@@ -12,10 +12,10 @@ import redis
 import requests
 
 from tests.serve_helpers import running_server
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.rates import RATE_TTL_S, field, minute_of
-from tokenmill.producer.schema import GenerationRequest, encode_request
 from tokenmill.protocol.heartbeat import Heartbeat, encode_heartbeat
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.rates import RATE_TTL_S, field, minute_of
+from tokenmill.protocol.schema import GenerationRequest, encode_request
 
 NUM_QUEUED = 1_000_000
 NUM_WORKERS = 100

@@ -7,7 +7,7 @@ import redis
 
 from tests.worker_helpers import add_dead_letter
 from tokenmill.producer import dead_letters
-from tokenmill.producer.keys import Keys
+from tokenmill.protocol.keys import Keys
 
 
 def test_read_select_and_requeue(redis_client: redis.Redis, keys: Keys) -> None:

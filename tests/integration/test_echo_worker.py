@@ -13,7 +13,7 @@ from tests.worker_helpers import ROOT, enqueue, make_settings, running_worker, w
 from tokenmill.engine.core.request import PreemptionCause
 from tokenmill.engine.engine import Engine
 from tokenmill.producer.client import Producer
-from tokenmill.producer.schema import decode_result
+from tokenmill.protocol.schema import decode_result
 
 SLOW = "echo:step_delay_s=0.01"
 
@@ -52,8 +52,8 @@ def test_a_worker_serving_echo_loads_no_torch(redis_url: str, redis_client: redi
     rid = enqueue(redis_client, keys, prompt="no torch here")
     sections = {"queue": {"prefix": key_prefix}, "redis": {"url": redis_url}, "engine": {"model": {"name": "echo"}}}
     code = ("import sys\n"
-            "from worker.config import Settings\n"
-            "from worker.runtime import Worker\n"
+            "from tokenmill.worker.config import Settings\n"
+            "from tokenmill.worker.runtime import Worker\n"
             f"exit_code = Worker(Settings.load(None, {sections!r}), handle_signals=False, burst=True).run()\n"
             "print(exit_code, sorted({'torch', 'transformers'} & set(sys.modules)))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

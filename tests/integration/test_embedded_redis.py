@@ -76,7 +76,7 @@ def test_lifecycle_reuse_and_persistence(home: Path) -> None:
 
 
 def test_concurrent_starts_share_one_server(home: Path) -> None:
-    code = "from producer import embedded; print(embedded.start().pid)"
+    code = "from tokenmill.producer import embedded; print(embedded.start().pid)"
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
              for _ in range(3)]
     pids = {proc.communicate(timeout=30)[0].strip() for proc in procs}

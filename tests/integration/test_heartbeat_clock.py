@@ -23,7 +23,6 @@ from typer.testing import CliRunner
 from tests.worker_helpers import enqueue, start_worker_process, wait_result, wait_until
 from tokenmill.cli.app import app
 from tokenmill.producer import AsyncProducer, Producer
-from tokenmill.producer.keys import CONSUMER_GROUP, Keys
 from tokenmill.protocol.heartbeat import (
     FUTURE_TOLERANCE_S,
     STAMP_LUA,
@@ -31,6 +30,7 @@ from tokenmill.protocol.heartbeat import (
     decode_heartbeat,
     encode_heartbeat,
 )
+from tokenmill.protocol.keys import CONSUMER_GROUP, Keys
 from tokenmill.serve.live_models import LiveModels
 from tokenmill.worker.heartbeat import FORGET_AFTER_S, forget_old, read_workers, write_heartbeat
 from tokenmill.worker.reclaim import Reclaimer

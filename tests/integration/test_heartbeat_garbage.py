@@ -16,7 +16,7 @@ import redis
 
 from tests.worker_helpers import ROOT, enqueue, start_worker_process, wait_result
 from tokenmill.producer import Producer
-from tokenmill.producer.keys import Keys
+from tokenmill.protocol.keys import Keys
 
 
 def _packed(value: object) -> bytes:

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from tests.worker_helpers import make_settings
-from tokenmill.producer.keys import Keys
+from tokenmill.protocol.keys import Keys
 from tokenmill.worker import writer as writer_module
 from tokenmill.worker.health import RedisHealth
 from tokenmill.worker.heartbeat import STOPPED, read_heartbeats

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from tests.worker_helpers import announce, serving_models
 from tokenmill.cli.app import app
 from tokenmill.producer import Producer, dead_letters
-from tokenmill.producer.keys import CONSUMER_GROUP, Keys
-from tokenmill.producer.schema import GenerationRequest, encode_request
+from tokenmill.protocol.keys import CONSUMER_GROUP, Keys
+from tokenmill.protocol.schema import GenerationRequest, encode_request
 
 MODELS = ("alpha", "beta")
 

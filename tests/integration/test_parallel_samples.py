@@ -7,7 +7,7 @@ import redis
 
 from tests.worker_helpers import make_settings, running_worker
 from tokenmill.producer import Producer
-from tokenmill.producer.schema import GenerationResult, Sample, decode_result, encode_result
+from tokenmill.protocol.schema import GenerationResult, Sample, decode_result, encode_result
 
 
 def test_submit_n_returns_every_sample(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:

@@ -16,7 +16,7 @@ import redis
 
 from tests.worker_helpers import enqueue, make_settings, running_worker, wait_result
 from tokenmill.engine.engine import Engine
-from tokenmill.producer.keys import CONSUMER_GROUP
+from tokenmill.protocol.keys import CONSUMER_GROUP
 from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.messages import Entry
 from tokenmill.worker.reader import Reader

@@ -22,8 +22,8 @@ from tokenmill.producer import (
     common,
 )
 from tokenmill.producer.common import WAIT_SLICE_S
-from tokenmill.producer.keys import CONSUMER_GROUP, Keys
-from tokenmill.producer.schema import GenerationRequest, decode_request
+from tokenmill.protocol.keys import CONSUMER_GROUP, Keys
+from tokenmill.protocol.schema import GenerationRequest, decode_request
 
 
 def lane_entries(client: redis.Redis, keys: Keys, lane: int) -> list[GenerationRequest]:

@@ -17,8 +17,8 @@ from redis.retry import Retry
 
 from tests.worker_helpers import make_settings, running_worker
 from tokenmill.producer import AsyncProducer, Producer, SchemaError, SubmitUncertain, common
-from tokenmill.producer.keys import DONE_TTL_S, Keys
-from tokenmill.producer.schema import GenerationResult, encode_result
+from tokenmill.protocol.keys import DONE_TTL_S, Keys
+from tokenmill.protocol.schema import GenerationResult, encode_result
 
 SLICE_S = 0.6  # the wait slice under test; results land 0.5 and 1.5 slices in
 

@@ -18,9 +18,9 @@ from tokenmill.producer import AsyncProducer, GenerationRequest, Producer, Schem
 from tokenmill.producer.bulk import BulkJob, BulkOptions
 from tokenmill.producer.celery import request_options
 from tokenmill.producer.common import build_request
-from tokenmill.producer.keys import Keys
 from tokenmill.producer.openai_compat import parse_body
-from tokenmill.producer.schema import decode_request
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.schema import decode_request
 
 USER_HI = [{"role": "user", "content": "Hi"}]
 SYSTEM_HI = [{"role": "system", "content": "Be brief."}, *USER_HI]

@@ -13,8 +13,8 @@ import time
 import redis
 
 from tests.worker_helpers import enqueue, start_worker_process, wait_serving
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.schema import decode_result
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.schema import decode_result
 
 MAX_DELIVERIES = 3
 # NOTE: the echo model's test hook: a step that runs a prompt containing POISON exits the process

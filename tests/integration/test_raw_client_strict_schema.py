@@ -10,7 +10,7 @@ import msgpack
 import redis
 
 from tests.worker_helpers import enqueue, make_settings, running_worker, wait_result
-from tokenmill.producer.keys import Keys
+from tokenmill.protocol.keys import Keys
 
 
 def _xadd(client: redis.Redis, keys: Keys, payload: bytes, version: Any = 1) -> None:

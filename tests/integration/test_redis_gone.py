@@ -20,7 +20,7 @@ from tests.worker_helpers import (
     wait_until,
     worker_logs,
 )
-from tokenmill.producer.keys import CONSUMER_GROUP, Keys
+from tokenmill.protocol.keys import CONSUMER_GROUP, Keys
 from tokenmill.worker.runtime import Worker
 
 

@@ -18,8 +18,8 @@ import redis
 from tests.serve_helpers import running_server
 from tests.worker_helpers import announce, make_settings, running_worker
 from tokenmill.producer import Producer
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.schema import decode_request
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.schema import decode_request
 
 SLOW_ECHO = "echo:step_delay_s=0.02"
 

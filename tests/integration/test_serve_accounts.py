@@ -14,7 +14,7 @@ import redis
 
 from tests.serve_helpers import running_server
 from tests.worker_helpers import make_settings, running_worker
-from tokenmill.producer.keys import Keys
+from tokenmill.protocol.keys import Keys
 
 KEY_A, KEY_B = "sk-alice-0123456789", "sk-bob-9876543210"
 

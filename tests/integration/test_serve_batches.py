@@ -18,7 +18,7 @@ import redis.asyncio
 from tests.serve_helpers import running_server
 from tests.worker_helpers import make_settings, running_worker
 from tokenmill.producer.bulk import pipeline
-from tokenmill.producer.keys import Keys
+from tokenmill.protocol.keys import Keys
 from tokenmill.serve import batch_runner
 from tokenmill.serve.batch_store import BatchStore
 from tokenmill.serve.guard import ANONYMOUS

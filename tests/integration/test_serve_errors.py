@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from tests.serve_helpers import running_server
-from tokenmill.producer.keys import Keys
+from tokenmill.protocol.keys import Keys
 from tokenmill.serve import live_models, models
 
 CHAT = {"model": "echo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

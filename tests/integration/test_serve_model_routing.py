@@ -17,8 +17,8 @@ import redis
 from tests.serve_helpers import running_server
 from tests.worker_helpers import announce, serving_models
 from tokenmill.producer import Producer
-from tokenmill.producer.keys import Keys
 from tokenmill.protocol.heartbeat import STOPPED, Heartbeat, encode_heartbeat
+from tokenmill.protocol.keys import Keys
 from tokenmill.serve.live_models import CACHE_S
 
 MODELS = ("alpha", "beta")

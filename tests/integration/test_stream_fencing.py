@@ -14,7 +14,7 @@ import redis
 
 from tests.worker_helpers import start_worker_process, wait_result
 from tokenmill.producer import AsyncProducer, Producer
-from tokenmill.producer.keys import Keys
+from tokenmill.protocol.keys import Keys
 
 NUM_STREAMS = 10
 MODEL = "echo:step_delay_s=0.02"

@@ -18,7 +18,7 @@ from tests.integration.bulk_helpers import read_jsonl
 from tests.worker_helpers import make_settings, running_worker
 from tokenmill.cli.app import app
 from tokenmill.producer import Producer, bulk
-from tokenmill.producer.schema import GenerationResult
+from tokenmill.protocol.schema import GenerationResult
 
 pytest.importorskip("torch")
 jsonschema = pytest.importorskip("jsonschema")

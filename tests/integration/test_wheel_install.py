@@ -4,6 +4,10 @@ installed location (into TOKENMILL_HOME, nothing next to the sources), and a wor
 that virtualenv says in its start-up log that it runs the C++ attention kernel and the native
 decoder stack, then answers a request.
 
+The sdist holds the checkout's part folders as they are and the wheel holds them inside tokenmill
+(pyproject.toml's package-dir), each exactly the checkout's modules and package data (test_packaging.py
+checks the other ways in: a clone without links, a plain checkout, an editable install, mypy).
+
 The only guard against a wheel without its package data, so it runs in the normal suite. Its cost
 is one build of the three extensions (about 40 s on 2 busy cores): a shared build cache would not
 be safe, since ninja rebuilds whenever a source's path changes, and the installed sources' path
@@ -18,31 +22,27 @@ from __future__ import annotations
 
 import json
 import os
-import site
 import subprocess
 import sys
-import tomllib
-import venv
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-from packaging.requirements import Requirement
 
+from ops.typecheck import package_files, package_modules
+from tests.integration.packaging_helpers import FIND_MODULES, ROOT, build_env, copy_checkout, dependencies_venv, run
 from tests.tiny_models import save_tiny_model
 from tests.worker_helpers import enqueue
 from tokenmill.engine.kernels import panel_linear
 from tokenmill.engine.kernels.attention import cpu_kernel
 from tokenmill.engine.kernels.cpp_build import CppExtension
 from tokenmill.engine.model import native_decoder
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.schema import decode_result
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.schema import decode_result
 
 pytestmark = pytest.mark.timeout(900)
 
-ROOT = Path(__file__).resolve().parents[2]
 EXTENSIONS: dict[str, CppExtension] = {"attention": cpu_kernel._EXTENSION, "decoder_stack": native_decoder._EXTENSION,
                                        "panel_linear": panel_linear._EXTENSION}
 # Run by the new virtualenv's interpreter: where tokenmill was imported from, where its extensions'
@@ -64,50 +64,11 @@ print(json.dumps({"engine": engine.__file__,
 """
 
 
-def _run(command: list[str], cwd: Path, env: dict[str, str] | None = None, timeout_s: float = 300) -> str:
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    assert done.returncode == 0, f"{command[:4]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done.stdout
-
-
-def _copy_checkout(target: Path) -> None:
-    """The files a fresh clone would hold plus untracked ones not ignored (no .venv, no build/)."""
-    listing = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], ROOT)
-    for name in filter(None, listing.split("\0")):
-        source = ROOT / name
-        if source.is_symlink():  # tokenmill/engine -> ../engine and its siblings
-            (target / name).parent.mkdir(parents=True, exist_ok=True)
-            (target / name).symlink_to(source.readlink())
-        elif source.is_file():  # tracked files deleted in the working tree are listed too
-            (target / name).parent.mkdir(parents=True, exist_ok=True)
-            (target / name).write_bytes(source.read_bytes())
-
-
-def _build_env(tmp: Path) -> dict[str, str]:
-    """An environment whose interpreter has what ``[build-system] requires`` asks: this one's when
-    it qualifies (offline), else those packages fetched once into a folder on PYTHONPATH."""
-    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-
-    def satisfied(spec: str) -> bool:
-        requirement = Requirement(spec)
-        try:
-            return requirement.specifier.contains(metadata.version(requirement.name), prereleases=True)
-        except metadata.PackageNotFoundError:
-            return False
-
-    if not all(map(satisfied, requires)):
-        _run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(tmp / "build-env"), *requires], tmp)
-        env["PYTHONPATH"] = str(tmp / "build-env")
-    return env
-
-
 def _csrc_files() -> set[str]:
-    """Every C++ file of the engine, as the package holds it (``tokenmill/engine/...``); each extension
-    reads only these."""
-    files = {f"tokenmill/{p.relative_to(ROOT)}" for p in (ROOT / "engine").rglob("csrc/*")
-             if p.suffix in (".cpp", ".h")}
-    read = {f"tokenmill/{p.resolve().relative_to(ROOT)}" for e in EXTENSIONS.values() for p in (e.source, *e.headers)}
+    """Every C++ file of the engine, as the checkout holds it (``engine/...``; the package's ``tokenmill/engine/...``);
+    each extension reads only these."""
+    files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "engine").rglob("csrc/*") if p.suffix in (".cpp", ".h")}
+    read = {p.resolve().relative_to(ROOT).as_posix() for e in EXTENSIONS.values() for p in (e.source, *e.headers)}
     assert read <= files and files, (read, files)
     return files
 
@@ -116,40 +77,69 @@ def _tree(folder: Path) -> set[str]:
     return {str(p.relative_to(folder)) for p in folder.rglob("*") if "__pycache__" not in p.parts}
 
 
+def _sdist_names(sdist_path: Path) -> set[str]:
+    import tarfile
+
+    with tarfile.open(sdist_path) as sdist:
+        return {member.name.split("/", 1)[1] for member in sdist.getmembers() if "/" in member.name and member.isfile()}
+
+
+def _wheel_names(wheel_path: Path) -> set[str]:
+    import zipfile
+
+    with zipfile.ZipFile(wheel_path) as wheel:
+        return set(wheel.namelist())
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """sdist -> wheel -> a fresh virtualenv with only the wheel installed; its paths."""
     tmp = tmp_path_factory.mktemp("wheel-install")
-    source, dist, env = tmp / "checkout", tmp / "dist", _build_env(tmp)
-    _copy_checkout(source)
-    sdist = Path(_run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
-                       "print(b.build_sdist(sys.argv[1]))", str(dist)], source, env).split()[-1])
+    source, dist, env = tmp / "checkout", tmp / "dist", build_env(tmp)
+    copy_checkout(source)
+    sdist = Path(run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
+                      "print(b.build_sdist(sys.argv[1]))", str(dist)], source, env).split()[-1])
     wheel_dir = tmp / "wheel"
-    _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
-          "--wheel-dir", str(wheel_dir), str(dist / sdist)], tmp, env)
+    run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
+         "--wheel-dir", str(wheel_dir), str(dist / sdist)], tmp, env)
     (wheel,) = wheel_dir.glob("tokenmill-*.whl")
     environment = tmp / "venv"
-    venv.EnvBuilder(with_pip=False).create(environment)
-    python = environment / "bin" / "python"
-    (site_packages,) = environment.glob("lib/python*/site-packages")
-    # Dependencies from the project's environment, after the new one's own site-packages.
-    (site_packages / "project_dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps", "--no-index",
-          str(wheel)], tmp)
-    return {"tmp": tmp, "sdist": dist / sdist, "wheel": wheel, "venv": environment, "site_packages": site_packages}
+    python, site_packages = dependencies_venv(environment)
+    run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps", "--no-index",
+         str(wheel)], tmp)
+    return {"tmp": tmp, "checkout": source, "sdist": dist / sdist, "wheel": wheel, "venv": environment,
+            "site_packages": site_packages}
 
 
 def test_sdist_and_wheel_ship_every_cpp_source(installed: dict[str, Path]) -> None:
-    import tarfile
-    import zipfile
-
     wanted = _csrc_files()
-    with tarfile.open(installed["sdist"]) as sdist:
-        in_sdist = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
-    with zipfile.ZipFile(installed["wheel"]) as wheel:
-        in_wheel = set(wheel.namelist())
+    in_sdist, in_wheel = _sdist_names(installed["sdist"]), _wheel_names(installed["wheel"])
     assert wanted <= in_sdist, f"missing from the sdist: {sorted(wanted - in_sdist)}"
+    in_wheel = {name.removeprefix("tokenmill/") for name in in_wheel}
     assert wanted <= in_wheel, f"missing from the wheel: {sorted(wanted - in_wheel)}"
+
+
+def test_the_wheel_and_the_sdist_hold_the_checkouts_files(installed: dict[str, Path]) -> None:
+    """No links and a package-dir mapping: the sdist holds the checkout's folders as they are (engine/...), the wheel
+    holds them inside tokenmill (tokenmill/engine/...), each every module and data file of the checkout's packages
+    and nothing else; the installed package finds every module in the wheel's copy, and those are the modules
+    ops/typecheck.py gives mypy."""
+    checkout = installed["checkout"]
+    files = package_files(checkout)  # installed name -> the checkout's file
+    assert any(name.endswith(".cpp") for name in files) and any(name.endswith(".html") for name in files)
+    in_wheel = {name for name in _wheel_names(installed["wheel"]) if ".dist-info/" not in name}
+    assert in_wheel == set(files), (sorted(in_wheel - set(files)), sorted(set(files) - in_wheel))
+    folders = {path.relative_to(checkout).parts[0] for path in files.values()}
+    assert folders == {"tokenmill", "protocol", "engine", "worker", "producer", "serve", "cli"}
+    in_sdist = {name for name in _sdist_names(installed["sdist"]) if name.split("/")[0] in folders}
+    from_checkout = {path.relative_to(checkout).as_posix() for path in files.values()}
+    assert in_sdist == from_checkout, (sorted(in_sdist - from_checkout), sorted(from_checkout - in_sdist))
+    modules = {name.removesuffix(".py").replace("/", ".").removesuffix(".__init__"): name
+               for name in package_files(checkout, data=False)}
+    assert set(modules) == set(package_modules(checkout))
+    found = json.loads(run([str(installed["venv"] / "bin" / "python"), "-c", FIND_MODULES, json.dumps(sorted(modules))],
+                           installed["tmp"]))
+    assert found == {module: str(installed["site_packages"] / name) for module, name in modules.items()}
 
 
 def test_the_wheel_ships_the_dashboards_templates_and_static_files(installed: dict[str, Path]) -> None:
@@ -165,7 +155,7 @@ def test_the_wheel_ships_the_dashboards_templates_and_static_files(installed: di
         in_wheel = set(wheel.namelist())
     assert wanted <= in_wheel, f"missing from the wheel: {sorted(wanted - in_wheel)}"
     python = installed["venv"] / "bin" / "python"
-    rendered = _run([str(python), "-c", "from tokenmill.serve.dashboard.views import templates; "
+    rendered = run([str(python), "-c", "from tokenmill.serve.dashboard.views import templates; "
                      "print(templates.get_template('login.html').render(error=None, next='/dashboard', "
                      "url_for=lambda *a, **k: '/x'))"], installed["tmp"])
     assert 'name="key"' in rendered
@@ -205,7 +195,7 @@ def test_installed_worker_builds_and_runs_the_cpp_kernels(installed: dict[str, P
              "--model", str(model), "--name", "wheel-worker", "--burst", "--log-json"],
             cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            probe: dict[str, Any] = json.loads(_run([str(environment / "bin" / "python"), "-c", PROBE], cwd, env,
+            probe: dict[str, Any] = json.loads(run([str(environment / "bin" / "python"), "-c", PROBE], cwd, env,
                                                     timeout_s=600).splitlines()[-1])
             assert worker.wait(timeout=600) == 0, log_path.read_text()[-5000:]
         finally:

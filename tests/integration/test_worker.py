@@ -9,7 +9,7 @@ import redis
 
 from tests.worker_helpers import enqueue, make_settings, running_worker, wait_result
 from tokenmill.producer.client import Producer
-from tokenmill.producer.schema import decode_result
+from tokenmill.protocol.schema import decode_result
 
 SLOW = "echo:step_delay_s=0.01"
 

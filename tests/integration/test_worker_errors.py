@@ -8,7 +8,7 @@ import msgpack
 import redis
 
 from tests.worker_helpers import enqueue, make_settings, running_worker, wait_result
-from tokenmill.producer.keys import CONSUMER_GROUP, Keys
+from tokenmill.protocol.keys import CONSUMER_GROUP, Keys
 
 
 def _raw(client: redis.Redis, keys: Keys, data: object, version: object = 1) -> None:

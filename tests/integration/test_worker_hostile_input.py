@@ -27,8 +27,8 @@ from tests.worker_helpers import (
 )
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.output.prompts import Prompt
-from tokenmill.producer.keys import CONSUMER_GROUP, Keys
-from tokenmill.producer.schema import decode_result
+from tokenmill.protocol.keys import CONSUMER_GROUP, Keys
+from tokenmill.protocol.schema import decode_result
 from tokenmill.worker.heartbeat import read_heartbeats
 from tokenmill.worker.runtime import Worker
 from tokenmill.worker.writer import Writer
@@ -297,7 +297,7 @@ def test_metadata_100000_deep_is_answered_under_its_id(redis_url: str, redis_cli
         assert wait_result(redis_client, keys, enqueue(redis_client, keys, prompt="after")).ok
     for result in results:
         assert result.status == "error" and result.error is not None, result
-        # NOTE: what decoding says of it (msgpack refuses the depth); producer.schema._unpack_fields
+        # NOTE: what decoding says of it (msgpack refuses the depth); protocol.schema._unpack_fields
         # would have to tell msgpack's StackError apart to answer `validation`
         assert result.error.code == "undecodable" and "StackError" in result.error.message, result
     assert redis_client.xlen(keys.dead) == 0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import redis
 
-from tokenmill.producer.keys import CONSUMER_GROUP, DONE_TTL_S, Keys
-from tokenmill.producer.schema import GenerationResult, decode_result
+from tokenmill.protocol.keys import CONSUMER_GROUP, DONE_TTL_S, Keys
+from tokenmill.protocol.schema import GenerationResult, decode_result
 from tokenmill.worker.messages import DeadLetter, Entry, Finish
 from tokenmill.worker.results import FINISH_BATCH, FlushOutcome, ResultWriter, Writable
 

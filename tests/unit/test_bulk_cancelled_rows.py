@@ -23,7 +23,7 @@ from tokenmill.producer.bulk.output import (
     result_line,
 )
 from tokenmill.producer.bulk.report import BulkSummary, describe_state, render_summary
-from tokenmill.producer.schema import GenerationResult
+from tokenmill.protocol.schema import GenerationResult
 
 
 def _lines(fmt: OutputFormat) -> list[dict[str, object]]:

@@ -61,7 +61,7 @@ def test_a_whole_valid_deployment_file_passes_to_the_redis_connect(tmp_path: Pat
 def test_the_check_loads_no_torch(tmp_path: Path) -> None:
     config = tmp_path / "deploy.toml"
     config.write_text("[engine.scheduler]\nmax_num_seq = 4\n")
-    code = ("import sys; from typer.testing import CliRunner; from cli.app import app; "
+    code = ("import sys; from typer.testing import CliRunner; from tokenmill.cli.app import app; "
             f"out = CliRunner().invoke(app, ['--config', {str(config)!r}, 'status']); "
             "print(out.exit_code, 'max_num_seqs' in out.output, "
             "sorted({'torch', 'transformers'} & set(sys.modules)))")

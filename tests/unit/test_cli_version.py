@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tokenmill.cli.app import app
-from tokenmill.producer import version as version_module
-from tokenmill.producer.version import UNKNOWN_VERSION, package_version
+from tokenmill.protocol import version as version_module
+from tokenmill.protocol.version import UNKNOWN_VERSION, package_version
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]

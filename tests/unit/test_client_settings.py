@@ -16,9 +16,10 @@ from celery import Celery
 
 from tokenmill.producer import AsyncProducer, Producer, ProducerConfig
 from tokenmill.producer.celery import register_tasks
-from tokenmill.producer.config import ClientSettings, QueueConfig, RedisConfig
-from tokenmill.producer.errors import ConfigError
+from tokenmill.producer.config import ClientSettings
 from tokenmill.producer.worker_check import SeenWorkers, every_lane, problems
+from tokenmill.protocol.config import QueueConfig, RedisConfig
+from tokenmill.protocol.errors import ConfigError
 from tokenmill.protocol.heartbeat import Heartbeat
 from tokenmill.worker.config import Settings
 

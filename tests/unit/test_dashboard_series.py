@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from tokenmill.producer.bulk.record import prediction_error
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.rates import RateCounter, field
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.rates import RateCounter, field
 from tokenmill.serve.dashboard import charts, series
 
 

@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from tests.engine_helpers import engine_config
-from tokenmill.engine import Engine, SamplingParams
+from tokenmill.engine import Engine
 from tokenmill.engine.core.step_io import ModelOutput, SchedulerOutput
+from tokenmill.protocol.sampling import SamplingParams
 
 BUDGET = 64
 

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.engine import Engine, EngineConfig, SamplingParams
+from tokenmill.engine import Engine, EngineConfig
 from tokenmill.engine.echo import EOS_TOKEN_ID, EchoOptions
 from tokenmill.engine.output.prompts import ChatPrompt
 from tokenmill.protocol.outcomes import FinishReason
+from tokenmill.protocol.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,14 +75,15 @@ def test_options_and_no_torch() -> None:
     for bad in ("echo:speed=3", "echo:tokens_per_step=1", "echo:crash_on="):
         with pytest.raises(ValueError, match="unknown echo option"):
             EchoOptions.parse(bad)
-    code = ("import sys; from engine import Engine, EngineConfig; e = Engine.from_config(EngineConfig(model='echo')); "
+    code = ("import sys; from tokenmill.engine import Engine, EngineConfig; "
+            "e = Engine.from_config(EngineConfig(model='echo')); "
             "e.generate(['hi'], progress=False); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 def test_crash_on_exits_the_process_in_a_step_that_runs_the_prompt() -> None:
-    code = ("from engine import Engine, EngineConfig; import sys; "
+    code = ("from tokenmill.engine import Engine, EngineConfig; import sys; "
             "e = Engine.from_config(EngineConfig(model='echo:crash_on=BOOM')); "
             "print(e.generate(['calm'], progress=False)[0].text, flush=True); "
             "e.generate([sys.argv[1]], progress=False)")

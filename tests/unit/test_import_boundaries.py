@@ -83,9 +83,47 @@ def test_every_import_names_a_part_through_the_tokenmill_package() -> None:
     assert not offenders, "\n".join(offenders)
 
 
-def test_the_package_links_every_part_and_lends_common_names_lazily() -> None:
-    links = {path.name: path.resolve() for path in (ROOT / "tokenmill").iterdir() if path.is_symlink()}
-    assert links == {part: ROOT / part for part in PARTS}
+# The tests that import a bare name on purpose, to see it refused.
+BARE_ON_PURPOSE = {"tests/unit/test_layout.py", "tests/integration/test_packaging.py"}
+
+
+def _code_in_strings(path: Path) -> list[ast.Module]:
+    """The Python code a module holds in its strings (what ``python -c`` runs in a child process), f-strings'
+    replacement fields read as a name."""
+    trees = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value
+        elif isinstance(node, ast.JoinedStr):
+            text = "".join(v.value if isinstance(v, ast.Constant) else "x" for v in node.values)
+        else:
+            continue
+        if "import" in text:
+            try:
+                trees.append(ast.parse(text))
+            except SyntaxError:
+                continue
+    return trees
+
+
+def test_code_run_from_strings_names_the_parts_through_the_tokenmill_package_too() -> None:
+    """Child processes' code (``python -c``) is checked by neither ruff nor the test above, and a checkout's root is
+    on their sys.path, where the part's ``__init__`` refuses a bare name: say so here, before a child fails."""
+    offenders = []
+    for root in [ROOT / name for name in [*PARTS, "tokenmill", "tests", "ops"]]:
+        for path in sorted(root.rglob("*.py")):
+            if path.relative_to(ROOT).as_posix() in BARE_ON_PURPOSE:
+                continue
+            for tree in _code_in_strings(path):
+                names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+                names |= {node.module for node in ast.walk(tree)
+                          if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
+                if bare := {name for name in names if name.split(".")[0] in PARTS}:
+                    offenders.append(f"{path.relative_to(ROOT)} runs code importing {sorted(bare)}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_package_lends_common_names_lazily() -> None:
     modules = _loaded_modules_after("import tokenmill; tokenmill.Producer")
     assert "tokenmill.producer.client" in modules and "tokenmill.engine" not in modules
     engine_modules = _loaded_modules_after("import tokenmill.engine.core.scheduler")
@@ -249,7 +287,7 @@ def test_the_vocabulary_loads_nothing_but_pydantic_and_msgpack() -> None:
 
 def test_producer_loads_without_torch_or_engine() -> None:
     modules = _loaded_modules_after("import tokenmill.producer.client, tokenmill.producer.aio, "
-                                    "tokenmill.producer.schema")
+                                    "tokenmill.protocol.schema")
     assert not {"torch", "transformers", "tokenmill.engine", "tokenmill.worker"} & modules
 
 

@@ -13,7 +13,7 @@ from typing import Any, cast
 import pytest
 import torch
 
-from tokenmill.engine import Engine, EngineConfig, SamplingParams
+from tokenmill.engine import Engine, EngineConfig
 from tokenmill.engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput, StepRunner
 from tokenmill.engine.errors import InvariantError
 from tokenmill.engine.kernels.attention.reference import ReferenceBackend
@@ -25,6 +25,7 @@ from tokenmill.engine.model.model_runner import ModelRunner, PreparedBatch, Stat
 from tokenmill.engine.model.static_decode import StaticDecode, decode_buckets
 from tokenmill.engine.model.step_inputs import StepInputs, TableRows
 from tokenmill.engine.sample.sampler import Sampler
+from tokenmill.protocol.sampling import SamplingParams
 
 MAX_BLOCKS_PER_SEQ = 256
 

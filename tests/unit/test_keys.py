@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.producer.keys import CONSUMER_GROUP, DONE_TTL_S, PRIORITY_NAMES, Keys
-from tokenmill.producer.schema import GenerationRequest, check_reply_to
+from tokenmill.protocol.keys import CONSUMER_GROUP, DONE_TTL_S, PRIORITY_NAMES, Keys
+from tokenmill.protocol.schema import GenerationRequest, check_reply_to
 
 
 def test_layout() -> None:

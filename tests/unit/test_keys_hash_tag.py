@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.producer.keys import Keys
+from tokenmill.protocol.keys import Keys
 
 
 def test_hash_tag_wraps_prefix_and_queue_in_every_key() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.producer.keys import Keys, Lane
+from tokenmill.protocol.keys import Keys, Lane
 
 NAMES = ["smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", "a:lane:1", "{x}", "50%", "%41", "é", "a b", ""]
 

@@ -8,11 +8,12 @@ from typing import Any
 import pytest
 
 from tokenmill.producer.common import build_request
-from tokenmill.producer.errors import SchemaError
-from tokenmill.producer.keys import Keys
 from tokenmill.producer.openai_compat import BodyError, completion_object, parse_body, result_error
 from tokenmill.producer.openai_compat.objects import chunk_object
-from tokenmill.producer.schema import GenerationResult, Sample, TokenLogprob, TopLogprob, Usage
+from tokenmill.protocol.errors import SchemaError
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.outcomes import TokenLogprob, TopLogprob
+from tokenmill.protocol.schema import GenerationResult, Sample, Usage
 
 CHAT: dict[str, Any] = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]}
 

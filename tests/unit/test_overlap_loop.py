@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 
 from tests.engine_helpers import engine_config
-from tokenmill.engine import Engine, SamplingParams
+from tokenmill.engine import Engine
 from tokenmill.engine.core.stats import EngineStats
 from tokenmill.engine.output.request_output import RequestOutput
+from tokenmill.protocol.sampling import SamplingParams
 
 PROMPTS = ["hello world, stop here please", "the quick brown fox jumps over the lazy dog", "abcabcabcabcabc",
            "short", "a much longer prompt that runs on and on " * 4, "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"]

@@ -9,9 +9,10 @@ from pydantic import ValidationError
 
 from tokenmill.producer import ProducerConfig, RedisConfig, SchemaError
 from tokenmill.producer.common import Deadline, build_request, rotate
-from tokenmill.producer.config import MAX_BLOCK_S, ClientSettings
+from tokenmill.producer.config import ClientSettings
 from tokenmill.producer.connection import redact_url, resolve_url
-from tokenmill.producer.keys import Keys
+from tokenmill.protocol.config import MAX_BLOCK_S
+from tokenmill.protocol.keys import Keys
 
 
 def test_defaults() -> None:

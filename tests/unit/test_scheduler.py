@@ -261,6 +261,6 @@ def test_scheduler_modules_do_not_import_torch() -> None:
     import sys
     from pathlib import Path
 
-    code = ("import sys, engine.core.scheduler, engine.kv.block_manager; "
+    code = ("import sys, tokenmill.engine.core.scheduler, tokenmill.engine.kv.block_manager; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

@@ -7,13 +7,14 @@ from typing import Any
 import msgpack
 import pytest
 
-from tokenmill.producer.errors import JobFailed, SchemaError
-from tokenmill.producer.schema import (
+from tokenmill.producer.errors import JobFailed
+from tokenmill.protocol.errors import SchemaError
+from tokenmill.protocol.outcomes import ErrorCode
+from tokenmill.protocol.sampling import SamplingParams
+from tokenmill.protocol.schema import (
     SCHEMA_VERSION,
-    ErrorCode,
     GenerationRequest,
     GenerationResult,
-    SamplingParams,
     decode_request,
     decode_result,
     encode_request,

@@ -9,7 +9,7 @@ import msgpack
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenmill.producer.schema import peek_request_id
+from tokenmill.protocol.schema import peek_request_id
 
 _SCALARS = (st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1) | st.floats()
             | st.text(max_size=300) | st.binary(max_size=70_000)

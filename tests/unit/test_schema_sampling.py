@@ -9,19 +9,18 @@ import msgpack
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from tokenmill.producer.errors import SchemaError
-from tokenmill.producer.schema import (
+from tokenmill.protocol.errors import SchemaError
+from tokenmill.protocol.outcomes import TokenLogprob, TopLogprob
+from tokenmill.protocol.sampling import SamplingParams
+from tokenmill.protocol.sampling import SamplingParams as EngineSamplingParams
+from tokenmill.protocol.schema import (
     GenerationRequest,
     GenerationResult,
-    SamplingParams,
-    TokenLogprob,
-    TopLogprob,
     decode_request,
     decode_result,
     encode_request,
     encode_result,
 )
-from tokenmill.protocol.sampling import SamplingParams as EngineSamplingParams
 
 SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["a", "b"]}}, "required": ["mood"]}
 JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "m", "schema": SCHEMA, "strict": True}}

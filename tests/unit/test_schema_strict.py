@@ -11,9 +11,9 @@ import msgpack
 import pytest
 
 from tokenmill.producer.common import build_request
-from tokenmill.producer.errors import SchemaError
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.schema import (
+from tokenmill.protocol.errors import SchemaError
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.schema import (
     GenerationRequest,
     GenerationResult,
     decode_request,

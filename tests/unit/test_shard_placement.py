@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.producer.schema import GenerationRequest, Message
-from tokenmill.producer.shards import QueueLayout, derived_id_on_shard, shard_of_id, shard_of_prefix
+from tokenmill.protocol.schema import GenerationRequest, Message
+from tokenmill.protocol.shards import QueueLayout, derived_id_on_shard, shard_of_id, shard_of_prefix
 
 
 def _layout(num_shards: int, placement: str = "prefix") -> QueueLayout:

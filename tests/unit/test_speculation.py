@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.unit.scheduler_helpers import make_request
-from tokenmill.engine import Engine, EngineConfig, SamplingParams
+from tokenmill.engine import Engine, EngineConfig
 from tokenmill.engine.config import SpeculativeConfig
 from tokenmill.engine.core.request import Request
 from tokenmill.engine.core.speculation import DraftRoom, accept_drafts
@@ -27,6 +27,7 @@ from tokenmill.engine.spec.ngram import LazyNgramIndex, NgramIndex
 from tokenmill.engine.spec.speculator import DraftSpeculator, build_speculator, draft_state
 from tokenmill.engine.spec.suffix_pool import SuffixPool
 from tokenmill.protocol.outcomes import FinishReason
+from tokenmill.protocol.sampling import SamplingParams
 
 # ------------------------------------------------------------------------------ verification
 

@@ -14,7 +14,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenmill.engine import Engine, EngineConfig, SamplingParams
+from tokenmill.engine import Engine, EngineConfig
+from tokenmill.protocol.sampling import SamplingParams
 
 WORDS = ["ab", "abc", "the cat ", "sat ", "on ", "mat", "0123", "stop", "!", " "]
 

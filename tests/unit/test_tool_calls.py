@@ -16,7 +16,7 @@ from tokenmill.producer.openai_compat import BodyError, completion_object, parse
 from tokenmill.producer.openai_compat.objects import chunk_object, tool_call_deltas
 from tokenmill.producer.openai_compat.tool_calls import ParsedAnswer, ToolCall, ToolCallStream, call_id, parse_answer
 from tokenmill.producer.openai_compat.tools import tool_plan
-from tokenmill.producer.schema import GenerationRequest, GenerationResult, Sample, decode_request, encode_request
+from tokenmill.protocol.schema import GenerationRequest, GenerationResult, Sample, decode_request, encode_request
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

@@ -12,7 +12,7 @@ import pytest
 from tests.tiny_models import CHAT_TEMPLATE, build_tokenizer
 from tokenmill.engine.output.prompts import ChatPrompt, renders_tools, tokenize_prompt, tools_preamble
 from tokenmill.producer.openai_compat.tool_calls import ToolCall, parse_answer
-from tokenmill.producer.schema import GenerationRequest
+from tokenmill.protocol.schema import GenerationRequest
 from tokenmill.worker.convert import engine_prompt
 
 WEATHER = {"type": "function", "function": {

@@ -14,9 +14,10 @@ import typer.main
 from tokenmill.cli.app import app
 from tokenmill.producer.celery import request_options
 from tokenmill.producer.common import SubmitOptions, build_request
-from tokenmill.producer.keys import Keys
 from tokenmill.producer.openai_compat import parse_body
-from tokenmill.producer.schema import GenerationRequest, SamplingParams
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.sampling import SamplingParams
+from tokenmill.protocol.schema import GenerationRequest
 
 # One non-default value per field; a structured response_format excludes min_tokens and ignore_eos, so
 # it goes in a second request with the rest.

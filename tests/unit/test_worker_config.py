@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from tokenmill.cli.app import app
 from tokenmill.producer.config import ClientSettings
-from tokenmill.producer.errors import ConfigError
+from tokenmill.protocol.errors import ConfigError
 from tokenmill.worker.config import Settings, load_settings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -10,8 +10,8 @@ import time
 from typing import Any
 
 from tokenmill.engine import Engine, EngineConfig
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.schema import GenerationRequest
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.schema import GenerationRequest
 from tokenmill.worker.loop import EngineLoop
 from tokenmill.worker.messages import Abort, Admit, AdmitBatch, Entry, Finish, Incoming, Outbound, PreparedBatch
 from tokenmill.worker.preparation import HEAVY_PROMPT_CHARS, Preparation

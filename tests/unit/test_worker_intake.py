@@ -10,8 +10,8 @@ import msgpack
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenmill.producer.keys import Keys
-from tokenmill.producer.schema import GenerationRequest, encode_request, peek_request_id, request_id_error
+from tokenmill.protocol.keys import Keys
+from tokenmill.protocol.schema import GenerationRequest, encode_request, peek_request_id, request_id_error
 from tokenmill.worker.intake import IntakePolicy, _starts_with_id, triage
 from tokenmill.worker.messages import Admit, DeadLetter, Entry
 

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.engine.core.fleet_cache import Fallback, FleetCacheStats
 from tokenmill.engine.core.stats import EngineStats, GroupBacklog, LengthStats, SpeculationCounters
-from tokenmill.producer.keys import Keys
+from tokenmill.protocol.keys import Keys
 from tokenmill.worker.metrics import WorkerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]

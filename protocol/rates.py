@@ -7,7 +7,7 @@ at most one round trip a second); dashboards add, once a minute per lane, the la
 Redis >= 7 keeps per stream), from which requests in per second follow for any stretch, however sparse the samples.
 Minutes are the Redis server's (``unix s // 60``): a worker keeps the server's clock from its heartbeats.
 
-Imports redis and producer.keys; never torch, the engine or the worker.
+Imports protocol.keys only (the caller hands in its Redis client); never redis, torch, the engine or the worker.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from tokenmill.producer.keys import Keys
+from tokenmill.protocol.keys import Keys
 
 BUCKET_S = 60  # one hash per minute
 RATE_TTL_S = 2 * 3600 + 120  # a minute's hash outlives the hour the dashboard shows

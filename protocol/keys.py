@@ -28,7 +28,7 @@ class Lane:
     priority: int  # its priority lane k (0 = most urgent)
     model: str | None  # the model its requests name; None for the shared lanes (requests naming none)
     is_decode: bool = False  # a decode pool's lane: requests a prefill worker computed the prompt of
-    shard: int = 0  # the queue's shard it belongs to (producer/shards.py); 0 for a queue of one shard
+    shard: int = 0  # the queue's shard it belongs to (protocol/shards.py); 0 for a queue of one shard
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Keys:
         num_lanes: priority lanes 0..num_lanes-1, shared and of each model alike (:meth:`lane`).
         hash_tag: wrap ``prefix:queue`` in braces (``{prefix:queue}:lane:0`` ...) so every key
             of the queue hashes to one Redis Cluster slot (multi-key Lua and XREADGROUP need it).
-        shard: the keys of shard ``k`` of a queue spread over several (producer/shards.py): its lanes and
+        shard: the keys of shard ``k`` of a queue spread over several (protocol/shards.py): its lanes and
             what scripts touch with them (results, done lists, token streams, dedupe markers, the cancel set,
             dead letters, models) under ``{prefix:queue:k}``, one cluster slot per shard; the queue-wide keys
             (heartbeats, reply streams, files, batches) stay the queue's own (:attr:`home_base`).
@@ -206,9 +206,9 @@ class Keys:
 
     def rates(self, minute: int) -> str:
         """Hash of one minute's counters of the queue (``minute``: unix seconds // 60 by the Redis server's clock),
-        TTL :data:`producer.rates.RATE_TTL_S`: ``o|{lane stream}`` results and ``t|{lane stream}`` completion
+        TTL :data:`protocol.rates.RATE_TTL_S`: ``o|{lane stream}`` results and ``t|{lane stream}`` completion
         tokens (workers' writers, HINCRBY), ``a|{lane stream}`` the lane's ``entries-added`` as first seen in
-        that minute, ``{ms}:{count}`` (dashboards, HSETNX). producer/rates.py."""
+        that minute, ``{ms}:{count}`` (dashboards, HSETNX). protocol/rates.py."""
         return f"{self.home_base}:rate:{minute}"
 
     def worker_rates(self, minute: int) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 DISTRIBUTION = "tokenmill"
 UNKNOWN_VERSION = "unknown"
-# NOTE: the checkout's root: this file is <root>/producer/version.py.
+# NOTE: the checkout's root: this file is <root>/protocol/version.py.
 CHECKOUT_PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 

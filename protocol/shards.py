@@ -27,8 +27,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from tokenmill.producer.keys import Keys, Lane
-from tokenmill.producer.schema import GenerationRequest
+from tokenmill.protocol.keys import Keys, Lane
+from tokenmill.protocol.schema import GenerationRequest
 
 Placement = Literal["prefix", "id"]
 # Characters of a prompt that choose its shard: a shared prefix at least this long lands on one shard,

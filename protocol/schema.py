@@ -14,14 +14,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tokenmill.producer.errors import SchemaError
-from tokenmill.protocol.outcomes import ErrorCode, FinishReason, TokenLogprob, TopLogprob
+from tokenmill.protocol.errors import SchemaError
+from tokenmill.protocol.outcomes import AbortReason, ErrorCode, FinishReason, TokenLogprob
 from tokenmill.protocol.sampling import (
     INT32_END,
-    MAX_SAMPLES,
-    JsonSchemaSpec,
     Metadata,
-    ResponseFormat,
     SamplingParams,
     Text,
     TokenId,
@@ -30,7 +27,7 @@ from tokenmill.protocol.sampling import (
 from tokenmill.protocol.values import check_metadata, is_utf8, safe_text, version_of
 
 if TYPE_CHECKING:
-    from tokenmill.producer.keys import Keys
+    from tokenmill.protocol.keys import Keys
 
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
@@ -39,10 +36,7 @@ MAX_REPLY_TO_LENGTH = 1024
 MAX_TOOLS = 128  # function tools per request (OpenAI's limit)
 _MAX_ERROR_CLAUSES = 10
 
-__all__ = [  # the vocabulary's types, re-exported: the wire speaks them (protocol/ defines them)
-    "MAX_SAMPLES", "ErrorCode", "FinishReason", "JsonSchemaSpec", "Metadata", "ResponseFormat", "SamplingParams",
-    "Text", "TokenId", "TokenLogprob", "TopLogprob",
-    # this module's own
+__all__ = [
     "MAX_TOOLS", "SCHEMA_VERSION", "SUPPORTED_VERSIONS", "ErrorInfo", "FunctionSpec", "GenerationRequest",
     "GenerationResult", "Message", "ResultStatus", "Sample", "Timings", "ToolSpec", "Usage", "WireFinishReason",
     "check_reply_to", "decode_request", "decode_result", "describe_validation_error", "encode_request",
@@ -224,19 +218,21 @@ class GenerationResult(_Model):
     def failure(
         cls,
         request_id: str,
-        code: ErrorCode | str,
+        code: ErrorCode | AbortReason | str,
         message: str,
         *,
-        status: ResultStatus = "error",
+        status: ResultStatus | AbortReason = "error",
         worker: str | None = None,
         metadata: dict[str, Any] | None = None,
     ) -> GenerationResult:
-        """A result that carries no generation, only why (``message`` made encodable: see :func:`safe_text`)."""
-        code_text = code.value if isinstance(code, ErrorCode) else code
+        """A result that carries no generation, only why (``message`` made encodable: see :func:`safe_text`).
+        An abort's ``status`` is its reason (``cancelled``, ``expired``); a hand-over is never answered."""
+        code_text = code.value if isinstance(code, (ErrorCode, AbortReason)) else code
+        status_text = status.value if isinstance(status, AbortReason) else status
         return cls(
             id=request_id,
-            status=status,
-            finish_reason="abort" if status != "error" else None,
+            status=status_text,
+            finish_reason="abort" if status_text != "error" else None,
             worker=worker,
             error=ErrorInfo(code=code_text, message=safe_text(message)),
             metadata=metadata or {},
