@@ -1,6 +1,5 @@
 """``make run``'s demo end to end with the real SmolLM2, with wait slices shorter than the model's
-load time, so results always land after several slices have expired (issue 8: a KeyError in
-``Producer.as_completed`` failed the README's first command on a fresh machine)."""
+load time, so results always land after several slices have expired."""
 
 from __future__ import annotations
 

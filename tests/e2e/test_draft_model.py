@@ -1,5 +1,5 @@
 """The draft model's proposer (``[engine.speculative] method = "draft"``, engine/model/draft_proposer.py) on
-tiny random models (issue 48): batched drafts equal the one-request-at-a-time reference's and a fresh greedy
+tiny random models: batched drafts equal the one-request-at-a-time reference's and a fresh greedy
 continuation's, over steps where drafts are kept in part; one forward per draft position for all requests
 and one read of the device per call; a cache within its budget however many requests draft (least recent
 evicted, the same drafts after); finished and preempted requests give their blocks back; the KV pool made

@@ -1,4 +1,4 @@
-"""What a user reads of an n > 1 request, on every path (issue 25): each sample's text is the decode
+"""What a user reads of an n > 1 request, on every path: each sample's text is the decode
 of its own token ids — never its siblings' texts glued together — through the Producer, a bulk job,
 the HTTP chat endpoint and the Batches API, all against one worker on a tiny random model. Sample i
 is seeded seed + i, so every path must return the very same texts."""

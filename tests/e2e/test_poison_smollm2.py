@@ -1,4 +1,4 @@
-"""No value the schema accepts may kill a worker, and no poison may spread (issue 24), on the real
+"""No value the schema accepts may kill a worker, and no poison may spread, on the real
 model: two SmolLM2 workers on one queue are fed every numeric edge of the sampling fields and a
 request that makes the engine fail, among good requests. Every edge is answered (ok, or a
 validation error for what the vocabulary refuses), every good request is ok, both workers stay
@@ -25,7 +25,7 @@ from tokenmill.worker.runtime import Worker
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 POISON = "THIS PROMPT BREAKS THE ENGINE"
-# (sampling fields, what the answer must be): the edges issue 24 names, and their neighbours.
+# (sampling fields, what the answer must be): the domains' edges, and their neighbours.
 EDGES: list[tuple[dict[str, Any], str]] = [
     ({"temperature": 1.0, "top_p": 1e-46}, "ok"),
     ({"temperature": 1.0, "top_p": 5e-324}, "ok"),

@@ -1,4 +1,4 @@
-"""Speculative decoding on real (tiny, random) models (issue 28): greedy output token-identical to
+"""Speculative decoding on real (tiny, random) models: greedy output token-identical to
 Hugging Face ``generate`` with drafts in flight -- accepted, partly rejected, across block sizes,
 chunked prefill, swap and recompute preemption, prefix caching, n > 1, the native decoder stack and
 the eager reference -- sampled output that keeps the target distribution (chi-square) and seeded

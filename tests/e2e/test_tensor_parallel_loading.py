@@ -1,4 +1,4 @@
-"""A tensor-parallel rank loads its shard alone (issue 48): from a safetensors checkpoint, every parameter and buffer
+"""A tensor-parallel rank loads its shard alone: from a safetensors checkpoint, every parameter and buffer
 it holds is bitwise what loading the whole model and cutting it gives (the plain reference path, which a checkpoint
 in another format still takes), and random weights are exactly that rank's part of the whole random model, for a
 GQA model whose KV heads split (llama) and one whose single KV head is replicated (qwen2, with biases), over 2 and 4

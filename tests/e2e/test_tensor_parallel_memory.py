@@ -1,4 +1,4 @@
-"""A tensor-parallel rank's host memory while it loads: its shard, not the whole model (issue 48). Each load runs in
+"""A tensor-parallel rank's host memory while it loads: its shard, not the whole model. Each load runs in
 a fresh process whose peak RSS (``VmHWM``, reset once the imports and a warm-up load are done) is compared with the
 bytes of the rank's shard and of the whole model, for a safetensors checkpoint and for random weights, on the CPU.
 The model is large enough (144 MB of float32, 98% of it in the sharded projections) that a rank that held the whole

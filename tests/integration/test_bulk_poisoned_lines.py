@@ -1,4 +1,4 @@
-"""Bulk jobs with poisoned lines (issue 8, finding 6): a line that cannot be encoded is one invalid
+"""Bulk jobs with poisoned lines: a line that cannot be encoded is one invalid
 record, never the end of the run, and the exit status says the errors file is not empty, on
 resumed runs too."""
 

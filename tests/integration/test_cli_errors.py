@@ -1,5 +1,5 @@
 """The failures users hit first, through the real ``tokenmill`` command (a subprocess): each is one
-line on stderr and exit code 1, never a traceback (issue 13). Warnings that let a command go on
+line on stderr and exit code 1, never a traceback. Warnings that let a command go on
 (no live worker) are one line too.
 """
 

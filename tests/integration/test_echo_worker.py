@@ -1,4 +1,4 @@
-"""A worker serving ``echo`` runs the production engine (issue 27, "one engine"): stop strings,
+"""A worker serving ``echo`` runs the production engine: stop strings,
 stop token ids and ``min_tokens`` are honoured through Redis, an urgent request preempts a running
 one in the real scheduler, and the worker process loads no torch."""
 

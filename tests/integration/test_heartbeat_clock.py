@@ -1,4 +1,4 @@
-"""Worker liveness is judged by the Redis server's clock, never a worker's nor a reader's (issue 43 item 4).
+"""Worker liveness is judged by the Redis server's clock, never a worker's nor a reader's.
 
 A worker whose clock ran an hour fast never went stale after it died (its entries stayed pending, ``tokenmill
 status`` showed it live at a negative age, a forged far-future ``ts`` stayed live forever); one whose clock was

@@ -1,5 +1,4 @@
-"""Any bytes in the workers hash (any producer can write there) kill no worker and break no reader
-(issue 24 item 5: ``HSET {queue}:workers evil <msgpack {"ts": "x"}>`` made every worker exit):
+"""Any bytes in the workers hash (any producer can write there) kill no worker and break no reader:
 workers started on it and running while more arrives keep serving, reclaim and trimming skip it
 and say so, and ``Producer.stats`` / ``tokenmill status`` show it as undecodable."""
 

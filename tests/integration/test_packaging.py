@@ -1,4 +1,4 @@
-"""One tree, however tokenmill is reached (issue 46): a clone made as Windows makes one, without symbolic links
+"""One tree, however tokenmill is reached: a clone made as Windows makes one, without symbolic links
 (``core.symlinks=false``), a plain checkout without an install and an editable install (``pip install -e .``) each
 import every module of the package from the checkout's part folders, the same files the wheel holds
 (test_wheel_install.py) and mypy checks (ops/typecheck.py: a type error put into an engine module is caught); and

@@ -18,7 +18,7 @@ def test_submit_n_returns_every_sample(redis_url: str, redis_client: redis.Redis
     assert all(s.text == result.text == "twice" for s in result.samples)
 
 
-def test_results_of_one_sample_encode_as_before() -> None:
+def test_a_one_sample_result_carries_no_samples_field() -> None:
     """Readers built before ``samples`` existed reject unknown fields: n = 1 results never carry it."""
     plain = msgpack.unpackb(encode_result(GenerationResult(id="a", status="ok", text="x")), raw=False)
     assert "samples" not in plain

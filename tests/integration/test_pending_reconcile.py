@@ -1,4 +1,4 @@
-"""A live worker's pending list is checked against what it holds (issue 24 item 4): entries whose
+"""A live worker's pending list is checked against what it holds: entries whose
 delivery never reached it (the connection dropped after XREADGROUP ran, before the reply came)
 are taken back and answered without a restart, and nothing it still holds runs twice."""
 

@@ -1,4 +1,4 @@
-"""Intake that cannot be blocked (issue 24): while a large prompt or a grammar is still being
+"""Intake that cannot be blocked: while a large prompt or a grammar is still being
 prepared, small requests are tokenized, run and answered; the heavy one follows when it is ready."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The producer under issue 8's faults, on a real Redis: wait slices that expire before results
+"""The producer under faults, on a real Redis: wait slices that expire before results
 land (the ``make run`` KeyError), stale cancel marks, Redis timeouts on XADD, and reply_to names
 outside the reply namespace."""
 

@@ -1,4 +1,4 @@
-"""A worker whose Redis is gone or refuses its writes (issue 24 item 8): it reports unhealthy (the
+"""A worker whose Redis is gone or refuses its writes: it reports unhealthy (the
 ``tokenmill_redis_healthy`` gauge, an ERROR line) and exits non-zero after ``redis_give_up_s``
 instead of retrying forever, and on SIGTERM it never exits 0 having dropped results it could not
 write: it tries for ``drain_timeout_s``, then exits 1 with their count, their entries left pending."""

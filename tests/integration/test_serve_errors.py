@@ -113,7 +113,7 @@ def test_bad_batch_bodies_are_400s_naming_the_field(base_url: str) -> None:
 
 def test_every_route_that_needs_redis_answers_503_while_redis_is_away(private_redis_url: str,
                                                                        key_prefix: str) -> None:
-    """Redis goes away under a running server (issue 44): each route that reads or writes Redis answers
+    """Redis goes away under a running server: each route that reads or writes Redis answers
     503 ``redis_unavailable`` in OpenAI's shape (``/v1/models`` answered 500 ``internal_error``), and
     the routes that need no Redis still answer."""
     with running_server(private_redis_url, key_prefix) as url:

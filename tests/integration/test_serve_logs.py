@@ -1,4 +1,4 @@
-"""The log of a ``tokenmill serve`` process (issue 44), read from its stderr: one access line per
+"""The log of a ``tokenmill serve`` process, read from its stderr: one access line per
 request (method, path, status, duration, request id), a throughput line while there is traffic, in
 the worker's text or JSON lines."""
 

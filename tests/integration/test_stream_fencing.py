@@ -1,4 +1,4 @@
-"""Token streams once per attempt (issue 24 item 6): a worker paused mid-stream is reclaimed and
+"""Token streams once per attempt: a worker paused mid-stream is reclaimed and
 the request runs again elsewhere from its first token; readers (Producer.stream and
 AsyncProducer.stream, which serve's SSE reads through) get the final text exactly once (they got
 the paused run's part and then the whole new run: 10/10 streams ~2x the text)."""

@@ -1,6 +1,6 @@
 """Structured output and logprobs from every client surface, through a worker running the real
 engine on a tiny random model: the CLI (``submit --json-schema FILE --logprobs N``, ``--regex``),
-bulk JSONL records and OpenAI Batch bodies (issue 13). The Producer's own is in
+bulk JSONL records and OpenAI Batch bodies. The Producer's own is in
 tests/e2e/test_queue_e2e.py, Celery's in tests/integration/test_celery.py.
 """
 

@@ -1,4 +1,4 @@
-"""A production install gets the C++ fast path (issue 25): this checkout's sdist, the wheel built
+"""A production install gets the C++ fast path: this checkout's sdist, the wheel built
 from that sdist, installed into a fresh virtualenv, builds and loads every C++ extension from the
 installed location (into TOKENMILL_HOME, nothing next to the sources), and a worker started from
 that virtualenv says in its start-up log that it runs the C++ attention kernel and the native

@@ -1,4 +1,4 @@
-"""A worker warms its engine's grammar compiler when it starts (issue 44 item 6), on a thread of its own: plain
+"""A worker warms its engine's grammar compiler when it starts, on a thread of its own: plain
 requests are served while the warm-up is still running, a failed warm-up is logged and the worker serves on,
 and ``[engine.structured_output] warm_at_start = false`` leaves the compiler to the first structured request."""
 

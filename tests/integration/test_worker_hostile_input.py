@@ -1,4 +1,4 @@
-"""Hostile input and Redis faults (issue 8): every poisoned entry is answered, workers keep serving,
+"""Hostile input and Redis faults: every poisoned entry is answered, workers keep serving,
 recovery finishes, and a worker whose thread dies exits non-zero instead of idling."""
 
 from __future__ import annotations
@@ -304,7 +304,7 @@ def test_metadata_100000_deep_is_answered_under_its_id(redis_url: str, redis_cli
 
 
 def test_an_entry_without_an_id_is_dead_lettered(redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
-    """The schema's default id would run it and store an answer nobody can find (issue 24 item 8)."""
+    """The schema's default id would run it and store an answer nobody can find."""
     settings = make_settings(redis_url, key_prefix)
     keys = settings.queue.keys
     entry: RawEntry = {"d": _packed({"prompt": "who am I"}), "v": 1}

@@ -56,7 +56,7 @@ def _delivered_entry_again(client: redis.Redis, keys: Keys) -> Entry:
 
 def test_finish_never_fails_half_way_on_keys_of_the_wrong_type(redis_client: redis.Redis, key_prefix: str) -> None:
     """A reply stream, done list or token stream that is not of its type is skipped, never an error;
-    the result is stored and the entry acked either way (issue 8: WRONGTYPE left entries unacked)."""
+    the result is stored and the entry acked either way."""
     keys = Keys(key_prefix)
     entry = _delivered_entry(redis_client, keys)
     reply = keys.reply("taken")
@@ -80,8 +80,7 @@ def test_finish_acks_nothing_and_fails_nothing_when_the_group_is_gone(redis_clie
 
 
 def test_unencodable_result_is_answered_with_an_error(redis_client: redis.Redis, key_prefix: str) -> None:
-    """A result whose metadata cannot be encoded becomes an ``internal`` error result for that id
-    (issue 8: bytes that are not UTF-8 in metadata killed the writer thread)."""
+    """A result whose metadata cannot be encoded becomes an ``internal`` error result for that id."""
     keys = Keys(key_prefix)
     entry = _delivered_entry(redis_client, keys)
     result = GenerationResult.model_construct(**{**GenerationResult(id="r1", status="ok").__dict__,

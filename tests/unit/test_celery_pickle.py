@@ -1,4 +1,4 @@
-"""register_tasks refuses a Celery app that serialises with or accepts pickle (issue 24 item 8)."""
+"""register_tasks refuses a Celery app that serialises with or accepts pickle."""
 
 from __future__ import annotations
 

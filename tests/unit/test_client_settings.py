@@ -1,4 +1,4 @@
-"""One way settings reach every client (issue 44 item 1): ``Producer()``, ``AsyncProducer()``, Celery's
+"""One way settings reach every client: ``Producer()``, ``AsyncProducer()``, Celery's
 ``register_tasks``, the worker and the CLI all load explicit arguments > ``TOKENMILL_*`` / ``REDIS_URL`` > the file
 ``TOKENMILL_CONFIG`` names > defaults; and the sentences a producer logs when the live workers' layout differs
 from its own (producer/worker_check.py). No Redis: clients are built without connecting."""

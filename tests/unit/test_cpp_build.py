@@ -64,7 +64,7 @@ def test_a_missing_ninja_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 
 def test_missing_sources_are_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A package installed without its C++ files (the wheel of issue 25) says so, not a bare
+    """A package installed without its C++ files (a wheel built without package data) says so, not a bare
     FileNotFoundError; the header counts like the source."""
     source, header = tmp_path / "kernel.cpp", tmp_path / "csrc" / "shared.h"
     source.write_text("int answer() { return 42; }\n")

@@ -1,4 +1,4 @@
-"""The KV sizing with a draft model (issue 48, engine/model/model_setup.py ``size_kv_cache``): on CUDA the pool
+"""The KV sizing with a draft model: on CUDA the pool
 is what ``gpu_memory_utilization`` leaves once the weights of both models are in and the draft model's batched
 forwards are set aside, and the budget holds both models' caches token for token; a budget in bytes
 (``kv_cache_memory``, the CPU's default) is split the same way. Arithmetic only: CUDA's free memory is faked."""

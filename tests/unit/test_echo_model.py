@@ -1,4 +1,4 @@
-"""The echo model is the real engine over an echo runner (issue 27): stop strings, stop ids,
+"""The echo model is the real engine over an echo runner: stop strings, stop ids,
 min_tokens, max_tokens, n, logprobs, priorities and preemption behave as they do on a model, tools
 and response formats are taken without changing the echo, ``crash_on`` exits the process, and
 building it loads no torch."""

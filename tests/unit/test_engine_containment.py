@@ -1,4 +1,4 @@
-"""Poison containment (issue 24): an exception inside a step is traced to the request it came from,
+"""Poison containment: an exception inside a step is traced to the request it came from,
 which finishes with an ``internal`` error; every other request finishes exactly as it would have
 without it, and the engine goes on stepping."""
 

@@ -96,7 +96,7 @@ def measuring_stages(step_ms: float, graph_steps: int, fraction: float, tokens_p
     }
 
 
-def test_measured_targets_are_judged_against_the_issue() -> None:
+def test_measured_rows_are_judged_against_their_targets() -> None:
     rows = by_name(measured_rows(measuring_stages(8.0, 30, 0.75), dry=False))
     assert rows[SMOLLM2_ROW].verdict == "PASS"
     assert rows[SPECULATION_ROW].verdict == "PASS" and rows[SPECULATION_ROW].measured.startswith("2.50 tok/step")

@@ -1,4 +1,4 @@
-"""Grammar compilation under limits (issue 24): in a child process, a spec that runs past its time
+"""Grammar compilation under limits: in a child process, a spec that runs past its time
 or memory limit is refused with a clear error and the child replaced; within the limits the child
 compiles exactly what the calling thread would."""
 

@@ -1,4 +1,4 @@
-"""The grammar compiler warmed before any structured request (issue 44 item 6): ``warm()`` starts the compile
+"""The grammar compiler warmed before any structured request: ``warm()`` starts the compile
 child at once (a second warm-up starts no other, and the first compile is served by that child), and the
 engine's warm-up never raises: a failure is logged and the first structured request tries again."""
 

@@ -1,4 +1,4 @@
-"""Producer helpers hardened by issue 8: the BLPOP batch rotation never repeats an id (the
+"""Producer helpers under faults: the BLPOP batch rotation never repeats an id (the
 ``make run`` KeyError), and a repeated id is collected once."""
 
 from __future__ import annotations

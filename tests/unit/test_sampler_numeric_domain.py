@@ -1,4 +1,4 @@
-"""Numeric domains (issue 24): no value the vocabulary accepts makes the sampler fail or answer
+"""Numeric domains: no value the vocabulary accepts makes the sampler fail or answer
 garbage, and rows that truly admit no token are named, never turned into token 0."""
 
 from __future__ import annotations

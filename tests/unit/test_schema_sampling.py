@@ -1,4 +1,4 @@
-"""The wire fields of issue 13: penalties, response_format and OpenAI-shaped logprobs; encodings of
+"""The sampling wire fields: penalties, response_format and OpenAI-shaped logprobs; encodings of
 requests and results that do not use them stay exactly as before (older readers still take them)."""
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_new_params_are_strict(params: dict[str, Any], match: str) -> None:
             EngineSamplingParams.model_validate(params)
 
 
-def test_requests_without_the_new_params_encode_as_before() -> None:
+def test_unset_sampling_fields_are_left_out_of_the_encoding() -> None:
     data = msgpack.unpackb(encode_request(GenerationRequest(prompt="hi"))["d"])
     assert set(data["params"]) == {"max_tokens", "temperature", "top_p", "top_k", "min_tokens", "stop",
                                    "stop_token_ids", "ignore_eos"}

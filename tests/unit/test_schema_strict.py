@@ -1,4 +1,4 @@
-"""The strict wire schema (issue 8, finding 5): no coercion, finite numbers, encodable text and
+"""The strict wire schema: no coercion, finite numbers, encodable text and
 metadata, an exact version field, and ids recovered from payloads with bad UTF-8."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Speculative decoding without a model (issue 28): which verified tokens a request keeps, the
+"""Speculative decoding without a model: which verified tokens a request keeps, the
 draftless proposers, the goodput rule that sizes drafts by step cost, and the real scheduler over
 the echo model: drafts inside the token budget, KV reserved and given back, nothing unverified in
 the prefix cache, stop rules token by token, and the same output as without speculation."""

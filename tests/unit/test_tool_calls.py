@@ -130,7 +130,7 @@ def test_tools_and_tool_turns_travel_on_the_wire() -> None:
     assert dumped[2] == {"role": "tool", "content": "22 C", "tool_call_id": "call_1"}
 
 
-def test_a_request_without_tools_encodes_as_before() -> None:
+def test_a_request_without_tools_carries_no_tools_field() -> None:
     import msgpack
 
     data = msgpack.unpackb(encode_request(GenerationRequest(messages=[{"role": "user", "content": "hi"}]))["d"])
