@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 ENGINE = ROOT / "engine"
-# Folders of engine/ whose every module loads without torch or transformers (STYLE.md), as do the
+# Folders of engine/ whose every module loads without torch or transformers (docs/design.md), as do the
 # modules directly in engine/ (the engine's front: only Engine.from_config loads a model).
 PURE_ENGINE_FOLDERS = ["core", "kv", "output", "spec"]
 # The engine's folders and the folders each may import (the layers, bottom up). Any folder may also

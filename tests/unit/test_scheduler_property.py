@@ -86,7 +86,7 @@ def test_random_workloads_finish_with_unconstrained_outputs(workload: dict[str, 
 
 
 def test_seeded_random_workload_checks_invariants_every_step() -> None:
-    """A fixed-seed larger workload (the STYLE.md seeded random-workload test)."""
+    """A fixed-seed larger workload: a seeded random workload checked against the invariants every step."""
     rng = random.Random(1234)
     for mode in ("swap", "recompute"):
         scheduler = make_scheduler(
