@@ -107,8 +107,8 @@ FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(("--block-size",), "engine.cache.block_size", int, "tokens per KV cache block"),
     EngineFlag(("--enable-prefix-caching/--no-enable-prefix-caching",), "engine.cache.enable_prefix_caching", bool,
                "reuse the KV of prompt prefixes computed before (default on)"),
-    EngineFlag(("--enforce-eager/--no-enforce-eager",), "engine.execution.compile", bool,
-               "eager steps: no CUDA graphs, no captured CPU layers (compile = off)",
+    EngineFlag(("--enforce-eager/--no-enforce-eager",), "engine.execution.decode_fast_path", bool,
+               "eager steps: no CUDA graphs, no captured CPU layers (decode_fast_path = off)",
                convert=lambda value: "off" if value else "auto"),
 )
 NOT_TAKEN = {  # vLLM flags users type that have no setting here, and why (docs/operations.md lists them)

@@ -152,11 +152,11 @@ class LocalWorker:
             return  # NOTE: never started
         config = self.settings.worker
         try:
-            self._thread.join(timeout=2 * config.drain_timeout_s + config.block_ms / 1000 + STOP_MARGIN_S)
+            self._thread.join(timeout=2 * config.drain_timeout_s + config.idle_wait_ms / 1000 + STOP_MARGIN_S)
         except KeyboardInterrupt:  # NOTE: Ctrl-C (bulk: or SIGTERM) while it drains: stop at once, as a second signal
             pass
         if self._thread.is_alive():
             self.stop(force=True)
-            self._thread.join(timeout=config.block_ms / 1000 + STOP_MARGIN_S)
+            self._thread.join(timeout=config.idle_wait_ms / 1000 + STOP_MARGIN_S)
         if self._thread.is_alive() and self.failure is None:
             self.failure = "the in-process worker did not stop"

@@ -6,10 +6,14 @@ receives its own plain section, so tests build those inline.
 
 from __future__ import annotations
 
+import logging
 import re
-from typing import Literal
+import warnings
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+logger = logging.getLogger(__name__)
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -32,11 +36,38 @@ def parse_bytes(value: int | str) -> int:
 
 
 class _Frozen(BaseModel):
+    """A settings section: unknown keys refused (with the nearest name, by the loaders), values frozen; keys renamed
+    in ``_renamed`` (old -> new) still accepted for one release, with a warning naming the new key."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
+    _renamed: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_renamed(cls, data: Any) -> Any:
+        return accept_renamed(cls.__name__, cls._renamed, data)
+
+
+def accept_renamed(section: str, renamed: dict[str, str], data: Any) -> Any:
+    """``data`` with each old key of ``renamed`` moved to its new name, warning once per use (a key given under both
+    names keeps the new one's value)."""
+    if not renamed or not isinstance(data, dict) or not renamed.keys() & data.keys():
+        return data
+    data = dict(data)
+    for old, new in renamed.items():
+        if old in data:
+            value = data.pop(old)
+            message = f"{section}: {old!r} is now {new!r}; the old name is accepted until the next release"
+            warnings.warn(message, DeprecationWarning, stacklevel=2)
+            logger.warning(message, extra={"event": "renamed_setting", "old": old, "new": new})
+            data.setdefault(new, value)
+    return data
 
 
 class SchedulerConfig(_Frozen):
     """Per-step budgets and the priority / starvation / preemption policy."""
+
+    _renamed: ClassVar[dict[str, str]] = {"max_consecutive_decode_steps": "demote_after_decode_steps"}
 
     max_num_batched_tokens: int = Field(2048, ge=1, description="tokens per step, prefill and decode together")
     max_num_seqs: int = Field(64, ge=1, description="requests running at once")
@@ -51,9 +82,9 @@ class SchedulerConfig(_Frozen):
     aging_interval_s: float = Field(
         30.0, ge=0.0, description="each interval waited improves priority by one level, so no lane starves; 0 = off"
     )
-    max_consecutive_decode_steps: int = Field(
+    demote_after_decode_steps: int = Field(
         2048, ge=0, description="long-output limit: decode steps while others wait before a request may be "
-        "demoted (swapped out, resumed later); 0 = off"
+        "demoted (swapped out, resumed later); 0 = off (was max_consecutive_decode_steps)"
     )
     min_resident_steps: int = Field(4, ge=0, description="a resumed request is not preempted again for this many steps")
     preemption_mode: Literal["swap", "recompute"] = "swap"
@@ -159,15 +190,17 @@ class CacheConfig(_Frozen):
 
 
 class ExecutionConfig(_Frozen):
-    """How a step executes: the attention backend, the CPU's linear-layer kernel, and whether the forward is
-    compiled / captured. Each fast path keeps its reference beside it (``reference``, ``off``)."""
+    """How a step executes: the attention backend, the CPU's linear-layer kernel, and whether decode steps take
+    the fast path (captured / native). Each fast path keeps its reference beside it (``reference``, ``off``)."""
+
+    _renamed: ClassVar[dict[str, str]] = {"compile": "decode_fast_path"}
 
     attention_backend: Literal["auto", "reference", "cpu", "triton"] = Field(
         "auto", description="auto: the device's kernel (cpu: C++, cuda: Triton), else reference (gather + SDPA)"
     )
-    compile: Literal["auto", "off"] = Field(
-        "auto", description="auto: captured steps (CUDA: decode steps in CUDA graphs; CPU: Llama-family decoder layers "
-        "in one C++ call); off: eager Hugging Face modules"
+    decode_fast_path: Literal["auto", "off"] = Field(
+        "auto", description="auto: decode steps through the fast path (CUDA: captured in CUDA graphs; CPU: "
+        "Llama-family decoder layers in one C++ call); off: eager Hugging Face modules, the reference (was compile)"
     )
     linear_kernel: Literal["auto", "onednn", "panels", "off"] = Field(
         "auto", description="CPU linear layers, packed once at load: auto: the faster kernel for this CPU and dtype "
@@ -220,18 +253,22 @@ class LengthConfig(_Frozen):
     from the lengths of finished requests like it, and the scheduler budgets KV and orders admissions by it.
     Predictions never change an output, only when it is computed."""
 
-    predict: bool = Field(True, description="predict every request's output length from finished requests' "
-                          "(CPU microseconds per request); off: no prediction, budget and ordering as below ignored")
+    _renamed: ClassVar[dict[str, str]] = {"predict": "estimate", "confidence": "tail_quantile"}
+
+    estimate: bool = Field(True, description="estimate every request's output length from finished requests' "
+                           "(CPU microseconds per request): reported (stats, heartbeats, ETAs) and, when budget_kv or "
+                           "ordering below say so, scheduled by; off: no estimate, those ignored (was predict)")
     budget_kv: bool = Field(False, description="admit a waiting request only while the running and swapped "
                             "requests' predicted peak KV still fits the device pool (each running for its mean "
                             "remaining length, plus a margin for the set's tail; long admissions paced, shorter work "
                             "backfilled), so the running set rarely outgrows the pool and preempts; off: admit while "
                             "the next chunk fits. Off by default: on a CPU, where a swap is a memory copy, it cost "
                             "~4% tokens/s in ops/bench/length.py for no preemptions; on where preempting is dear")
-    confidence: float = Field(0.9, gt=0.5, lt=1.0, description="how sure the KV budget's tail margin is to cover "
-                              "the running set's excess over its predicted mean (a few of many requests run long, "
-                              "not all: the margin is this normal quantile of the set's summed length variance, at "
-                              "least the largest request's own tail past its mean at this quantile)")
+    tail_quantile: float = Field(0.9, gt=0.5, lt=1.0, description="the normal quantile of the KV budget's tail "
+                                 "margin: how sure it is to cover the running set's excess over its predicted mean (a "
+                                 "few of many requests run long, not all: the margin is this quantile of the set's "
+                                 "summed length variance, at least the largest request's own tail past its mean at "
+                                 "this quantile) (was confidence)")
     ordering: Literal["fcfs", "shortest", "longest", "auto"] = Field(
         "fcfs", description="order of waiting requests inside one priority level (aging still applies): fcfs: "
         "arrival; shortest: shortest predicted output first (lower mean completion time in a backlog); longest: "
@@ -334,7 +371,7 @@ class EngineConfig(_Frozen):
     def _check_length_ordering(self) -> EngineConfig:
         # NOTE: ordering by predicted length inside a level is starvation-free only because waiting ages a request
         # into a better level (engine/core/scheduler_policy.py); without aging a long request could wait forever.
-        is_reordered = self.length.predict and self.length.ordering != "fcfs"
+        is_reordered = self.length.estimate and self.length.ordering != "fcfs"
         if is_reordered and self.scheduler.aging_interval_s <= 0:
             raise ValueError(f"[engine.length] ordering {self.length.ordering!r} needs aging "
                              "([engine.scheduler] aging_interval_s > 0): without it a long request could wait "

@@ -27,7 +27,7 @@ from tokenmill.worker.logs import setup_logging
 from tokenmill.worker.runtime import Worker
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST_WORKER = {"block_ms": 100, "heartbeat_interval_s": 0.1, "stale_after_s": 0.5, "cancel_poll_s": 0.01,
+FAST_WORKER = {"idle_wait_ms": 100, "heartbeat_interval_s": 0.1, "stale_after_s": 0.5, "cancel_poll_s": 0.01,
                "drain_timeout_s": 5.0}
 
 
@@ -181,7 +181,7 @@ def start_worker_process(redis_url: str, prefix: str, name: str, *args: str, mod
         clock_skew_s: seconds the process's ``time.time()`` runs ahead (negative: behind) of the machine's clock.
     """
     defaults = {"TOKENMILL_WORKER__HEARTBEAT_INTERVAL_S": "0.2", "TOKENMILL_WORKER__STALE_AFTER_S": "1.0",
-                "TOKENMILL_WORKER__BLOCK_MS": "200", "TOKENMILL_WORKER__LOG_LEVEL": "WARNING"}
+                "TOKENMILL_WORKER__IDLE_WAIT_MS": "200", "TOKENMILL_WORKER__LOG_LEVEL": "WARNING"}
     launcher = ["-m", "tokenmill.cli"]
     if clock_skew_s:
         # NOTE: a worker on a machine whose clock is off, with no hook in the worker: time.time is replaced

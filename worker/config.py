@@ -10,11 +10,11 @@ import os
 import secrets
 import socket
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.config import EngineConfig, accept_renamed
 from tokenmill.engine.echo import ECHO_MODEL, EchoOptions, is_echo_model
 from tokenmill.protocol.config import FileSettings, Name, QueueConfig, RedisConfig, ServeConfig
 from tokenmill.protocol.heartbeat import STALE_AFTER_S
@@ -44,12 +44,18 @@ class WorkerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_renamed(cls, data: Any) -> Any:
+        return accept_renamed("[worker]", {"read_count": "read_batch", "block_ms": "idle_wait_ms"}, data)
+
     name: Name = Field(default_factory=default_worker_name, description="consumer name in the group")
     served_model_name: Name | None = Field(None, description="the model name requests and heartbeats use; "
                                            "default: the alias, the directory's or file's name, or 'echo'")
     max_waiting: int = Field(32, ge=1, description="stop reading while engine-waiting + queued admits reach this")
-    read_count: int = Field(64, ge=1, description="most entries per XREADGROUP")
-    block_ms: int = Field(1000, ge=1, le=4000, description="XREADGROUP BLOCK of an idle worker")
+    read_batch: int = Field(64, ge=1, description="most entries one read takes (XREADGROUP COUNT; was read_count)")
+    idle_wait_ms: int = Field(1000, ge=1, le=4000, description="how long an idle worker waits for work per read "
+                              "(XREADGROUP BLOCK; bounds shutdown latency; was block_ms)")
     heartbeat_interval_s: float = Field(2.0, gt=0, description="how often the heartbeat is written and dead "
                                         "workers' entries are looked for")
     stale_after_s: float = Field(STALE_AFTER_S, gt=0, description="heartbeat age after which a worker counts as dead")

@@ -55,7 +55,7 @@ def run_demo(console: Console, *, redis_url: str | None, model: str, num_prompts
     url = resolve_url(RedisConfig(url=redis_url))  # NOTE: starts/reuses the embedded Redis when none is given
     console.print(f"[bold]tokenmill demo[/] redis={url} queue={DEMO_QUEUE} model={model}")
     settings = Settings.load(None, {"queue": {"name": DEMO_QUEUE, "prefix": prefix},
-                                    "worker": {"drain_timeout_s": 10.0, "block_ms": 200},
+                                    "worker": {"drain_timeout_s": 10.0, "idle_wait_ms": 200},
                                     "redis": {"url": url}, "engine": {"model": {"name": model, "device": device}}})
     console.print("loading the model ...")
     worker = Worker(settings, handle_signals=False)

@@ -191,7 +191,7 @@ class Reader:
         # NOTE: reclaiming moves entries into this consumer's pending list, where the backlog
         # would meet them again: this worker's own backlog goes first.
         if self._backlog:
-            self._take_backlog(self._config.read_count)
+            self._take_backlog(self._config.read_batch)
             return False
         now_s = time.monotonic()
         if self._needs_pending_check or now_s >= self._next_pending_check_s:
@@ -207,9 +207,9 @@ class Reader:
         if capacity == 0:
             self._load.wait_for_room(0.05)
             return False
-        count = min(capacity, self._config.read_count)
+        count = min(capacity, self._config.read_batch)
         # NOTE: while requests run, a read blocks no longer than one cancellation poll period.
-        block_ms = self._config.block_ms
+        block_ms = self._config.idle_wait_ms
         if self._load.live_ids:
             block_ms = min(block_ms, int(self._config.cancel_poll_s * 1000) or 1)
         entries = self._read_lanes(count, block_ms=None if burst else block_ms)

@@ -257,7 +257,7 @@ class Worker:
         self._engine.close()
         # NOTE: the writer may spend drain_timeout_s retrying results Redis refuses
         for thread in threads:
-            thread.join(timeout=self.settings.worker.block_ms / 1000 + self.settings.worker.drain_timeout_s + 5.0)
+            thread.join(timeout=self.settings.worker.idle_wait_ms / 1000 + self.settings.worker.drain_timeout_s + 5.0)
         num_unwritten = self._writer.num_unwritten
         if num_unwritten:
             log.error("results could not be written; their entries stay pending for reclaim",

@@ -137,7 +137,7 @@ class LengthPredictor:
         samples = self._key_to_samples.get(key)
         if samples is not None:
             estimate = samples.estimate(known_past, max_tokens, min_samples=min_samples,
-                                        quantile=self.config.confidence, source=source, live_ages=live_ages)
+                                        quantile=self.config.tail_quantile, source=source, live_ages=live_ages)
             if estimate is not None:
                 return estimate, known_past
         older = sorted(age for age in live_ages if age > known_past)
@@ -229,7 +229,7 @@ class LengthPredictor:
 
 def build_length_predictor(config: LengthConfig) -> LengthPredictor | None:
     """The engine's predictor, or None with ``predict`` off."""
-    return LengthPredictor(config) if config.predict else None
+    return LengthPredictor(config) if config.estimate else None
 
 
 def history_keys(request: Request) -> tuple[tuple[Hashable, str], ...]:

@@ -77,7 +77,7 @@ class PreemptionPolicy:
 
     def requests_to_demote(self) -> list[Request]:
         """Long-output limit: while others wait, running requests that decoded too long."""
-        limit = self.config.max_consecutive_decode_steps
+        limit = self.config.demote_after_decode_steps
         if limit == 0 or not (self._queues.waiting or self._queues.swapped):
             return []
         return [r for r in self._queues.running if r.num_steps_since_admitted > limit]

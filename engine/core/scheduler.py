@@ -93,7 +93,7 @@ class Scheduler:
         self._kv_budget = None
         if length_predictor is not None and length_predictor.config.budget_kv:
             self._kv_budget = PredictedKvBudget(block_manager.num_gpu_blocks, block_manager.block_size,
-                                                length_predictor.current, length_predictor.config.confidence)
+                                                length_predictor.current, length_predictor.config.tail_quantile)
         self.counters = SchedulerCounters()
         self._queues = RequestQueues()
         self._finished: list[Request] = []  # finished since the last take_finished()

@@ -221,7 +221,7 @@ def with_fast_paths(reference: ModelRunner, grammars: GrammarCompiler | None, co
     allows and this machine supports, each checked against (or captured from) the reference's eager
     forward; the reference itself when there are none. Logs the choice once."""
     decoder, static = None, None
-    if config.execution.compile == "auto" and reference.device.type == "cpu":
+    if config.execution.decode_fast_path == "auto" and reference.device.type == "cpu":
         decoder = native_decoder.native_decoder_for(reference)
     elif captures_decode_steps(config, reference.device, reference.backend):
         if reference.tensor_parallel is not None:  # NOTE: a captured step would need its all-reduces captured too
@@ -267,9 +267,9 @@ def draft_memory(draft: LoadedModel | None, max_num_seqs: int) -> tuple[int, int
 
 
 def captures_decode_steps(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> bool:
-    """Whether decode steps are captured in CUDA graphs: on CUDA with ``compile = "auto"`` and a
+    """Whether decode steps are captured in CUDA graphs: on CUDA with ``decode_fast_path = "auto"`` and a
     kernel backend (the reference plans on the host per step)."""
-    return config.execution.compile == "auto" and device.type == "cuda" and backend.name != "reference"
+    return config.execution.decode_fast_path == "auto" and device.type == "cuda" and backend.name != "reference"
 
 
 def _prebuild_cpu_extensions(config: EngineConfig) -> None:
@@ -283,7 +283,7 @@ def _prebuild_cpu_extensions(config: EngineConfig) -> None:
         return
     if config.execution.attention_backend in ("auto", "cpu"):
         cpu_kernel.build_in_background()
-    if config.execution.compile == "auto":
+    if config.execution.decode_fast_path == "auto":
         native_decoder.build_in_background()
     cpu_linear.prebuild_kernel_for(resolve_dtype(config.model.dtype, device), config.execution.linear_kernel)
 

@@ -8,7 +8,7 @@ The job: ``--num-requests`` chat prompts (short answers, lists and long essays f
 ``max_num_seqs x (mean prompt + max_tokens)`` tokens at the model's KV bytes per token. Each mode runs
 the same job on a fresh engine in this process:
 
-- ``off``: ``[engine.length] predict = false`` (admit while the next chunk fits; preempt when the pool runs out);
+- ``off``: ``[engine.length] estimate = false`` (admit while the next chunk fits; preempt when the pool runs out);
 - ``on-fcfs``: prediction + ``budget_kv`` (admit while the predicted peak KV fits), arrival order;
 - ``on-shortest`` / ``on-longest``: the same, shortest / longest predicted output first;
 - ``on-auto`` (not in the default list): ordering ``auto`` (one length group: longest first).
@@ -83,13 +83,13 @@ TOPICS = [
 ]
 
 MODES: dict[str, dict[str, Any]] = {
-    "off": {"predict": False},
-    "on-fcfs": {"predict": True, "budget_kv": True, "ordering": "fcfs"},
-    "on-shortest": {"predict": True, "budget_kv": True, "ordering": "shortest"},
-    "on-longest": {"predict": True, "budget_kv": True, "ordering": "longest"},
-    "on-auto": {"predict": True, "budget_kv": True, "ordering": "auto"},
-    "order-shortest": {"predict": True, "budget_kv": False, "ordering": "shortest"},
-    "order-longest": {"predict": True, "budget_kv": False, "ordering": "longest"},
+    "off": {"estimate": False},
+    "on-fcfs": {"estimate": True, "budget_kv": True, "ordering": "fcfs"},
+    "on-shortest": {"estimate": True, "budget_kv": True, "ordering": "shortest"},
+    "on-longest": {"estimate": True, "budget_kv": True, "ordering": "longest"},
+    "on-auto": {"estimate": True, "budget_kv": True, "ordering": "auto"},
+    "order-shortest": {"estimate": True, "budget_kv": False, "ordering": "shortest"},
+    "order-longest": {"estimate": True, "budget_kv": False, "ordering": "longest"},
 }
 DEFAULT_MODES = "off,on-fcfs,on-shortest,on-longest"
 ERROR_POINTS = (20, 100, 200)  # finished requests
@@ -381,7 +381,7 @@ def print_report(jobs: list[Job], results: dict[str, dict[str, Any]], args: argp
 
     err_rows = []
     for mode, r in results.items():
-        if r["length_config"].get("predict"):
+        if r["length_config"].get("estimate"):
             for e in error_rows(r, args.max_tokens, len(jobs)):
                 err_rows.append([mode, str(e["after"]), fmt(e["arrival_cum"], 2), fmt(e["admission_cum"], 2),
                                  f"{fmt(e['admission_window'], 2)} ({e['window']})", fmt(e["max_tokens_cum"], 2),
@@ -394,7 +394,7 @@ def print_report(jobs: list[Job], results: dict[str, dict[str, Any]], args: argp
 
     eta_table = []
     for mode, r in results.items():
-        has_backlog = r["length_config"].get("predict")
+        has_backlog = r["length_config"].get("estimate")
         for e in eta_rows(r):
             eta_table.append([mode, f"{e['percent']}%", fmt(e["t_s"], 1), fmt(e["actual_remaining_s"], 1),
                               fmt(e["eta_window_s"], 1) if has_backlog else "-",
@@ -452,7 +452,7 @@ def print_targets(results: dict[str, dict[str, Any]], num_requests: int, max_tok
         summary["makespan_ratio_order_longest_vs_off"] = ratio
         rows.append(["makespan, order-longest / off (no budget)", f"{ratio:.2f}x", "<= 1.00x",
                      "PASS" if ratio <= 1.0 else "FAIL"])
-    predicted = [r for r in results.values() if r["length_config"].get("predict")]
+    predicted = [r for r in results.values() if r["length_config"].get("estimate")]
     if predicted:
         last = error_rows(predicted[0], max_tokens, num_requests)[-1]
         summary["log_error_at_admission"] = last["admission_cum"]
@@ -545,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
                      "kv_cache_bytes": kv_cache_bytes, "jobs": [asdict(j) for j in jobs]},
         "results": results,
         "errors": {m: error_rows(r, args.max_tokens, len(jobs)) for m, r in results.items()
-                   if r["length_config"].get("predict")},
+                   if r["length_config"].get("estimate")},
         "eta": {m: eta_rows(r) for m, r in results.items()},
         "summary": summary,
     })

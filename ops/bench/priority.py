@@ -74,7 +74,7 @@ def run_mode(mode: str, schedule: list[Arrival], args: argparse.Namespace) -> di
         "scheduler": {
             "max_num_seqs": args.max_num_seqs, "preemption_mode": args.preemption_mode,
             "enable_priority_preemption": mode == "priority",
-            "max_consecutive_decode_steps": args.max_consecutive_decode_steps if mode == "priority" else 0,
+            "demote_after_decode_steps": args.demote_after_decode_steps if mode == "priority" else 0,
             "aging_interval_s": args.aging_interval_s if mode == "priority" else 0.0,
         },
     })

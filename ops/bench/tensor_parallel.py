@@ -10,7 +10,7 @@ engine/model/tensor_parallel.py). So by default every engine here runs a model o
 shapes but 12 heads of 48 dimensions (4 KV heads): the same q/k/v/o, MLP and LM-head matrices, the same
 attention FLOPs, random weights (``random_init``), token-id prompts. ``--keep-heads`` runs the checkpoint as it
 is (only where its heads divide by the ranks). Each engine is timed with its default fast path (the native C++
-decoder stack, on every rank) and eager (``compile = "off"``); the two-rank engine with its all-reduces through
+decoder stack, on every rank) and eager (``decode_fast_path = "off"``); the two-rank engine with its all-reduces through
 shared memory (the default) and through gloo (the reference path, ``tensor_parallel_cpu_all_reduce = "gloo"``).
 
 Each engine's host memory is printed per rank (ops/bench/rank_memory.py): the peak RSS of the rank's process
@@ -42,7 +42,7 @@ from ops.bench.common import machine_info, print_table, write_json
 from ops.bench.rank_memory import follower_baseline, model_bytes, rank_memory, reset_peak
 from ops.bench.throughput import resolve_model_dir
 
-RUNS = (  # (name, tensor_parallel_size, threads per rank, compile, CPU all-reduce)
+RUNS = (  # (name, tensor_parallel_size, threads per rank, decode_fast_path, CPU all-reduce)
     (NATIVE := "1 rank x 2 threads, native stack", 1, 2, "auto", "shared_memory"),
     (EAGER := "1 rank x 2 threads, eager", 1, 2, "off", "shared_memory"),
     (TP_NATIVE := "2 ranks x 1 thread, native stack, shared memory", 2, 1, "auto", "shared_memory"),
@@ -75,7 +75,7 @@ def run_engine(model: str, random_init: bool, ranks: int, threads: int, compile_
         "model": {"name": model, "device": "cpu", "dtype": "float32", "num_threads": threads,
                   "random_init": random_init, "tensor_parallel_size": ranks,
                   "tensor_parallel_cpu_all_reduce": all_reduce},
-        "execution": {"compile": compile_mode},
+        "execution": {"decode_fast_path": compile_mode},
         "speculative": {"method": "off"},
     })
     baseline = reset_peak()
@@ -90,7 +90,7 @@ def run_engine(model: str, random_init: bool, ranks: int, threads: int, compile_
     finally:
         engine.close()
     tokens = sum(len(out.token_ids) for out in outputs)
-    return {"ranks": ranks, "threads_per_rank": threads, "compile": compile_mode, "all_reduce": all_reduce,
+    return {"ranks": ranks, "threads_per_rank": threads, "decode_fast_path": compile_mode, "all_reduce": all_reduce,
             "output_tokens": tokens,
             "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed, "token_ids": [out.token_ids for out in outputs],
             "memory": memory}

@@ -72,7 +72,7 @@ SPEEDUP_TARGETS = {"cpu": {"hf_static16": 3.0, "hf_cb": 2.0}, "cuda": {"hf_stati
 SYSTEMS = ("tokenmill", "tokenmill_eager", "hf_static16", "hf_static1", "hf_cb", "vllm")
 LABELS = {
     "tokenmill": "tokenmill engine",
-    "tokenmill_eager": "tokenmill engine, eager (compile off)",
+    "tokenmill_eager": "tokenmill engine, eager (decode_fast_path off)",
     "hf_static16": "HF generate, static batch 16",
     "hf_static1": "HF generate, batch 1",
     "hf_cb": "transformers continuous batching",
@@ -257,7 +257,7 @@ def run_tokenmill(items: list[WorkItem], args: argparse.Namespace, compile_mode:
                   "random_init": args.random_init},
         "cache": {"kv_cache_memory": args.kv_cache_memory, "swap_space": args.swap_space},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
-        "execution": {"compile": compile_mode},
+        "execution": {"decode_fast_path": compile_mode},
         "speculative": {"method": args.speculative},
     })
     load_start = time.perf_counter()

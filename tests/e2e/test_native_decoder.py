@@ -139,7 +139,7 @@ def _generate(path: Path, **settings: Any) -> tuple[list[list[int]], Engine]:
 
 def test_generation_through_preemption_is_the_same_native_and_eager(tiny_model_dirs: dict[str, Path]) -> None:
     native_tokens, native_engine = _generate(tiny_model_dirs["llama"])
-    eager_tokens, eager_engine = _generate(tiny_model_dirs["llama"], compile="off")
+    eager_tokens, eager_engine = _generate(tiny_model_dirs["llama"], decode_fast_path="off")
     assert _runner(native_engine).native_decoder is not None
     assert _runner(eager_engine).native_decoder is None
     assert native_engine.stats().counters.num_preemptions > 0
@@ -150,7 +150,7 @@ def test_generation_through_preemption_is_the_same_native_and_eager(tiny_model_d
     ("gpt2", dict(dtype="float32"), "model type 'gpt2'"),
     ("llama", dict(dtype="float32", attention_backend="reference"), "C++ attention backend"),
     ("llama", dict(dtype="float64"), "packed"),
-    ("llama", dict(dtype="float32", compile="off"), None),
+    ("llama", dict(dtype="float32", decode_fast_path="off"), None),
 ])
 def test_other_models_and_settings_run_eagerly(model: str, settings: dict[str, Any], reason: str | None,
                                                tiny_model_dirs: dict[str, Path],
@@ -250,7 +250,7 @@ def test_the_runner_is_built_with_its_fast_path_and_says_which_once(tiny_model_d
     with caplog.at_level(logging.INFO, logger="tokenmill.engine.model.model_setup"):
         native = build_engine(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", kv_cache_memory="4MiB")
         eager = build_engine(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", kv_cache_memory="4MiB",
-                             compile="off")
+                             decode_fast_path="off")
     lines = [r.message for r in caplog.records if r.message.startswith("fast paths:")]
     assert lines == ["fast paths: forward=native C++ decoder stack, decode steps=as any step, attention=cpu",
                      "fast paths: forward=eager, decode steps=as any step, attention=cpu"], lines

@@ -55,7 +55,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     # The base engine runs the device's kernel; the reference backend once, on the base scenario.
     "block16-reference": dict(block_size=16, attention_backend="reference"),
     # Every other scenario runs the captured step (CPU: the native decoder stack); eager once.
-    "block16-eager": dict(block_size=16, compile="off"),
+    "block16-eager": dict(block_size=16, decode_fast_path="off"),
     # Speculative decoding is on ("auto") in every scenario above; here the plain one-token decode.
     "block16-no-speculation": dict(block_size=16, method="off"),
 }

@@ -85,7 +85,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
                                  kv_cache_memory="tight", budget_kv=False),
     "swap-preemption": dict(block_size=4, preemption_mode="swap", max_prefill_chunk=32, max_num_batched_tokens=64,
                             kv_cache_memory="tight", budget_kv=False),
-    "eager-reference": dict(block_size=4, compile="off", attention_backend="reference"),
+    "eager-reference": dict(block_size=4, decode_fast_path="off", attention_backend="reference"),
 }
 
 
@@ -134,7 +134,7 @@ def test_the_native_decoder_runs_drafts_as_the_eager_reference_does(wrong_every:
     path = tiny_model_dirs["llama"]
     prompts, _ = _reference("llama", path)
     settings = dict(device="cpu", dtype="float32", block_size=4, max_prefill_chunk=9)
-    eager = build_engine(str(path), compile="off", attention_backend="reference", method="off", **settings)
+    eager = build_engine(str(path), decode_fast_path="off", attention_backend="reference", method="off", **settings)
     want = [o.token_ids for o in eager.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)]
     engine = build_engine(str(path), method="auto", **settings)
     runner = engine.runner

@@ -129,7 +129,7 @@ def float32_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.mark.parametrize(("family", "scenario"), [("llama", "chunked-prefix"), ("qwen2", "swap-preemption")])
 def test_the_native_stack_on_every_rank_gives_the_eager_tokens(family: str, scenario: str,
                                                                float32_models: dict[str, Path]) -> None:
-    """With ``compile = "auto"`` every rank runs its shard's layers through the C++ decoder stack (the probe at
+    """With ``decode_fast_path = "auto"`` every rank runs its shard's layers through the C++ decoder stack (the probe at
     load agreed on every rank), and the tokens are those of every rank running eagerly: the stack is bitwise
     the eager forward, with the all-reduces between its blocks."""
     path = float32_models[family]
@@ -140,7 +140,7 @@ def test_the_native_stack_on_every_rank_gives_the_eager_tokens(family: str, scen
     finally:
         engine.close()
     native, stats = _generate(path, settings)
-    eager, _ = _generate(path, dict(settings, compile="off"))
+    eager, _ = _generate(path, dict(settings, decode_fast_path="off"))
     assert native == eager
     if scenario == "swap-preemption":
         assert stats.counters.num_swapped_out_blocks > 0, stats

@@ -20,7 +20,7 @@ def test_raw_client_submits_and_reads_results(redis_url: str, redis_client: redi
     worker = subprocess.Popen(
         [sys.executable, "-m", "tokenmill.cli", "--redis-url", redis_url, "--prefix", key_prefix, "--queue", "raw",
          "worker", "--model", "echo"],
-        cwd=ROOT, env={**os.environ, "TOKENMILL_WORKER__BLOCK_MS": "100"},
+        cwd=ROOT, env={**os.environ, "TOKENMILL_WORKER__IDLE_WAIT_MS": "100"},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:

@@ -158,7 +158,7 @@ def test_restart_under_the_same_name_drains_its_whole_pending_list(
     ids = [enqueue(redis_client, keys, prompt=f"p{i}") for i in range(300)]
     redis_client.xreadgroup(CONSUMER_GROUP, "same-name", {keys.lane(0): ">"}, count=1000)
     assert redis_client.xpending(keys.lane(0), CONSUMER_GROUP)["pending"] == 300
-    settings = make_settings(redis_url, key_prefix, name="same-name", max_waiting=16, read_count=64)
+    settings = make_settings(redis_url, key_prefix, name="same-name", max_waiting=16, read_batch=64)
     with running_worker(settings):
         results = [wait_result(redis_client, keys, rid, timeout_s=30) for rid in ids]
     assert all(r.ok for r in results)
@@ -220,7 +220,7 @@ def test_results_wait_out_redis_oom_and_reads_pause(private_redis_url: str, tmp_
     keys = Keys(prefix)
     ids = [enqueue(client, keys, prompt=f"o{i}") for i in range(300)]
     client.config_set("maxmemory-policy", "noeviction")
-    settings = make_settings(private_redis_url, prefix, max_waiting=8, read_count=8)
+    settings = make_settings(private_redis_url, prefix, max_waiting=8, read_batch=8)
     with running_worker(settings):
         # NOTE: XGROUP CREATE is refused under OOM too: let the worker create its groups first.
         wait_until(lambda: bool(client.exists(keys.lane(2))) and bool(client.xinfo_groups(keys.lane(2))), 10)

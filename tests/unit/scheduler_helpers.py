@@ -69,7 +69,7 @@ def make_scheduler(
 
     Aging and the long-output cap are off unless asked for: each scenario names the policy it tests.
     """
-    config = SchedulerConfig(**{"aging_interval_s": 0.0, "max_consecutive_decode_steps": 0, **scheduler_config})
+    config = SchedulerConfig(**{"aging_interval_s": 0.0, "demote_after_decode_steps": 0, **scheduler_config})
     block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, block_size)
     eos_token_ids = frozenset() if eos_token_id is None else frozenset({eos_token_id})
     prefix_cache = PrefixCache(block_manager) if prefix_caching else None

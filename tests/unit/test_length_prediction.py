@@ -374,9 +374,9 @@ def test_a_swapped_request_behind_a_held_back_one_does_not_stall_the_queue() -> 
     come back behind a held-back request: nothing ran again. (Found by the property test with length knobs.)"""
     scheduler = make_scheduler(num_gpu_blocks=6, num_cpu_blocks=4, block_size=1, max_num_batched_tokens=2,
                                max_prefill_chunk=1, max_prefill_tokens=None, max_num_seqs=1, aging_interval_s=1.0,
-                               max_consecutive_decode_steps=1, min_resident_steps=0, watermark_blocks=0,
+                               demote_after_decode_steps=1, min_resident_steps=0, watermark_blocks=0,
                                preemption_mode="swap", enable_priority_preemption=False,
-                               length=LengthConfig(budget_kv=True, min_samples=1, confidence=0.6))
+                               length=LengthConfig(budget_kv=True, min_samples=1, tail_quantile=0.6))
     requests = [make_request(f"r{i}", prompt_token_ids=[1], max_tokens=max_tokens)
                 for i, max_tokens in enumerate((5, 2, 1, 1, 1, 1, 1))]
     run = step_until_done(scheduler, ScriptedModelRunner(scheduler.block_manager, vocab_size=20),

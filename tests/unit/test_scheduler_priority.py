@@ -134,7 +134,7 @@ def test_hysteresis_protects_a_just_admitted_request_for_min_resident_steps() ->
 def test_starvation_limit_demotes_a_long_output_request_which_resumes_later() -> None:
     long = make_request("long", 4, max_tokens=20)
     short = make_request("short", 4, max_tokens=2, arrival_time_s=1.0)
-    scheduler = make_scheduler(max_num_seqs=1, num_cpu_blocks=16, max_consecutive_decode_steps=3,
+    scheduler = make_scheduler(max_num_seqs=1, num_cpu_blocks=16, demote_after_decode_steps=3,
                                min_resident_steps=1)
     demoted_seen: list[int] = []
 
@@ -157,7 +157,7 @@ def test_starvation_limit_demotes_a_long_output_request_which_resumes_later() ->
 def test_starvation_limit_is_off_at_zero() -> None:
     long = make_request("long", 4, max_tokens=20)
     short = make_request("short", 4, max_tokens=2, arrival_time_s=1.0)
-    scheduler = make_scheduler(max_num_seqs=1, num_cpu_blocks=16, max_consecutive_decode_steps=0)
+    scheduler = make_scheduler(max_num_seqs=1, num_cpu_blocks=16, demote_after_decode_steps=0)
     run = step_until_done(scheduler, arrivals={0: [long], 1: [short]})
     assert scheduler.stats().counters.num_preemptions == 0 and run.admitted_step["short"] == 20
     assert_no_leaks(scheduler)

@@ -52,13 +52,13 @@ def workloads(draw: st.DrawFn) -> dict[str, Any]:
         "preemption_mode": draw(st.sampled_from(["swap", "recompute"])),
         "enable_priority_preemption": draw(st.booleans()),
         "aging_interval_s": draw(st.sampled_from([0.0, 1.0, 3.0])),
-        "max_consecutive_decode_steps": draw(st.integers(0, 3)),
+        "demote_after_decode_steps": draw(st.integers(0, 3)),
         "min_resident_steps": draw(st.integers(0, 3)),
         "watermark_blocks": draw(st.integers(0, 1)),
         "use_eos": draw(st.booleans()),
         "length": draw(st.one_of(st.none(), st.builds(
             LengthConfig, budget_kv=st.booleans(), ordering=st.sampled_from(["fcfs", "shortest", "longest", "auto"]),
-            min_samples=st.integers(1, 3), confidence=st.sampled_from([0.6, 0.9, 0.99])))),
+            min_samples=st.integers(1, 3), tail_quantile=st.sampled_from([0.6, 0.9, 0.99])))),
     }
 
 
@@ -92,7 +92,7 @@ def test_seeded_random_workload_checks_invariants_every_step() -> None:
         scheduler = make_scheduler(
             num_gpu_blocks=12, num_cpu_blocks=6, block_size=4, max_num_batched_tokens=16,
             max_prefill_chunk=6, max_num_seqs=5, preemption_mode=mode, aging_interval_s=2.0,
-            max_consecutive_decode_steps=4, min_resident_steps=2,
+            demote_after_decode_steps=4, min_resident_steps=2,
         )
         arrivals: dict[int, list[Request]] = {}
         for i in range(40):

@@ -33,7 +33,7 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
                       "max_prefill_chunk": draw(st.integers(1, max_num_batched_tokens)),
                       "max_num_seqs": draw(st.integers(1, 6)),
                       "preemption_mode": draw(st.sampled_from(["swap", "recompute"])),
-                      "max_consecutive_decode_steps": draw(st.integers(0, 4))},
+                      "demote_after_decode_steps": draw(st.integers(0, 4))},
         "length": {"budget_kv": draw(st.booleans()),
                    "ordering": draw(st.sampled_from(["fcfs", "shortest", "longest"])),
                    "min_samples": draw(st.integers(1, 3))},

@@ -69,13 +69,13 @@ def test_default_toml_matches_the_defaults() -> None:
 
 def test_precedence_flags_over_env_over_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "w.toml"
-    path.write_text('[queue]\nname = "file"\n[worker]\nmax_waiting = 7\nread_count = 3\n'
+    path.write_text('[queue]\nname = "file"\n[worker]\nmax_waiting = 7\nread_batch = 3\n'
                     '[engine.model]\nname = "echo"\n[redis]\nurl = "redis://file:6379/0"\n')
     monkeypatch.setenv("TOKENMILL_WORKER__MAX_WAITING", "9")
-    monkeypatch.setenv("TOKENMILL_WORKER__READ_COUNT", "5")
+    monkeypatch.setenv("TOKENMILL_WORKER__READ_BATCH", "5")
     monkeypatch.setenv("REDIS_URL", "redis://env:6379/0")
-    settings = load_settings(path, {"worker": {"read_count": 11}, "queue": {"name": None}})
-    assert (settings.queue.name, settings.worker.max_waiting, settings.worker.read_count) == ("file", 9, 11)
+    settings = load_settings(path, {"worker": {"read_batch": 11}, "queue": {"name": None}})
+    assert (settings.queue.name, settings.worker.max_waiting, settings.worker.read_batch) == ("file", 9, 11)
     assert settings.engine.model.name == "echo" and settings.redis.url == "redis://env:6379/0"
     assert load_settings(path, {"redis": {"url": "redis://flag:6379/0"}}).redis.url == "redis://flag:6379/0"
     monkeypatch.delenv("REDIS_URL")

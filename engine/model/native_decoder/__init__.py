@@ -13,7 +13,7 @@ modules. With it on, greedy sampling uses :func:`greedy_token_ids`, a one-pass C
 It applies to models whose decoder layer is exactly Llama's (``llama``, ``mistral``, ``qwen2``
 configs, their q/k/v and gate/up layers packed by engine/kernels/cpu_linear.py) with the C++ attention
 backend; every other model runs eagerly. Before it is used, one probe step runs both ways and
-must agree bit for bit; otherwise the engine logs why and stays eager. ``compile = "off"`` keeps
+must agree bit for bit; otherwise the engine logs why and stays eager. ``decode_fast_path = "off"`` keeps
 the eager path.
 
 With tensor parallelism every rank runs its shard's layers through the stack, one C++ call per attention
