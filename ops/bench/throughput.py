@@ -257,7 +257,7 @@ def run_tokenmill(items: list[WorkItem], args: argparse.Namespace, compile_mode:
                   "random_init": args.random_init},
         "cache": {"kv_cache_memory": args.kv_cache_memory, "swap_space": args.swap_space},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
-        "execution": {"decode_fast_path": compile_mode},
+        "execution": {"decode_fast_path": compile_mode, "overlap": args.overlap},
         "speculative": {"method": args.speculative},
     })
     load_start = time.perf_counter()
@@ -548,7 +548,7 @@ def _child_argv(system: str, args: argparse.Namespace, workload_file: Path, resu
             "--swap-space", args.swap_space, "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--hf-batch1-limit", str(args.hf_batch1_limit), "--device", args.device, "--dtype", args.dtype,
-            "--speculative", args.speculative, "--run-deadline-s", str(args.run_deadline_s)]
+            "--speculative", args.speculative, "--overlap", args.overlap, "--run-deadline-s", str(args.run_deadline_s)]
     for entry in args.system_deadline_s:
         argv += ["--system-deadline-s", entry]
     if args.random_init:
@@ -654,6 +654,8 @@ def _summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> 
         label = LABELS[system]
         if system.startswith("tokenmill") and args.speculative != "off":
             label += f" (speculation {args.speculative})"
+        if system.startswith("tokenmill") and args.overlap != "auto":
+            label += f" (overlap {args.overlap})"
         if system == "hf_static1":
             label += f" (first {result.get('num_requests', args.hf_batch1_limit)} requests)"
         if "error" in result:
@@ -820,6 +822,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "reports a partial figure (tokens/s of what it made); 0: every system runs its whole workload")
     parser.add_argument("--system-deadline-s", action="append", default=[], metavar="SYSTEM=S",
                         help="one system's --run-deadline-s (repeatable)")
+    parser.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
+                        help="tokenmill's [engine.execution] overlap (auto: on for CUDA, off on the CPU)")
     parser.add_argument("--speculative", default="off", choices=["off", "auto", "ngram", "suffix"],
                         help="tokenmill's [engine.speculative] method (default off: the peers never speculate)")
     parser.add_argument("--json", default="", help="write the JSON report here")
