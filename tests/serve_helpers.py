@@ -125,7 +125,7 @@ def run_openai_batch(client: Any, lines: list[dict[str, Any]], timeout_s: float,
     completed, download its output. Returns the output lines, parsed."""
     upload = client.files.create(file=("in.jsonl", "\n".join(map(json.dumps, lines)).encode()), purpose="batch")
     batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled_s(timeout_s)
     while batch.status not in ("completed", "failed", "cancelled", "expired"):
         assert time.monotonic() < deadline, batch
         time.sleep(poll_s)

@@ -13,6 +13,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from tests.processes import scaled_s
 from tests.serve_helpers import run_openai_batch, running_server
 from tests.worker_helpers import make_settings, running_worker
 from tokenmill.producer import Producer, bulk
@@ -39,7 +40,7 @@ def test_every_path_returns_each_sample_as_the_decode_of_its_tokens(
                                   "body": _chat_body(served)}) + "\n")
     with running_worker(settings), Producer(redis_url, prefix=key_prefix) as producer, \
             running_server(redis_url, key_prefix) as url, openai.OpenAI(base_url=url, api_key="none") as client:
-        result = producer.result(producer.submit(messages=MESSAGES, **PARAMS), timeout=60)
+        result = producer.result(producer.submit(messages=MESSAGES, **PARAMS), timeout=scaled_s(60))
         summary = bulk.run(source, tmp_path / "out.jsonl", producer=producer)
         chat = client.chat.completions.create(model=served, messages=MESSAGES, n=3, temperature=1.0, seed=7,
                                               max_tokens=12, extra_body={"ignore_eos": True})
