@@ -225,8 +225,8 @@ class Scheduler:
           requests wait (priority aging, the long-output limit);
         - a running request ``inflight`` does not hold, one whose chunk there has drafts (a draft needs the tokens
           before it: while the speculator drafts, steps are scheduled in full; a step planned ahead drafts nothing,
-          and with a speculator a full schedule every :data:`FULL_SCHEDULE_EVERY` steps asks it again) or samples
-          nothing, an ``n > 1`` request before its fork;
+          and with a speculator a request's first decode and a full schedule every :data:`FULL_SCHEDULE_EVERY` steps
+          ask it again) or samples nothing, an ``n > 1`` request before its fork;
         - a request whose sampling reads its own tokens on the device thread (penalties, a grammar);
         - a step that would need a copy-on-write, a preemption, or more blocks or budget than there is.
 
@@ -260,6 +260,8 @@ class Scheduler:
             params = request.sampling_params
             if params.has_penalties or params.is_structured:
                 return None
+            if self.speculator is not None and chunk.num_output_tokens == 0:
+                return None  # NOTE: its first decode is scheduled in full, so the speculator gets to draft for it
             position = chunk.start_position + chunk.num_tokens  # where the token in flight goes
             if bm.num_copies_on_write(request.request_id, position):
                 return None

@@ -32,7 +32,8 @@ def _engine(max_decode_tokens: int | None, num_decodes: int) -> tuple[Engine, _R
     """``num_decodes`` requests decoding (repetitive prompts: the n-gram lookup drafts long runs for each)."""
     engine = Engine.from_config(engine_config("echo", max_num_batched_tokens=BUDGET, max_prefill_chunk=BUDGET,
                                               max_decode_tokens=max_decode_tokens, method="ngram",
-                                              num_speculative_tokens=10, max_num_seqs=64))
+                                              num_speculative_tokens=10, max_num_seqs=64,
+                                              overlap="off"))  # NOTE: each plan is the step's own: no lookahead
     recorder = _Recorder(engine.runner)
     engine.runner = recorder
     params = SamplingParams(max_tokens=400, ignore_eos=True)
