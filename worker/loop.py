@@ -142,11 +142,6 @@ class EngineLoop:
         """Stop preparing (requests still being tokenized stay pending in Redis)."""
         self._preparation.close()
 
-    @property
-    def oldest_preparation_s(self) -> float:
-        """How long the oldest request in preparation (tokenizing, compiling) has taken so far."""
-        return self._preparation.oldest_job_s()
-
     def _take_commands(self, wait_s: float) -> None:
         while True:
             try:

@@ -13,11 +13,9 @@ Imports the worker's messages and the engine's torch-free front (engine.engine);
 
 from __future__ import annotations
 
-import itertools
 import os
 import queue
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from tokenmill.engine.engine import Engine
@@ -43,9 +41,6 @@ class Preparation:
         self._light = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-prepare")
         self._heavy = ThreadPoolExecutor(max_workers=NUM_HEAVY_THREADS, thread_name_prefix="tm-prepare-heavy",
                                          initializer=_yield_to_the_engine)
-        self._started: dict[int, float] = {}  # job -> monotonic start, while it runs
-        self._ids = itertools.count()
-        self._lock = threading.Lock()
 
     def submit(self, admits: list[Admit]) -> None:
         """Prepare ``admits``: each heavy one in a job of its own, the light ones together in jobs of up to
@@ -54,38 +49,24 @@ class Preparation:
         job_chars = 0
         for admit in admits:
             if is_heavy(admit):
-                self._heavy.submit(self._prepare, [admit], next(self._ids))
+                self._heavy.submit(self._prepare, [admit])
                 continue
             chars = prompt_chars(admit)
             if job and job_chars + chars > HEAVY_PROMPT_CHARS:
-                self._light.submit(self._prepare, job, next(self._ids))
+                self._light.submit(self._prepare, job)
                 job, job_chars = [], 0
             job.append(admit)
             job_chars += chars
         if job:
-            self._light.submit(self._prepare, job, next(self._ids))
-
-    def oldest_job_s(self) -> float:
-        """Seconds the oldest running preparation has taken so far (0 when none runs): what the heartbeat
-        reports, so an operator sees an intake that is stuck on one job."""
-        with self._lock:
-            oldest = min(self._started.values(), default=None)
-        return 0.0 if oldest is None else time.monotonic() - oldest
+            self._light.submit(self._prepare, job)
 
     def close(self) -> None:
         """Stop both lanes (requests still being prepared stay pending in Redis)."""
         for lane in (self._light, self._heavy):
             lane.shutdown(wait=False, cancel_futures=True)
 
-    def _prepare(self, admits: list[Admit], job: int) -> None:
-        with self._lock:
-            self._started[job] = time.monotonic()
-        try:
-            prepared = [self._prepare_one(admit) for admit in admits]
-        finally:
-            with self._lock:
-                del self._started[job]
-        self._inbox.put(PreparedBatch(prepared))
+    def _prepare(self, admits: list[Admit]) -> None:
+        self._inbox.put(PreparedBatch([self._prepare_one(admit) for admit in admits]))
 
     def _prepare_one(self, admit: Admit) -> Prepared:
         try:
