@@ -61,7 +61,7 @@ def running_worker(settings: Settings, **kwargs: Any) -> Iterator[Worker]:
         yield worker
     finally:
         worker.stop()
-        thread.join(timeout=10)
+        thread.join(timeout=scaled_s(10))
         assert not thread.is_alive(), "worker did not stop"
 
 

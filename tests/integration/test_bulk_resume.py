@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.integration.bulk_helpers import NUM_ITEMS, item_ids, read_jsonl, write_input
-from tests.processes import free_port
+from tests.processes import free_port, scaled_s
 from tests.worker_helpers import make_settings, running_worker
 from tokenmill.producer import Producer, bulk
 from tokenmill.producer.bulk import BulkJob, BulkOptions
@@ -40,7 +40,7 @@ def _start_bulk(redis_url: str, prefix: str, source: Path, out: Path, *flags: st
 
 
 def _wait_for_lines(path: Path, num_lines: int, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled_s(timeout_s)
     while time.monotonic() < deadline:
         if path.exists() and path.read_bytes().count(b"\n") >= num_lines:
             return
@@ -52,7 +52,7 @@ def _interrupt_after(process: subprocess.Popen[bytes], out: Path, num_lines: int
     try:
         _wait_for_lines(out, num_lines)
         process.send_signal(signum)
-        return process.communicate(timeout=20)
+        return process.communicate(timeout=scaled_s(20))
     finally:
         if process.poll() is None:
             process.kill()
@@ -127,7 +127,7 @@ def _interrupt_unserved_run(redis_url: str, prefix: str, source: Path, out: Path
             assert time.monotonic() < deadline and process.poll() is None, "the run never queued its window"
             time.sleep(0.05)
         process.send_signal(signal.SIGINT)
-        stdout, stderr = process.communicate(timeout=20)
+        stdout, stderr = process.communicate(timeout=scaled_s(20))
     finally:
         if process.poll() is None:
             process.kill()
@@ -173,7 +173,7 @@ def test_no_retry_cancelled_keeps_cancelled_rows_and_a_later_rerun_runs_them(
     _interrupt_unserved_run(redis_url, key_prefix, source, out, producer)
     with running_worker(make_settings(redis_url, key_prefix)):
         kept = _start_bulk(redis_url, key_prefix, source, out, "--no-retry-cancelled")
-        stdout, stderr = kept.communicate(timeout=60)
+        stdout, stderr = kept.communicate(timeout=scaled_s(60))
         assert kept.returncode == 3, stderr.decode()
         first = json.loads(stdout)
         assert (first["ok"], first["statuses"].get("cancelled"), first["kept_cancelled"]) == (12, 8, 8)
@@ -182,7 +182,7 @@ def test_no_retry_cancelled_keeps_cancelled_rows_and_a_later_rerun_runs_them(
         assert len(cancelled) == 8 and {line["status"] for line in cancelled} == {"cancelled"}
 
         rerun = _start_bulk(redis_url, key_prefix, source, out, as_json=False)
-        stdout, stderr = rerun.communicate(timeout=60)
+        stdout, stderr = rerun.communicate(timeout=scaled_s(60))
     text = stdout.decode()
     assert rerun.returncode == 0, text + stderr.decode()
     assert re.search(r"done earlier \(in the output, skipped\)\W+12\b", text), text

@@ -112,9 +112,10 @@ def additions(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
     def counting(self: Engine, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                  priority: int = 0, arrival_time: float | None = None, length_group: str | None = None,
-                 is_handed_off: bool = False) -> None:
+                 is_handed_off: bool = False, streams: bool = True) -> None:
         counts[request_id] += 1
-        original(self, request_id, prompt_token_ids, params, priority, arrival_time, length_group, is_handed_off)
+        original(self, request_id, prompt_token_ids, params, priority, arrival_time, length_group, is_handed_off,
+                 streams)
 
     monkeypatch.setattr(Engine, "add_request", counting)
     return counts

@@ -40,9 +40,10 @@ class RecordingEcho(Engine):
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, length_group: str | None = None,
-                    is_handed_off: bool = False) -> None:
+                    is_handed_off: bool = False, streams: bool = True) -> None:
         self.params.append(params or SamplingParams())
-        super().add_request(request_id, prompt_token_ids, params, priority, arrival_time, length_group, is_handed_off)
+        super().add_request(request_id, prompt_token_ids, params, priority, arrival_time, length_group, is_handed_off,
+                            streams)
 
 
 @pytest.fixture
