@@ -36,7 +36,13 @@ def _start_bulk(redis_url: str, prefix: str, source: Path, out: Path, *flags: st
     command = [sys.executable, "-m", "tokenmill.cli", "--redis-url", redis_url, "--prefix", prefix, "bulk", str(source),
                str(out), "--max-in-flight", "8", "--no-progress", *(["--json"] if as_json else []), *flags]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "CI": "true", "COLUMNS": "200"})
+                            env={**os.environ, "CI": "true", "COLUMNS": "200"}, preexec_fn=_takes_ctrl_c)
+
+
+def _takes_ctrl_c() -> None:
+    """The child takes SIGINT as a terminal's process does: a suite started in the background (``make test &``)
+    ignores SIGINT, its children inherit that, and Python then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_for_lines(path: Path, num_lines: int, timeout_s: float = 20.0) -> None:
