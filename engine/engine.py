@@ -63,15 +63,14 @@ class Engine:
         grammars: compiles structured-output grammars (the runner's sampler shares it); None =
             requests with a structured response_format are refused.
         fleet: shares prompt blocks with other engines through a block store; None = local prefix caching only.
-        overlap: run each forward on a device thread while this thread makes the previous step's outputs
-            (``[engine.execution] overlap``); False = the synchronous loop, the reference.
-        schedule_ahead: with ``overlap``, also plan each step while the one before still runs
-            (``Scheduler.schedule_ahead``); False keeps scheduling between forwards (tests compare the two).
+        overlap: run each forward on a device thread while this thread plans the next step
+            (``Scheduler.schedule_ahead``) and makes the previous step's outputs (``[engine.execution] overlap``);
+            False = the synchronous loop, the reference.
     """
 
     def __init__(self, scheduler: Scheduler, runner: StepRunner, processor: OutputProcessor, tokenizer: Any,
                  limits: ModelLimits, clock: Clock, grammars: Grammars | None = None,
-                 fleet: FleetCache | None = None, overlap: bool = False, schedule_ahead: bool = True) -> None:
+                 fleet: FleetCache | None = None, overlap: bool = False) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.processor = processor
@@ -90,10 +89,9 @@ class Engine:
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-device") if overlap else None
         self._unreported: list[Request] = []
         # ... and the next step is planned while the forward runs (Scheduler.schedule_ahead): the step on the
-        # device, the token each of its requests sampled last (device thread only), and whether to plan ahead
+        # device, and the token each of its requests sampled last (device thread only)
         self._inflight: _InFlight | None = None
         self._last_token_ids: dict[str, int] = {}
-        self._schedules_ahead = schedule_ahead
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None,
@@ -305,7 +303,7 @@ class Engine:
             # NOTE: wait until the device thread holds the GIL and starts the forward: left to Python's switch
             # interval (5 ms), it would wait for this thread to block, and nothing would overlap.
             started.wait()
-        ahead_plan = self.scheduler.schedule_ahead(inflight.plan) if self._schedules_ahead else None
+        ahead_plan = self.scheduler.schedule_ahead(inflight.plan)
         ahead = None
         if ahead_plan is not None:
             ahead = _InFlight(ahead_plan, device.submit(self._forward, ahead_plan, None))
