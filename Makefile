@@ -13,7 +13,7 @@ TORCH_SPEC ?= $(if $(HAS_CUDA),torch,torch==2.13.0)
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install chromium run demo test test-fast bench lint typecheck clean
+.PHONY: install chromium run demo test test-fast bench lint layers typecheck clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,10 @@ typecheck: install
 
 lint: install
 	$(BIN)/ruff check .
+
+# The import-linter layer contracts (pyproject.toml); the test suite runs them too.
+layers: install
+	$(BIN)/python ops/layers.py
 
 bench: install
 	$(BIN)/python ops/bench/throughput.py
