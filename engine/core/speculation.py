@@ -59,10 +59,10 @@ class Speculator(Protocol):
         """The verified outcome of a request's draft."""
         ...
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """One executed decode step, as it lands: its tokens and its forward's seconds (the cost model). The time
-        from one call to the next, where one :meth:`draft` came between, is a step's wall time: less the forward,
-        the engine's host time per step."""
+    def observe_step(self, num_tokens: int, seconds: float, path: str, drafted: bool) -> None:
+        """One executed decode step, as it lands: its tokens, its forward's seconds, how it ran (``ModelOutput.path``)
+        and whether it carried drafts (the cost model). The time from one call to the next, where one :meth:`draft`
+        came between, is a step's wall time: less the forward, the engine's host time per step."""
         ...
 
     def finished(self, request: Request) -> None:

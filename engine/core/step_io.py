@@ -79,6 +79,9 @@ class ModelOutput:
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request_id -> new tokens
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # request_id -> top logprobs per token
+    # How the step ran, each way at its own cost (the speculator's step cost model): "flat", the flattened batch;
+    # "static", a static shape (engine/model/static_decode.py: a replayed CUDA graph).
+    path: str = "flat"
 
 
 class StepRunner(Protocol):

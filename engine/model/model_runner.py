@@ -19,7 +19,7 @@ from tokenmill.engine.model.hf_attention import StepAttention
 from tokenmill.engine.model.input_batch import InputBatch
 from tokenmill.engine.model.kv_cache import KVCache
 from tokenmill.engine.model.model_loader import LoadedModel
-from tokenmill.engine.model.static_decode import StaticDecode
+from tokenmill.engine.model.static_decode import Shape, StaticDecode
 from tokenmill.engine.model.step_inputs import StepInputs, TableRows
 from tokenmill.engine.sample.context import SamplingContext
 from tokenmill.engine.sample.sampler import Sampler
@@ -58,9 +58,11 @@ class StepBroadcast(Protocol):
 
 @dataclass
 class StaticStep:
-    """A decode step that runs in a static-shape bucket (engine/model/static_decode.py), with its block tables."""
+    """A decode or verification step that runs at a static shape (engine/model/static_decode.py), with its block
+    tables."""
 
     static: StaticDecode
+    shape: Shape
     tables: TableRows | None  # the persistent batch's rows, in chunk order; None: flattened from the chunks
 
 
@@ -110,7 +112,7 @@ class ModelRunner:
         backend: the attention backend every layer uses.
         native_decoder: on the CPU, the decoder layers in one C++ call (bitwise the eager forward),
             run in place of :meth:`forward`; None: eager.
-        static_decode: decode steps at static shapes (CUDA graphs), run when a step fits a bucket;
+        static_decode: decode and verification steps at static shapes (CUDA graphs), run when a step fits one;
             None: every step runs through the forward.
         tensor_parallel: the follower ranks of a sharded model, sent every step before it runs here (then
             no static decode steps; the native decoder stack, if given, runs on every rank); None: the model is
@@ -160,7 +162,7 @@ class ModelRunner:
         if isinstance(planned, PreparedBatch):
             logits, sample_chunks = self._forward(planned), planned.sample_chunks
         else:
-            logits, sample_chunks = planned.static.run(chunks, planned.tables), chunks
+            logits, sample_chunks = planned.static.run(chunks, planned.shape, planned.tables), chunks
         if not sample_chunks:
             return ModelOutput()
         # NOTE: a chunk with draft tokens samples one row after each of its last 1 + k tokens, each
@@ -170,7 +172,7 @@ class ModelRunner:
                                     draft_prefix=chunk.draft_token_ids[:row])
                     for chunk in sample_chunks for row in range(chunk.num_sample_rows)]
         sampled = self.sampler(logits, contexts)
-        output = ModelOutput()
+        output = ModelOutput(path="flat" if isinstance(planned, PreparedBatch) else "static")
         first_row = 0
         for chunk in sample_chunks:
             rows = slice(first_row, first_row + chunk.num_sample_rows)
@@ -195,12 +197,14 @@ class ModelRunner:
         the step's block copies, so tensor-parallel followers get both in one message), or not at all."""
         if not chunks:
             return None
-        if self.static_decode is not None and self.static_decode.fits(chunks):
+        static = self.static_decode
+        shape = static.shape_for(chunks) if static is not None else None
+        if static is not None and shape is not None:
             tables = None
             if self.input_batch is not None:
                 rows = self.input_batch.rows(chunks)
                 tables = self.input_batch.gather(rows, self.input_batch.max_length(rows))
-            return StaticStep(self.static_decode, tables)
+            return StaticStep(static, shape, tables)
         return self.prepare(chunks)
 
     def _forward(self, batch: PreparedBatch) -> torch.Tensor:

@@ -45,7 +45,7 @@ from tokenmill.engine.model.model_loader import (
     tokenizer_fingerprint,
 )
 from tokenmill.engine.model.model_runner import ModelRunner
-from tokenmill.engine.model.static_decode import StaticDecode, cuda_graph_runner, decode_buckets
+from tokenmill.engine.model.static_decode import StaticDecode, cuda_graph_runner, decode_buckets, verify_query_lens
 from tokenmill.engine.model.tensor_parallel import Shard
 from tokenmill.engine.model.tp_leader import TensorParallelLeader
 from tokenmill.engine.output.no_tokenizer import NoTokenizer
@@ -227,7 +227,8 @@ def with_fast_paths(reference: ModelRunner, grammars: GrammarCompiler | None, co
         if reference.tensor_parallel is not None:  # NOTE: a captured step would need its all-reduces captured too
             logger.info("tensor parallelism: no CUDA graphs (each step runs eagerly, with NCCL's all-reduces)")
         else:
-            static = capture_decode_steps(reference, config.scheduler.max_num_seqs, max_request_tokens)
+            drafts = config.speculative.num_speculative_tokens if config.speculative.method != "off" else 0
+            static = capture_decode_steps(reference, config.scheduler.max_num_seqs, max_request_tokens, drafts)
     # NOTE: the linear layers' packing is chosen (and logged) as the model loads: engine/kernels/cpu_linear.py.
     logger.info("fast paths: forward=%s, decode steps=%s, attention=%s",
                 "native C++ decoder stack" if decoder is not None else "eager",
@@ -288,8 +289,10 @@ def _prebuild_cpu_extensions(config: EngineConfig) -> None:
     cpu_linear.prebuild_kernel_for(resolve_dtype(config.model.dtype, device), config.execution.linear_kernel)
 
 
-def capture_decode_steps(runner: ModelRunner, max_num_seqs: int, max_request_tokens: int) -> StaticDecode:
-    """Capture decode steps in CUDA graphs, one per batch bucket (where :func:`captures_decode_steps`).
+def capture_decode_steps(runner: ModelRunner, max_num_seqs: int, max_request_tokens: int,
+                         num_speculative_tokens: int) -> StaticDecode:
+    """Capture decode steps in CUDA graphs, one per batch bucket, and with speculation verification steps, one per
+    bucket and query length (where :func:`captures_decode_steps`): a step with drafts replays a graph too.
 
     NOTE: the CPU's counterpart is engine/model/native_decoder (every step, no buckets). Inductor was
     tried there first: a long compile per bucket bought modestly faster steps, and with dynamic
@@ -297,7 +300,8 @@ def capture_decode_steps(runner: ModelRunner, max_num_seqs: int, max_request_tok
     """
     block_size = runner.block_size
     static = StaticDecode(runner.forward, runner.kv_cache, runner.backend, decode_buckets(max_num_seqs),
-                          max_blocks_per_seq=(max_request_tokens + block_size - 1) // block_size)
+                          max_blocks_per_seq=(max_request_tokens + block_size - 1) // block_size,
+                          query_lens=[1, *verify_query_lens(num_speculative_tokens)])
     static.prepare_runners(cuda_graph_runner(torch.cuda.graph_pool_handle()), "capturing CUDA graphs")
     return static
 

@@ -23,7 +23,12 @@ matters where a request's share of a step is short next to its proposing -- a fa
 proposer -- and not where a step takes milliseconds. Until a step's host time is measured, proposing
 is taken as free. A request whose first draft token ``b`` alone rules out is not proposed for at all
 (:meth:`StepCost.draft_threshold`): a compute-bound batch drafts nothing, and spends nothing on it.
-Standard library only.
+
+A step runs one of two ways, each with its own line: a static shape (on CUDA a replayed graph, for decode
+steps and for verification steps of up to ``MAX_VERIFY_TOKENS`` tokens) or the flattened batch (eager). Draft
+tokens are priced on the line of the way drafted steps run; where that differs from the plain steps' way,
+a step drafts only if its tokens per second with the drafts, on the drafted line, beat those without, on the
+plain line (:func:`drafting_pays`). Standard library only.
 """
 
 from __future__ import annotations
@@ -58,34 +63,20 @@ class Acceptance:
         self.steps_since_draft = 0
 
 
-class StepCost:
-    """``t(T) = fixed_s + per_token_s * T``: a least-squares fit over the engine's recent decode steps
-    (exponentially decayed; the engine leaves steps with prefill chunks out), ``T`` the step's tokens.
-    Until the steps seen vary enough in size to fit a slope, drafting is taken as free
-    (``per_token_s = 0``); the drafts it then runs vary the steps' sizes, and the slope follows.
-
-    And the host side of a step, each the median of recent steps': ``proposal_s``, the proposers' seconds
-    per request they were asked to draft for (0 until ``MIN_PROPOSALS`` steps proposed), and ``host_s``,
-    the engine's seconds per step outside the forward (0 until measured). Medians, since the outliers are
-    one-off: the step that first indexes a batch of new prompts, a pause between two steps; either would
-    stand for many steps in a mean."""
+class CostLine:
+    """``t(T) = fixed_s + per_token_s * T``: a least-squares fit over one path's recent steps (exponentially
+    decayed), ``T`` the step's tokens. Until the steps seen vary enough in size to fit a slope, a token is taken
+    as free (``per_token_s = 0``)."""
 
     DECAY = 0.99
-    HOST_STEPS = 15  # recent steps the host medians are taken over
-    MIN_PROPOSALS = 3  # proposing steps measured before proposal_s counts
+    __slots__ = ("_n", "_t", "_x", "_xx", "_xt", "fixed_s", "per_token_s")
 
     def __init__(self) -> None:
         self._n = self._t = self._x = self._xx = self._xt = 0.0
         self.fixed_s = 0.0
         self.per_token_s = 0.0
-        self._proposals: deque[float] = deque(maxlen=self.HOST_STEPS)
-        self.proposal_s = 0.0
-        self._host: deque[float] = deque(maxlen=self.HOST_STEPS)
-        self.host_s = 0.0
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens <= 0 or seconds <= 0.0:
-            return
         d = self.DECAY
         self._n = self._n * d + 1.0
         self._t = self._t * d + seconds
@@ -98,6 +89,64 @@ class StepCost:
             slope = (self._xt / self._n - mean_x * mean_t) / variance
             self.per_token_s = max(0.0, slope)
         self.fixed_s = max(mean_t - self.per_token_s * mean_x, 1e-6)
+
+    def seconds(self, num_tokens: int) -> float:
+        return self.fixed_s + self.per_token_s * num_tokens
+
+
+class StepCost:
+    """The engine's decode steps' cost, a :class:`CostLine` per path (the engine leaves steps with prefill
+    chunks out): on CUDA a step that fits a captured shape replays a graph and one that does not runs eagerly,
+    at another fixed cost and slope, and one line over both would misprice either. ``fixed_s`` and
+    ``per_token_s`` are the line of the path the latest step with drafts took (what a draft token is charged
+    at; the latest plain step's path until one ran); :func:`drafting_pays` weighs a step that would leave its
+    plain path for it. Until the steps seen vary enough in size to fit a slope, drafting is taken as free
+    (``per_token_s = 0``); the drafts it then runs vary the steps' sizes, and the slope follows.
+
+    And the host side of a step, each the median of recent steps': ``proposal_s``, the proposers' seconds
+    per request they were asked to draft for (0 until ``MIN_PROPOSALS`` steps proposed), and ``host_s``,
+    the engine's seconds per step outside the forward (0 until measured). Medians, since the outliers are
+    one-off: the step that first indexes a batch of new prompts, a pause between two steps; either would
+    stand for many steps in a mean."""
+
+    HOST_STEPS = 15  # recent steps the host medians are taken over
+    MIN_PROPOSALS = 3  # proposing steps measured before proposal_s counts
+
+    def __init__(self) -> None:
+        self.lines: dict[str, CostLine] = {}  # by the way steps ran (engine.core.step_io.ModelOutput.path)
+        self.plain_path: str | None = None  # the latest step without drafts ran this way
+        self.drafted_path: str | None = None  # the latest step with drafts
+        self.fixed_s = 0.0
+        self.per_token_s = 0.0
+        self._proposals: deque[float] = deque(maxlen=self.HOST_STEPS)
+        self.proposal_s = 0.0
+        self._host: deque[float] = deque(maxlen=self.HOST_STEPS)
+        self.host_s = 0.0
+
+    def observe(self, num_tokens: int, seconds: float, path: str, drafted: bool) -> None:
+        """One decode step: its tokens, its forward's seconds, the way it ran and whether it carried drafts."""
+        if num_tokens <= 0 or seconds <= 0.0:
+            return
+        line = self.lines.get(path)
+        if line is None:
+            line = self.lines[path] = CostLine()
+        line.observe(num_tokens, seconds)
+        if drafted:
+            self.drafted_path = path
+        else:
+            self.plain_path = path
+        charged = self.lines[self.drafted_path or path]
+        self.fixed_s, self.per_token_s = charged.fixed_s, charged.per_token_s
+
+    @property
+    def switches_path(self) -> bool:
+        """Whether steps with drafts run another way than steps without (both measured)."""
+        return self.drafted_path is not None and self.plain_path is not None and self.drafted_path != self.plain_path
+
+    def plain_seconds(self, num_tokens: int) -> float:
+        """What a step of ``num_tokens`` tokens without drafts costs, on its own path's line."""
+        line = self.lines.get(self.plain_path) if self.plain_path is not None else None
+        return line.seconds(num_tokens) if line is not None else self.seconds(num_tokens)
 
     def observe_proposals(self, num_requests: int, seconds: float) -> None:
         """One step's proposing: ``seconds`` of host time for drafts for ``num_requests`` requests."""
@@ -155,6 +204,31 @@ def choose_draft_lengths(proposals: list[tuple[str, int, float]], num_tokens_lef
     if lengths is None:
         lengths = greedy_draft_lengths(proposals, num_tokens_left, num_scheduled_tokens, num_decodes, cost)
     return lengths
+
+
+def drafting_pays(lengths: dict[str, int], rates: dict[str, float], num_scheduled_tokens: int, num_decodes: int,
+                  cost: StepCost) -> bool:
+    """Whether a step with these drafts yields more tokens per second than the same step without any, each on its
+    own path's cost line: the goodput rule prices draft tokens on one line, but where drafted steps run another
+    way than plain ones (on CUDA: a verification too large for a captured shape leaves the graphs for the eager
+    forward), the first draft also moves the whole step onto the dearer line, which only this comparison sees.
+
+    Args:
+        lengths: draft tokens per request (:func:`choose_draft_lengths`).
+        rates: acceptance rate per request.
+        num_scheduled_tokens: tokens the step runs without drafts.
+        num_decodes: requests decoding in the step.
+        cost: the step cost model.
+    """
+    if not lengths or not cost.switches_path or num_decodes <= 0:
+        return True
+    expected = float(num_decodes)
+    for request_id, length in lengths.items():
+        rate = rates[request_id]
+        expected += (rate - rate ** (length + 1)) / (1.0 - rate) if rate < 1.0 else float(length)
+    with_drafts_s = cost.seconds(num_scheduled_tokens + sum(lengths.values())) + cost.host_s
+    without_s = cost.plain_seconds(num_scheduled_tokens) + cost.host_s
+    return expected * without_s > num_decodes * with_drafts_s
 
 
 def _every_token_if_all_pay(proposals: list[tuple[str, int, float]], num_tokens_left: int, num_scheduled_tokens: int,

@@ -35,6 +35,7 @@ from tokenmill.engine.spec.draft_length import (
     Acceptance,
     StepCost,
     choose_draft_lengths,
+    drafting_pays,
 )
 from tokenmill.engine.spec.ngram import LazyNgramIndex
 from tokenmill.engine.spec.suffix_pool import SuffixPool
@@ -188,6 +189,10 @@ class DraftSpeculator:
             [(request_id, len(draft), state.acceptance[name].rate)
              for request_id, (draft, name, state) in proposed.items()],
             room.num_tokens_left, room.num_scheduled_tokens, room.num_decodes, self.cost)
+        if lengths and self.cost.switches_path and not drafting_pays(
+                lengths, {request_id: state.acceptance[name].rate for request_id, (_, name, state) in proposed.items()},
+                room.num_scheduled_tokens, room.num_decodes, self.cost):
+            lengths = {}
         counts = self.counters.draft_length_counts
         if len(lengths) < len(candidates):
             counts[0] = counts.get(0, 0) + len(candidates) - len(lengths)
@@ -226,14 +231,14 @@ class DraftSpeculator:
         for position in range(num_accepted):
             counters.accepted_by_position[position] += 1
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
+    def observe_step(self, num_tokens: int, seconds: float, path: str, drafted: bool) -> None:
         now_s = time.perf_counter()
         if self._drafts_since_step == 1 and self._stepped_at_s is not None:
             # NOTE: from the previous step's forward to this one's: one whole step (one draft call between), so
             # its wall time less this forward is the engine's host time per step
             self.cost.observe_host(now_s - self._stepped_at_s - seconds)
         self._stepped_at_s, self._drafts_since_step = now_s, 0
-        self.cost.observe(num_tokens, seconds)
+        self.cost.observe(num_tokens, seconds, path, drafted)
         self.counters.step_fixed_s, self.counters.step_per_token_s = self.cost.fixed_s, self.cost.per_token_s
 
     def finished(self, request: Request) -> None:

@@ -118,7 +118,7 @@ def replay(mode: str, rows: list[tuple[str, list[int]]], lengths: dict[str, int]
         step_s = (args.step_s + args.row_s * len(plan.chunks) + args.draft_token_s * num_draft_tokens
                   + args.prefill_token_s * num_prefill_tokens)
         if speculator is not None:
-            speculator.observe_step(plan.num_batched_tokens, step_s)
+            speculator.observe_step(plan.num_batched_tokens, step_s, "flat", num_draft_tokens > 0)
         running_area += scheduler.num_running * step_s
         kv_area += (1 - blocks.num_free_gpu_blocks / blocks.num_gpu_blocks) * step_s
         clock.advance(step_s)

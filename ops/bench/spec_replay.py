@@ -93,7 +93,7 @@ def replay(rows: list[dict[str, Any]], batch: int, speculator: DraftSpeculator, 
             drafts = speculator.draft([(r, bound) for r, bound in candidates if bound > 0], room)
             num_rows = len(live) + sum(len(d) for d in drafts.values())
             seconds = args.step_s + args.row_s * num_rows
-            speculator.observe_step(num_rows, seconds)
+            speculator.observe_step(num_rows, seconds, "flat", bool(drafts))
             on_s += seconds
             on_steps += 1
             still = []

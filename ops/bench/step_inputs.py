@@ -96,7 +96,7 @@ def _run(path: ModelRunner, chunks: list[ScheduledChunk], static: bool) -> None:
     planned = path.plan_step(SchedulerOutput(chunks=chunks))
     if static:
         assert isinstance(planned, StaticStep)
-        planned.static._fill(chunks, planned.tables)
+        planned.static._fill(chunks, planned.shape, planned.tables)
 
 
 def measure(batch: int, context: int, steps: int, static: bool) -> dict[str, float]:

@@ -81,3 +81,22 @@ def random_prompts(vocab_size: int, num_prompts: int, seed: int, min_len: int = 
     return [
         [rng.randrange(4, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_prompts)
     ]
+
+
+def static_engine(path: Path, query_lens: list[int] | None = None, **settings: Any) -> Any:
+    """A CPU engine (float64, the C++ attention kernel) whose decode steps, and with ``query_lens`` beyond 1 its
+    verification steps, run through StaticDecode's buffers, eagerly, as CUDA replays them."""
+    from tests.engine_helpers import build_engine
+    from tokenmill.engine.model.model_runner import ModelRunner
+    from tokenmill.engine.model.static_decode import StaticDecode, decode_buckets
+
+    settings = {"kv_cache_memory": "8MiB", "block_size": 4, **settings}
+    engine = build_engine(str(path), device="cpu", dtype="float64", attention_backend="cpu", **settings)
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner)
+    static = StaticDecode(runner.forward, runner.kv_cache, runner.backend,
+                          decode_buckets(engine.scheduler.config.max_num_seqs), max_blocks_per_seq=64,
+                          query_lens=query_lens)
+    static.prepare_runners(lambda shape, forward: forward, "eager shapes")
+    engine.runner = ModelRunner(runner.loaded, runner.kv_cache, runner.sampler, runner.backend, static_decode=static)
+    return engine

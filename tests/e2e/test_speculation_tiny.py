@@ -16,13 +16,23 @@ from typing import Any
 import pytest
 import torch
 
-from tests.e2e.parity_helpers import DEVICES, attention_backend, hf_greedy, load_reference, random_prompts
+from tests.e2e.parity_helpers import (
+    DEVICES,
+    attention_backend,
+    hf_greedy,
+    load_reference,
+    random_prompts,
+    static_engine,
+)
 from tests.engine_helpers import build_engine
 from tests.tiny_models import VOCAB_SIZE
 from tokenmill.engine import Engine
 from tokenmill.engine.core.request import Request
+from tokenmill.engine.core.step_io import ScheduledChunk
+from tokenmill.engine.kernels.attention import cpu_kernel
 from tokenmill.engine.model.draft_proposer import DraftModelProposer
 from tokenmill.engine.model.model_runner import ModelRunner
+from tokenmill.engine.model.static_decode import verify_query_lens
 from tokenmill.engine.spec.speculator import DraftSpeculator
 from tokenmill.protocol.sampling import SamplingParams
 
@@ -149,7 +159,7 @@ def test_the_native_decoder_runs_drafts_as_the_eager_reference_does(wrong_every:
 def test_drafts_through_the_device_kernel_and_captured_steps_match_hf_generate(
         device: str, tiny_model_dirs: dict[str, Path]) -> None:
     """The device's attention kernel (CPU: C++; CUDA: Triton) runs the draft chunks, and on CUDA the
-    steps without drafts replay captured graphs between them: the tokens are still Hugging Face's."""
+    steps without drafts and those with replay captured graphs: the tokens are still Hugging Face's."""
     path = tiny_model_dirs["llama"]
     prompts, expected = _reference("llama", path)
     engine = build_engine(str(path), device=device, dtype="float64", method="auto", block_size=4,
@@ -162,7 +172,45 @@ def test_drafts_through_the_device_kernel_and_captured_steps_match_hf_generate(
     runner = engine.runner
     if device == "cuda":
         assert isinstance(runner, ModelRunner) and runner.static_decode is not None
-        assert sum(runner.static_decode.num_runs.values()) > 0  # captured steps ran between the draft steps
+        runs = runner.static_decode.num_runs
+        assert sum(n for (_, q), n in runs.items() if q == 1) > 0  # captured decode steps ran between the drafts
+        assert sum(n for (_, q), n in runs.items() if q > 1) > 0  # and steps with drafts replayed theirs
+
+
+@pytest.mark.skipif(not cpu_kernel.is_available(), reason="needs the CPU kernel")
+@pytest.mark.parametrize("wrong_every", [0, 3], ids=["right", "every-third-wrong"])
+def test_verification_steps_at_static_shapes_match_hf_generate(wrong_every: int, tiny_model_dirs: dict[str, Path],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps with drafts run in the shapes CUDA graphs replay (engine/model/static_decode.py), here eagerly on the
+    CPU: each request's newest token and drafts padded to the step's query length, shorter drafts' tails and the
+    bucket's spare sequences in the scratch block. Hugging Face's tokens, with drafts kept in full, in part and not
+    at all, and steps of mixed draft lengths among them."""
+    path = tiny_model_dirs["llama"]
+    prompts, expected = _reference("llama", path)
+    engine = static_engine(path, query_lens=[1, *verify_query_lens(4)], method="auto", num_speculative_tokens=4,
+                           max_num_seqs=6, max_prefill_chunk=16, max_num_batched_tokens=64)
+    speculator = _with_oracle(engine, {tuple(p): e for p, e in zip(prompts, expected)}, wrong_every)
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner) and runner.static_decode is not None
+    static = runner.static_decode
+    padded_steps = []
+    fill = static._fill
+
+    def recording_fill(chunks: list[ScheduledChunk], shape: tuple[int, int], rows: Any = None) -> int:
+        if shape[1] > 1 and any(c.num_tokens < shape[1] for c in chunks):
+            padded_steps.append((shape, [c.num_tokens for c in chunks]))
+        return fill(chunks, shape, rows)
+
+    monkeypatch.setattr(static, "_fill", recording_fill)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
+    assert [o.token_ids for o in outputs] == expected
+    verified = {shape: runs for shape, runs in static.num_runs.items() if shape[1] > 1}
+    assert verified, static.num_runs
+    assert padded_steps, "no step mixed draft lengths"
+    counters = speculator.counters
+    assert counters.num_accepted_tokens > 0
+    if wrong_every:
+        assert counters.num_accepted_tokens < counters.num_draft_tokens
 
 
 def test_n_samples_and_logprobs_with_drafts(tiny_model_dirs: dict[str, Path]) -> None:

@@ -5,28 +5,30 @@ at start-up and replayed, with Hugging Face's tokens."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.e2e.parity_helpers import hf_greedy, load_reference, random_prompts
+from tests.e2e.parity_helpers import hf_greedy, load_reference, random_prompts, static_engine
 from tests.engine_helpers import build_engine
 from tests.tiny_models import VOCAB_SIZE
-from tokenmill.engine import Engine
-from tokenmill.engine.core.step_io import ModelOutput, SchedulerOutput
+from tokenmill.engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput
 from tokenmill.engine.kernels.attention import cpu_kernel
+from tokenmill.engine.kernels.attention.reference import ReferenceBackend
+from tokenmill.engine.model.kv_cache import KVCache, KVCacheSpec
 from tokenmill.engine.model.model_runner import ModelRunner
-from tokenmill.engine.model.static_decode import CapturedStep, StaticDecode, decode_buckets
+from tokenmill.engine.model.static_decode import (
+    MAX_VERIFY_TOKENS,
+    CapturedStep,
+    StaticDecode,
+    decode_buckets,
+    verify_query_lens,
+)
 from tokenmill.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
 NEEDS_CPU_KERNEL = pytest.mark.skipif(not cpu_kernel.is_available(), reason="needs the CPU kernel")
-
-
-def eager(bucket: int, forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    return forward
 
 
 def test_buckets_cover_every_batch_size() -> None:
@@ -34,17 +36,26 @@ def test_buckets_cover_every_batch_size() -> None:
     assert decode_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
 
 
-def static_engine(path: Path, **settings: object) -> Engine:
-    """A CPU engine whose decode steps run through StaticDecode's buffers (eagerly, as CUDA replays them)."""
-    engine = build_engine(str(path), device="cpu", dtype="float64", kv_cache_memory="8MiB", block_size=4,
-                          attention_backend="cpu", **settings)
-    runner = engine.runner
-    assert isinstance(runner, ModelRunner)
-    static = StaticDecode(runner.forward, runner.kv_cache, runner.backend,
-                          decode_buckets(engine.scheduler.config.max_num_seqs), max_blocks_per_seq=64)
-    static.prepare_runners(eager, "eager buckets")
-    engine.runner = ModelRunner(runner.loaded, runner.kv_cache, runner.sampler, runner.backend, static_decode=static)
-    return engine
+def test_verification_lengths_cover_every_draft_length() -> None:
+    assert verify_query_lens(0) == [] and verify_query_lens(1) == [2]
+    assert verify_query_lens(10) == [2, 3, 5, 9, 11]
+
+
+def test_large_verification_shapes_are_left_eager() -> None:
+    """A verification step of more than MAX_VERIFY_TOKENS tokens keeps no graph (its logits alone would hold a
+    row per token in graph memory): such steps run through the flattened batch."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=1, block_size=4, dtype=torch.float32)
+    static = StaticDecode(lambda *args: torch.zeros(0), KVCache(spec, 4, 0, torch.device("cpu")), ReferenceBackend(),
+                          decode_buckets(256), max_blocks_per_seq=8, query_lens=[1, *verify_query_lens(10)])
+    assert {(bucket, 1) for bucket in decode_buckets(256)} <= set(static.shapes)
+    assert (32, 11) in static.shapes and (64, 11) not in static.shapes and (256, 2) in static.shapes
+    assert all(q == 1 or bucket * q <= MAX_VERIFY_TOKENS for bucket, q in static.shapes)
+
+    def verification(n: int) -> list[ScheduledChunk]:
+        return [ScheduledChunk(f"r{i}", [1] * 11, 4, [i, i + 1, i + 2, i + 3], True, SamplingParams(), 1,
+                               num_draft_tokens=10) for i in range(n)]
+
+    assert static.shape_for(verification(32)) == (32, 11) and static.shape_for(verification(33)) is None
 
 
 @NEEDS_CPU_KERNEL
@@ -60,7 +71,7 @@ def test_padded_decode_steps_match_hf_generate(tiny_model_dirs: dict[str, Path])
     outputs = engine.generate(prompts, SamplingParams(max_tokens=20), progress=False)
     assert [o.token_ids for o in outputs] == expected
     used = runner.static_decode.num_runs
-    assert used and set(used) <= {1, 2, 4, 6}, used
+    assert used and set(used) <= {(1, 1), (2, 1), (4, 1), (6, 1)}, used
     # padding rows ran: they write into the scratch block
     assert not torch.equal(scratch, runner.kv_cache.device_pool[:, :, runner.kv_cache.scratch_block_id])
     assert engine.stats().num_used_gpu_blocks == 0
@@ -108,9 +119,10 @@ def test_cuda_graphs_are_captured_and_replayed(family: str, tiny_model_dirs: dic
     runner = engine.runner
     assert isinstance(runner, ModelRunner) and runner.static_decode is not None
     runners = runner.static_decode.runners
-    assert sorted(runners) == decode_buckets(6) and all(isinstance(r, CapturedStep) for r in runners.values())
+    assert sorted(runners) == [(bucket, 1) for bucket in decode_buckets(6)]
+    assert all(isinstance(r, CapturedStep) for r in runners.values())
     outputs = engine.generate(prompts, SamplingParams(max_tokens=20), progress=False)
     assert [o.token_ids for o in outputs] == expected
-    replays = {bucket: r.num_replays for bucket, r in runners.items() if isinstance(r, CapturedStep)}
-    runs = {bucket: runner.static_decode.num_runs[bucket] for bucket in runners}
+    replays = {shape: r.num_replays for shape, r in runners.items() if isinstance(r, CapturedStep)}
+    runs = {shape: runner.static_decode.num_runs[shape] for shape in runners}
     assert sum(replays.values()) > 0 and replays == runs, (replays, runs)

@@ -58,8 +58,9 @@ def assert_same_step(plain: PreparedBatch | StaticStep | None, persistent: Prepa
     if isinstance(plain, StaticStep) or isinstance(persistent, StaticStep):
         assert isinstance(plain, StaticStep) and isinstance(persistent, StaticStep)
         assert plain.tables is None and persistent.tables is not None
-        plain.static._fill(chunks, plain.tables)
-        persistent.static._fill(chunks, persistent.tables)
+        assert plain.shape == persistent.shape
+        plain.static._fill(chunks, plain.shape, plain.tables)
+        persistent.static._fill(chunks, persistent.shape, persistent.tables)
         for name in ("_input_ids", "_positions", "_slot_mapping", "_block_tables", "_seq_lens"):
             assert torch.equal(getattr(plain.static, name), getattr(persistent.static, name)), name
         return

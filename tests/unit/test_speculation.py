@@ -22,6 +22,7 @@ from tokenmill.engine.spec.draft_length import (
     Acceptance,
     StepCost,
     choose_draft_lengths,
+    drafting_pays,
 )
 from tokenmill.engine.spec.ngram import LazyNgramIndex, NgramIndex
 from tokenmill.engine.spec.speculator import DraftSpeculator, build_speculator, draft_state
@@ -84,9 +85,67 @@ def test_the_suffix_pool_drafts_from_earlier_outputs_and_forgets_the_oldest() ->
 def test_the_step_cost_model_fits_a_line() -> None:
     cost = StepCost()
     for tokens in [1, 64, 8, 300, 2, 512, 33] * 5:
-        cost.observe(tokens, 0.020 + 0.0005 * tokens)
+        cost.observe(tokens, 0.020 + 0.0005 * tokens, "flat", drafted=tokens > 8)
     assert cost.fixed_s == pytest.approx(0.020, rel=1e-3)
     assert cost.per_token_s == pytest.approx(0.0005, rel=1e-3)
+
+
+def test_each_way_a_step_runs_has_its_own_cost_line() -> None:
+    """Captured steps (``static``) cost a tenth of eager ones (``flat``) here: each fits its own line, one line over
+    both would price neither. Draft tokens are charged on the line of the way drafted steps run."""
+    cost = StepCost()
+    for tokens in [1, 2, 4, 8, 16, 32] * 5:
+        cost.observe(tokens, 0.002 + 0.0001 * tokens, "static", drafted=False)
+    assert (cost.fixed_s, cost.plain_path, cost.drafted_path) == (pytest.approx(0.002, rel=1e-3), "static", None)
+    assert not cost.switches_path
+    for tokens in [8, 24, 40, 72, 136] * 5:
+        cost.observe(tokens, 0.020 + 0.0005 * tokens, "flat", drafted=True)
+    assert cost.switches_path and cost.drafted_path == "flat"
+    assert cost.fixed_s == pytest.approx(0.020, rel=1e-3) and cost.per_token_s == pytest.approx(0.0005, rel=1e-3)
+    assert cost.plain_seconds(8) == pytest.approx(0.002 + 0.0008, rel=1e-3)
+    assert cost.lines["static"].per_token_s == pytest.approx(0.0001, rel=1e-3)
+
+
+def test_drafts_that_move_a_step_off_its_cheaper_path_must_pay_for_the_move() -> None:
+    """Plain steps replay graphs at 2.8 ms for 8 requests; with drafts the step runs eagerly at 20 ms + 0.5 ms a
+    token: 3 drafts each at 50% acceptance almost double the tokens, not the 10x time. On one path, they pay."""
+    switching = StepCost()
+    for tokens in [1, 2, 4, 8, 16] * 5:
+        switching.observe(tokens, 0.002 + 0.0001 * tokens, "static", drafted=False)
+    for tokens in [8, 24, 40, 72] * 5:
+        switching.observe(tokens, 0.020 + 0.0005 * tokens, "flat", drafted=True)
+    lengths = {f"r{i}": 3 for i in range(8)}
+    rates = {f"r{i}": 0.5 for i in range(8)}
+    assert not drafting_pays(lengths, rates, num_scheduled_tokens=8, num_decodes=8, cost=switching)
+    one_way = StepCost()
+    for tokens in [1, 2, 4, 8, 16, 24, 40] * 5:
+        one_way.observe(tokens, 0.002 + 0.0001 * tokens, "static", drafted=tokens > 16)
+    assert drafting_pays(lengths, rates, num_scheduled_tokens=8, num_decodes=8, cost=one_way)
+    # on a cheap eager path the move pays: 15 expected tokens in 4.1 ms against 8 in 2.8 ms
+    cheap = StepCost()
+    for tokens in [1, 2, 4, 8, 16] * 5:
+        cheap.observe(tokens, 0.002 + 0.0001 * tokens, "static", drafted=False)
+    for tokens in [8, 24, 40, 72] * 5:
+        cheap.observe(tokens, 0.0025 + 0.00005 * tokens, "flat", drafted=True)
+    assert drafting_pays(lengths, rates, num_scheduled_tokens=8, num_decodes=8, cost=cheap)
+
+    class Oracle:
+        name = "oracle"
+
+        def propose(self, wanted: list[tuple[Request, list[int], int]]) -> dict[str, list[int]]:
+            return {request.request_id: [1, 2, 3] for request, _, _ in wanted}
+
+        def finished(self, request: Request) -> None:
+            pass
+
+    speculator = DraftSpeculator([Oracle()], num_speculative_tokens=3, min_acceptance=0.0)
+    speculator.cost = switching
+    requests = [(make_request(f"r{i}"), 3) for i in range(8)]
+    room = DraftRoom(num_tokens_left=4096, num_scheduled_tokens=8, num_decodes=8)
+    assert speculator.draft(requests, room) == {}
+    speculator.cost = cheap
+    drafts = speculator.draft(requests, room)
+    assert set(drafts) == {f"r{i}" for i in range(8)} and all(drafts.values())
 
 
 def test_acceptance_counts_recent_drafts() -> None:
@@ -338,15 +397,15 @@ def test_the_engines_host_time_per_step_is_measured_between_two_steps() -> None:
     speculator = build_speculator(SpeculativeConfig(method="ngram"))
     assert speculator is not None
     room = DraftRoom(num_tokens_left=4096, num_scheduled_tokens=1, num_decodes=1)
-    speculator.observe_step(1, 0.001)
+    speculator.observe_step(1, 0.001, "flat", drafted=False)
     time.sleep(0.02)
     speculator.draft([(make_request("r", prompt_token_ids=[1, 2, 1]), 4)], room)
-    speculator.observe_step(2, 0.005)
+    speculator.observe_step(2, 0.005, "flat", drafted=True)
     assert speculator.cost.host_s >= 0.015
-    speculator.observe_step(1, 0.001)  # no draft call between
+    speculator.observe_step(1, 0.001, "flat", drafted=False)  # no draft call between
     speculator.draft([], room)
     speculator.draft([], room)
-    speculator.observe_step(1, 0.001)  # two
+    speculator.observe_step(1, 0.001, "flat", drafted=False)  # two
     assert len(speculator.cost._host) == 1
 
 
