@@ -208,7 +208,10 @@ class StaticDecode:
             inputs.add("seq_lens", [p + 1 for p in positions])
             num_tokens = num
         else:
-            ids, positions, slots, real_rows = [], [], [], []
+            ids: list[int] = []
+            positions: list[int] = []
+            slots: list[int] = []
+            real_rows: list[int] = []
             scratch_slot = self._kv_cache.scratch_block_id * bs
             for j, (chunk, table) in enumerate(zip(chunks, tables)):
                 start, n = chunk.start_position, chunk.num_tokens
