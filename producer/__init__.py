@@ -11,10 +11,10 @@ from tokenmill.producer.aio import AsyncProducer
 from tokenmill.producer.client import Producer
 from tokenmill.producer.common import SubmitOptions
 from tokenmill.producer.config import ProducerConfig
-from tokenmill.producer.connection import aconnect, connect
-from tokenmill.producer.errors import JobFailed, RedisUnavailable, ResultTimeout, SubmitUncertain
+from tokenmill.producer.errors import JobFailed, ResultTimeout, SubmitUncertain
 from tokenmill.protocol.config import QueueConfig, RedisConfig
-from tokenmill.protocol.errors import ProducerError, SchemaError
+from tokenmill.protocol.connection import aconnect, connect
+from tokenmill.protocol.errors import ProducerError, RedisUnavailable, SchemaError
 from tokenmill.protocol.keys import Keys
 from tokenmill.protocol.schema import GenerationRequest, GenerationResult, Message
 

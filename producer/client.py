@@ -16,7 +16,7 @@ from typing_extensions import Unpack
 from tokenmill.producer import common, worker_check
 from tokenmill.producer.common import Deadline, SubmitOptions
 from tokenmill.producer.config import ProducerConfig
-from tokenmill.producer.connection import connect
+from tokenmill.protocol.connection import connect
 from tokenmill.protocol.heartbeat import STALE_AFTER_S
 from tokenmill.protocol.keys import DONE_TTL_S, Lane
 from tokenmill.protocol.schema import GenerationRequest, GenerationResult

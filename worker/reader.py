@@ -12,7 +12,7 @@ On a sharded queue (protocol/shards.py) it reads and reclaims the lanes of the s
 (worker/shard_claims.py; every shard by default), the shards in turn within a priority; it compares its
 pending list with what it holds on every shard's lanes (it may have read a shard it no longer claims).
 
-Imports redis, protocol (keys, shards, schema) and producer.connection; never the engine object (it only
+Imports redis, protocol (keys, shards, schema) and protocol.connection; never the engine object (it only
 sees queues and Load).
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import redis
 
-from tokenmill.producer.connection import REDIS_ERRORS, is_transient
+from tokenmill.protocol.connection import REDIS_ERRORS, is_transient
 from tokenmill.protocol.keys import CONSUMER_GROUP, Keys, Lane
 from tokenmill.protocol.outcomes import AbortReason, ErrorCode
 from tokenmill.protocol.schema import GenerationResult, peek_request_id

@@ -17,7 +17,7 @@ import redis
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.errors import EngineError
 from tokenmill.engine.kv.block_store import BlockStore
-from tokenmill.producer.connection import connect
+from tokenmill.protocol.connection import connect
 from tokenmill.worker.block_store import redis_block_store
 from tokenmill.worker.config import Settings
 from tokenmill.worker.errors import StartupError

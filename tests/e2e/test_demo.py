@@ -8,8 +8,8 @@ import io
 import pytest
 from rich.console import Console
 
+from tokenmill.cli.demo import run_demo
 from tokenmill.producer import common
-from tokenmill.worker.demo import run_demo
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
