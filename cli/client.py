@@ -24,9 +24,9 @@ from tokenmill.cli.common import (
 )
 from tokenmill.cli.tables import print_line, print_rows
 from tokenmill.producer import dead_letters
-from tokenmill.producer.common import build_request
 from tokenmill.producer.errors import ResultTimeout
 from tokenmill.producer.eta import format_duration
+from tokenmill.producer.submit_options import build_request
 from tokenmill.protocol.errors import SchemaError
 from tokenmill.protocol.heartbeat import STALE_AFTER_S
 from tokenmill.protocol.sampling import SamplingParams

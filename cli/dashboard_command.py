@@ -11,8 +11,7 @@ import typer
 
 from tokenmill.cli.common import CliState, QueueOption, app, fail, or_exit, with_queue
 from tokenmill.producer.config import ServeSettings
-from tokenmill.producer.errors import RedisUnavailable
-from tokenmill.protocol.errors import ProducerError
+from tokenmill.protocol.errors import ProducerError, RedisUnavailable
 
 REDIS_UNREACHABLE_EXIT = 2  # Redis cannot be reached at start (any other failure: 1)
 

@@ -25,7 +25,7 @@ import typer
 
 from tokenmill.cli.common import CliState, fail
 from tokenmill.cli.engine_flags import EngineFlags, load_worker_settings, merge
-from tokenmill.producer.connection import resolve_url
+from tokenmill.protocol.connection import resolve_url
 
 if TYPE_CHECKING:
     from tokenmill.producer.client import Producer

@@ -26,8 +26,7 @@ from tokenmill.cli.local_worker import (
 )
 from tokenmill.producer.client import Producer
 from tokenmill.producer.config import ServeSettings
-from tokenmill.producer.errors import RedisUnavailable
-from tokenmill.protocol.errors import ProducerError
+from tokenmill.protocol.errors import ProducerError, RedisUnavailable
 
 if TYPE_CHECKING:
     import uvicorn

@@ -1,5 +1,5 @@
 """``tokenmill worker`` and ``tokenmill demo``: thin commands over :mod:`worker.runtime` and
-:func:`worker.demo.run_demo`.
+:func:`cli.demo.run_demo`.
 
 The worker (and through it the engine) is imported inside the commands only, so ``--help``
 and the client commands never pay for it.
@@ -66,7 +66,7 @@ def demo(
     timeout: Annotated[float, typer.Option(help="seconds to wait for all results")] = 600.0,
 ) -> None:
     """Run a worker on a demo queue and send it a few chat prompts (embedded Redis if none is set)."""
-    from tokenmill.worker.demo import run_demo  # noqa: PLC0415 - keeps --help and the client commands light
+    from tokenmill.cli.demo import run_demo  # noqa: PLC0415 - keeps --help and the client commands light
 
     settings = client_settings(ctx)
     report = or_exit(lambda: run_demo(Console(highlight=False), redis_url=settings.redis.url, model=model,

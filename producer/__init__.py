@@ -1,4 +1,6 @@
-"""tokenmill's client library: wire schema, key layout, Producer / AsyncProducer, embedded Redis.
+"""tokenmill's client library: Producer / AsyncProducer, and the names a caller of them needs (the wire schema,
+the key layout, the settings, the errors, ``connect`` / ``aconnect``), lent from their homes in protocol/ where they
+live there (``RedisUnavailable`` is protocol.errors', the connection factory protocol.connection's).
 
 Never imports torch, transformers, the engine or the worker.
 """
@@ -9,12 +11,12 @@ if __name__ != "tokenmill.producer":  # the folder under its bare name would be 
 
 from tokenmill.producer.aio import AsyncProducer
 from tokenmill.producer.client import Producer
-from tokenmill.producer.common import SubmitOptions
 from tokenmill.producer.config import ProducerConfig
-from tokenmill.producer.connection import aconnect, connect
-from tokenmill.producer.errors import JobFailed, RedisUnavailable, ResultTimeout, SubmitUncertain
+from tokenmill.producer.errors import JobFailed, ResultTimeout, SubmitUncertain
+from tokenmill.producer.submit_options import SubmitOptions
 from tokenmill.protocol.config import QueueConfig, RedisConfig
-from tokenmill.protocol.errors import ProducerError, SchemaError
+from tokenmill.protocol.connection import aconnect, connect
+from tokenmill.protocol.errors import ProducerError, RedisUnavailable, SchemaError
 from tokenmill.protocol.keys import Keys
 from tokenmill.protocol.schema import GenerationRequest, GenerationResult, Message
 

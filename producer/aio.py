@@ -13,10 +13,11 @@ from typing import Any, cast
 import redis.asyncio
 from typing_extensions import Unpack
 
-from tokenmill.producer import common, worker_check
-from tokenmill.producer.common import Deadline, SubmitOptions
+from tokenmill.producer import queue_stats, result_waits, submit_commands, submit_options, token_stream, worker_check
 from tokenmill.producer.config import ProducerConfig
-from tokenmill.producer.connection import aconnect
+from tokenmill.producer.result_waits import Deadline, OneResultWait
+from tokenmill.producer.submit_options import SubmitOptions
+from tokenmill.protocol.connection import aconnect
 from tokenmill.protocol.heartbeat import STALE_AFTER_S
 from tokenmill.protocol.keys import DONE_TTL_S
 from tokenmill.protocol.schema import GenerationRequest, GenerationResult
@@ -57,7 +58,7 @@ class AsyncProducer:
         self._owns_client = client is None
         self._client = client
         self._connect_lock = asyncio.Lock()
-        self._rearm = client.register_script(common.REARM_SCRIPT) if client is not None else None
+        self._rearm = client.register_script(result_waits.REARM_SCRIPT) if client is not None else None
         self._worker_check = worker_check.WorkerCheck(config) if check_workers else None
 
     async def connect(self) -> redis.asyncio.Redis:
@@ -69,7 +70,7 @@ class AsyncProducer:
         async with self._connect_lock:
             if self._client is None:
                 self._client = await aconnect(self.config.redis)
-                self._rearm = self._client.register_script(common.REARM_SCRIPT)
+                self._rearm = self._client.register_script(result_waits.REARM_SCRIPT)
         return self._client
 
     async def close(self) -> None:
@@ -95,13 +96,13 @@ class AsyncProducer:
             SubmitUncertain: Redis failed or timed out during the XADD; resubmitting with the
                 same ``request_id`` is safe (one id, one result).
         """
-        request = common.build_placed(self.layout, options)
+        request = submit_options.build_placed(self.layout, options)
         await self._enqueue([request])
         return request.id
 
     async def submit_many(self, requests: Iterable[GenerationRequest | Mapping[str, Any]]) -> list[str]:
         """Enqueue many requests pipelined; see :meth:`producer.Producer.submit_many`."""
-        batch = [common.coerce_placed(self.layout, item) for item in requests]
+        batch = [submit_options.coerce_placed(self.layout, item) for item in requests]
         for start in range(0, len(batch), self.config.submit_chunk_size):
             await self._enqueue(batch[start:start + self.config.submit_chunk_size])
         return [request.id for request in batch]
@@ -111,9 +112,9 @@ class AsyncProducer:
         hash: :meth:`producer.Producer._enqueue`)."""
         client = await self.connect()
         check = self._worker_check if self._worker_check is not None and self._worker_check.is_due() else None
-        with common.uncertain_on_redis_error(requests):
+        with submit_commands.uncertain_on_redis_error(requests):
             pipe = client.pipeline(transaction=False)
-            common.queue_submit_commands(pipe, self.layout, requests)
+            submit_commands.queue_submit_commands(pipe, self.layout, requests)
             if check is None:
                 await pipe.execute()
                 return
@@ -142,7 +143,7 @@ class AsyncProducer:
     async def get(self, request_id: str) -> GenerationResult | None:
         """The result if it has landed, else None; never blocks."""
         raw = await self._get(self.layout.for_id(request_id).result(request_id))
-        return None if raw is None else common.finish(raw, raise_on_error=False)
+        return None if raw is None else result_waits.finish(raw, raise_on_error=False)
 
     async def result(self, request_id: str, timeout: float | None = None, *,
                      raise_on_error: bool = False) -> GenerationResult:
@@ -152,17 +153,14 @@ class AsyncProducer:
             ResultTimeout: nothing landed within ``timeout``.
             JobFailed: the result is not ok and ``raise_on_error`` is set.
         """
-        deadline = Deadline(timeout)
-        keys = self.layout.for_id(request_id)
-        result_key, done_key = keys.result(request_id), keys.done(request_id)
-        raw = await self._get(result_key)
+        wait = OneResultWait(self.layout, request_id, timeout)
+        raw = await self._get(wait.result_key)
         while raw is None:
-            if deadline.is_expired:
-                raise common.timeout_error([request_id], timeout)
-            popped = await self._blpop([done_key], deadline, common.WAIT_SLICE_S)
+            popped = await self._blpop([wait.done_key], wait.next_slice_s())
             # NOTE: after any wake-up (token or slice end) the result key is the truth.
-            raw = await (self._take(result_key, done_key, popped[1]) if popped else self._get(result_key))
-        return common.finish(raw, raise_on_error=raise_on_error)
+            raw = await (self._take(wait.result_key, wait.done_key, popped[1]) if popped else
+                         self._get(wait.result_key))
+        return result_waits.finish(raw, raise_on_error=raise_on_error)
 
     async def wait_all(self, request_ids: Sequence[str], timeout: float | None = None) -> list[GenerationResult]:
         """All results in input order; see :meth:`producer.Producer.wait_all`."""
@@ -178,8 +176,8 @@ class AsyncProducer:
             yield result
         turn = 0
         while pending:
-            batch = common.next_batch(self.layout, pending, turn, deadline, timeout)
-            popped = await self._blpop(list(batch.key_to_id), deadline, batch.slice_cap_s)
+            batch = result_waits.next_batch(self.layout, pending, turn, deadline, timeout)
+            popped = await self._blpop(list(batch.key_to_id), deadline.slice_s(batch.slice_cap_s))
             if popped is None:
                 turn += 1
                 for result in await self._collect(pending, [i for i in batch.recheck_ids if i in pending]):
@@ -188,8 +186,8 @@ class AsyncProducer:
             request_id = batch.key_to_id[popped[0].decode()]
             keys = self.layout.for_id(request_id)
             raw = await self._take(keys.result(request_id), keys.done(request_id), popped[1])
-            if raw is not None and common.take_pending(pending, request_id):
-                yield common.finish(raw, raise_on_error=False)
+            if raw is not None and result_waits.take_pending(pending, request_id):
+                yield result_waits.finish(raw, raise_on_error=False)
             for result in await self._collect(pending, [i for i in batch.key_to_id.values() if i in pending]):
                 yield result
 
@@ -202,7 +200,7 @@ class AsyncProducer:
         if request_ids:
             client = await self.connect()
             pipe = client.pipeline(transaction=False)
-            common.queue_cancel_commands(pipe, self.layout, request_ids, self.config.queue.result_ttl_s)
+            submit_commands.queue_cancel_commands(pipe, self.layout, request_ids, self.config.queue.result_ttl_s)
             await pipe.execute()
 
     async def stream(self, request_id: str, timeout: float | None = None) -> AsyncIterator[str]:
@@ -210,9 +208,9 @@ class AsyncProducer:
         client = await self.connect()
         deadline = Deadline(timeout)
         keys = self.layout.for_id(request_id)
-        reader, tokens_key = common.TokenStreamReader(), keys.tokens(request_id)
+        reader, tokens_key = token_stream.TokenStreamReader(), keys.tokens(request_id)
         while True:
-            block_ms = max(1, int(deadline.slice_s(common.STREAM_SLICE_S) * 1000))
+            block_ms = max(1, int(deadline.slice_s(token_stream.STREAM_SLICE_S) * 1000))
             reply = await client.xread({tokens_key: reader.last_id}, count=512, block=block_ms)
             texts = reader.feed(reply)
             for text in texts:
@@ -220,7 +218,7 @@ class AsyncProducer:
             if reader.is_done or (not texts and not reply and await client.exists(keys.result(request_id))):
                 return
             if not reply and deadline.is_expired:
-                raise common.timeout_error([request_id], timeout)
+                raise result_waits.timeout_error([request_id], timeout)
 
     async def stats(self, *, stale_after_s: float = STALE_AFTER_S) -> dict[str, Any]:
         """Queue, lane and worker stats; see :meth:`producer.Producer.stats`."""
@@ -229,11 +227,11 @@ class AsyncProducer:
         for keys in self.layout.shards:
             pipe.smembers(keys.models)
         registered: set[bytes] = set().union(*await pipe.execute())
-        lanes = common.all_lanes(self.layout, registered)
+        lanes = queue_stats.all_lanes(self.layout, registered)
         pipe = client.pipeline(transaction=False)
-        common.queue_stats_commands(pipe, self.layout, lanes)
+        queue_stats.queue_stats_commands(pipe, self.layout, lanes)
         replies = await pipe.execute(raise_on_error=False)
-        return common.shape_stats(self.layout, lanes, replies, stale_after_s=stale_after_s)
+        return queue_stats.shape_stats(self.layout, lanes, replies, stale_after_s=stale_after_s)
 
     async def _get(self, key: str) -> bytes | None:
         client = await self.connect()
@@ -247,16 +245,16 @@ class AsyncProducer:
         if not ids:
             return results
         pipe = client.pipeline(transaction=False)
-        shape = common.queue_result_reads(pipe, self.layout, ids)
+        shape = result_waits.queue_result_reads(pipe, self.layout, ids)
         for request_id, raw in zip(ids, shape(await pipe.execute())):
-            if raw is not None and common.take_pending(pending, request_id):
-                results.append(common.finish(raw, raise_on_error=False))
+            if raw is not None and result_waits.take_pending(pending, request_id):
+                results.append(result_waits.finish(raw, raise_on_error=False))
         return results
 
-    async def _blpop(self, keys: list[str], deadline: Deadline, slice_cap_s: float) -> tuple[bytes, bytes] | None:
-        """BLPOP for at most one wait slice (``slice_cap_s`` at most); (key, token) or None."""
+    async def _blpop(self, keys: list[str], timeout_s: float) -> tuple[bytes, bytes] | None:
+        """BLPOP for at most ``timeout_s`` (one wait slice); (key, token) or None."""
         client = await self.connect()
-        popped = await client.blpop(keys, timeout=deadline.slice_s(slice_cap_s))
+        popped = await client.blpop(keys, timeout=timeout_s)
         return cast("tuple[bytes, bytes] | None", popped)
 
     async def _take(self, result_key: str, done_key: str, token: bytes) -> bytes | None:

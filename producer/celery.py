@@ -20,7 +20,7 @@ from typing import Any, Literal, cast
 
 from celery import Celery
 
-from tokenmill.producer import common
+from tokenmill.producer import submit_options
 from tokenmill.producer.client import Producer
 from tokenmill.producer.config import ProducerConfig
 from tokenmill.producer.errors import JobFailed, ResultTimeout
@@ -106,7 +106,7 @@ def request_options(source: Any, options: dict[str, Any]) -> dict[str, Any]:
                           f"generate takes a str, a messages list or a dict, got {type(source).__name__}")
     if any(k in options for k in _PROMPT_KEYS):
         given = {k: v for k, v in given.items() if k not in _PROMPT_KEYS}
-    # NOTE: raw / system travel on to the producer, which resolves them (producer.common.as_request_prompt).
+    # NOTE: raw / system travel on to the producer, which resolves them (producer.submit_options.as_request_prompt).
     return {**given, **options}
 
 
@@ -131,7 +131,7 @@ class _Generator:
         the first id derived from it on its prompt prefix's shard: the same on every retry) and the first
         submit's unix time."""
         producer = self.producer
-        request = producer.layout.placed_from(common.build_request(producer.keys, {**options,
+        request = producer.layout.placed_from(submit_options.build_request(producer.keys, {**options,
                                                                                    "request_id": request_id}))
         return request.id, producer.submit_once([request])[0]
 

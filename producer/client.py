@@ -7,22 +7,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from types import TracebackType
 from typing import Any, cast
 
 import redis
 from typing_extensions import Unpack
 
-from tokenmill.producer import common, worker_check
-from tokenmill.producer.common import Deadline, SubmitOptions
+from tokenmill.producer import (
+    locate,
+    queue_stats,
+    result_waits,
+    submit_commands,
+    submit_options,
+    token_stream,
+    worker_check,
+)
+from tokenmill.producer.closing import Closing
 from tokenmill.producer.config import ProducerConfig
-from tokenmill.producer.connection import connect
+from tokenmill.producer.result_waits import Deadline, OneResultWait
+from tokenmill.producer.submit_options import SubmitOptions
+from tokenmill.protocol.connection import connect
 from tokenmill.protocol.heartbeat import STALE_AFTER_S
 from tokenmill.protocol.keys import DONE_TTL_S, Lane
 from tokenmill.protocol.schema import GenerationRequest, GenerationResult
 
 
-class Producer:
+class Producer(Closing):
     """Client of one tokenmill queue (sync; thread-safe like ``redis.Redis``).
 
     Settings load as every tokenmill process loads them (:meth:`ProducerConfig.load`): the arguments given
@@ -69,21 +78,14 @@ class Producer:
         self.keys = self.layout.home  # the queue's own keys: heartbeats, reply streams (all of them for one shard)
         self._owns_client = client is None
         self.client = client if client is not None else connect(config.redis)
-        self._rearm = self.client.register_script(common.REARM_SCRIPT)
-        self._submit_once = self.client.register_script(common.SUBMIT_ONCE_SCRIPT)
+        self._rearm = self.client.register_script(result_waits.REARM_SCRIPT)
+        self._submit_once = self.client.register_script(submit_commands.SUBMIT_ONCE_SCRIPT)
         self._worker_check = worker_check.WorkerCheck(config) if check_workers else None
 
     def close(self) -> None:
         """Close the connection pool, unless the client was injected."""
         if self._owns_client:
             self.client.close()
-
-    def __enter__(self) -> Producer:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
 
     def submit(self, **options: Unpack[SubmitOptions]) -> str:
         """Enqueue one request on the lane of its priority.
@@ -118,7 +120,7 @@ class Producer:
                 been applied. Submit again with the same ``request_id``: that is safe, because
                 the id is the idempotency key (one id, one result).
         """
-        request = common.build_placed(self.layout, options)
+        request = submit_options.build_placed(self.layout, options)
         self._enqueue([request])
         return request.id
 
@@ -137,7 +139,7 @@ class Producer:
             SchemaError: an item is invalid; all items are validated before any is sent.
             SubmitUncertain: Redis failed during a chunk; resubmitting the same requests is safe.
         """
-        batch = [common.coerce_placed(self.layout, item) for item in requests]
+        batch = [submit_options.coerce_placed(self.layout, item) for item in requests]
         for start in range(0, len(batch), self.config.submit_chunk_size):
             self._enqueue(batch[start:start + self.config.submit_chunk_size])
         return [request.id for request in batch]
@@ -154,11 +156,11 @@ class Producer:
             SchemaError: an item is invalid; nothing was sent.
             SubmitUncertain: Redis failed during a chunk; calling again with the same requests is safe.
         """
-        batch = [common.coerce_placed(self.layout, item) for item in requests]
+        batch = [submit_options.coerce_placed(self.layout, item) for item in requests]
         first_submits: list[float] = []
         for start in range(0, len(batch), self.config.submit_chunk_size):
             chunk = batch[start:start + self.config.submit_chunk_size]
-            with common.uncertain_on_redis_error(chunk):
+            with submit_commands.uncertain_on_redis_error(chunk):
                 first_submits += [float(value) for value in self._submit_once_chunk(chunk)]
             self._look_at_workers(chunk)
         return first_submits
@@ -169,7 +171,7 @@ class Producer:
         which the scripts' markers make safe."""
         for attempt in range(2):
             pipe = self.client.pipeline(transaction=False)
-            common.queue_submit_once_commands(pipe, self._submit_once, self.layout, chunk, time.time(),
+            submit_commands.queue_submit_once_commands(pipe, self._submit_once, self.layout, chunk, time.time(),
                                               self.config.queue.result_ttl_s)
             try:
                 replies: list[Any] = pipe.execute()
@@ -177,7 +179,7 @@ class Producer:
             except redis.exceptions.NoScriptError:
                 if attempt:
                     raise
-                self.client.script_load(common.SUBMIT_ONCE_SCRIPT)
+                self.client.script_load(submit_commands.SUBMIT_ONCE_SCRIPT)
         raise AssertionError("unreachable")
 
     def _enqueue(self, requests: Sequence[GenerationRequest]) -> None:
@@ -185,9 +187,9 @@ class Producer:
         due (the first submit, then at most every 30 s), the workers hash is read in the same round trip and a
         warning logged when no live worker reads the lanes ``requests`` went to (producer/worker_check.py)."""
         check = self._worker_check if self._worker_check is not None and self._worker_check.is_due() else None
-        with common.uncertain_on_redis_error(requests):
+        with submit_commands.uncertain_on_redis_error(requests):
             pipe = self.client.pipeline(transaction=False)
-            common.queue_submit_commands(pipe, self.layout, requests)
+            submit_commands.queue_submit_commands(pipe, self.layout, requests)
             if check is None:
                 pipe.execute()
                 return
@@ -230,15 +232,15 @@ class Producer:
     def get(self, request_id: str) -> GenerationResult | None:
         """The result if it has landed, else None; never blocks."""
         raw = cast("bytes | None", self.client.get(self.layout.for_id(request_id).result(request_id)))
-        return None if raw is None else common.finish(raw, raise_on_error=False)
+        return None if raw is None else result_waits.finish(raw, raise_on_error=False)
 
     def raw_results(self, request_ids: Sequence[str]) -> list[bytes | None]:
         """The stored (msgpack) result of each id, None where none has landed, in one pipelined round trip
-        (:func:`producer.common.queue_result_reads`)."""
+        (:func:`producer.result_waits.queue_result_reads`)."""
         if not request_ids:
             return []
         pipe = self.client.pipeline(transaction=False)
-        shape = common.queue_result_reads(pipe, self.layout, request_ids)
+        shape = result_waits.queue_result_reads(pipe, self.layout, request_ids)
         return cast("list[bytes | None]", shape(pipe.execute()))
 
     def result(self, request_id: str, timeout: float | None = None, *,
@@ -254,20 +256,16 @@ class Producer:
             ResultTimeout: nothing landed within ``timeout``.
             JobFailed: the result is not ok and ``raise_on_error`` is set.
         """
-        deadline = Deadline(timeout)
-        keys = self.layout.for_id(request_id)
-        result_key, done_key = keys.result(request_id), keys.done(request_id)
-        raw = cast("bytes | None", self.client.get(result_key))
+        wait = OneResultWait(self.layout, request_id, timeout)
+        raw = cast("bytes | None", self.client.get(wait.result_key))
         while raw is None:
-            if deadline.is_expired:
-                raise common.timeout_error([request_id], timeout)
-            popped = self._blpop([done_key], deadline, common.WAIT_SLICE_S)
+            popped = self._blpop([wait.done_key], wait.next_slice_s())
             # NOTE: after any wake-up (token or slice end) the result key is the truth.
             if popped:
-                raw = self._take(result_key, done_key, popped[1])
+                raw = self._take(wait.result_key, wait.done_key, popped[1])
             else:
-                raw = cast("bytes | None", self.client.get(result_key))
-        return common.finish(raw, raise_on_error=raise_on_error)
+                raw = cast("bytes | None", self.client.get(wait.result_key))
+        return result_waits.finish(raw, raise_on_error=raise_on_error)
 
     def wait_all(self, request_ids: Sequence[str], timeout: float | None = None) -> list[GenerationResult]:
         """All results, in input order (see :meth:`as_completed`).
@@ -282,7 +280,7 @@ class Producer:
         """Yield results as they land, each id once.
 
         One BLPOP watches up to 256 done lists at a time (rotating over larger sets; on a cluster, those of
-        one shard, the shards in turn: :func:`producer.common.next_batch`). Each wake-up also collects, with
+        one shard, the shards in turn: :func:`producer.result_waits.next_batch`). Each wake-up also collects, with
         one MGET, every other result of that batch that has landed meanwhile (so a busy queue costs about one
         round trip per batch, not per result), and pending ids are re-checked whenever a wait slice ends.
 
@@ -294,8 +292,8 @@ class Producer:
         yield from self._collect(pending)
         turn = 0
         while pending:
-            batch = common.next_batch(self.layout, pending, turn, deadline, timeout)
-            popped = self._blpop(list(batch.key_to_id), deadline, batch.slice_cap_s)
+            batch = result_waits.next_batch(self.layout, pending, turn, deadline, timeout)
+            popped = self._blpop(list(batch.key_to_id), deadline.slice_s(batch.slice_cap_s))
             if popped is None:
                 turn += 1
                 yield from self._collect(pending, [i for i in batch.recheck_ids if i in pending])
@@ -303,8 +301,8 @@ class Producer:
             request_id = batch.key_to_id[popped[0].decode()]
             keys = self.layout.for_id(request_id)
             raw = self._take(keys.result(request_id), keys.done(request_id), popped[1])
-            if raw is not None and common.take_pending(pending, request_id):
-                yield common.finish(raw, raise_on_error=False)
+            if raw is not None and result_waits.take_pending(pending, request_id):
+                yield result_waits.finish(raw, raise_on_error=False)
             yield from self._collect(pending, [i for i in batch.key_to_id.values() if i in pending])
 
     def cancel(self, request_id: str) -> None:
@@ -319,10 +317,10 @@ class Producer:
         """Cancel every id of ``request_ids`` in one round trip (see :meth:`cancel`)."""
         if request_ids:
             pipe = self.client.pipeline(transaction=False)
-            common.queue_cancel_commands(pipe, self.layout, request_ids, self.config.queue.result_ttl_s)
+            submit_commands.queue_cancel_commands(pipe, self.layout, request_ids, self.config.queue.result_ttl_s)
             pipe.execute()
 
-    def locate(self, request_ids: Sequence[str]) -> dict[str, common.RequestState]:
+    def locate(self, request_ids: Sequence[str]) -> dict[str, locate.RequestState]:
         """Where each request is: ``"queued"`` (in a lane: waiting or running), ``"finished"`` (its
         result has landed) or ``"unknown"`` (never submitted to this queue, or its result expired).
 
@@ -331,14 +329,14 @@ class Producer:
         Lanes are read before results: a request that finishes meanwhile is still found.
         """
         wanted = set(request_ids)
-        found: dict[str, common.RequestState] = {}
+        found: dict[str, locate.RequestState] = {}
         for lane in self._lanes():
             start = "-"
             while len(found) < len(wanted):
                 entries = cast("list[tuple[bytes, dict[bytes, bytes]]]",
-                               self.client.xrange(lane.stream, min=start, count=common.LOCATE_PAGE))
-                found |= dict.fromkeys(common.ids_in_entries(entries, wanted), "queued")
-                if len(entries) < common.LOCATE_PAGE:
+                               self.client.xrange(lane.stream, min=start, count=locate.LOCATE_PAGE))
+                found |= dict.fromkeys(locate.ids_in_entries(entries, wanted), "queued")
+                if len(entries) < locate.LOCATE_PAGE:
                     break
                 start = "(" + entries[-1][0].decode()
         rest = [request_id for request_id in request_ids if request_id not in found]
@@ -361,9 +359,9 @@ class Producer:
         """
         deadline = Deadline(timeout)
         keys = self.layout.for_id(request_id)
-        reader, tokens_key = common.TokenStreamReader(), keys.tokens(request_id)
+        reader, tokens_key = token_stream.TokenStreamReader(), keys.tokens(request_id)
         while True:
-            block_ms = max(1, int(deadline.slice_s(common.STREAM_SLICE_S) * 1000))
+            block_ms = max(1, int(deadline.slice_s(token_stream.STREAM_SLICE_S) * 1000))
             reply = self.client.xread({tokens_key: reader.last_id}, count=512, block=block_ms)
             texts = reader.feed(reply)
             for text in texts:
@@ -371,7 +369,7 @@ class Producer:
             if reader.is_done or (not texts and not reply and self.client.exists(keys.result(request_id))):
                 return
             if not reply and deadline.is_expired:
-                raise common.timeout_error([request_id], timeout)
+                raise result_waits.timeout_error([request_id], timeout)
 
     def stats(self, *, stale_after_s: float = STALE_AFTER_S) -> dict[str, Any]:
         """Queue depth, pending, lag (Redis >= 7, else None) per lane (the shared lanes and those of every
@@ -395,9 +393,9 @@ class Producer:
         """
         lanes = self._lanes()
         pipe = self.client.pipeline(transaction=False)
-        common.queue_stats_commands(pipe, self.layout, lanes)
+        queue_stats.queue_stats_commands(pipe, self.layout, lanes)
         replies = pipe.execute(raise_on_error=False)
-        return common.shape_stats(self.layout, lanes, replies, stale_after_s=stale_after_s)
+        return queue_stats.shape_stats(self.layout, lanes, replies, stale_after_s=stale_after_s)
 
     def _lanes(self) -> list[Lane]:
         """Every lane of the queue, of every shard: the shared ones and those of every registered model."""
@@ -405,18 +403,18 @@ class Producer:
         for keys in self.layout.shards:
             pipe.smembers(keys.models)
         registered: set[bytes] = set().union(*cast("list[set[bytes]]", pipe.execute()))
-        return common.all_lanes(self.layout, registered)
+        return queue_stats.all_lanes(self.layout, registered)
 
     def _collect(self, pending: dict[str, None], ids: list[str] | None = None) -> Iterator[GenerationResult]:
         """Yield (and drop from ``pending``) every result of ``ids`` (default: all pending) that has landed."""
         ids = list(pending) if ids is None else ids
         for request_id, raw in zip(ids, self.raw_results(ids)):
-            if raw is not None and common.take_pending(pending, request_id):
-                yield common.finish(raw, raise_on_error=False)
+            if raw is not None and result_waits.take_pending(pending, request_id):
+                yield result_waits.finish(raw, raise_on_error=False)
 
-    def _blpop(self, keys: list[str], deadline: Deadline, slice_cap_s: float) -> tuple[bytes, bytes] | None:
-        """BLPOP for at most one wait slice (``slice_cap_s`` at most); (key, token) or None."""
-        popped = self.client.blpop(keys, timeout=deadline.slice_s(slice_cap_s))
+    def _blpop(self, keys: list[str], timeout_s: float) -> tuple[bytes, bytes] | None:
+        """BLPOP for at most ``timeout_s`` (one wait slice); (key, token) or None."""
+        popped = self.client.blpop(keys, timeout=timeout_s)
         return cast("tuple[bytes, bytes] | None", popped)
 
     def _take(self, result_key: str, done_key: str, token: bytes) -> bytes | None:

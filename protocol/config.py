@@ -35,7 +35,7 @@ from tokenmill.protocol.keys import DEFAULT_NUM_LANES, DEFAULT_PREFIX, DEFAULT_Q
 from tokenmill.protocol.shards import MAX_SHARDS, QueueLayout
 
 URL_SCHEMES = ("redis", "rediss", "unix")
-# A Redis Cluster: the node URL as redis:// / rediss://, with "+cluster" saying what it is (producer/connection.py).
+# A Redis Cluster: the node URL as redis:// / rediss://, with "+cluster" saying what it is (protocol/connection.py).
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 # NOTE: the producer never blocks in one command for longer than this, so a socket timeout
 # above it can never cut a healthy BLPOP / XREAD short.
@@ -96,7 +96,7 @@ class QueueConfig(_Frozen):
 
 class RedisConfig(_Frozen):
     """Where Redis is and how to reach it: ``url`` if set, else the ``REDIS_URL`` environment
-    variable, else the embedded Redis under ``embedded_dir`` (see :mod:`producer.embedded`)."""
+    variable, else the embedded Redis under ``embedded_dir`` (see :mod:`protocol.embedded_redis`)."""
 
     url: str | None = Field(None, description="redis://, rediss:// (TLS) or unix:// URL; user:password@ for ACLs; "
                             "redis+cluster:// / rediss+cluster:// for a node of a Redis Cluster")

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from tokenmill.producer.aio import AsyncProducer
 from tokenmill.producer.client import Producer
 from tokenmill.producer.config import ServeSettings
-from tokenmill.producer.connection import connect
+from tokenmill.protocol.connection import connect
 from tokenmill.serve import batches, completions, dashboard, files, models, ops
 from tokenmill.serve.batch_runner import BatchRunner
 from tokenmill.serve.batch_store import BatchStore

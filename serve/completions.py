@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tokenmill.producer.common import build_request
 from tokenmill.producer.errors import ResultTimeout
 from tokenmill.producer.openai_compat import (
     BodyError,
@@ -30,6 +29,7 @@ from tokenmill.producer.openai_compat import (
 )
 from tokenmill.producer.openai_compat.objects import chunk_object, tool_call_deltas, usage_chunk
 from tokenmill.producer.openai_compat.tool_calls import ParsedAnswer, ToolCallStream
+from tokenmill.producer.submit_options import build_request
 from tokenmill.protocol.schema import GenerationResult
 from tokenmill.serve.body import json_object
 from tokenmill.serve.context import CallContext, call_context, state_of

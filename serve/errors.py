@@ -18,10 +18,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.producer.connection import CLUSTER_TRANSIENT_ERRORS
-from tokenmill.producer.errors import RedisUnavailable, SubmitUncertain
+from tokenmill.producer.errors import SubmitUncertain
 from tokenmill.producer.openai_compat import BodyError, error_object
-from tokenmill.protocol.errors import ProducerError, SchemaError
+from tokenmill.protocol.connection import CLUSTER_TRANSIENT_ERRORS
+from tokenmill.protocol.errors import ProducerError, RedisUnavailable, SchemaError
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # What a route meets when Redis is gone, stalls or fails over: each is a 503 (redis_unavailable), never a 500.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from tokenmill.producer.embedded import server_binary
+from tokenmill.protocol.embedded_redis import server_binary
 
 NUM_SLOTS = 16384
 HOST = "127.0.0.1"

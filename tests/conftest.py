@@ -23,7 +23,7 @@ import redis
 
 from tests.processes import child_pids, free_port, multiprocessing_children, scaled_s, stop_children_started_since
 from tests.triton_interpreter import enable_interpreter_without_cuda
-from tokenmill.producer.embedded import server_binary
+from tokenmill.protocol.embedded_redis import server_binary
 
 # NOTE: before any test module imports triton (transformers does, through torch._dynamo): see there.
 enable_interpreter_without_cuda()

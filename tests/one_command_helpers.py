@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tests.processes import scaled_s
-from tokenmill.producer import embedded
+from tokenmill.protocol import embedded_redis
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def embedded_redis_dir() -> Iterator[Path]:
     try:
         yield root / "redis"
     finally:
-        embedded.stop(root / "redis")
+        embedded_redis.stop(root / "redis")
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -3,10 +3,10 @@
 A crash no engine can contain (the OOM killer, a segfault, ``os._exit``) leaves every entry its worker held
 pending, and nothing in Redis says which one caused it, except where the worker held one entry only. So a
 worker says so itself, before it runs it: whenever the reader leaves the worker holding exactly one entry
-(a read of one request into an idle worker, or a suspect delivered to run alone: worker/reader.py), it marks
-that entry in ``<lane stream>:alone`` (a hash, consumer -> entry id, on the stream's cluster slot), and it
-clears the mark before it takes a second entry along. A death while the mark names an entry still pending
-for that consumer is that entry's doing, for certain.
+(a read of one request into an idle worker: worker/dispatch.py, or a suspect delivered to run alone:
+worker/suspects.py), it marks that entry in ``<lane stream>:alone`` (a hash, consumer -> entry id, on the
+stream's cluster slot), and it clears the mark before it takes a second entry along. A death while the mark
+names an entry still pending for that consumer is that entry's doing, for certain.
 
 Such an entry is dead-lettered by whoever reclaims it (or by the same name's next process, from its backlog),
 without running again: a poison that arrives alone kills one worker; one batched with others kills a second

@@ -4,7 +4,7 @@ in the lanes this worker reads only: it never takes a request for a model it doe
 Imports redis, protocol.keys and worker.heartbeat; never the engine. Entries of a consumer with
 a fresh heartbeat are never taken, however long its generation runs. Claims move ownership only
 (``JUSTID``: the delivery count stays): an entry counts as delivered again when it runs
-(:class:`worker.pending.OwnDelivery`), so entries that wait here behind a suspect are not counted
+(:class:`worker.pending.OwnPending`), so entries that wait here behind a suspect are not counted
 again if the suspect kills this worker too.
 """
 

@@ -17,17 +17,18 @@ import redis
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.errors import EngineError
 from tokenmill.engine.kv.block_store import BlockStore
-from tokenmill.producer.connection import connect
+from tokenmill.protocol.connection import connect
 from tokenmill.worker.block_store import redis_block_store
 from tokenmill.worker.config import Settings
 from tokenmill.worker.errors import StartupError
 from tokenmill.worker.health import RedisHealth
 from tokenmill.worker.heartbeat import STOPPED
+from tokenmill.worker.lane_reads import lanes_for_role
 from tokenmill.worker.logs import setup_logging
 from tokenmill.worker.loop import EngineLoop
 from tokenmill.worker.messages import Incoming, Outbound
 from tokenmill.worker.metrics import WorkerMetrics
-from tokenmill.worker.reader import Reader, lanes_for_role
+from tokenmill.worker.reader import Reader
 from tokenmill.worker.state import Load
 from tokenmill.worker.writer import Writer
 

@@ -1,6 +1,6 @@
 """The writer thread: persists results (atomic finish), token deltas (each with its byte offset)
 and heartbeats; trims old cancel marks and heartbeats; tells the reader which entries are answered.
-Imports redis, protocol (config, shards, rates, version) and producer.connection; never the engine object:
+Imports redis, protocol (config, shards, rates, version) and protocol.connection; never the engine object:
 it only drains the outbox.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Collection
 
 import redis
 
-from tokenmill.producer.connection import REDIS_ERRORS
 from tokenmill.protocol.config import QueueConfig
+from tokenmill.protocol.connection import REDIS_ERRORS
 from tokenmill.protocol.rates import RateCounter
 from tokenmill.protocol.shards import QueueLayout
 from tokenmill.protocol.version import package_version

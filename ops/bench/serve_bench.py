@@ -68,7 +68,7 @@ def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     """A private redis-server on a unix socket; returns it and its URL."""
     import redis
 
-    from tokenmill.producer.embedded import server_binary
+    from tokenmill.protocol.embedded_redis import server_binary
 
     socket_path = tmp / "redis.sock"
     proc = subprocess.Popen([str(server_binary()), "--port", "0", "--unixsocket", str(socket_path), "--save", "",

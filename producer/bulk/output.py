@@ -12,11 +12,11 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any, Literal
 
 from tokenmill.producer.bulk.errors import BulkError
 from tokenmill.producer.bulk.items import BulkItem, InvalidItem
+from tokenmill.producer.closing import Closing
 from tokenmill.producer.openai_compat.objects import completion_object, result_error
 from tokenmill.protocol.schema import GenerationResult
 from tokenmill.protocol.values import is_utf8
@@ -161,7 +161,7 @@ def json_text(value: Any) -> str:
     return text if is_utf8(text) else json.dumps(value)
 
 
-class LineWriter:
+class LineWriter(Closing):
     """Appends whole JSON lines: flushed per line, fsynced every ``FSYNC_INTERVAL_S`` and on close."""
 
     def __init__(self, path: Path) -> None:
@@ -188,10 +188,3 @@ class LineWriter:
         if not self._handle.closed:
             self.sync()
             self._handle.close()
-
-    def __enter__(self) -> LineWriter:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()

@@ -21,7 +21,7 @@ from typing import Any, cast
 
 import redis
 
-from tokenmill.producer import common
+from tokenmill.producer import submit_options
 from tokenmill.producer.bulk.errors import BulkError
 from tokenmill.producer.bulk.items import BulkItem, InvalidItem, Parsed, count_records, detect_format, read_items
 from tokenmill.producer.bulk.options import BulkOptions, job_id_of, request_id_of
@@ -297,7 +297,7 @@ class BulkJob:
             options["system"] = self.options.system
         # NOTE: on a sharded queue the id moves to the shard of the row's prompt prefix (rows of one template
         # meet the same prefix caches), deterministically: a resumed run builds the same ids (_recover)
-        return self.producer.layout.placed_from(common.build_request(self.producer.keys, options))
+        return self.producer.layout.placed_from(submit_options.build_request(self.producer.keys, options))
 
     def _request_id(self, item: BulkItem, attempt: int) -> str:
         """The id attempt ``attempt`` of ``item`` is (was) queued under (built only where the prompt moves it)."""

@@ -2,8 +2,8 @@
 ``XINFO``, ``XPENDING`` summaries, the workers hash with the server's time, the per-minute rate hashes, and
 ranges of a fixed size (the front of a lane, the newest dead letters); never a scan of a whole stream.
 
-The layouts are the producer's: lanes from ``producer.common.all_lanes`` (every shard, every model), lane stats and
-the queue's ETA from ``producer.common.shape_stats``, heartbeats judged by the server's clock
+The layouts are the producer's: lanes from ``producer.queue_stats.all_lanes`` (every shard, every model), lane stats and
+the queue's ETA from ``producer.queue_stats.shape_stats``, heartbeats judged by the server's clock
 (``protocol.heartbeat``), dead letters parsed by ``producer.dead_letters``.
 
 Imports redis and producer; never torch, the engine or the worker.
@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from tokenmill.producer import common, dead_letters
+from tokenmill.producer import dead_letters, locate, queue_stats, token_stream
 from tokenmill.protocol.heartbeat import READ_WORKERS_LUA, split_workers_reply
 from tokenmill.protocol.keys import CONSUMER_GROUP, Lane
 from tokenmill.protocol.rates import OUT, TOKENS
@@ -53,7 +53,7 @@ async def _lanes(state: DashboardState) -> list[Lane]:
     for keys in state.layout.shards:
         pipe.smembers(keys.models)
     registered: set[bytes] = set().union(*await pipe.execute())
-    return common.all_lanes(state.layout, registered)
+    return queue_stats.all_lanes(state.layout, registered)
 
 
 def _lane_info(reply: Any, now_s: float) -> tuple[float | None, int | None]:
@@ -112,12 +112,12 @@ async def overview(state: DashboardState) -> dict[str, Any]:
     lanes = await _lanes(state)
     layout = state.layout
     pipe = state.client.pipeline(transaction=False)
-    common.queue_stats_commands(pipe, layout, lanes)
+    queue_stats.queue_stats_commands(pipe, layout, lanes)
     num_stats = 3 * len(lanes) + 2 * len(layout.shards) + 1
     for lane in lanes:
         pipe.xinfo_stream(lane.stream)
     replies = await pipe.execute(raise_on_error=False)
-    stats = common.shape_stats(layout, lanes, replies[:num_stats], stale_after_s=state.stale_after_s)
+    stats = queue_stats.shape_stats(layout, lanes, replies[:num_stats], stale_after_s=state.stale_after_s)
     _, now_s = split_workers_reply(replies[num_stats - 1])
     infos = {lane.stream: _lane_info(reply, now_s) for lane, reply in zip(lanes, replies[num_stats:])}
     now_ms = int(now_s * 1000)
@@ -176,7 +176,7 @@ async def _workers_and_time(state: DashboardState) -> tuple[list[dict[str, Any]]
     pipe.execute_command("EVAL", READ_WORKERS_LUA, 1, state.layout.home.workers)
     (reply,) = await pipe.execute()
     # NOTE: shape_stats judges the beats (the server's clock); lanes are not needed for them
-    stats = common.shape_stats(state.layout, [], [0, 0] * len(state.layout.shards) + [reply],
+    stats = queue_stats.shape_stats(state.layout, [], [0, 0] * len(state.layout.shards) + [reply],
                                stale_after_s=state.stale_after_s)
     _, now_s = split_workers_reply(reply)
     return _worker_rows(stats), now_s
@@ -338,7 +338,7 @@ async def request_info(state: DashboardState, request_id: str, *, deep: bool = F
                             "worker": None, "deliveries": None, "position": None, "entry": {}, "dead": None,
                             "is_deep": deep}
     if isinstance(tokens, list) and tokens:
-        reader = common.TokenStreamReader()
+        reader = token_stream.TokenStreamReader()
         info["stream_text"] = "".join(reader.feed([[keys.tokens(request_id), tokens]]))
         info["stream_done"] = reader.is_done
     if isinstance(raw_result, bytes):
@@ -376,7 +376,7 @@ async def _find_in_lanes(state: DashboardState, request_id: str, info: dict[str,
             if not isinstance(entries, list):
                 continue
             for index, (entry_id, fields) in enumerate(entries):
-                if common.ids_in_entries([(entry_id, fields)], {request_id}):
+                if locate.ids_in_entries([(entry_id, fields)], {request_id}):
                     await _describe_entry(state, stream, entry_id, fields, seen[stream] + index, info)
                     return
             seen[stream] += len(entries)

@@ -17,7 +17,7 @@ from urllib.parse import quote
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
-from tokenmill.producer.connection import REDIS_ERRORS
+from tokenmill.protocol.connection import REDIS_ERRORS
 from tokenmill.serve.dashboard import actions, reads
 from tokenmill.serve.dashboard.auth import (
     COOKIE_PATH,

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.producer.config import ServeSettings
-from tokenmill.producer.connection import connect
+from tokenmill.protocol.connection import connect
 from tokenmill.serve.dashboard import mount
 from tokenmill.serve.dashboard.state import dashboard_of
 from tokenmill.serve.guard import Guard

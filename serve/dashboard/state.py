@@ -19,7 +19,7 @@ from fastapi import Request
 
 from tokenmill.producer.aio import AsyncProducer
 from tokenmill.producer.config import ServeSettings
-from tokenmill.producer.connection import REDIS_ERRORS, aconnect, connect
+from tokenmill.protocol.connection import REDIS_ERRORS, aconnect, connect
 from tokenmill.protocol.shards import QueueLayout
 
 log = logging.getLogger("tokenmill.serve.dashboard")

@@ -8,15 +8,15 @@ import io
 import pytest
 from rich.console import Console
 
-from tokenmill.producer import common
-from tokenmill.worker.demo import run_demo
+from tokenmill.cli.demo import run_demo
+from tokenmill.producer import result_waits
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def test_demo_answers_every_prompt_when_waits_expire_first(redis_url: str, key_prefix: str,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(common, "WAIT_SLICE_S", 0.05)
+    monkeypatch.setattr(result_waits, "WAIT_SLICE_S", 0.05)
     output = io.StringIO()
     report = run_demo(Console(file=output, width=120), redis_url=redis_url, model="smollm2-135m", num_prompts=8,
                       max_tokens=12, device="cpu", prefix=key_prefix, timeout_s=300)

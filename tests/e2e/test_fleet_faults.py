@@ -23,7 +23,7 @@ from tests.engine_helpers import build_engine
 from tests.processes import scaled_s
 from tests.worker_helpers import enqueue, make_settings, running_worker, start_worker_process, wait_until
 from tokenmill.engine.core.stats import EngineStats
-from tokenmill.producer.embedded import server_binary
+from tokenmill.protocol.embedded_redis import server_binary
 from tokenmill.protocol.keys import CONSUMER_GROUP, Keys
 from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.protocol.schema import decode_result

@@ -18,8 +18,8 @@ from tests.serve_helpers import running_server
 from tests.worker_helpers import make_settings, running_worker
 from tokenmill.engine.model.model_loader import resolve_model_path
 from tokenmill.engine.output.prompts import ChatPrompt, renders_tools, tokenize_prompt
-from tokenmill.producer.common import build_request
 from tokenmill.producer.openai_compat import parse_body
+from tokenmill.producer.submit_options import build_request
 from tokenmill.protocol.keys import Keys
 from tokenmill.worker.convert import engine_prompt
 

@@ -10,7 +10,7 @@ import redis
 
 from tests.integration.conftest import FakeWorker
 from tokenmill.producer import AsyncProducer, JobFailed, ResultTimeout, SchemaError
-from tokenmill.producer.common import WAIT_SLICE_S
+from tokenmill.producer.result_waits import WAIT_SLICE_S
 from tokenmill.protocol.keys import Keys
 from tokenmill.protocol.schema import GenerationRequest, decode_request
 

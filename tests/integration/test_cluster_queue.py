@@ -21,7 +21,7 @@ from redis.crc import key_slot
 
 from tests.cluster_helpers import LocalCluster, wait_for
 from tests.worker_helpers import FAST_WORKER, start_worker_process
-from tokenmill.producer import AsyncProducer, Producer, common
+from tokenmill.producer import AsyncProducer, Producer, submit_commands
 from tokenmill.producer.config import ProducerConfig
 from tokenmill.protocol.config import QueueConfig, RedisConfig
 from tokenmill.protocol.keys import CONSUMER_GROUP
@@ -69,7 +69,8 @@ def test_every_script_call_names_keys_of_one_slot() -> None:
         def record(keys: list[str], args: list[Any], client: Any, calls: list[list[str]] = submitted) -> None:
             calls.append(keys)
 
-        common.queue_submit_once_commands(None, record, layout, [request.model_copy(update={"model": "m"})], 0.0, 60.0)
+        submit_commands.queue_submit_once_commands(None, record, layout, [request.model_copy(update={"model": "m"})],
+                                                   0.0, 60.0)
         _assert_one_slot([*submitted[0], keys.result(request_id), keys.done(request_id), keys.cancel, keys.dead,
                           keys.tokens(request_id), *keys.lanes], "submit once, rearm, cancel and the lanes")
         assert layout.for_id(request_id) == keys

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from tokenmill.producer.connection import connect
-from tokenmill.producer.errors import RedisUnavailable
 from tokenmill.protocol.config import RedisConfig
+from tokenmill.protocol.connection import connect
+from tokenmill.protocol.errors import RedisUnavailable
 
 
 def test_tls_to_a_plain_port_fails_fast_with_a_hint(redis_url: str) -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from tests.one_command_helpers import ROOT, cli, embedded_redis_dir, fresh_env, output, wait_serving
 from tests.processes import free_port, scaled_s
-from tokenmill.producer import embedded
+from tokenmill.protocol import embedded_redis
 
 EMBEDDED_LINE = "using the embedded Redis"
 
@@ -42,7 +42,8 @@ def test_serve_with_a_model_answers_alone_and_stops_on_sigterm(redis_dir: Path, 
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=scaled_s(30)) == 0, output(logs)[1]
     log = output(logs)[1]
-    assert f"{EMBEDDED_LINE} (no --redis-url or REDIS_URL set" in log and f"url={embedded.status(redis_dir).url}" in log
+    assert f"{EMBEDDED_LINE} (no --redis-url or REDIS_URL set" in log
+    assert f"url={embedded_redis.status(redis_dir).url}" in log
     assert "draining" in log and "Traceback" not in log
 
 
@@ -51,7 +52,7 @@ def test_serve_ends_with_one_line_when_its_worker_fails(redis_dir: Path, tmp_pat
     env = fresh_env(redis_dir, TOKENMILL_WORKER__REDIS_GIVE_UP_S="1", TOKENMILL_REDIS__CONNECT_RETRIES="0")
     with cli(["serve", "echo", "--port", str(port), "--log-level", "warning"], env, logs) as process:
         wait_serving(process, port, "echo", 60, logs)
-        embedded.stop(redis_dir)  # NOTE: the worker gives up on Redis after redis_give_up_s
+        embedded_redis.stop(redis_dir)  # NOTE: the worker gives up on Redis after redis_give_up_s
         assert process.wait(timeout=scaled_s(60)) == 1
     last_line = output(logs)[1].strip().splitlines()[-1]
     assert last_line.startswith("error: the in-process worker stopped: ") and "tokenmill serve stopped" in last_line
@@ -65,7 +66,7 @@ def test_serve_with_a_model_refuses_a_busy_port_before_loading_it(redis_dir: Pat
         done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--model", "echo", "--port", str(port)],
                               cwd=ROOT, env=fresh_env(redis_dir), capture_output=True, text=True, timeout=scaled_s(60))
     assert done.returncode == 1 and "loading the model" not in done.stderr
-    assert not embedded.status(redis_dir).is_running  # NOTE: checked before anything starts
+    assert not embedded_redis.status(redis_dir).is_running  # NOTE: checked before anything starts
     assert done.stderr.strip().splitlines()[-1].startswith(f"error: cannot listen on 127.0.0.1:{port}: ")
 
 

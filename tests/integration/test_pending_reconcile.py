@@ -18,8 +18,9 @@ from tests.worker_helpers import enqueue, make_settings, running_worker, wait_re
 from tokenmill.engine.engine import Engine
 from tokenmill.protocol.keys import CONSUMER_GROUP
 from tokenmill.protocol.sampling import SamplingParams
+from tokenmill.worker.dispatch import Dispatcher
+from tokenmill.worker.lane_reads import LaneReads
 from tokenmill.worker.messages import Entry
-from tokenmill.worker.reader import Reader
 
 
 class ReplyCutter:
@@ -125,13 +126,13 @@ def additions(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 def dispatches(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     """How often the reader handed on each entry (by entry id)."""
     counts: Counter[str] = Counter()
-    original = Reader._dispatch
+    original = Dispatcher.dispatch
 
-    def counting(self: Reader, entries: list[Entry]) -> None:
+    def counting(self: Dispatcher, entries: list[Entry]) -> None:
         counts.update(entry.entry_id for entry in entries)
         original(self, entries)
 
-    monkeypatch.setattr(Reader, "_dispatch", counting)
+    monkeypatch.setattr(Dispatcher, "dispatch", counting)
     return counts
 
 
@@ -164,11 +165,11 @@ def test_the_periodic_check_takes_back_lost_entries_and_never_reruns_held_ones(
             assert time.monotonic() < deadline
             time.sleep(0.01)
 
-        def reads_nothing_new(self: Reader, count: int, block_ms: int | None) -> list[Entry]:
+        def reads_nothing_new(self: LaneReads, count: int, block_ms: int | None) -> list[Entry]:
             time.sleep(0.01)
             return []
 
-        monkeypatch.setattr(Reader, "_read_lanes", reads_nothing_new)
+        monkeypatch.setattr(LaneReads, "read", reads_nothing_new)
         lost = [enqueue(redis_client, keys, prompt=f"lost {i}") for i in range(5)]
         # a delivery to this worker's name that never reached it
         redis_client.xreadgroup(CONSUMER_GROUP, name, {keys.lane(0): ">"}, count=10)

@@ -19,9 +19,9 @@ from tokenmill.producer import (
     RedisUnavailable,
     ResultTimeout,
     SchemaError,
-    common,
+    locate,
 )
-from tokenmill.producer.common import WAIT_SLICE_S
+from tokenmill.producer.result_waits import WAIT_SLICE_S
 from tokenmill.protocol.keys import CONSUMER_GROUP, Keys
 from tokenmill.protocol.schema import GenerationRequest, decode_request
 
@@ -228,7 +228,7 @@ def test_connect_failure_is_clear_and_redacts_the_password() -> None:
 
 def test_locate_pages_through_every_lane(producer: Producer, fake_worker: FakeWorker,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(common, "LOCATE_PAGE", 2)  # several XRANGE pages per lane
+    monkeypatch.setattr(locate, "LOCATE_PAGE", 2)  # several XRANGE pages per lane
     ids = [producer.submit(prompt=f"p{i}", priority=i % 3) for i in range(9)]
     fake_worker.finish("answered")
     states = producer.locate([ids[8], "answered", "never-seen", ids[0]])

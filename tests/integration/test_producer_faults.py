@@ -16,7 +16,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tests.worker_helpers import make_settings, running_worker
-from tokenmill.producer import AsyncProducer, Producer, SchemaError, SubmitUncertain, common
+from tokenmill.producer import AsyncProducer, Producer, SchemaError, SubmitUncertain, result_waits
 from tokenmill.protocol.keys import DONE_TTL_S, Keys
 from tokenmill.protocol.schema import GenerationResult, encode_result
 
@@ -25,7 +25,7 @@ SLICE_S = 0.6  # the wait slice under test; results land 0.5 and 1.5 slices in
 
 @pytest.fixture
 def short_slice(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(common, "WAIT_SLICE_S", SLICE_S)
+    monkeypatch.setattr(result_waits, "WAIT_SLICE_S", SLICE_S)
 
 
 def _land(client: redis.Redis, keys: Keys, request_ids: list[str], *, notify: bool) -> None:

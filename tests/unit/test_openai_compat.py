@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from tokenmill.producer.common import build_request
 from tokenmill.producer.openai_compat import BodyError, completion_object, parse_body, result_error
 from tokenmill.producer.openai_compat.objects import chunk_object
+from tokenmill.producer.submit_options import build_request
 from tokenmill.protocol.errors import SchemaError
 from tokenmill.protocol.keys import Keys
 from tokenmill.protocol.outcomes import TokenLogprob, TopLogprob

@@ -8,10 +8,11 @@ import pytest
 from pydantic import ValidationError
 
 from tokenmill.producer import ProducerConfig, RedisConfig, SchemaError
-from tokenmill.producer.common import Deadline, build_request, rotate
 from tokenmill.producer.config import ClientSettings
-from tokenmill.producer.connection import redact_url, resolve_url
+from tokenmill.producer.result_waits import Deadline, rotate
+from tokenmill.producer.submit_options import build_request
 from tokenmill.protocol.config import MAX_BLOCK_S
+from tokenmill.protocol.connection import redact_url, resolve_url
 from tokenmill.protocol.keys import Keys
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.producer.common import DONE_KEYS_PER_BLPOP, rotate, take_pending
+from tokenmill.producer.result_waits import DONE_KEYS_PER_BLPOP, rotate, take_pending
 
 LENGTHS = [1, 2, 3, 4, 7, DONE_KEYS_PER_BLPOP - 1, DONE_KEYS_PER_BLPOP, DONE_KEYS_PER_BLPOP + 1, 600]
 

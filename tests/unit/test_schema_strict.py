@@ -10,7 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from tokenmill.producer.common import build_request
+from tokenmill.producer.submit_options import build_request
 from tokenmill.protocol.errors import SchemaError
 from tokenmill.protocol.keys import Keys
 from tokenmill.protocol.schema import (

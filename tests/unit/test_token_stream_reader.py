@@ -3,7 +3,7 @@ wrote it (a reclaimed request runs again from the start; a paused worker goes on
 
 from __future__ import annotations
 
-from tokenmill.producer.common import TokenStreamReader
+from tokenmill.producer.token_stream import TokenStreamReader
 
 
 def _reply(*entries: dict[bytes, bytes]) -> list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]:

@@ -13,8 +13,8 @@ import typer.main
 
 from tokenmill.cli.app import app
 from tokenmill.producer.celery import request_options
-from tokenmill.producer.common import SubmitOptions, build_request
 from tokenmill.producer.openai_compat import parse_body
+from tokenmill.producer.submit_options import SubmitOptions, build_request
 from tokenmill.protocol.keys import Keys
 from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.protocol.schema import GenerationRequest

@@ -1,10 +1,14 @@
-"""The one Redis connection factory of tokenmill, sync and asyncio; the worker uses it too.
+"""The one Redis connection factory of tokenmill, sync and asyncio: the producer, the worker and the server reach
+the wire through it.
 
 Picks the server (config url > $REDIS_URL > embedded Redis), then retries with backoff,
 PINGs and logs. With ``[redis] cluster = true`` or a ``redis+cluster://`` / ``rediss+cluster://`` URL
 the client is redis-py's cluster client (it follows MOVED/ASK and refreshes its slot map after a
 failover); it is typed as ``redis.Redis`` for the callers, which use only commands both serve, each
-naming keys of one slot (protocol/shards.py). Never imports torch, the engine or the worker.
+naming keys of one slot (protocol/shards.py).
+
+One of protocol/'s two transport modules (with embedded_redis.py): the only ones that import redis. Never imports
+torch, the engine, the producer or the worker.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ClusterError, RedisClusterException, TryAgainError
 from redis.retry import Retry
 
-from tokenmill.producer import embedded
-from tokenmill.producer.errors import RedisUnavailable
+from tokenmill.protocol import embedded_redis
 from tokenmill.protocol.config import CLUSTER_SCHEMES, RedisConfig
+from tokenmill.protocol.errors import RedisUnavailable
 
 logger = logging.getLogger("tokenmill.connection")
 
@@ -64,7 +68,7 @@ def resolve_url(config: RedisConfig) -> str:
     if config.cluster:
         raise RedisUnavailable("[redis] cluster = true needs a url (a node of the cluster); the embedded Redis is one "
                                "instance")
-    return embedded.start(config.embedded_dir).url
+    return embedded_redis.start(config.embedded_dir).url
 
 
 def node_url(url: str) -> str:
@@ -123,32 +127,41 @@ def _async_client(url: str, config: RedisConfig, *, probe: bool = False) -> redi
     return redis.asyncio.Redis.from_url(url, **_client_kwargs(config, probe=probe))
 
 
-def _unreachable(url: str, attempts: int, last_error: Exception | None) -> RedisUnavailable:
-    hint = ""
-    if urlsplit(url).scheme == "rediss" and isinstance(last_error, redis.TimeoutError):
-        hint = " (no answer to the TLS handshake: is this a plain Redis port? then use redis://)"
-    return RedisUnavailable(f"could not reach Redis at {redact_url(url)} after {attempts} attempt(s): "
-                            f"{last_error}{hint}")
+class _Pings:
+    """The PINGs one connect sends before it gives up: ``1 + connect_retries`` of them, the wait after each failed
+    one, and the error that ends them all; shared by :func:`connect` and :func:`aconnect`, which only send them."""
 
+    def __init__(self, config: RedisConfig, url: str) -> None:
+        self.config, self.url = config, url
+        self.num_attempts = 1 + config.connect_retries
+        self.last_error: Exception | None = None
 
-def _backoff_s(config: RedisConfig, attempt: int) -> float:
-    return float(min(config.retry_backoff_s * 2**attempt, config.max_backoff_s))
+    def failed(self, attempt: int, exc: Exception) -> float | None:
+        """After failed PING number ``attempt`` (from 0): the seconds to wait before the next one (logged), or
+        None after the last.
 
+        Raises:
+            RedisUnavailable: the server refused the credentials (no retry can help).
+        """
+        self.last_error = exc
+        if isinstance(exc, redis.AuthenticationError):
+            raise RedisUnavailable(f"Redis at {redact_url(self.url)} refused the credentials: {exc}") from exc
+        if attempt + 1 >= self.num_attempts:
+            return None
+        delay_s = float(min(self.config.retry_backoff_s * 2**attempt, self.config.max_backoff_s))
+        logger.warning("Redis at %s not answering (%s); retry in %.2f s", redact_url(self.url), exc, delay_s)
+        return delay_s
 
-def _after_failed_ping(config: RedisConfig, url: str, attempt: int, exc: Exception) -> float | None:
-    """What follows failed PING number ``attempt`` (from 0): the seconds to wait before the next
-    one (logged), or None after the last.
+    def answered(self) -> None:
+        logger.info("connected to Redis at %s", redact_url(self.url))
 
-    Raises:
-        RedisUnavailable: the server refused the credentials (no retry can help).
-    """
-    if isinstance(exc, redis.AuthenticationError):
-        raise RedisUnavailable(f"Redis at {redact_url(url)} refused the credentials: {exc}") from exc
-    if attempt + 1 >= 1 + config.connect_retries:
-        return None
-    delay_s = _backoff_s(config, attempt)
-    logger.warning("Redis at %s not answering (%s); retry in %.2f s", redact_url(url), exc, delay_s)
-    return delay_s
+    def unreachable(self) -> RedisUnavailable:
+        """The error to raise (from :attr:`last_error`) when no PING was answered."""
+        hint = ""
+        if urlsplit(self.url).scheme == "rediss" and isinstance(self.last_error, redis.TimeoutError):
+            hint = " (no answer to the TLS handshake: is this a plain Redis port? then use redis://)"
+        return RedisUnavailable(f"could not reach Redis at {redact_url(self.url)} after {self.num_attempts} "
+                                f"attempt(s): {self.last_error}{hint}")
 
 
 def connect(config: RedisConfig | None = None) -> redis.Redis:
@@ -164,47 +177,41 @@ def connect(config: RedisConfig | None = None) -> redis.Redis:
         RedisUnavailable: no PONG after ``1 + connect_retries`` attempts, or bad credentials.
     """
     config = config or RedisConfig()
-    url = resolve_url(config)
-    attempts = 1 + config.connect_retries
-    last_error: Exception | None = None
-    for attempt in range(attempts):
+    pings = _Pings(config, resolve_url(config))
+    for attempt in range(pings.num_attempts):
         try:
             # NOTE: inside the loop: the cluster client reads the slot map when it is built
-            probe = _sync_client(url, config, probe=True)
+            probe = _sync_client(pings.url, config, probe=True)
             try:
                 probe.ping()
             finally:
                 probe.close()
         except _RETRYABLE as exc:
-            last_error = exc
-            delay_s = _after_failed_ping(config, url, attempt, exc)
+            delay_s = pings.failed(attempt, exc)
             if delay_s is not None:
                 time.sleep(delay_s)
         else:
-            logger.info("connected to Redis at %s", redact_url(url))
-            return _sync_client(url, config)
-    raise _unreachable(url, attempts, last_error) from last_error
+            pings.answered()
+            return _sync_client(pings.url, config)
+    raise pings.unreachable() from pings.last_error
 
 
 async def aconnect(config: RedisConfig | None = None) -> redis.asyncio.Redis:
     """The asyncio twin of :func:`connect` (same resolution, retries and errors)."""
     config = config or RedisConfig()
-    url = await asyncio.to_thread(resolve_url, config)  # may start the embedded server
-    attempts = 1 + config.connect_retries
-    last_error: Exception | None = None
-    for attempt in range(attempts):
+    pings = _Pings(config, await asyncio.to_thread(resolve_url, config))  # may start the embedded server
+    for attempt in range(pings.num_attempts):
         try:
-            probe = _async_client(url, config, probe=True)
+            probe = _async_client(pings.url, config, probe=True)
             try:
                 await probe.ping()
             finally:
                 await probe.aclose()
         except _RETRYABLE as exc:
-            last_error = exc
-            delay_s = _after_failed_ping(config, url, attempt, exc)
+            delay_s = pings.failed(attempt, exc)
             if delay_s is not None:
                 await asyncio.sleep(delay_s)
         else:
-            logger.info("connected to Redis at %s", redact_url(url))
-            return _async_client(url, config)
-    raise _unreachable(url, attempts, last_error) from last_error
+            pings.answered()
+            return _async_client(pings.url, config)
+    raise pings.unreachable() from pings.last_error

