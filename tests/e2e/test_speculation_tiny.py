@@ -21,8 +21,8 @@ from tests.engine_helpers import build_engine
 from tests.tiny_models import VOCAB_SIZE
 from tokenmill.engine import Engine
 from tokenmill.engine.core.request import Request
-from tokenmill.engine.model.draft_proposer import DraftModelProposer
 from tokenmill.engine.model.model_runner import ModelRunner
+from tokenmill.engine.spec.draft_model import DraftModelProposer
 from tokenmill.engine.spec.speculator import DraftSpeculator
 from tokenmill.protocol.sampling import SamplingParams
 

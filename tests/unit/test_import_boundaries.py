@@ -20,7 +20,12 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE = ROOT / "engine"
 # Folders of engine/ whose every module loads without torch or transformers (docs/design.md), as do the
 # modules directly in engine/ (the engine's front: only Engine.from_config loads a model).
-PURE_ENGINE_FOLDERS = ["core", "kv", "output", "spec"]
+PURE_ENGINE_FOLDERS = ["core", "kv", "output"]
+# spec/ holds both: the modules that load without torch (the draftless proposers, the goodput rule, the
+# verification rule: what the echo engine and the scheduler's replays run) and those that import it. Every
+# module of spec/ is in exactly one of the two sets, so a new one is sorted by whoever adds it.
+PURE_SPEC_MODULES = {"__init__", "draft_length", "ngram", "speculator", "suffix_pool", "verification"}
+TORCH_SPEC_MODULES = {"draft_model", "grammar_drafts"}  # the draft model's proposer; the grammar-forced one
 # The engine's folders and the folders each may import (the layers, bottom up). Any folder may also
 # import engine/errors.py and engine/config.py, which import no other engine module; none imports
 # the front (engine/__init__.py, engine.py, offline.py, echo.py).
@@ -29,7 +34,9 @@ ENGINE_LAYERS: dict[str, set[str]] = {
     "core": {"kv"},  # requests, scheduler, step plan and step I/O, stats
     "output": {"core"},  # prompts, detokenizer, output processor, request outputs
     "sample": {"core"},  # sampler, logits processors, grammars (torch)
-    "spec": {"core"},  # speculative decoding: draftless proposers, the goodput rule (no torch)
+    # speculative decoding: proposers, the goodput rule, verification. sample: the grammar-forced proposer walks
+    # the sampler's grammar matchers; output: the draft model's tokenizer check knows a model without one.
+    "spec": {"core", "output", "sample"},
     "kernels": set(),  # attention backends, linear kernels, the C++ builder (torch)
     "model": {"core", "kv", "output", "sample", "kernels", "spec"},  # runner, loader, KV tensors, setup (torch)
 }
@@ -268,12 +275,20 @@ def test_engine_holds_few_modules_directly() -> None:
     assert len(top_level) <= MAX_ENGINE_TOP_LEVEL_MODULES, top_level
 
 
+def test_every_spec_module_is_sorted_by_torch() -> None:
+    modules = {path.stem for path in (ENGINE / "spec").glob("*.py")}
+    assert not PURE_SPEC_MODULES & TORCH_SPEC_MODULES
+    assert modules == PURE_SPEC_MODULES | TORCH_SPEC_MODULES, "add the new spec/ module to one of the two sets"
+
+
 def test_torch_free_engine_folders_load_without_torch() -> None:
     """Every module of the torch-free folders, and every module directly in engine/, by directory:
-    a new module there is covered without being listed."""
+    a new module there is covered without being listed; and spec/'s torch-free modules."""
     modules = sorted(_module_name(path) for folder in PURE_ENGINE_FOLDERS for path in (ENGINE / folder).rglob("*.py"))
     modules += sorted(_module_name(path) for path in ENGINE.glob("*.py"))
+    modules += sorted(_module_name(ENGINE / "spec" / f"{name}.py") for name in PURE_SPEC_MODULES)
     assert "tokenmill.engine.core.scheduler" in modules and "tokenmill.engine.output.output_processor" in modules
+    assert "tokenmill.engine.spec.speculator" in modules
     loaded = _loaded_modules_after("; ".join(f"import {name}" for name in modules))
     assert not {"torch", "transformers"} & loaded
 
