@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 import re
 import warnings
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,16 @@ def parse_bytes(value: int | str) -> int:
     if not match or match.group(2).upper() not in _SIZE_UNITS:
         raise ValueError(f"not a size: {value!r} (use e.g. '512MiB', '2GiB', '4GB' or a byte count)")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
+def _checked_size(value: int | str) -> int | str:
+    parse_bytes(value)
+    return value
+
+
+# A size setting: bytes or a text such as "2GiB", kept as given and checked at load (its section's property
+# holds the bytes).
+ByteSize = Annotated[int | str, AfterValidator(_checked_size)]
 
 
 class _Frozen(BaseModel):
@@ -162,23 +172,16 @@ class CacheConfig(_Frozen):
     """The paged KV cache: block size and the memory of its two pools. Sizes take bytes or "2GiB"."""
 
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
-    kv_cache_memory: int | str | None = Field(
+    kv_cache_memory: ByteSize | None = Field(
         None, description="device KV pool size; None: 1GiB on CPU, gpu_memory_utilization on CUDA"
     )
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=0.99, description="CUDA: fraction of the device's total "
                                           "memory (as vLLM reads it) for the weights, the KV pool, the largest steps' "
                                           "activations and the captured graphs; memory in use by others counts too")
-    swap_space: int | str = Field("1GiB", description="host KV pool for swapped-out requests")
+    swap_space: ByteSize = Field("1GiB", description="host KV pool for swapped-out requests")
     enable_prefix_caching: bool = Field(
         True, description="requests reuse the KV blocks of prompt prefixes computed before (shared system prompts)"
     )
-
-    @field_validator("kv_cache_memory", "swap_space")
-    @classmethod
-    def _check_size(cls, value: int | str | None) -> int | str | None:
-        if value is not None:
-            parse_bytes(value)
-        return value
 
     @property
     def kv_cache_bytes(self) -> int | None:
@@ -289,7 +292,7 @@ class FleetCacheConfig(_Frozen):
 
     enabled: bool = Field(False, description="publish computed prompt blocks and fetch missing ones from the fleet's "
                           "block store (the worker's Redis); off: prefix caching stays local to each worker")
-    max_bytes: int | str = Field("4GiB", description="the store's byte cap: least recently used blocks are dropped "
+    max_bytes: ByteSize = Field("4GiB", description="the store's byte cap: least recently used blocks are dropped "
                                  "past it (the queues' Redis never evicts on its own)")
     ttl_s: float = Field(3600.0, gt=0, description="a stored block is dropped this long after it was last used")
     min_blocks: int = Field(2, ge=1, description="look up only prompts with at least this many full blocks "
@@ -300,12 +303,6 @@ class FleetCacheConfig(_Frozen):
         "reused", description="which computed prompt blocks go to the store: reused = once a second request on "
         "this worker uses them (shared prefixes travel, unique documents never do); all = every full prompt block "
         "(a prefill worker always publishes all: its decode pool needs them)")
-
-    @field_validator("max_bytes")
-    @classmethod
-    def _check_size(cls, value: int | str) -> int | str:
-        parse_bytes(value)
-        return value
 
     @property
     def max_store_bytes(self) -> int:
@@ -321,19 +318,13 @@ class StructuredOutputConfig(_Frozen):
     )
     compile_timeout_s: float = Field(10.0, gt=0, description="a spec still compiling after this is refused "
                                      "(validation error) and its compiler process killed")
-    compile_memory: int | str = Field("2GiB", description="memory one compilation may use beyond the compiler "
+    compile_memory: ByteSize = Field("2GiB", description="memory one compilation may use beyond the compiler "
                                       "process's own; past it the spec is refused")
     warm_at_start: bool = Field(
         True, description="a worker starts the compiler (its child process) when it starts, off the engine thread, "
         "so the first structured request waits only for its own compile; off: on the first one (saves the child's "
         "memory where none comes)"
     )
-
-    @field_validator("compile_memory")
-    @classmethod
-    def _check_size(cls, value: int | str) -> int | str:
-        parse_bytes(value)
-        return value
 
     @property
     def compile_memory_bytes(self) -> int:

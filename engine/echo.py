@@ -27,11 +27,11 @@ from tokenmill.engine.core.clock import Clock
 from tokenmill.engine.core.length_predictor import build_length_predictor
 from tokenmill.engine.core.limits import ModelLimits
 from tokenmill.engine.core.scheduler import Scheduler
-from tokenmill.engine.core.speculation import accept_drafts
 from tokenmill.engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput
 from tokenmill.engine.kv.block_manager import BlockManager
 from tokenmill.engine.kv.prefix_cache import PrefixCache
 from tokenmill.engine.spec import build_speculator
+from tokenmill.engine.spec.verification import accept_drafts
 from tokenmill.protocol.sampling import ResponseFormat
 
 ECHO_MODEL = "echo"

@@ -18,7 +18,6 @@ from tokenmill.engine.engine import Engine
 from tokenmill.engine.errors import EngineError
 from tokenmill.engine.kv.block_store import BlockStore
 from tokenmill.protocol.connection import connect
-from tokenmill.worker.block_store import redis_block_store
 from tokenmill.worker.config import Settings
 from tokenmill.worker.errors import StartupError
 from tokenmill.worker.health import RedisHealth
@@ -29,6 +28,7 @@ from tokenmill.worker.loop import EngineLoop
 from tokenmill.worker.messages import Incoming, Outbound
 from tokenmill.worker.metrics import WorkerMetrics
 from tokenmill.worker.reader import Reader
+from tokenmill.worker.redis_block_store import redis_block_store
 from tokenmill.worker.state import Load
 from tokenmill.worker.writer import Writer
 
@@ -40,7 +40,7 @@ WARM_JOIN_S = 30.0  # the most shut-down waits for the grammar warm-up still sta
 
 def build_engine(settings: Settings, client: redis.Redis | None = None) -> Engine:
     """The engine of ``settings.engine``: a model (imports torch; slow) or the echo model (no torch). With
-    ``[engine.fleet_cache] enabled`` its block store is ``client``'s Redis (worker/block_store.py).
+    ``[engine.fleet_cache] enabled`` its block store is ``client``'s Redis (worker/redis_block_store.py).
 
     Raises:
         StartupError: the model cannot be found or loaded, or the engine cannot be sized.

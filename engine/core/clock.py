@@ -1,4 +1,6 @@
-"""Injectable time sources for the scheduler. Standard library only."""
+"""Injectable time sources for the scheduler: the engine's monotonic clock, and a clock moved by hand for
+simulated time (ops/bench/length_replay.py replays a job through the scheduler alone; the tests step it).
+Standard library only."""
 
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ class MonotonicClock:
         return time.monotonic()
 
 
-class FakeClock:
-    """Test clock that only moves when told to."""
+class ManualClock:
+    """A clock that only moves when told to (simulated time)."""
 
     def __init__(self, start_s: float = 0.0) -> None:
         self._now_s = start_s

@@ -30,7 +30,7 @@ class ScheduledChunk:
     num_output_tokens: int  # tokens generated so far == index of the token to sample (min_tokens, seeds)
     sampling_state: SamplingState | None = None  # the request's penalty / grammar state (the sampler's)
     # Speculative decoding: the last this many of token_ids are draft tokens; the runner samples after
-    # each of the last 1 + num_draft_tokens tokens and keeps what engine.core.speculation.accept_drafts says.
+    # each of the last 1 + num_draft_tokens tokens and keeps what engine.spec.verification.accept_drafts says.
     num_draft_tokens: int = 0
     # Planned ahead (Scheduler.schedule_ahead) while the step before still ran: token_ids is one placeholder, the
     # token that step samples for this request; the engine writes it in on its device thread before the forward.

@@ -1,9 +1,8 @@
-"""Where KV blocks live beyond one engine: the block store interface, its content addresses, the sealed
-envelope every stored value travels in, and a plain in-process implementation (tests, and one process that
-runs several engines).
+"""Where KV blocks live beyond one engine: the block store interface, its content addresses, and the sealed
+envelope every stored value travels in.
 
 Standard library only; never torch, never redis. The fleet's implementation on Redis is
-worker/block_store.py; the engine reaches a store only through :class:`BlockStore`.
+worker/redis_block_store.py; the engine reaches a store only through :class:`BlockStore`.
 
 A block's address is a hash chain over the tokens of every block up to it, started from the
 *namespace*: the model's identity (its type, a digest of every weight's bytes and of its tokenizer), the
@@ -33,8 +32,6 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -136,55 +133,3 @@ def unseal(key: bytes, value: bytes, payload_bytes: int) -> memoryview:
     if hashlib.blake2b(payload, digest_size=PAYLOAD_DIGEST_BYTES).digest() != digest:
         raise RejectedBlock("the payload does not match its digest (corrupted)")
     return payload
-
-
-class LocalBlockStore:
-    """A :class:`BlockStore` in this process's memory, least recently used first out past ``max_bytes``.
-
-    Args:
-        max_bytes: the most value bytes it keeps.
-    """
-
-    def __init__(self, max_bytes: int = 1 << 30) -> None:
-        self.max_bytes = max_bytes
-        self.num_bytes = 0
-        self._values: OrderedDict[bytes, bytes] = OrderedDict()  # oldest use first
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def put(self, keys: Sequence[bytes], blocks: Sequence[bytes]) -> None:
-        with self._lock:
-            for key, block in zip(keys, blocks, strict=True):
-                if key in self._values:
-                    self._values.move_to_end(key)  # NOTE: as the Redis store: a put counts as a use
-                    continue
-                if len(block) > self.max_bytes:
-                    continue
-                self._values[key] = bytes(block)
-                self.num_bytes += len(block)
-            while self.num_bytes > self.max_bytes:
-                _, evicted = self._values.popitem(last=False)
-                self.num_bytes -= len(evicted)
-
-    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        with self._lock:
-            values = []
-            for key in keys:
-                value = self._values.get(key)
-                if value is not None:
-                    self._values.move_to_end(key)
-                values.append(value)
-            return values
-
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        with self._lock:
-            return [key in self._values for key in keys]
-
-    def discard(self, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            for key in keys:
-                value = self._values.pop(key, None)
-                if value is not None:
-                    self.num_bytes -= len(value)

@@ -41,6 +41,19 @@ class KVCacheSpec:
     def num_blocks_for(self, num_bytes: int) -> int:
         return num_bytes // self.bytes_per_block
 
+    def zeroed_blocks(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        """A device pool of ``num_blocks`` blocks, ``[layers, 2 (key, value), num_blocks, block_size, kv_heads,
+        head_dim]``, zeroed: on the CPU lazily (:func:`lazy_zeros`). The engine's pool and the draft model's
+        (engine/spec/draft_model.py) are made here.
+
+        NOTE: zeros, never torch.empty: padded reads of never-written slots are masked out, but a NaN bit pattern
+        there would still poison the weighted sum (0 * NaN = NaN).
+        """
+        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        if device.type == "cpu":
+            return lazy_zeros(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=device)
+
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor on fresh anonymous memory: it reads as zeros and becomes resident only
@@ -74,18 +87,15 @@ class KVCache:
         # NOTE: one block more than the block manager hands out: the scratch block, where padding
         # rows of static-shape decode steps write their keys and values (engine/model/static_decode.py).
         self.scratch_block_id = num_gpu_blocks
-        shape = (spec.num_layers, 2, num_gpu_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim)
         host_shape = (spec.num_layers, 2, num_cpu_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         is_cuda = device.type == "cuda"
-        # NOTE: zeros, never torch.empty: padded reads of never-written slots are masked out, but
-        # a NaN bit pattern there would still poison the weighted sum (0 * NaN = NaN). On CPU the
-        # zeros come lazily from the kernel (see lazy_zeros); the block manager reuses the most
-        # recently freed blocks first, so resident memory tracks the peak number of used blocks.
+        # NOTE: both pools zeroed (see KVCacheSpec.zeroed_blocks); on CPU the zeros come lazily from the kernel (see
+        # lazy_zeros), and the block manager reuses the most recently freed blocks first, so resident memory tracks
+        # the peak number of used blocks.
+        self.device_pool = spec.zeroed_blocks(num_gpu_blocks + 1, device)
         if is_cuda:
-            self.device_pool = torch.zeros(shape, dtype=spec.dtype, device=device)
             self.host_pool = torch.zeros(host_shape, dtype=spec.dtype, pin_memory=num_cpu_blocks > 0)
         else:
-            self.device_pool = lazy_zeros(shape, spec.dtype)
             self.host_pool = lazy_zeros(host_shape, spec.dtype)
         self._copy_stream = torch.cuda.Stream(device) if is_cuda else None  # type: ignore[no-untyped-call]
         # Device-to-host copies still in flight: (pinned staging, host block ids, done event).

@@ -12,7 +12,6 @@ from typing import Protocol
 
 import torch
 
-from tokenmill.engine.core.speculation import accept_drafts
 from tokenmill.engine.core.step_io import ModelOutput, ScheduledChunk, SchedulerOutput
 from tokenmill.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from tokenmill.engine.model.hf_attention import StepAttention
@@ -23,6 +22,7 @@ from tokenmill.engine.model.static_decode import Shape, StaticDecode
 from tokenmill.engine.model.step_inputs import StepInputs, TableRows
 from tokenmill.engine.sample.context import SamplingContext
 from tokenmill.engine.sample.sampler import Sampler
+from tokenmill.engine.spec.verification import accept_drafts
 
 # The lists of one step's inputs (engine/model/step_inputs.py), in the order they are packed.
 STEP_INPUT_NAMES = ("input_ids", "positions", "slots", "sample_indices", "seq_lens", "query_start", "tables")
@@ -166,7 +166,7 @@ class ModelRunner:
         if not sample_chunks:
             return ModelOutput()
         # NOTE: a chunk with draft tokens samples one row after each of its last 1 + k tokens, each
-        # exactly as a plain decode at that output position would (engine/core/speculation.py).
+        # exactly as a plain decode at that output position would (engine/spec/verification.py).
         contexts = [SamplingContext(params=chunk.sampling_params, num_output_tokens=chunk.num_output_tokens + row,
                                     eos_token_ids=self.eos_token_ids, state=chunk.sampling_state,
                                     draft_prefix=chunk.draft_token_ids[:row])

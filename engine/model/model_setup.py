@@ -27,13 +27,6 @@ from tokenmill.engine.kv.block_manager import BlockManager
 from tokenmill.engine.kv.block_store import BlockStore, namespace
 from tokenmill.engine.kv.prefix_cache import PrefixCache
 from tokenmill.engine.model import native_decoder
-from tokenmill.engine.model.draft_proposer import (
-    BLOCK_TOKENS,
-    DraftModelProposer,
-    check_draft_model,
-    draft_kv_bytes_per_token,
-    draft_working_bytes,
-)
 from tokenmill.engine.model.hf_attention import register
 from tokenmill.engine.model.kv_cache import KVCache, KVCacheSpec
 from tokenmill.engine.model.memory_profile import StepProfile, cuda_peak_bytes, kv_pool_bytes, profile_steps
@@ -50,10 +43,17 @@ from tokenmill.engine.model.tensor_parallel import Shard
 from tokenmill.engine.model.tp_leader import TensorParallelLeader
 from tokenmill.engine.output.no_tokenizer import NoTokenizer
 from tokenmill.engine.sample.grammar import GrammarCompiler
-from tokenmill.engine.sample.grammar_drafts import GrammarForcedProposer
 from tokenmill.engine.sample.grammar_process import CompileLimits
 from tokenmill.engine.sample.sampler import Sampler
 from tokenmill.engine.spec import build_speculator
+from tokenmill.engine.spec.draft_model import (
+    BLOCK_TOKENS,
+    DraftModelProposer,
+    check_draft_model,
+    draft_kv_bytes_per_token,
+    draft_working_bytes,
+)
+from tokenmill.engine.spec.grammar_drafts import GrammarForcedProposer
 
 logger = logging.getLogger(__name__)
 

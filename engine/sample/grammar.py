@@ -77,7 +77,7 @@ class GrammarCompiler:
 
     def allows_jump_forward(self, response_format: ResponseFormat) -> bool:
         """Whether the grammar's forced continuations are bounded (engine/sample/grammar_bounds.py): only
-        then may the grammar-forced drafts walk them (engine/sample/grammar_drafts.py)."""
+        then may the grammar-forced drafts walk them (engine/spec/grammar_drafts.py)."""
         return self._compiled(response_format)[1].allows_jump_forward
 
     def _compiled(self, response_format: ResponseFormat) -> tuple[Any, GrammarBounds]:

@@ -2,7 +2,7 @@
 xgrammar's serialized grammar (``Grammar.serialize_json``: rules and a flat array of expressions).
 
 Why: xgrammar's jump-forward (``GrammarMatcher.find_jump_forward_tokens``, the grammar-forced drafts of
-engine/sample/grammar_drafts.py) walks the forced continuation to its end, with no length limit and
+engine/spec/grammar_drafts.py) walks the forced continuation to its end, with no length limit and
 nothing that can stop it. ``root ::= "a" root`` forces ``aaaa...`` for ever, and the call grows until
 the kernel's OOM killer takes the worker; a JSON schema whose required property refers back to the
 whole schema (``{"properties": {"n": {"$ref": "#"}}, "required": ["n"]}``) does the same. Both match

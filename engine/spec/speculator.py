@@ -9,7 +9,7 @@ request: a single-token match is a weaker guess than a long one, and its misses 
 the long matches' drafts nor stop them. At a small batch a draft token costs a few percent of a step
 (the step is bound by reading the weights), so even the weaker guesses pay there; the goodput rule
 drops them where the step is bound by compute.
-Standard library only; a draft model's proposer (engine/model/draft_proposer.py) comes in through
+Standard library only; a draft model's proposer (engine/spec/draft_model.py) comes in through
 the same :class:`Proposer` interface.
 
 The speculator runs on every decoding request every step, so its host time per request is kept small: a
@@ -252,7 +252,7 @@ def build_speculator(config: SpeculativeConfig, draft: Proposer | None = None,
 
     Args:
         draft: the draft model's proposer, for ``method = "draft"`` (the caller loads the model).
-        forced: the grammar-forced proposer (engine/sample/grammar_drafts.py), tried first for
+        forced: the grammar-forced proposer (engine/spec/grammar_drafts.py), tried first for
             structured requests with ``auto`` and ``draft``; None: a model without structured output.
     """
     if config.method == "off":

@@ -36,7 +36,7 @@ sys.path.insert(0, str(_HERE.parents[1]))
 from ops.bench.common import print_table
 from ops.bench.length import MODES
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.core.clock import FakeClock
+from tokenmill.engine.core.clock import ManualClock
 from tokenmill.engine.core.length_predictor import build_length_predictor
 from tokenmill.engine.core.request import Request
 from tokenmill.engine.core.scheduler import Scheduler
@@ -80,7 +80,7 @@ def replay(mode: str, rows: list[tuple[str, list[int]]], lengths: dict[str, int]
     block_size = first["pool_tokens"] // first["num_gpu_blocks"]
     num_cpu_blocks = config.cache.swap_space_bytes // first["kv_block_bytes"]
     blocks = BlockManager(first["num_gpu_blocks"], num_cpu_blocks, block_size)
-    clock = FakeClock()
+    clock = ManualClock()
     speculator = build_speculator(config.speculative)
     scheduler = Scheduler(config.scheduler, blocks, clock, frozenset({EOS}), 1 << 20, None, speculator,
                           build_length_predictor(config.length))

@@ -1,4 +1,4 @@
-"""The draft model's proposer (``[engine.speculative] method = "draft"``, engine/model/draft_proposer.py) on
+"""The draft model's proposer (``[engine.speculative] method = "draft"``, engine/spec/draft_model.py) on
 tiny random models: batched drafts equal the one-request-at-a-time reference's and a fresh greedy
 continuation's, over steps where drafts are kept in part; one forward per draft position for all requests
 and one read of the device per call; a cache within its budget however many requests draft (least recent
@@ -22,14 +22,14 @@ from tests.tiny_models import VOCAB_SIZE
 from tokenmill.engine import Engine
 from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.model import model_setup
-from tokenmill.engine.model.draft_proposer import (
+from tokenmill.engine.model.model_loader import LoadedModel, load_model
+from tokenmill.engine.model.model_setup import kv_cache_spec
+from tokenmill.engine.spec.draft_model import (
     BLOCK_TOKENS,
     DraftModelProposer,
     SequentialDraftProposer,
     draft_kv_bytes_per_token,
 )
-from tokenmill.engine.model.model_loader import LoadedModel, load_model
-from tokenmill.engine.model.model_setup import kv_cache_spec
 from tokenmill.engine.spec.speculator import DraftSpeculator
 from tokenmill.protocol.sampling import SamplingParams
 

@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import torch
 
+from tests.doubles import LocalBlockStore
 from tests.e2e.parity_helpers import hf_greedy, load_reference, random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import VOCAB_SIZE
-from tokenmill.engine.kv.block_store import ENVELOPE_HEADER, LocalBlockStore, block_digests, seal, unseal
+from tokenmill.engine.kv.block_store import ENVELOPE_HEADER, block_digests, seal, unseal
 from tokenmill.engine.model.model_loader import load_model
 from tokenmill.protocol.sampling import SamplingParams
 

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
+from tests.doubles import LocalBlockStore
 from tests.e2e.parity_helpers import DEVICES, assert_parity, attention_backend, hf_greedy, load_reference
 from tests.engine_helpers import build_engine
 from tokenmill.engine import Engine
-from tokenmill.engine.kv.block_store import LocalBlockStore
 from tokenmill.engine.model.model_runner import ModelRunner
 from tokenmill.protocol.sampling import SamplingParams
 

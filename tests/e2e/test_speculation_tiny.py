@@ -30,9 +30,9 @@ from tokenmill.engine import Engine
 from tokenmill.engine.core.request import Request
 from tokenmill.engine.core.step_io import ScheduledChunk
 from tokenmill.engine.kernels.attention import cpu_kernel
-from tokenmill.engine.model.draft_proposer import DraftModelProposer
 from tokenmill.engine.model.model_runner import ModelRunner
 from tokenmill.engine.model.static_decode import verify_query_lens
+from tokenmill.engine.spec.draft_model import DraftModelProposer
 from tokenmill.engine.spec.speculator import DraftSpeculator
 from tokenmill.protocol.sampling import SamplingParams
 

@@ -11,8 +11,9 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from tokenmill.engine.kv.block_store import BlockStore, LocalBlockStore, namespace
-from tokenmill.worker.block_store import MAX_CHUNK_BYTES, RedisBlockStore, _chunks, redis_block_store
+from tests.doubles import LocalBlockStore
+from tokenmill.engine.kv.block_store import BlockStore, namespace
+from tokenmill.worker.redis_block_store import MAX_CHUNK_BYTES, RedisBlockStore, _chunks, redis_block_store
 
 SIZE = 1000  # bytes of each value of the small tests
 

@@ -27,9 +27,9 @@ from tokenmill.protocol.config import QueueConfig, RedisConfig
 from tokenmill.protocol.keys import CONSUMER_GROUP
 from tokenmill.protocol.schema import GenerationRequest, GenerationResult, decode_result
 from tokenmill.protocol.shards import QueueLayout
-from tokenmill.worker.block_store import redis_block_store
 from tokenmill.worker.config import Settings
 from tokenmill.worker.messages import DeadLetter, Entry, Finish, Handoff
+from tokenmill.worker.redis_block_store import redis_block_store
 from tokenmill.worker.results import ResultWriter
 from tokenmill.worker.runtime import Worker
 

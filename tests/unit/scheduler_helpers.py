@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.engine.config import LengthConfig, SchedulerConfig
-from tokenmill.engine.core.clock import FakeClock
+from tokenmill.engine.core.clock import ManualClock
 from tokenmill.engine.core.length_predictor import LengthPredictor
 from tokenmill.engine.core.request import ParallelGroup, Request, RequestStatus
 from tokenmill.engine.core.scheduler import Scheduler
@@ -58,13 +58,13 @@ def make_scheduler(
     num_gpu_blocks: int = 64,
     num_cpu_blocks: int = 0,
     block_size: int = 4,
-    clock: FakeClock | None = None,
+    clock: ManualClock | None = None,
     eos_token_id: int | None = None,
     prefix_caching: bool = False,
     length: LengthConfig | None = None,
     **scheduler_config: Any,
 ) -> Scheduler:
-    """A scheduler over a fresh BlockManager and a FakeClock (pass ``clock`` to share one); ``length``
+    """A scheduler over a fresh BlockManager and a ManualClock (pass ``clock`` to share one); ``length``
     gives it an output-length predictor with that config.
 
     Aging and the long-output cap are off unless asked for: each scenario names the policy it tests.
@@ -73,7 +73,7 @@ def make_scheduler(
     block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, block_size)
     eos_token_ids = frozenset() if eos_token_id is None else frozenset({eos_token_id})
     prefix_cache = PrefixCache(block_manager) if prefix_caching else None
-    return Scheduler(config, block_manager, clock if clock is not None else FakeClock(), eos_token_ids,
+    return Scheduler(config, block_manager, clock if clock is not None else ManualClock(), eos_token_ids,
                      prefix_cache=prefix_cache, length_predictor=LengthPredictor(length) if length else None)
 
 
@@ -227,7 +227,7 @@ def step_until_done(
 
     Adds ``arrivals[i]`` before step i, checks budgets and invariants after every schedule
     and update, records what the scheduler finished (it decides stopping itself), and
-    advances a FakeClock by ``advance_s`` per step.
+    advances a ManualClock by ``advance_s`` per step.
 
     Raises:
         AssertionError: a budget or invariant broke, or ``max_steps`` passed (a hang).
@@ -252,7 +252,7 @@ def step_until_done(
         _record_finishes(scheduler, runner, run, step)
         scheduler.check_invariants()
         clock = scheduler.clock
-        if advance_s and isinstance(clock, FakeClock):
+        if advance_s and isinstance(clock, ManualClock):
             clock.advance(advance_s)
     raise AssertionError(f"not done after {max_steps} steps: {scheduler.stats()}")
 

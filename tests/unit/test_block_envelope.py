@@ -9,10 +9,10 @@ import hashlib
 import pytest
 import torch
 
+from tests.doubles import LocalBlockStore
 from tokenmill.engine.kv.block_store import (
     ENVELOPE_HEADER,
     LAYOUT_VERSION,
-    LocalBlockStore,
     RejectedBlock,
     namespace,
     seal,

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from tokenmill.engine.config import CacheConfig
-from tokenmill.engine.model.draft_proposer import draft_kv_bytes_per_token, draft_working_bytes
 from tokenmill.engine.model.kv_cache import KVCacheSpec
 from tokenmill.engine.model.memory_profile import StepProfile, kv_pool_bytes
 from tokenmill.engine.model.model_setup import DEFAULT_CPU_KV_BYTES, size_kv_cache
+from tokenmill.engine.spec.draft_model import draft_kv_bytes_per_token, draft_working_bytes
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from tests.unit.scheduler_helpers import ScriptedModelRunner, assert_no_leaks, make_scheduler, scripted_continuation
-from tokenmill.engine.core.clock import FakeClock
+from tokenmill.engine.core.clock import ManualClock
 from tokenmill.engine.core.limits import ModelLimits
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.output.output_processor import OutputProcessor
@@ -31,7 +31,7 @@ class FakeTokenizer:
 
 
 def make_engine(**scheduler_config: Any) -> Engine:
-    clock = FakeClock()
+    clock = ManualClock()
     scheduler = make_scheduler(num_gpu_blocks=32, block_size=4, clock=clock, eos_token_id=EOS, **scheduler_config)
     tokenizer = FakeTokenizer()
     limits = ModelLimits(model_name="fake", source="fake", vocab_size=VOCAB_SIZE, max_request_tokens=128,

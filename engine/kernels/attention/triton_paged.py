@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.engine.kernels.attention import reference
 from tokenmill.engine.kernels.attention.metadata import AttentionMetadata
 
 TILE_N = 32  # context positions per inner step
@@ -271,33 +272,15 @@ def _multiprocessors(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    max_query_len: int,
-    num_sms: int | None = None,
-) -> torch.Tensor:
-    """Causal attention of every query token over its sequence's paged context (the unified op of
-    ``engine.kernels.attention.metadata``), on the query's device.
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                    num_sms: int | None = None) -> torch.Tensor:
+    """The paged-attention op (engine/kernels/attention/metadata.py) on the query's device, accumulated in float32
+    (float64 for float64); every sequence has at least one query token here.
 
     Args:
-        query: ``[T, heads, head_dim]``, head_dim contiguous.
-        key_cache: ``[num_blocks, block_size, kv_heads, head_dim]``, head_dim contiguous (any view).
-        value_cache: same shape and dtype as ``key_cache``.
-        block_tables: int32 ``[S, max_blocks]``.
-        seq_lens: int32 ``[S]``: context lengths, this step's tokens included.
-        query_start_loc: int32 ``[S + 1]``; every sequence has at least one query token.
-        scale: softmax scale.
         max_query_len: the most query tokens of one sequence (1: a decode step, which may split).
         num_sms: multiprocessors a split decode fills; None: the device's.
-
-    Returns:
-        ``[T, heads, head_dim]`` in the query's dtype (accumulated in float32; float64 for float64).
     """
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -343,7 +326,8 @@ def paged_attention(
 
 
 class TritonBackend:
-    """CUDA attention: keys and values written with ``index_copy_``, attention by the Triton kernels.
+    """CUDA attention: keys and values written as the reference writes them (``index_copy_``), attention by the
+    Triton kernels.
 
     Args:
         num_sms: multiprocessors a split decode fills; None: the device's (tests set it).
@@ -356,9 +340,7 @@ class TritonBackend:
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        num_kv_heads, head_dim = key_cache.shape[-2], key_cache.shape[-1]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+        reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:

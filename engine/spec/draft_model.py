@@ -2,6 +2,10 @@
 "draft"``): greedy tokens from the draft model over the request's tokens, proposed through the same
 interface as the draftless proposers (engine/spec/speculator.py).
 
+The model layer hands in what the proposer runs: the loaded draft and target models and the draft's block
+shape (:class:`DraftModel`, :class:`DraftBlockShape`: engine/model/model_setup.py builds the proposer; spec/
+does not import the model layer). Imports torch and transformers.
+
 The draft model's keys and values live in a pool of its own, allocated once (its size is part of the KV
 budget: engine/model/model_setup.py sizes both pools together, the draft's after its weights are loaded),
 in blocks of :data:`BLOCK_TOKENS` tokens; each request keeps the blocks of the tokens it has fed. A step
@@ -30,7 +34,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
@@ -38,8 +42,6 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.errors import ModelLoadError
-from tokenmill.engine.model.kv_cache import KVCacheSpec, lazy_zeros
-from tokenmill.engine.model.model_loader import LoadedModel
 from tokenmill.engine.output.no_tokenizer import NoTokenizer
 
 logger = logging.getLogger(__name__)
@@ -51,12 +53,49 @@ MAX_BATCH_TOKENS = 1 << 16  # rows x longest row of one batch of draft forwards 
 PAD_TOKEN_ID = 0
 
 
-def draft_kv_bytes_per_token(spec: KVCacheSpec) -> int:
+class DraftModel(Protocol):
+    """What the proposers read of a loaded model (engine/model/model_loader.py's ``LoadedModel``)."""
+
+    model: Any  # a transformers PreTrainedModel
+    tokenizer: Any  # its Hugging Face tokenizer, or a NoTokenizer (a random-weight model)
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    source: str  # for errors
+
+
+class DraftBlockShape(Protocol):
+    """The shape of one block of the draft model's cache (engine/model/kv_cache.py's ``KVCacheSpec``)."""
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def bytes_per_block(self) -> int: ...
+
+    def zeroed_blocks(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        """``[layers, 2 (key, value), num_blocks, block_size, kv_heads, head_dim]`` zeros on ``device``."""
+        ...
+
+
+def draft_kv_bytes_per_token(spec: DraftBlockShape) -> int:
     """Bytes of the draft model's keys and values per token (``spec``: its block shape)."""
     return spec.bytes_per_block // spec.block_size
 
 
-def draft_working_bytes(spec: KVCacheSpec, num_heads: int, vocab_size: int = 0, max_rows: int = 0,
+def draft_working_bytes(spec: DraftBlockShape, num_heads: int, vocab_size: int = 0, max_rows: int = 0,
                         max_batch_tokens: int = MAX_BATCH_TOKENS) -> int:
     """An estimate of the device memory a batch of draft forwards needs beside the pool and the weights: one
     layer's keys and values gathered for the batch and their copies expanded to ``num_heads`` query heads
@@ -144,7 +183,7 @@ class DraftModelProposer:
 
     name = "draft"
 
-    def __init__(self, draft: LoadedModel, target: LoadedModel, spec: KVCacheSpec, cache_tokens: int,
+    def __init__(self, draft: DraftModel, target: DraftModel, spec: DraftBlockShape, cache_tokens: int,
                  max_batch_tokens: int = MAX_BATCH_TOKENS) -> None:
         check_draft_model(draft, target)
         self.draft = draft
@@ -156,8 +195,7 @@ class DraftModelProposer:
         self._trash_block = self.num_blocks  # NOTE: one block more: the slot every padding row writes to
         shape = (spec.num_layers, 2, (self.num_blocks + 1) * spec.block_size, spec.num_kv_heads, spec.head_dim)
         # NOTE: zeros, never uninitialised memory: a masked key is still multiplied (0 x NaN is NaN)
-        pool = lazy_zeros(shape, spec.dtype) if draft.device.type == "cpu" else \
-            torch.zeros(shape, dtype=spec.dtype, device=draft.device)
+        pool = spec.zeroed_blocks(self.num_blocks + 1, draft.device).view(shape)
         self.pool = pool
         self._keys = [pool[layer, 0] for layer in range(spec.num_layers)]
         self._values = [pool[layer, 1] for layer in range(spec.num_layers)]
@@ -394,7 +432,7 @@ class SequentialDraftProposer:
 
     name = "draft"
 
-    def __init__(self, draft: LoadedModel, target: LoadedModel) -> None:
+    def __init__(self, draft: DraftModel, target: DraftModel) -> None:
         check_draft_model(draft, target)
         self.draft = draft
         self._cache_kwarg = _forward_kwargs(draft.model)["cache"]
@@ -465,7 +503,7 @@ def _forward_kwargs(model: Any) -> dict[str, Any]:
     return kwargs
 
 
-def check_draft_model(draft: LoadedModel, target: LoadedModel) -> None:
+def check_draft_model(draft: DraftModel, target: DraftModel) -> None:
     """Raises:
         ModelLoadError: the two models' tokenizers differ (draft token ids would mean other text).
     """
@@ -473,7 +511,7 @@ def check_draft_model(draft: LoadedModel, target: LoadedModel) -> None:
         raise ModelLoadError(f"draft model {draft.source} does not share the tokenizer of {target.source}")
 
 
-def _same_vocabulary(draft: LoadedModel, target: LoadedModel) -> bool:
+def _same_vocabulary(draft: DraftModel, target: DraftModel) -> bool:
     if isinstance(draft.tokenizer, NoTokenizer) or isinstance(target.tokenizer, NoTokenizer):
         return bool(draft.model.config.vocab_size == target.model.config.vocab_size)
     return bool(draft.tokenizer.get_vocab() == target.tokenizer.get_vocab())

@@ -2,7 +2,8 @@
 (a JSON key the schema fixes, the punctuation between fields, the closing braces), those tokens are
 proposed as a draft. The model verifies them like any draft (the rows' masks follow the grammar over
 the draft, engine/sample/grammar_mask.py), so they are kept unless the model's tokenizer would spell
-the forced text in other tokens. Imports xgrammar lazily (with the first structured request).
+the forced text in other tokens. Shares the sampler's grammar matchers (engine/sample/, which imports
+torch); imports xgrammar lazily (with the first structured request).
 
 xgrammar's jump-forward walks the whole forced continuation, however long, and cannot be stopped or
 limited: it runs only for grammars whose forced continuations are proven bounded at compile time
