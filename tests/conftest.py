@@ -23,7 +23,9 @@ import redis
 
 from tests.processes import child_pids, free_port, multiprocessing_children, scaled_s, stop_children_started_since
 from tests.triton_interpreter import enable_interpreter_without_cuda
+from tokenmill.producer import Producer
 from tokenmill.producer.embedded import server_binary
+from tokenmill.protocol.keys import Keys
 
 # NOTE: before any test module imports triton (transformers does, through torch._dynamo): see there.
 enable_interpreter_without_cuda()
@@ -129,6 +131,19 @@ def key_prefix(redis_client: redis.Redis) -> Iterator[str]:
     yield prefix
     for key in redis_client.scan_iter(match=f"{prefix}:*", count=1000):
         redis_client.delete(key)
+
+
+@pytest.fixture
+def keys(key_prefix: str) -> Keys:
+    """The keys of a queue under this test's prefix."""
+    return Keys(prefix=key_prefix)
+
+
+@pytest.fixture
+def producer(redis_url: str, key_prefix: str) -> Iterator[Producer]:
+    """A producer on the session's Redis, under this test's prefix."""
+    with Producer(redis_url, prefix=key_prefix) as client:
+        yield client
 
 
 @pytest.fixture
