@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ import redis
 
 from tests.processes import child_pids, free_port, multiprocessing_children, scaled_s, stop_children_started_since
 from tests.triton_interpreter import enable_interpreter_without_cuda
-from tokenmill.producer import Producer
+from tokenmill.producer import Producer, embedded
 from tokenmill.producer.embedded import server_binary
 from tokenmill.protocol.keys import Keys
 
@@ -144,6 +145,18 @@ def producer(redis_url: str, key_prefix: str) -> Iterator[Producer]:
     """A producer on the session's Redis, under this test's prefix."""
     with Producer(redis_url, prefix=key_prefix) as client:
         yield client
+
+
+@pytest.fixture
+def redis_dir() -> Iterator[Path]:
+    """A private data dir for the embedded Redis (short: a unix socket path has at most 107 bytes); the server the
+    commands under test started there is stopped afterwards (it is a daemon: no child of the test)."""
+    root = Path(tempfile.mkdtemp(prefix="tm-", dir="/tmp"))
+    try:
+        yield root / "redis"
+    finally:
+        embedded.stop(root / "redis")
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
