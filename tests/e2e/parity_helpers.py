@@ -1,19 +1,14 @@
-"""Reference generations with Hugging Face ``generate``, the near-tie rule for comparing them, and a draft proposer
-that knows them (speculative decoding kept in full, in part or not at all)."""
+"""Reference generations with Hugging Face ``generate`` and the near-tie rule for comparing them."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-
-from tests.tiny_models import VOCAB_SIZE
-from tokenmill.engine.core.request import Request
 
 NEAR_TIE = 1e-4  # a float32 divergence is accepted only where the reference's top two logits are this close
 
@@ -86,27 +81,3 @@ def random_prompts(vocab_size: int, num_prompts: int, seed: int, min_len: int = 
     return [
         [rng.randrange(4, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_prompts)
     ]
-
-
-class OracleDrafts:
-    """Drafts the known greedy continuation of each prompt, with every ``wrong_every``-th output
-    position replaced by a wrong token (0 = never), so drafts are kept in full, in part or not at all."""
-
-    name = "oracle"
-
-    def __init__(self, continuations: dict[tuple[int, ...], list[int]], wrong_every: int) -> None:
-        self.continuations = continuations
-        self.wrong_every = wrong_every
-
-    def propose(self, wanted: list[tuple[Request, Sequence[int], int]]) -> dict[str, list[int]]:
-        drafts = {}
-        for request, _, num_tokens in wanted:
-            start = request.num_output_tokens
-            truth = self.continuations[tuple(request.prompt_token_ids)][start:start + num_tokens]
-            drafts[request.request_id] = [
-                (t + 1) % VOCAB_SIZE if self.wrong_every and (start + i) % self.wrong_every == self.wrong_every - 1
-                else t for i, t in enumerate(truth)]
-        return {request_id: draft for request_id, draft in drafts.items() if draft}
-
-    def finished(self, request: Request) -> None:
-        pass

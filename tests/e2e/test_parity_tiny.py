@@ -9,15 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.parity_helpers import (
-    BACKENDS,
-    DEVICES,
-    OracleDrafts,
-    attention_backend,
-    hf_greedy,
-    load_reference,
-    random_prompts,
-)
+from tests.e2e.oracle_drafts import OracleDrafts
+from tests.e2e.parity_helpers import BACKENDS, DEVICES, attention_backend, hf_greedy, load_reference, random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import FAMILIES, VOCAB_SIZE
 from tokenmill.protocol.sampling import SamplingParams

@@ -16,14 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.e2e.parity_helpers import (
-    DEVICES,
-    OracleDrafts,
-    attention_backend,
-    hf_greedy,
-    load_reference,
-    random_prompts,
-)
+from tests.e2e.oracle_drafts import OracleDrafts
+from tests.e2e.parity_helpers import DEVICES, attention_backend, hf_greedy, load_reference, random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import VOCAB_SIZE
 from tokenmill.engine import Engine
