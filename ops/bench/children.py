@@ -1,7 +1,7 @@
 """Benchmarks that run each measured system in a child process of their own (the script itself, with hidden
 options), so each system's peak memory and CPU time are its own: the options (:func:`add_child_arguments`), each
 system's interpreter and environment (vLLM in its virtualenv), launching a child (:func:`run_system`) and the JSON
-result it hands back (:func:`write_child_result`). Standard library only (the parent imports the engine's config
+result it hands back (:func:`answered_as_child`). Standard library only (the parent imports the engine's config
 to read a size).
 """
 
@@ -11,7 +11,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,8 @@ def gib(size: str) -> int:
 
 
 def add_child_arguments(parser: Any) -> None:
-    """The hidden options a benchmark passes to its own child processes (:func:`run_system`)."""
+    """The hidden options a benchmark passes to its own child processes (:func:`run_system`,
+    :func:`answered_as_child`)."""
     import argparse
 
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -87,7 +88,7 @@ def run_system(script: str, args: Any, system: str, workload_file: Path, result_
     ``args.threads``, ``args.vllm_venv`` and ``args.kv_cache_memory``, for at most ``args.child_timeout`` seconds.
 
     Returns:
-        The result the child wrote (:func:`write_child_result`), or ``{"error": ...}`` (:func:`run_child`).
+        The result the child wrote (:func:`answered_as_child`), or ``{"error": ...}`` (:func:`run_child`).
     """
     python, env = child_python_and_env(system, args.threads, args.vllm_venv, args.kv_cache_memory)
     argv = [str(Path(script).resolve()), "--child", system, "--workload-file", str(workload_file),
@@ -95,6 +96,10 @@ def run_system(script: str, args: Any, system: str, workload_file: Path, result_
     return run_child(argv, result_file, timeout_s=args.child_timeout, python=python, env=env)
 
 
-def write_child_result(args: Any, result: dict[str, Any]) -> None:
-    """In a child process: its ``result``, to the ``--result-file`` its parent reads (:func:`run_system`)."""
-    Path(args.result_file).write_text(json.dumps(result, default=str))
+def answered_as_child(args: Any, child_main: Callable[[Any], dict[str, Any]]) -> bool:
+    """In a child process (``--child``): run ``child_main`` and hand its result to the parent's :func:`run_system`
+    (the ``--result-file``); then True. False in the parent."""
+    if not args.child:
+        return False
+    Path(args.result_file).write_text(json.dumps(child_main(args), default=str))
+    return True

@@ -31,7 +31,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from ops.bench.children import add_child_arguments, run_system, write_child_result
+from ops.bench.children import add_child_arguments, answered_as_child, run_system
 from ops.bench.common import fmt, machine_info, percentile, print_table, write_json
 from ops.bench.workload import DOCUMENT_SENTENCES, INSTRUCTIONS, QUESTIONS
 
@@ -171,12 +171,8 @@ def child_main(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.child:
-        write_child_result(args, child_main(args))
+    if answered_as_child(args, child_main):
         return 0
-    if args.quick:
-        args.num_requests, args.prefix_tokens, args.output_tokens = 16, 400, 16
-        args.num_sampled_prompts, args.sampled_prompt_tokens = 4, 128
     from ops.bench.throughput import resolve_model_dir
 
     args.model_dir = args.model_dir or resolve_model_dir(args.model)
@@ -274,7 +270,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--child-timeout", type=float, default=1200.0)
     parser.add_argument("--json", default="", help="write the JSON report here")
     add_child_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.num_requests, args.prefix_tokens, args.output_tokens = 16, 400, 16
+        args.num_sampled_prompts, args.sampled_prompt_tokens = 4, 128
+    return args
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from ops.bench.children import add_child_arguments, run_system, write_child_result
+from ops.bench.children import add_child_arguments, answered_as_child, run_system
 from ops.bench.common import fmt, machine_info, print_table, write_json
 from ops.bench.workload import DOCUMENT_SENTENCES, _template, build_workload
 
@@ -421,8 +421,7 @@ def child_main(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.child:
-        write_child_result(args, child_main(args))
+    if answered_as_child(args, child_main):
         return 0
     from ops.bench.throughput import resolve_model_dir
 

@@ -43,7 +43,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from ops.bench.children import add_child_arguments, run_system, write_child_result
+from ops.bench.children import add_child_arguments, answered_as_child, run_system
 from ops.bench.common import (
     current_rss_bytes,
     fmt,
@@ -566,14 +566,8 @@ def _child_options(system: str, args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.child:
-        write_child_result(args, child_main(args))
+    if answered_as_child(args, child_main):
         return 0
-    if args.quick:
-        args.num_requests = min(args.num_requests, 16)
-        args.max_output_tokens = min(args.max_output_tokens, 96)
-        args.mean_output_tokens = min(args.mean_output_tokens, 32.0)
-        args.hf_batch1_limit = min(args.hf_batch1_limit, 4)
     args.model_dir = args.model_dir or (args.model if args.random_init else resolve_model_dir(args.model))
     from transformers import AutoTokenizer
 
@@ -826,7 +820,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", default="", help="write the JSON report here")
     add_child_arguments(parser)
     parser.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.num_requests = min(args.num_requests, 16)
+        args.max_output_tokens = min(args.max_output_tokens, 96)
+        args.mean_output_tokens = min(args.mean_output_tokens, 32.0)
+        args.hf_batch1_limit = min(args.hf_batch1_limit, 4)
+    return args
 
 
 if __name__ == "__main__":
