@@ -107,10 +107,6 @@ def _route_view(pages: tuple[str, ...], data: str, template: str, view: View, *,
     router.add_api_route(data, show_data, methods=["GET"])
 
 
-def _is_deep(request: Request) -> bool:
-    return request.query_params.get("deep") == "1"
-
-
 def _dead_letters(state: DashboardState, request: Request) -> Awaitable[dict[str, Any]]:
     query = request.query_params
     return reads.dead_page(state, reason=query.get("reason") or None, before=query.get("before") or None)
@@ -136,7 +132,7 @@ async def find_request(request: Request) -> Response:
 
 _route_view(("/requests/{request_id:path}",), "/api/requests/{request_id:path}", "request.html",
             lambda state, request: reads.request_info(state, request.path_params["request_id"],
-                                                      deep=_is_deep(request)), refresh_s=1.0)
+                                                      deep=request.query_params.get("deep") == "1"), refresh_s=1.0)
 
 
 @router.get("/dead")
