@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenmill.protocol.config import ServeConfig
 from tokenmill.protocol.schema import new_request_id
 from tokenmill.serve.errors import REQUEST_ID_HEADER, APIError
+from tokenmill.serve.middleware import HttpMiddleware
 
 PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"})  # probes and scrapers carry no API key
 # The dashboard checks its callers itself (a Bearer key or its sign-in cookie: serve/dashboard/auth.py).
@@ -41,7 +42,7 @@ def account_of_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-class Guard:
+class Guard(HttpMiddleware):
     """The ASGI middleware described in the module docstring.
 
     Args:
@@ -50,12 +51,10 @@ class Guard:
     """
 
     def __init__(self, app: ASGIApp, config: ServeConfig) -> None:
-        self.app, self.config = app, config
+        super().__init__(app)
+        self.config = config
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = scope.setdefault("state", {})
         state["request_id"] = request_id = new_request_id()
 

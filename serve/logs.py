@@ -14,13 +14,14 @@ import logging
 import time
 
 from starlette.requests import Request
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.config import LOG_LEVELS
 
 from tokenmill.protocol.config import ServeConfig
 from tokenmill.protocol.logs import log_to_stderr
 from tokenmill.protocol.schema import Usage
 from tokenmill.serve.guard import PUBLIC_PATHS
+from tokenmill.serve.middleware import HttpMiddleware, StatusNoted
 
 log = logging.getLogger("tokenmill.serve")
 access_log = logging.getLogger("tokenmill.serve.access")
@@ -69,7 +70,7 @@ def traffic_of(request: Request) -> Traffic:
     return traffic
 
 
-class AccessLog:
+class AccessLog(HttpMiddleware):
     """One info line per HTTP request once its response ended (a stream's whole length), guard refusals and
     unknown paths included; counts the API requests for :class:`Traffic`.
 
@@ -79,20 +80,11 @@ class AccessLog:
     """
 
     def __init__(self, app: ASGIApp, traffic: Traffic) -> None:
-        self.app, self.traffic = app, traffic
+        super().__init__(app)
+        self.traffic = traffic
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 500  # what Starlette answers when the app raises before responding
-
-        async def send_logged(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        send_logged = StatusNoted(send)
         started = time.perf_counter()
         try:
             await self.app(scope, receive, send_logged)
@@ -100,7 +92,7 @@ class AccessLog:
             if scope["path"] not in PUBLIC_PATHS:
                 self.traffic.num_requests += 1
             if access_log.isEnabledFor(logging.INFO):
-                self._log(scope, status, time.perf_counter() - started)
+                self._log(scope, send_logged.status, time.perf_counter() - started)
 
     @staticmethod
     def _log(scope: Scope, status: int, duration_s: float) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tokenmill.serve.middleware import HttpMiddleware, StatusNoted
 
 # Seconds from the request's head to its response's end (a streamed or long generation included).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -38,7 +40,7 @@ class ServeMetrics:
         return generate_latest(self.registry)
 
 
-class MetricsMiddleware:
+class MetricsMiddleware(HttpMiddleware):
     """Counts every HTTP request, those the guard refuses before routing included. A request is
     labelled by its route's template (``/v1/files/{file_id}``, from the ``route`` Starlette's
     router puts in the scope), never its raw path: one series per file id would have no bound.
@@ -49,21 +51,12 @@ class MetricsMiddleware:
     """
 
     def __init__(self, app: ASGIApp, metrics: ServeMetrics) -> None:
-        self.app, self.metrics = app, metrics
+        super().__init__(app)
+        self.metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         method = scope["method"] if scope["method"] in METHODS else "other"  # a client's word: bound the series
-        status = 500  # what Starlette answers when the app raises before responding
-
-        async def send_counted(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        send_counted = StatusNoted(send)
         started = time.perf_counter()
         self.metrics.in_flight.inc()
         try:
@@ -72,4 +65,4 @@ class MetricsMiddleware:
             self.metrics.in_flight.dec()
             route = str(getattr(scope.get("route"), "path", UNROUTED))
             self.metrics.latency_s.labels(route, method).observe(time.perf_counter() - started)
-            self.metrics.requests.labels(route, method, str(status)).inc()
+            self.metrics.requests.labels(route, method, str(send_counted.status)).inc()

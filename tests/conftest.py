@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,7 +24,10 @@ import redis
 
 from tests.processes import child_pids, free_port, multiprocessing_children, scaled_s, stop_children_started_since
 from tests.triton_interpreter import enable_interpreter_without_cuda
+from tokenmill.producer import Producer
+from tokenmill.protocol import embedded_redis
 from tokenmill.protocol.embedded_redis import server_binary
+from tokenmill.protocol.keys import Keys
 
 # NOTE: before any test module imports triton (transformers does, through torch._dynamo): see there.
 enable_interpreter_without_cuda()
@@ -129,6 +133,31 @@ def key_prefix(redis_client: redis.Redis) -> Iterator[str]:
     yield prefix
     for key in redis_client.scan_iter(match=f"{prefix}:*", count=1000):
         redis_client.delete(key)
+
+
+@pytest.fixture
+def keys(key_prefix: str) -> Keys:
+    """The keys of a queue under this test's prefix."""
+    return Keys(prefix=key_prefix)
+
+
+@pytest.fixture
+def producer(redis_url: str, key_prefix: str) -> Iterator[Producer]:
+    """A producer on the session's Redis, under this test's prefix."""
+    with Producer(redis_url, prefix=key_prefix) as client:
+        yield client
+
+
+@pytest.fixture
+def redis_dir() -> Iterator[Path]:
+    """A private data dir for the embedded Redis (short: a unix socket path has at most 107 bytes); the server the
+    commands under test started there is stopped afterwards (it is a daemon: no child of the test)."""
+    root = Path(tempfile.mkdtemp(prefix="tm-", dir="/tmp"))
+    try:
+        yield root / "redis"
+    finally:
+        embedded_redis.stop(root / "redis")
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

@@ -1,16 +1,14 @@
 """``tokenmill serve --model`` and ``tokenmill bulk --model`` as a fresh clone's user runs them: the CLI as a process
-of its own, no Redis configured (the embedded one, in a private data dir stopped afterwards), no settings from
-this machine's environment; the process stopped even when the test fails."""
+of its own, no Redis configured (the embedded one, in the private data dir of the ``redis_dir`` fixture,
+tests/conftest.py), no settings from this machine's environment; the process stopped even when the test fails."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,21 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tests.processes import scaled_s
-from tokenmill.protocol import embedded_redis
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@contextmanager
-def embedded_redis_dir() -> Iterator[Path]:
-    """A private data dir for the embedded Redis (short: a unix socket path has at most 107 bytes); the server the
-    commands started there is stopped afterwards (it is a daemon: no child of the test)."""
-    root = Path(tempfile.mkdtemp(prefix="tm-", dir="/tmp"))
-    try:
-        yield root / "redis"
-    finally:
-        embedded_redis.stop(root / "redis")
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def fresh_env(redis_dir: Path, **extra: str) -> dict[str, str]:

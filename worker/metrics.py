@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.core.fleet_cache import Fallback
@@ -126,43 +126,29 @@ class _EngineCollector:
         stats = self._metrics.engine_stats
         for name, text, gauge in _ENGINE_GAUGES:
             yield GaugeMetricFamily(name, text, value=float(gauge(stats)))
-        preemptions = CounterMetricFamily("tokenmill_preemptions", "preemptions by cause", labels=["cause"])
-        for cause, count in stats.counters.cause_to_num_preemptions.items():
-            preemptions.add_metric([cause.value], float(count))
-        yield preemptions
-        fallbacks = CounterMetricFamily("tokenmill_fleet_cache_fallbacks", "requests that computed prompt blocks the "
-                                        "fleet's store held (or may have held), by reason", labels=["reason"])
-        for reason in Fallback:  # NOTE: every reason from the start (at 0), so rate() sees each series' first rise
-            fallbacks.add_metric([reason.value], float(stats.fleet.fallbacks.get(reason.value, 0)))
-        yield fallbacks
+        preemptions = stats.counters.cause_to_num_preemptions
+        yield _labelled_counter("tokenmill_preemptions", "preemptions by cause", "cause",
+                                ((cause.value, count) for cause, count in preemptions.items()))
+        # NOTE: every reason from the start (at 0), so rate() sees each series' first rise
+        yield _labelled_counter("tokenmill_fleet_cache_fallbacks", "requests that computed prompt blocks the fleet's "
+                                "store held (or may have held), by reason", "reason",
+                                ((reason.value, stats.fleet.fallbacks.get(reason.value, 0)) for reason in Fallback))
         for name, text, counter in _ENGINE_COUNTERS:
             yield CounterMetricFamily(name, text, value=float(counter(stats)))
         spec = stats.speculation
         # NOTE: position 1 is a draft's first token; a position counts once per draft that reached it.
-        for name, text, by_position in (
-                ("tokenmill_spec_drafted_by_position", "speculative drafts with a token at this position",
-                 spec.drafted_by_position),
-                ("tokenmill_spec_accepted_by_position", "speculative drafts whose token at this position was kept",
-                 spec.accepted_by_position)):
-            family = CounterMetricFamily(name, text, labels=["position"])
-            for position, count in enumerate(by_position, start=1):
-                family.add_metric([str(position)], float(count))
-            yield family
-        lengths = CounterMetricFamily("tokenmill_spec_draft_length_choices", "(request, step) pairs by the "
-                                      "draft length the speculator chose (0: no draft)", labels=["length"])
-        for length, count in sorted(spec.draft_length_counts.items()):
-            lengths.add_metric([str(length)], float(count))
-        yield lengths
-        for name, text, by_proposer in (
-                ("tokenmill_spec_draft_tokens_by_proposer", "speculative draft tokens run, by the proposer that "
-                 "drafted them (grammar, ngram, suffix, ngram-1 and suffix-1: single-token matches, draft)",
-                 spec.draft_tokens_by_proposer),
-                ("tokenmill_spec_accepted_tokens_by_proposer", "speculative draft tokens kept, by proposer",
-                 spec.accepted_tokens_by_proposer)):
-            family = CounterMetricFamily(name, text, labels=["proposer"])
-            for proposer, count in sorted(by_proposer.items()):
-                family.add_metric([proposer], float(count))
-            yield family
+        yield _labelled_counter("tokenmill_spec_drafted_by_position", "speculative drafts with a token at this "
+                                "position", "position", _by_position(spec.drafted_by_position))
+        yield _labelled_counter("tokenmill_spec_accepted_by_position", "speculative drafts whose token at this "
+                                "position was kept", "position", _by_position(spec.accepted_by_position))
+        yield _labelled_counter("tokenmill_spec_draft_length_choices", "(request, step) pairs by the draft length "
+                                "the speculator chose (0: no draft)", "length",
+                                ((str(length), count) for length, count in sorted(spec.draft_length_counts.items())))
+        yield _labelled_counter("tokenmill_spec_draft_tokens_by_proposer", "speculative draft tokens run, by the "
+                                "proposer that drafted them (grammar, ngram, suffix, ngram-1 and suffix-1: single-"
+                                "token matches, draft)", "proposer", sorted(spec.draft_tokens_by_proposer.items()))
+        yield _labelled_counter("tokenmill_spec_accepted_tokens_by_proposer", "speculative draft tokens kept, by "
+                                "proposer", "proposer", sorted(spec.accepted_tokens_by_proposer.items()))
         for name, text, error in _LENGTH_ERRORS:
             value = error(stats)
             if value is not None:
@@ -356,6 +342,21 @@ class WorkerMetrics:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+
+
+def _labelled_counter(name: str, text: str, label: str, counts: Iterable[tuple[str, float]]) -> Metric:
+    """A counter family of one label: a series per ``(label value, count)``."""
+    from prometheus_client.core import CounterMetricFamily  # noqa: PLC0415 - optional extra
+
+    family = CounterMetricFamily(name, text, labels=[label])
+    for value, count in counts:
+        family.add_metric([value], float(count))
+    return family
+
+
+def _by_position(counts: Sequence[int]) -> Iterator[tuple[str, int]]:
+    """Counts by draft position, the first position numbered 1."""
+    return ((str(position), count) for position, count in enumerate(counts, start=1))
 
 
 def _add(total: int | None, value: int | None) -> int | None:

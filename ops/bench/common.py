@@ -1,5 +1,6 @@
-"""Helpers shared by the benchmark scripts: percentiles, peak memory, child processes, tables
-and JSON reports. Standard library only (the scripts import torch/redis themselves).
+"""Helpers shared by the benchmark scripts: percentiles, peak memory, tables, JSON reports, and the long-running
+helper processes (a worker, a server) they start and stop. Standard library only (the scripts import torch/redis
+themselves). A benchmark's measured systems run in child processes of their own: ops/bench/children.py.
 """
 
 from __future__ import annotations
@@ -87,59 +88,6 @@ def write_json(path: str | None, report: dict[str, Any]) -> None:
     print(f"\nJSON report: {path}")
 
 
-def run_child(argv: list[str], result_path: Path, timeout_s: float | None = None,
-              python: str | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run ``python argv...`` in a fresh process (so peak memory is its own) and read the JSON it
-    wrote to ``result_path``.
-
-    Returns:
-        The child's JSON, or ``{"error": ...}`` if it failed or timed out.
-    """
-    cmd = [python or sys.executable, *argv]
-    child_env = {**os.environ, **(env or {})}
-    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), child_env.get("PYTHONPATH")]))
-    try:
-        proc = subprocess.run(cmd, env=child_env, timeout=timeout_s, cwd=REPO_ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout_s:.0f} s"}
-    if proc.returncode != 0 or not result_path.exists():
-        tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
-        return {"error": f"exit code {proc.returncode}", "output_tail": tail}
-    return dict(json.loads(result_path.read_text()))
-
-
-def child_env(threads: int) -> dict[str, str]:
-    """Environment of a benchmarked system's process: ``threads`` compute threads, offline hub."""
-    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-
-
-def vllm_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
-    """vLLM-CPU computing on cores ``0..threads-1`` with ``kv_cache_gib`` of KV cache.
-
-    NOTE: in-process engine core (no multiprocessing), so the child's peak RSS and CPU time are vLLM's own.
-    """
-    return {**child_env(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(max(1, kv_cache_gib))}
-
-
-def child_python_and_env(system: str, threads: int, vllm_venv: str,
-                         kv_cache_memory: str) -> tuple[str | None, dict[str, str]]:
-    """The interpreter (None: this one) and environment of ``system``'s child process: vLLM runs in
-    the virtualenv ``vllm_venv`` under :func:`vllm_env`, every other system under :func:`child_env`."""
-    if system != "vllm":
-        return None, child_env(threads)
-    return str(Path(vllm_venv) / "bin" / "python"), vllm_env(threads, gib(kv_cache_memory))
-
-
-def gib(size: str) -> int:
-    """A size such as ``"4GiB"`` in whole GiB (the parent process only: it imports the engine's config)."""
-    from tokenmill.engine.config import parse_bytes
-
-    return round(parse_bytes(size) / 2**30)
-
-
 def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start a long-running helper (a worker, a server) from the repository root, output to ``log_path``."""
     full_env = {**os.environ, **(env or {})}
@@ -159,12 +107,3 @@ def stop(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def add_child_arguments(parser: Any) -> None:
-    """The hidden options a benchmark passes to its own child processes."""
-    import argparse
-
-    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--workload-file", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--result-file", default="", help=argparse.SUPPRESS)

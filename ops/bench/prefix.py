@@ -31,16 +31,8 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from ops.bench.common import (
-    add_child_arguments,
-    child_python_and_env,
-    fmt,
-    machine_info,
-    percentile,
-    print_table,
-    run_child,
-    write_json,
-)
+from ops.bench.children import add_child_arguments, answered_as_child, run_system
+from ops.bench.common import fmt, machine_info, percentile, print_table, write_json
 from ops.bench.workload import DOCUMENT_SENTENCES, INSTRUCTIONS, QUESTIONS
 
 SYSTEMS = ("cache_on", "cache_off", "vllm", "n8", "independent_off", "independent_on")
@@ -154,26 +146,24 @@ def run_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, An
             "ttft_p50_s": percentile(ttfts, 50) if ttfts else None}
 
 
-def child_main(args: argparse.Namespace) -> None:
+def child_main(args: argparse.Namespace) -> dict[str, Any]:
     workload = json.loads(Path(args.workload_file).read_text())
     system = args.child
     if system == "vllm":
-        result = run_vllm(args, workload["shared"])
-    elif system in ("cache_on", "cache_off"):
+        return run_vllm(args, workload["shared"])
+    if system in ("cache_on", "cache_off"):
         shared = workload["shared"]
-        result = run_tokenmill(args, shared, caching=system == "cache_on", n=1, seed_per_prompt=[0] * len(shared),
-                               temperature=0.0)
-    elif system == "n8":
+        return run_tokenmill(args, shared, caching=system == "cache_on", n=1, seed_per_prompt=[0] * len(shared),
+                             temperature=0.0)
+    if system == "n8":
         prompts = workload["sampled"]
-        result = run_tokenmill(args, prompts, caching=True, n=SAMPLES, seed_per_prompt=[100 * i for i in
-                                                                                        range(len(prompts))],
-                               temperature=1.0)
-    else:  # the same samples as independent requests: prompt i's sample s has seed 100 * i + s
-        prompts = [p for p in workload["sampled"] for _ in range(SAMPLES)]
-        seeds = [100 * i + s for i in range(len(workload["sampled"])) for s in range(SAMPLES)]
-        result = run_tokenmill(args, prompts, caching=system == "independent_on", n=1, seed_per_prompt=seeds,
-                               temperature=1.0)
-    Path(args.result_file).write_text(json.dumps(result))
+        return run_tokenmill(args, prompts, caching=True, n=SAMPLES,
+                             seed_per_prompt=[100 * i for i in range(len(prompts))], temperature=1.0)
+    # the same samples as independent requests: prompt i's sample s has seed 100 * i + s
+    prompts = [p for p in workload["sampled"] for _ in range(SAMPLES)]
+    seeds = [100 * i + s for i in range(len(workload["sampled"])) for s in range(SAMPLES)]
+    return run_tokenmill(args, prompts, caching=system == "independent_on", n=1, seed_per_prompt=seeds,
+                         temperature=1.0)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -181,12 +171,8 @@ def child_main(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.child:
-        child_main(args)
+    if answered_as_child(args, child_main):
         return 0
-    if args.quick:
-        args.num_requests, args.prefix_tokens, args.output_tokens = 16, 400, 16
-        args.num_sampled_prompts, args.sampled_prompt_tokens = 4, 128
     from ops.bench.throughput import resolve_model_dir
 
     args.model_dir = args.model_dir or resolve_model_dir(args.model)
@@ -207,11 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         workload_file.write_text(json.dumps({"shared": shared, "sampled": sampled}))
         for system in systems:
             result_file = Path(tmp) / f"{system}.json"
-            argv = [str(Path(__file__).resolve()), "--child", system, "--workload-file", str(workload_file),
-                    "--result-file", str(result_file), *_shared_argv(args)]
-            python, env = child_python_and_env(system, args.threads, args.vllm_venv, args.kv_cache_memory)
             print(f"running {LABELS[system]} ...", flush=True)
-            results[system] = run_child(argv, result_file, timeout_s=args.child_timeout, python=python, env=env)
+            results[system] = run_system(__file__, args, system, workload_file, result_file, _shared_argv(args))
             if "error" in results[system]:
                 print(f"  FAILED: {results[system]['error']}\n{results[system].get('output_tail', '')}")
     report = {"benchmark": "prefix", "args": vars(args), "machine": machine_info(), "results": results,
@@ -287,7 +270,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--child-timeout", type=float, default=1200.0)
     parser.add_argument("--json", default="", help="write the JSON report here")
     add_child_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.num_requests, args.prefix_tokens, args.output_tokens = 16, 400, 16
+        args.num_sampled_prompts, args.sampled_prompt_tokens = 4, 128
+    return args
 
 
 if __name__ == "__main__":

@@ -47,15 +47,8 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
-from ops.bench.common import (
-    add_child_arguments,
-    child_python_and_env,
-    fmt,
-    machine_info,
-    print_table,
-    run_child,
-    write_json,
-)
+from ops.bench.children import add_child_arguments, answered_as_child, run_system
+from ops.bench.common import fmt, machine_info, print_table, write_json
 from ops.bench.workload import DOCUMENT_SENTENCES, _template, build_workload
 
 COPY_TASKS = ("repeat", "rewrite", "json", "rename", "spelling")
@@ -417,11 +410,10 @@ def run_vllm(args: argparse.Namespace, cells: list[dict[str, Any]], warmup: list
     return {"cells": results, "vllm_version": vllm.__version__}
 
 
-def child_main(args: argparse.Namespace) -> None:
+def child_main(args: argparse.Namespace) -> dict[str, Any]:
     workload = json.loads(Path(args.workload_file).read_text())
     run = run_vllm if args.child == "vllm" else run_tokenmill
-    result = run(args, workload["cells"], workload["warmup"])
-    Path(args.result_file).write_text(json.dumps(result))
+    return run(args, workload["cells"], workload["warmup"])
 
 
 # ----------------------------------------------------------------------------- driver
@@ -429,8 +421,7 @@ def child_main(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.child:
-        child_main(args)
+    if answered_as_child(args, child_main):
         return 0
     from ops.bench.throughput import resolve_model_dir
 
@@ -455,12 +446,10 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in args.dtypes:
             for system in ("tokenmill", "vllm") if use_vllm else ("tokenmill",):
                 result_file = Path(tmp) / f"{system}-{dtype}.json"
-                python, env = child_python_and_env(system, args.threads, args.vllm_venv, args.kv_cache_memory)
                 print(f"running {system} {dtype} ... (load average {os.getloadavg()[0]:.1f})", flush=True)
                 started = time.perf_counter()
-                argv = [str(Path(__file__).resolve()), "--child", system, "--workload-file", str(workload_file),
-                        "--result-file", str(result_file), "--dtype", dtype, *_shared_argv(args)]
-                result = run_child(argv, result_file, timeout_s=args.child_timeout, python=python, env=env)
+                result = run_system(__file__, args, system, workload_file, result_file,
+                                    ["--dtype", dtype, *_shared_argv(args)])
                 print(f"  {'FAILED: ' + result['error'] if 'error' in result else 'done'} "
                       f"in {time.perf_counter() - started:.0f} s", flush=True)
                 if "error" in result:

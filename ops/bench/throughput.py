@@ -43,9 +43,8 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parents[1]))
 
+from ops.bench.children import add_child_arguments, answered_as_child, run_system
 from ops.bench.common import (
-    add_child_arguments,
-    child_python_and_env,
     current_rss_bytes,
     fmt,
     machine_info,
@@ -53,7 +52,6 @@ from ops.bench.common import (
     peak_rss_bytes,
     percentile,
     print_table,
-    run_child,
     write_json,
 )
 from ops.bench.workload import WorkItem, build_workload, describe, from_json, to_json
@@ -518,7 +516,7 @@ def run_vllm(items: list[WorkItem], args: argparse.Namespace) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- driver
 
 
-def child_main(args: argparse.Namespace) -> None:
+def child_main(args: argparse.Namespace) -> dict[str, Any]:
     items = from_json(json.loads(Path(args.workload_file).read_text()))
     if args.child == "tokenmill":
         result = run_tokenmill(items, args)
@@ -538,14 +536,14 @@ def child_main(args: argparse.Namespace) -> None:
         import torch
 
         result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
-    Path(args.result_file).write_text(json.dumps(result, default=str))
+    return result
 
 
-def _child_argv(system: str, args: argparse.Namespace, workload_file: Path, result_file: Path) -> list[str]:
-    argv = [str(Path(__file__).resolve()), "--child", system, "--workload-file", str(workload_file),
-            "--result-file", str(result_file), "--model", args.model, "--model-dir", args.model_dir,
-            "--threads", str(args.threads), "--kv-cache-memory", args.kv_cache_memory,
-            "--swap-space", args.swap_space, "--max-num-seqs", str(args.max_num_seqs),
+def _child_options(system: str, args: argparse.Namespace) -> list[str]:
+    """The options of ``system``'s child process."""
+    argv = ["--model", args.model, "--model-dir", args.model_dir, "--threads", str(args.threads),
+            "--kv-cache-memory", args.kv_cache_memory, "--swap-space", args.swap_space,
+            "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--hf-batch1-limit", str(args.hf_batch1_limit), "--device", args.device, "--dtype", args.dtype,
             "--speculative", args.speculative, "--overlap", args.overlap, "--run-deadline-s", str(args.run_deadline_s)]
@@ -568,14 +566,8 @@ def _child_argv(system: str, args: argparse.Namespace, workload_file: Path, resu
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.child:
-        child_main(args)
+    if answered_as_child(args, child_main):
         return 0
-    if args.quick:
-        args.num_requests = min(args.num_requests, 16)
-        args.max_output_tokens = min(args.max_output_tokens, 96)
-        args.mean_output_tokens = min(args.mean_output_tokens, 32.0)
-        args.hf_batch1_limit = min(args.hf_batch1_limit, 4)
     args.model_dir = args.model_dir or (args.model if args.random_init else resolve_model_dir(args.model))
     from transformers import AutoTokenizer
 
@@ -600,11 +592,10 @@ def main(argv: list[str] | None = None) -> int:
             result_file = Path(tmp) / f"{system}.json"
             if system == "vllm" and not args.vllm_venv:
                 continue
-            python, env = child_python_and_env(system, args.threads, args.vllm_venv, args.kv_cache_memory)
             print(f"running {LABELS[system]} ... (load average {os.getloadavg()[0]:.1f})", flush=True)
             started = time.perf_counter()
-            results[system] = run_child(_child_argv(system, args, workload_file, result_file), result_file,
-                                        timeout_s=args.child_timeout, python=python, env=env)
+            results[system] = run_system(__file__, args, system, workload_file, result_file,
+                                         _child_options(system, args))
             results[system]["wall_s"] = time.perf_counter() - started
             _print_progress(system, results[system])
             if args.json:  # NOTE: after every system: a run cut short keeps what it measured
@@ -829,7 +820,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", default="", help="write the JSON report here")
     add_child_arguments(parser)
     parser.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.num_requests = min(args.num_requests, 16)
+        args.max_output_tokens = min(args.max_output_tokens, 96)
+        args.mean_output_tokens = min(args.mean_output_tokens, 32.0)
+        args.hf_batch1_limit = min(args.hf_batch1_limit, 4)
+    return args
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from tokenmill.serve.dashboard.auth import (
     sign_out,
     viewer_of,
 )
-from tokenmill.serve.dashboard.state import dashboard_of
+from tokenmill.serve.dashboard.state import DashboardState, dashboard_of
 from tokenmill.serve.dashboard.views import error_json, error_page, page, secured, sign_in_page
 
 log = logging.getLogger("tokenmill.serve.dashboard")
@@ -81,38 +81,45 @@ async def _data(request: Request, read: Read, *, missing: str = "not found") -> 
     return secured(JSONResponse(data))
 
 
-# -- pages -------------------------------------------------------------------------------------------------------
+# -- pages and their data ----------------------------------------------------------------------------------------
 
-@router.get("")
-@router.get("/")
-async def overview_page(request: Request) -> Response:
-    state = dashboard_of(request)
-    return await _show(request, "overview.html", lambda: reads.overview(state))
+# What a page shows, read from Redis: from the dashboard's state and the request (its path and query parameters);
+# None: nothing by that name.
+View = Callable[[DashboardState, Request], Awaitable[dict[str, Any] | None]]
 
 
-@router.get("/workers")
-async def workers_page(request: Request) -> Response:
-    state = dashboard_of(request)
-    return await _show(request, "workers.html", lambda: reads.workers(state))
+def _route_view(pages: tuple[str, ...], data: str, template: str, view: View, *, refresh_s: float = 3.0,
+                missing: str = "not found") -> None:
+    """Serve ``view`` at each of ``pages`` as a page (``template``, refreshed in place every ``refresh_s``) and at
+    ``data`` as JSON. ``missing`` (the 404's message) is formatted with the path's parameters."""
+
+    async def show_page(request: Request) -> Response:
+        state = dashboard_of(request)
+        return await _show(request, template, lambda: view(state, request), refresh_s=refresh_s,
+                           missing=missing.format(**request.path_params))
+
+    async def show_data(request: Request) -> Response:
+        state = dashboard_of(request)
+        return await _data(request, lambda: view(state, request), missing=missing.format(**request.path_params))
+
+    for path in pages:
+        router.add_api_route(path, show_page, methods=["GET"])
+    router.add_api_route(data, show_data, methods=["GET"])
 
 
-@router.get("/workers/{name:path}")
-async def worker_page(request: Request, name: str) -> Response:
-    state = dashboard_of(request)
-    return await _show(request, "worker.html", lambda: reads.worker(state, name), missing=f"no worker {name!r}")
+def _dead_letters(state: DashboardState, request: Request) -> Awaitable[dict[str, Any]]:
+    query = request.query_params
+    return reads.dead_page(state, reason=query.get("reason") or None, before=query.get("before") or None)
 
 
-@router.get("/jobs")
-async def jobs_page(request: Request) -> Response:
-    state = dashboard_of(request)
-    return await _show(request, "jobs.html", lambda: reads.jobs(state))
-
-
-@router.get("/jobs/{job_id:path}")
-async def job_page(request: Request, job_id: str) -> Response:
-    state = dashboard_of(request)
-    return await _show(request, "job.html", lambda: reads.job(state, job_id), refresh_s=1.0,
-                       missing=f"no job {job_id!r}")
+_route_view(("", "/"), "/api/overview", "overview.html", lambda state, _: reads.overview(state))
+_route_view(("/workers",), "/api/workers", "workers.html", lambda state, _: reads.workers(state))
+_route_view(("/workers/{name:path}",), "/api/workers/{name:path}", "worker.html",
+            lambda state, request: reads.worker(state, request.path_params["name"]), missing="no worker {name!r}")
+_route_view(("/jobs",), "/api/jobs", "jobs.html", lambda state, _: reads.jobs(state))
+_route_view(("/jobs/{job_id:path}",), "/api/jobs/{job_id:path}", "job.html",
+            lambda state, request: reads.job(state, request.path_params["job_id"]), refresh_s=1.0,
+            missing="no job {job_id!r}")
 
 
 @router.get("/requests")
@@ -123,23 +130,25 @@ async def find_request(request: Request) -> Response:
     return secured(RedirectResponse(target, status_code=303))
 
 
-@router.get("/requests/{request_id:path}")
-async def request_page(request: Request, request_id: str) -> Response:
-    state = dashboard_of(request)
-    deep = request.query_params.get("deep") == "1"
-    return await _show(request, "request.html", lambda: reads.request_info(state, request_id, deep=deep),
-                       refresh_s=1.0)
+_route_view(("/requests/{request_id:path}",), "/api/requests/{request_id:path}", "request.html",
+            lambda state, request: reads.request_info(state, request.path_params["request_id"],
+                                                      deep=request.query_params.get("deep") == "1"), refresh_s=1.0)
 
 
 @router.get("/dead")
 async def dead_page(request: Request) -> Response:
     state = dashboard_of(request)
-    reason, before = request.query_params.get("reason") or None, request.query_params.get("before") or None
 
     async def read() -> dict[str, Any]:
-        return {**await reads.dead_page(state, reason=reason, before=before), "changes": await actions.recent(state)}
+        return {**await _dead_letters(state, request), "changes": await actions.recent(state)}
 
     return await _show(request, "dead.html", read, refresh_s=5.0)
+
+
+@router.get("/api/dead")
+async def dead_data(request: Request) -> Response:
+    state = dashboard_of(request)
+    return await _data(request, lambda: _dead_letters(state, request))
 
 
 # -- signing in --------------------------------------------------------------------------------------------------
@@ -179,52 +188,6 @@ async def logout(request: Request) -> Response:
     response = RedirectResponse("/dashboard/login", status_code=303)
     response.delete_cookie(SESSION_COOKIE, path=COOKIE_PATH)
     return secured(response)
-
-
-# -- data --------------------------------------------------------------------------------------------------------
-
-@router.get("/api/overview")
-async def overview_data(request: Request) -> Response:
-    state = dashboard_of(request)
-    return await _data(request, lambda: reads.overview(state))
-
-
-@router.get("/api/workers")
-async def workers_data(request: Request) -> Response:
-    state = dashboard_of(request)
-    return await _data(request, lambda: reads.workers(state))
-
-
-@router.get("/api/workers/{name:path}")
-async def worker_data(request: Request, name: str) -> Response:
-    state = dashboard_of(request)
-    return await _data(request, lambda: reads.worker(state, name), missing=f"no worker {name!r}")
-
-
-@router.get("/api/jobs")
-async def jobs_data(request: Request) -> Response:
-    state = dashboard_of(request)
-    return await _data(request, lambda: reads.jobs(state))
-
-
-@router.get("/api/jobs/{job_id:path}")
-async def job_data(request: Request, job_id: str) -> Response:
-    state = dashboard_of(request)
-    return await _data(request, lambda: reads.job(state, job_id), missing=f"no job {job_id!r}")
-
-
-@router.get("/api/requests/{request_id:path}")
-async def request_data(request: Request, request_id: str) -> Response:
-    state = dashboard_of(request)
-    deep = request.query_params.get("deep") == "1"
-    return await _data(request, lambda: reads.request_info(state, request_id, deep=deep))
-
-
-@router.get("/api/dead")
-async def dead_data(request: Request) -> Response:
-    state = dashboard_of(request)
-    reason, before = request.query_params.get("reason") or None, request.query_params.get("before") or None
-    return await _data(request, lambda: reads.dead_page(state, reason=reason, before=before))
 
 
 # -- changes -----------------------------------------------------------------------------------------------------

@@ -44,17 +44,6 @@ def browser() -> Iterator[Any]:
 
 
 @pytest.fixture
-def keys(key_prefix: str) -> Keys:
-    return Keys(prefix=key_prefix)
-
-
-@pytest.fixture
-def producer(redis_url: str, key_prefix: str) -> Iterator[Producer]:
-    with Producer(redis_url, prefix=key_prefix) as client:
-        yield client
-
-
-@pytest.fixture
 def worker_name(redis_url: str, key_prefix: str) -> Iterator[str]:
     """A real echo worker, paced (a long request runs for seconds: there is time to watch and cancel it)."""
     settings = make_settings(redis_url, key_prefix, model="echo:step_delay_s=0.05", name="echo-1",

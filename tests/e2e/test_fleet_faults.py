@@ -11,7 +11,7 @@ import random
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -205,6 +205,18 @@ def _num_pending_of(client: redis.Redis, keys: Keys, consumer: str, is_decode: b
                for stream in streams if client.exists(stream))
 
 
+def _kill_mid_run(victim: subprocess.Popen[bytes], client: redis.Redis, keys: Keys, name: str,
+                  num_done: Callable[[], int], is_decode: bool = False) -> None:
+    """SIGKILL the worker process ``victim`` (consumer ``name`` of the decode lanes, or of the request lanes) once
+    ``num_done`` requests have passed its part (6), and check it died mid-run, holding entries."""
+    try:
+        wait_until(lambda: num_done() >= 6, timeout_s=WAIT_S, poll_s=0.01)
+    finally:
+        _kill(victim)
+    assert num_done() < NUM_REQUESTS, f"{name} did its part of every request before it died"
+    assert _num_pending_of(client, keys, name, is_decode=is_decode) > 0, f"{name} died holding nothing"
+
+
 def _assert_answered_once(client: redis.Redis, keys: Keys, ids: list[str], reply: str, expected: list[list[int]],
                           workers: set[str]) -> dict[str, int]:
     """Every request answered ok once, with the reference tokens, by one of ``workers``; nothing left in (or pending
@@ -259,12 +271,7 @@ def test_prefill_worker_killed_mid_run_a_replacement_prefills_what_it_held(
     with running_worker(_settings(redis_url, key_prefix, model_dir, "decode", "decode")) as decode:
         ids = _enqueue_all(redis_client, keys, prompts, reply)
         victim = _start_victim(redis_url, key_prefix, model_dir, "prefill-victim", "prefill")
-        try:
-            wait_until(lambda: _num_handed_off(redis_client, keys, ids) >= 6, timeout_s=WAIT_S, poll_s=0.01)
-        finally:
-            _kill(victim)
-        assert _num_handed_off(redis_client, keys, ids) < NUM_REQUESTS, "it handed everything off before it died"
-        assert _num_pending_of(redis_client, keys, "prefill-victim", is_decode=False) > 0, "it died holding nothing"
+        _kill_mid_run(victim, redis_client, keys, "prefill-victim", lambda: _num_handed_off(redis_client, keys, ids))
         with running_worker(_settings(redis_url, key_prefix, model_dir, "prefill-heir", "prefill")) as heir:
             by_worker = _assert_answered_once(redis_client, keys, ids, reply, expected, workers={"decode"})
             decoded, prefilled = _stats(decode), _stats(heir)
@@ -285,12 +292,8 @@ def test_decode_worker_killed_mid_run_another_reclaims_its_decode_entries(
     with running_worker(_settings(redis_url, key_prefix, model_dir, "prefill", "prefill")):
         victim = _start_victim(redis_url, key_prefix, model_dir, "decode-victim", "decode")
         ids = _enqueue_all(redis_client, keys, prompts, reply)
-        try:
-            wait_until(lambda: _num_results(redis_client, keys, ids) >= 6, timeout_s=WAIT_S, poll_s=0.01)
-        finally:
-            _kill(victim)
-        assert _num_results(redis_client, keys, ids) < NUM_REQUESTS, "it answered everything before it died"
-        assert _num_pending_of(redis_client, keys, "decode-victim", is_decode=True) > 0, "it died holding nothing"
+        _kill_mid_run(victim, redis_client, keys, "decode-victim", lambda: _num_results(redis_client, keys, ids),
+                      is_decode=True)
         with running_worker(_settings(redis_url, key_prefix, model_dir, "decode-heir", "decode")) as heir:
             by_worker = _assert_answered_once(redis_client, keys, ids, reply, expected,
                                               workers={"decode-victim", "decode-heir"})

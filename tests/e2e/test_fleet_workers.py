@@ -4,7 +4,6 @@ store; a prefill worker hands every request to the decode pool, which fetches it
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +33,6 @@ def expected(model_dir: Path) -> list[list[int]]:
     offline = build_engine(str(model_dir), device="cpu", dtype="float64", kv_cache_memory="4MiB", block_size=4)
     outputs = offline.generate([SYSTEM + q for q in QUESTIONS], SamplingParams(max_tokens=MAX_TOKENS), progress=False)
     return [out.token_ids for out in outputs]
-
-
-@pytest.fixture
-def producer(redis_url: str, key_prefix: str) -> Iterator[Producer]:
-    with Producer(redis_url, prefix=key_prefix) as client:
-        yield client
 
 
 def _settings(redis_url: str, key_prefix: str, model_dir: Path, **worker: Any) -> Any:

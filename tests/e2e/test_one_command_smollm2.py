@@ -7,25 +7,18 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.one_command_helpers import cli, embedded_redis_dir, fresh_env, output, wait_serving
+from tests.one_command_helpers import cli, fresh_env, output, wait_serving
 from tests.processes import free_port, scaled_s
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 MODEL = "smollm2-135m"
 LOAD_S = 240  # loading SmolLM2 (and, on a first start, building the CPU kernels) on 2 shared cores
-
-
-@pytest.fixture
-def redis_dir() -> Iterator[Path]:
-    with embedded_redis_dir() as directory:
-        yield directory
 
 
 def test_serve_with_the_model_alone_answers_the_openai_sdk(redis_dir: Path, tmp_path: Path) -> None:

@@ -4,16 +4,15 @@ because random tiny models have near-flat logits."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.e2e.oracle_drafts import OracleDrafts
 from tests.e2e.parity_helpers import BACKENDS, DEVICES, attention_backend, hf_greedy, load_reference, random_prompts
 from tests.engine_helpers import build_engine
 from tests.tiny_models import FAMILIES, VOCAB_SIZE
-from tokenmill.engine.core.request import Request
 from tokenmill.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
@@ -137,28 +136,6 @@ def test_the_overlapped_loop_matches_hf_generate(scenario: str, tiny_model_dirs:
         engine.close()
 
 
-class _OracleDrafts:
-    """Drafts each prompt's known greedy continuation with every third output position wrong: drafts kept in full,
-    in part (the rest trimmed) and not at all (tiny random models seldom repeat themselves for the n-gram lookup)."""
-
-    name = "oracle"
-
-    def __init__(self, continuations: dict[tuple[int, ...], list[int]]) -> None:
-        self.continuations = continuations
-
-    def propose(self, wanted: list[tuple[Request, Sequence[int], int]]) -> dict[str, list[int]]:
-        drafts = {}
-        for request, _, num_tokens in wanted:
-            start = request.num_output_tokens
-            truth = self.continuations[tuple(request.prompt_token_ids)][start:start + num_tokens]
-            drafts[request.request_id] = [(t + 1) % VOCAB_SIZE if (start + i) % 3 == 2 else t
-                                          for i, t in enumerate(truth)]
-        return {request_id: draft for request_id, draft in drafts.items() if draft}
-
-    def finished(self, request: Request) -> None:
-        pass
-
-
 @pytest.mark.parametrize("scenario", ["block4-chunked", "recompute-preemption", "swap-preemption", "drafts"])
 def test_the_plain_and_the_persistent_step_inputs_give_the_same_tokens(
         scenario: str, tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -185,7 +162,8 @@ def test_the_plain_and_the_persistent_step_inputs_give_the_same_tokens(
         speculator = engine.scheduler.speculator
         if scenario == "drafts":
             assert isinstance(speculator, DraftSpeculator)
-            speculator.proposers = [_OracleDrafts({tuple(p): e for p, e in zip(prompts, expected)})]
+            # NOTE: an oracle, not the n-gram lookup: tiny random models seldom repeat themselves
+            speculator.proposers = [OracleDrafts({tuple(p): e for p, e in zip(prompts, expected)}, wrong_every=3)]
             speculator.min_acceptance = 0.0
         outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
         tokens[persistent] = [out.token_ids for out in outputs]

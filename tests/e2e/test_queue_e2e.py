@@ -33,12 +33,6 @@ def worker(redis_url: str, key_prefix: str, model_dir: Path) -> Iterator[Worker]
         yield running
 
 
-@pytest.fixture
-def producer(redis_url: str, key_prefix: str) -> Iterator[Producer]:
-    with Producer(redis_url, prefix=key_prefix) as client:
-        yield client
-
-
 def test_queue_results_equal_offline_engine(worker: Worker, producer: Producer, model_dir: Path) -> None:
     offline = build_engine(str(model_dir), device="cpu", dtype="float64", kv_cache_memory="4MiB")
     expected = offline.generate(PROMPTS, SamplingParams(max_tokens=12), progress=False)

@@ -11,13 +11,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from tests.one_command_helpers import served_models
 from tests.processes import free_port
 from tokenmill.producer import Producer
 
@@ -123,14 +123,6 @@ def _wait_until(ready: Callable[[], bool], what: str, timeout_s: float = 240.0) 
         time.sleep(0.25)
 
 
-def _serving(port: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as response:
-            return bool(json.loads(response.read())["data"])
-    except OSError:
-        return False
-
-
 def test_every_readme_example_runs_and_answers_sensibly(private_redis_url: str, tmp_path: Path) -> None:
     port = str(free_port())
     env = {**os.environ, "REDIS_URL": private_redis_url, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
@@ -148,7 +140,7 @@ def test_every_readme_example_runs_and_answers_sensibly(private_redis_url: str, 
         with _background(background[0], tmp_path, env), _background(background[1], tmp_path, env):
             _wait_until(lambda: any(w.get("served_model_name") == "smollm2-135m"
                                     for w in producer.stats()["workers"].values()), "the SmolLM2 worker")
-            _wait_until(lambda: _serving(port), "tokenmill serve")
+            _wait_until(lambda: bool(served_models(int(port))), "tokenmill serve")
             for command in commands:
                 if command in background or command in run_first or command.startswith(tuple(SKIPPED)):
                     continue

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.e2e.oracle_drafts import OracleDrafts
 from tests.e2e.parity_helpers import (
     DEVICES,
     attention_backend,
@@ -27,7 +28,6 @@ from tests.e2e.parity_helpers import (
 from tests.engine_helpers import build_engine
 from tests.tiny_models import VOCAB_SIZE
 from tokenmill.engine import Engine
-from tokenmill.engine.core.request import Request
 from tokenmill.engine.core.step_io import ScheduledChunk
 from tokenmill.engine.kernels.attention import cpu_kernel
 from tokenmill.engine.model.model_runner import ModelRunner
@@ -39,30 +39,6 @@ from tokenmill.protocol.sampling import SamplingParams
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 24
-
-
-class OracleDrafts:
-    """Drafts the known greedy continuation of each prompt, with every ``wrong_every``-th output
-    position replaced by a wrong token (0 = never), so drafts are kept in full, in part or not at all."""
-
-    name = "oracle"
-
-    def __init__(self, continuations: dict[tuple[int, ...], list[int]], wrong_every: int) -> None:
-        self.continuations = continuations
-        self.wrong_every = wrong_every
-
-    def propose(self, wanted: list[tuple[Request, list[int], int]]) -> dict[str, list[int]]:
-        drafts = {}
-        for request, _, num_tokens in wanted:
-            start = request.num_output_tokens
-            truth = self.continuations[tuple(request.prompt_token_ids)][start:start + num_tokens]
-            drafts[request.request_id] = [
-                (t + 1) % VOCAB_SIZE if self.wrong_every and (start + i) % self.wrong_every == self.wrong_every - 1
-                else t for i, t in enumerate(truth)]
-        return {request_id: draft for request_id, draft in drafts.items() if draft}
-
-    def finished(self, request: Request) -> None:
-        pass
 
 
 def _with_oracle(engine: Engine, continuations: dict[tuple[int, ...], list[int]], wrong_every: int) -> DraftSpeculator:

@@ -1,5 +1,6 @@
-"""Integration fixtures: producers on the session's real Redis, and a simulated worker that
-writes results exactly as the wire contract says (result key + one done push + reply stream).
+"""Integration fixtures: an async producer on the session's real Redis (the keys and the producer of a test's
+prefix are tests/conftest.py's), a local Redis Cluster, and a simulated worker that writes results exactly as
+the wire contract says (result key + one done push + reply stream).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import redis
 
 from tests.cluster_helpers import LocalCluster, start_cluster
-from tokenmill.producer import AsyncProducer, Producer
+from tokenmill.producer import AsyncProducer
 from tokenmill.protocol.keys import DONE_TTL_S, Keys
 from tokenmill.protocol.schema import SCHEMA_VERSION, GenerationResult, encode_result
 
@@ -65,17 +66,6 @@ class FakeWorker:
     def join(self) -> None:
         for thread in self._threads:
             thread.join(timeout=10)
-
-
-@pytest.fixture
-def keys(key_prefix: str) -> Keys:
-    return Keys(prefix=key_prefix)
-
-
-@pytest.fixture
-def producer(redis_url: str, key_prefix: str) -> Iterator[Producer]:
-    with Producer(redis_url, prefix=key_prefix) as client:
-        yield client
 
 
 @pytest.fixture

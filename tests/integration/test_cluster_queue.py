@@ -262,39 +262,37 @@ def test_sigkill_mid_run_second_worker_reclaims(redis_cluster: LocalCluster, clu
         assert any(result.worker == "rescuer" for result in producer.wait_all(ids, timeout=5))
 
 
-def test_a_primary_failing_over_under_load_loses_nothing(redis_cluster: LocalCluster, cluster_client: redis.Redis,
-                                                         prefix: str) -> None:
+@contextmanager
+def _mid_run(redis_cluster: LocalCluster, cluster_client: redis.Redis, prefix: str, event: str) -> Iterator[int]:
+    """Two echo workers answering 240 requests, 15 of them answered but not all: the test's ``event`` (the
+    body) happens now, to the slot of the shard most of them are on (yielded); then 30 more requests go through
+    the cluster as the event left it, and every request is answered exactly once."""
     with Producer.from_config(_config(redis_cluster, prefix)) as producer, \
             _worker(_settings(redis_cluster, prefix, "w-a")), _worker(_settings(redis_cluster, prefix, "w-b")):
-        reply = producer.keys.reply("failover")
+        reply = producer.keys.reply(event)
         ids = _submit(producer, 240, reply)
         wait_for(lambda: _num_answered(producer, ids) >= 15, 30, "15 answers")
         busiest = max(range(NUM_SHARDS), key=lambda k: sum(producer.layout.shard_of(i) == k for i in ids))
-        primary = redis_cluster.node_of_slot(_slot(producer.layout.shards[busiest].cancel))
-        assert _num_answered(producer, ids) < len(ids), "the failover starts mid-run"
-        redis_cluster.failover(primary)
-        more = _submit(producer, 30, reply)  # NOTE: after the failover, through the promoted replica
+        assert _num_answered(producer, ids) < len(ids), f"the {event} starts mid-run"
+        yield _slot(producer.layout.shards[busiest].cancel)
+        more = _submit(producer, 30, reply)
         _wait_answered(cluster_client, producer.layout, ids + more, 60)
         _assert_exactly_once(cluster_client, producer, ids + more, reply)
+
+
+def test_a_primary_failing_over_under_load_loses_nothing(redis_cluster: LocalCluster, cluster_client: redis.Redis,
+                                                         prefix: str) -> None:
+    with _mid_run(redis_cluster, cluster_client, prefix, "failover") as slot:
+        redis_cluster.failover(redis_cluster.node_of_slot(slot))  # NOTE: later requests go through the promoted replica
 
 
 def test_a_slot_migrating_under_load_loses_nothing(redis_cluster: LocalCluster, cluster_client: redis.Redis,
                                                    prefix: str) -> None:
-    with Producer.from_config(_config(redis_cluster, prefix)) as producer, \
-            _worker(_settings(redis_cluster, prefix, "w-a")), _worker(_settings(redis_cluster, prefix, "w-b")):
-        reply = producer.keys.reply("migrate")
-        ids = _submit(producer, 240, reply)
-        wait_for(lambda: _num_answered(producer, ids) >= 15, 30, "15 answers")
-        busiest = max(range(NUM_SHARDS), key=lambda k: sum(producer.layout.shard_of(i) == k for i in ids))
-        slot = _slot(producer.layout.shards[busiest].cancel)
+    with _mid_run(redis_cluster, cluster_client, prefix, "migration") as slot:
         source = redis_cluster.node_of_slot(slot)
         target = next(node for node in redis_cluster.primaries() if node.port != source.port)
-        assert _num_answered(producer, ids) < len(ids), "the migration starts mid-run"
         moved = redis_cluster.migrate_slot(slot, target, batch=3, pause_s=0.02)
         assert moved > 0 and redis_cluster.node_of_slot(slot).port == target.port
-        more = _submit(producer, 30, reply)
-        _wait_answered(cluster_client, producer.layout, ids + more, 60)
-        _assert_exactly_once(cluster_client, producer, ids + more, reply)
 
 
 def test_workers_joining_and_leaving_rebalance_and_no_shard_is_left_unread(

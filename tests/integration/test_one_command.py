@@ -11,23 +11,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
-import pytest
 
-from tests.one_command_helpers import ROOT, cli, embedded_redis_dir, fresh_env, output, wait_serving
+from tests.one_command_helpers import ROOT, cli, fresh_env, output, wait_serving
 from tests.processes import free_port, scaled_s
 from tokenmill.protocol import embedded_redis
 
 EMBEDDED_LINE = "using the embedded Redis"
-
-
-@pytest.fixture
-def redis_dir() -> Iterator[Path]:
-    with embedded_redis_dir() as directory:
-        yield directory
 
 
 def test_serve_with_a_model_answers_alone_and_stops_on_sigterm(redis_dir: Path, tmp_path: Path) -> None:

@@ -246,6 +246,26 @@ def test_the_predicted_kv_budget_avoids_the_preemptions_of_admitting_whatever_fi
     assert on.counters.num_deferred_admissions > 0 and on.length.num_observed == 32 + 16
 
 
+# Lengths of 100 tokens, or 2,000 one time in ten (mean 290, standard deviation 570, 0.9 quantile 2,000); and
+# lengths of 2,000 tokens always.
+TAILED = LengthEstimate(0, 100.0, 290.0, 2000.0, 50, "prefix", std_total=570.0)
+CERTAIN = LengthEstimate(0, 2000.0, 2000.0, 2000.0, 50, "prefix", std_total=0.0)
+
+
+def budget_over(estimates: dict[str, LengthEstimate], num_pool_blocks: int) -> PredictedKvBudget:
+    """A budget (blocks of 4 tokens, planned at the 0.9 quantile) whose estimates are ``estimates`` by request id."""
+    return PredictedKvBudget(num_pool_blocks=num_pool_blocks, block_size=4,
+                             estimate_of=lambda r: estimates[r.request_id], confidence=0.9)
+
+
+def long_requests(prefix: str, count: int, estimates: dict[str, LengthEstimate],
+                  estimate: LengthEstimate) -> list[Request]:
+    """``count`` requests of 8 prompt tokens and max_tokens 2,000, each estimated at ``estimate``."""
+    requests = [make_request(f"{prefix}{i}", prompt_token_ids=[1] * 8, max_tokens=2000) for i in range(count)]
+    estimates.update((request.request_id, estimate) for request in requests)
+    return requests
+
+
 def test_the_budget_plans_the_tail_of_the_set_not_of_every_request() -> None:
     """Twenty requests whose lengths are 100 tokens, or 2,000 one time in ten (mean 290, standard deviation 570,
     0.9 quantile 2,000): planning each at its quantile would need ~40,000 tokens, but a few of twenty run long,
@@ -253,21 +273,16 @@ def test_the_budget_plans_the_tail_of_the_set_not_of_every_request() -> None:
     the mean covers 2 of them looping, the margin about 2 more; 4 or more loop 13% of the time). One request
     alone is planned at its quantile, a request that always runs to the end adds no margin, and an estimate
     without a deviation counts its tail past the mean as z of them."""
-    tailed = LengthEstimate(0, 100.0, 290.0, 2000.0, 50, "prefix", std_total=570.0)
-    certain = LengthEstimate(0, 2000.0, 2000.0, 2000.0, 50, "prefix", std_total=0.0)
     estimates: dict[str, LengthEstimate] = {}
-    budget = PredictedKvBudget(num_pool_blocks=4000, block_size=4, estimate_of=lambda r: estimates[r.request_id],
-                               confidence=0.9)
-    requests = [make_request(f"r{i}", prompt_token_ids=[1] * 8, max_tokens=2000) for i in range(20)]
-    for request in requests:
-        estimates[request.request_id] = tailed
+    budget = budget_over(estimates, 4000)
+    requests = long_requests("r", 20, estimates, TAILED)
     blocks = budget.predicted_peak_blocks(requests)
     margin = 1.2816 * 570 * 20 ** 0.5
     assert 20 * 290 + margin <= blocks * 4 <= 20 * (290 + 8 + 4) + margin + 8  # the mean plus the set's tail
     assert 2000 * 20 / 4 > 4 * blocks  # far below every request at its quantile
     alone = budget.predicted_peak_blocks(requests[:1])
     assert 2000 <= alone * 4 <= 2000 + 8 + 8  # its quantile (plus its prompt and rounding)
-    estimates["r0"] = certain
+    estimates["r0"] = CERTAIN
     assert budget.predicted_peak_blocks(requests[:1]) * 4 <= 2000 + 8 + 4
     unknown = LengthEstimate(0, 100.0, 290.0, 2000.0, 50, "outlived")
     for request in requests:
@@ -280,26 +295,21 @@ def test_a_short_request_runs_beside_a_set_whose_own_peak_passes_the_pool() -> N
     8,000 tokens, is twice the pool's 4,000). Holding a short request back would not lower that peak: one
     predicted done (at its quantile) before their growth uses the room it takes is admitted; a long one is not,
     nor a short one once the room is nearly gone. Pacing is counted from a request's mean length, not its tail."""
-    certain = LengthEstimate(0, 2000.0, 2000.0, 2000.0, 50, "prefix", std_total=0.0)
     short = LengthEstimate(0, 10.0, 12.0, 20.0, 50, "prefix", std_total=4.0)
-    tailed = LengthEstimate(0, 100.0, 290.0, 2000.0, 50, "prefix", std_total=570.0)
     estimates: dict[str, LengthEstimate] = {}
-    budget = PredictedKvBudget(num_pool_blocks=1000, block_size=4, estimate_of=lambda r: estimates[r.request_id],
-                               confidence=0.9)
-    committed = [make_request(f"c{i}", prompt_token_ids=[1] * 8, max_tokens=2000) for i in range(4)]
-    for request in committed:
-        estimates[request.request_id] = certain
+    budget = budget_over(estimates, 1000)
+    committed = long_requests("c", 4, estimates, CERTAIN)
     candidate = make_request("short", prompt_token_ids=[1] * 8, max_tokens=2000)
     estimates["short"] = short
     assert budget.predicted_peak_blocks([*committed, candidate]) > budget.num_pool_blocks
     assert budget.admits(candidate, committed)  # 5 x (8 + 20) tokens fit
-    estimates["short"] = certain
+    estimates["short"] = CERTAIN
     assert not budget.admits(candidate, committed)
     estimates["short"] = short
     for request in committed:
         request.output_token_ids = [1] * 980  # 4 x 988 tokens held now: 20 more steps of growth do not fit
     assert not budget.admits(candidate, committed)
-    estimates["short"] = tailed
+    estimates["short"] = TAILED
     assert budget.pacing_tokens(candidate) == pytest.approx(290 * (8 + 145) / 4000)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from tests.unit.wire_helpers import as_redis_returns
 from tokenmill.producer.errors import JobFailed
 from tokenmill.protocol.errors import SchemaError
 from tokenmill.protocol.outcomes import ErrorCode
@@ -21,11 +22,6 @@ from tokenmill.protocol.schema import (
     encode_result,
     peek_request_id,
 )
-
-
-def as_redis_returns(fields: dict[str, Any]) -> dict[bytes, bytes]:
-    """Stream fields the way redis-py hands them to a worker: bytes keys and values."""
-    return {k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in fields.items()}
 
 
 @pytest.mark.parametrize("prompt", [{"prompt": "Hi"}, {"messages": [{"role": "user", "content": "Hi", "name": "a"}]},

@@ -9,6 +9,7 @@ import msgpack
 import pytest
 from pydantic import BaseModel, ConfigDict
 
+from tests.unit.wire_helpers import as_redis_returns
 from tokenmill.protocol.errors import SchemaError
 from tokenmill.protocol.outcomes import TokenLogprob, TopLogprob
 from tokenmill.protocol.sampling import SamplingParams
@@ -26,10 +27,6 @@ SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["a", "b"]}}, "requi
 JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "m", "schema": SCHEMA, "strict": True}}
 
 
-def _redis_fields(fields: dict[str, Any]) -> dict[bytes, bytes]:
-    return {k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in fields.items()}
-
-
 @pytest.mark.parametrize("response_format", [
     JSON_SCHEMA_FORMAT, {"type": "json_object"}, {"type": "text"}, {"type": "regex", "regex": "[0-9]+"},
     {"type": "grammar", "grammar": 'root ::= "yes" | "no"'},
@@ -38,7 +35,7 @@ def test_new_params_round_trip_and_reach_the_engine(response_format: dict[str, A
     params = SamplingParams.model_validate({"presence_penalty": 0.5, "frequency_penalty": -1.0,
                                             "repetition_penalty": 1.3, "response_format": response_format})
     request = GenerationRequest(prompt="hi", params=params)
-    decoded = decode_request(_redis_fields(encode_request(request)))
+    decoded = decode_request(as_redis_returns(encode_request(request)))
     assert decoded == request
     engine = decoded.params  # NOTE: one vocabulary: the engine takes the wire's SamplingParams as they are
     assert isinstance(engine, EngineSamplingParams)
@@ -63,7 +60,7 @@ def test_new_params_are_strict(params: dict[str, Any], match: str) -> None:
     data = msgpack.unpackb(fields["d"])
     data["params"] = params
     with pytest.raises(SchemaError, match=match):
-        decode_request(_redis_fields({"d": msgpack.packb(data), "v": 1}))
+        decode_request(as_redis_returns({"d": msgpack.packb(data), "v": 1}))
     if "frequency_penalty" not in params:  # NOTE: the engine's model coerces types, like its other fields
         with pytest.raises(ValueError):
             EngineSamplingParams.model_validate(params)

@@ -10,6 +10,7 @@ import msgpack
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.unit.wire_helpers import as_redis_returns
 from tokenmill.protocol.keys import Keys
 from tokenmill.protocol.schema import GenerationRequest, encode_request, peek_request_id, request_id_error
 from tokenmill.worker.intake import IntakePolicy, _starts_with_id, triage
@@ -31,7 +32,7 @@ def _triage(fields: dict[bytes, bytes], stream: str | None = None) -> Admit | An
 
 def test_a_producer_encoded_request_is_admitted() -> None:
     request = GenerationRequest(prompt="hello", params={"max_tokens": 4})
-    fields = {k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in encode_request(request).items()}
+    fields = as_redis_returns(encode_request(request))
     admit = _triage(fields)
     assert isinstance(admit, Admit) and admit.request.id == request.id and not admit.is_handed_off
     assert _starts_with_id(fields, request.id)
@@ -60,7 +61,7 @@ def test_a_map_with_two_ids_is_dead_lettered_whichever_comes_first() -> None:
 
 def test_a_request_read_from_a_decode_lane_is_handed_off() -> None:
     request = GenerationRequest(prompt="hello")
-    fields = {k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in encode_request(request).items()}
+    fields = as_redis_returns(encode_request(request))
     lane = KEYS.lanes_for([], is_decode=True)[0]
     for _ in range(2):  # NOTE: the second from the policy's memory of the stream
         admit = _triage(fields, lane.stream)

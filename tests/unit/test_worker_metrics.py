@@ -38,6 +38,11 @@ def _samples(metrics: WorkerMetrics) -> dict[str, float]:
     return samples
 
 
+def _assert_samples(samples: dict[str, float], expected: dict[str, float]) -> None:
+    """Each sample named in ``expected`` is there with that value (floats approximately)."""
+    assert {name: samples.get(name) for name in expected} == pytest.approx(expected)
+
+
 def _speculation(scale: int) -> SpeculationCounters:
     """Counters after ``scale`` rounds of: 10 drafts of 3 tokens (40 (request, step) pairs, 30 undrafted)."""
     return SpeculationCounters(
@@ -58,31 +63,28 @@ def test_speculation_counters_are_exported_with_positions_lengths_and_the_cost_m
 
     metrics.observe_engine(EngineStats(speculation=_speculation(1)))
     samples = _samples(metrics)
-    assert samples["tokenmill_spec_drafts_total"] == 10
-    assert samples["tokenmill_spec_draft_tokens_total"] == 30
-    assert samples["tokenmill_spec_accepted_tokens_total"] == 24
+    _assert_samples(samples, {"tokenmill_spec_drafts_total": 10, "tokenmill_spec_draft_tokens_total": 30,
+                              "tokenmill_spec_accepted_tokens_total": 24})
     assert [samples[f"tokenmill_spec_drafted_by_position_total{{position={p}}}"] for p in (1, 2, 3, 4)] == \
         [10, 10, 10, 0]
     assert [samples[f"tokenmill_spec_accepted_by_position_total{{position={p}}}"] for p in (1, 2, 3, 4)] == \
         [10, 8, 6, 0]
     assert "tokenmill_spec_accepted_by_position_total{position=0}" not in samples  # positions count from 1
-    assert samples["tokenmill_spec_draft_length_choices_total{length=0}"] == 30
-    assert samples["tokenmill_spec_draft_length_choices_total{length=3}"] == 10
-    assert samples["tokenmill_spec_draft_tokens_by_proposer_total{proposer=ngram}"] == 24
-    assert samples["tokenmill_spec_accepted_tokens_by_proposer_total{proposer=ngram-1}"] == 2
-    assert samples["tokenmill_spec_acceptance_ratio"] == pytest.approx(0.8)
-    assert samples["tokenmill_spec_mean_accepted_length"] == pytest.approx(2.4)
-    assert samples["tokenmill_spec_step_fixed_seconds"] == pytest.approx(0.012)
-    assert samples["tokenmill_spec_step_per_token_seconds"] == pytest.approx(0.0004)
+    _assert_samples(samples, {
+        "tokenmill_spec_draft_length_choices_total{length=0}": 30,
+        "tokenmill_spec_draft_length_choices_total{length=3}": 10,
+        "tokenmill_spec_draft_tokens_by_proposer_total{proposer=ngram}": 24,
+        "tokenmill_spec_accepted_tokens_by_proposer_total{proposer=ngram-1}": 2,
+        "tokenmill_spec_acceptance_ratio": 0.8, "tokenmill_spec_mean_accepted_length": 2.4,
+        "tokenmill_spec_step_fixed_seconds": 0.012, "tokenmill_spec_step_per_token_seconds": 0.0004})
 
     # The counters follow the engine's cumulative totals: a later snapshot moves them by the difference.
     metrics.observe_engine(EngineStats(speculation=_speculation(3)))
     samples = _samples(metrics)
-    assert samples["tokenmill_spec_draft_tokens_total"] == 90
-    assert samples["tokenmill_spec_accepted_by_position_total{position=2}"] == 24
-    assert samples["tokenmill_spec_draft_length_choices_total{length=3}"] == 30
-    assert samples["tokenmill_spec_draft_tokens_by_proposer_total{proposer=ngram-1}"] == 18
-    assert samples["tokenmill_spec_acceptance_ratio"] == pytest.approx(0.8)
+    _assert_samples(samples, {
+        "tokenmill_spec_draft_tokens_total": 90, "tokenmill_spec_accepted_by_position_total{position=2}": 24,
+        "tokenmill_spec_draft_length_choices_total{length=3}": 30,
+        "tokenmill_spec_draft_tokens_by_proposer_total{proposer=ngram-1}": 18, "tokenmill_spec_acceptance_ratio": 0.8})
 
 
 def _fleet(scale: int) -> FleetCacheStats:
@@ -114,10 +116,9 @@ def test_fleet_cache_counters_are_exported_with_every_fallback_reason() -> None:
     samples = _samples(metrics)
     assert [samples[f"tokenmill_fleet_cache_{name}_total"] for name in names] == \
         [10, 6, 40, 38, 38 * 1024, pytest.approx(0.25), 12, 12 * 1024, 1, 11, 1]
-    assert samples["tokenmill_fleet_cache_fallbacks_total{reason=timeout}"] == 2
-    assert samples["tokenmill_fleet_cache_fallbacks_total{reason=cost}"] == 1
-    assert samples["tokenmill_fleet_cache_fallbacks_total{reason=rejected}"] == 1
-    assert samples["tokenmill_fleet_cache_fallbacks_total{reason=no_room}"] == 0
+    assert {reason: samples[f"tokenmill_fleet_cache_fallbacks_total{{reason={reason}}}"]
+            for reason in ("timeout", "cost", "rejected", "no_room")} == {"timeout": 2, "cost": 1, "rejected": 1,
+                                                                        "no_room": 0}
 
     # A later snapshot: the counters follow the engine's cumulative totals (no double counting across scrapes).
     metrics.observe_engine(EngineStats(fleet=_fleet(3)))
@@ -125,9 +126,8 @@ def test_fleet_cache_counters_are_exported_with_every_fallback_reason() -> None:
     samples = _samples(metrics)
     assert [samples[f"tokenmill_fleet_cache_{name}_total"] for name in names] == \
         [30, 18, 120, 114, 114 * 1024, pytest.approx(0.75), 36, 36 * 1024, 3, 33, 3]
-    assert samples["tokenmill_fleet_cache_fallbacks_total{reason=timeout}"] == 6
-    assert samples["tokenmill_fleet_cache_fallbacks_total{reason=cost}"] == 3
-    assert samples["tokenmill_fleet_cache_fallbacks_total{reason=error}"] == 0
+    assert {reason: samples[f"tokenmill_fleet_cache_fallbacks_total{{reason={reason}}}"]
+            for reason in ("timeout", "cost", "error")} == {"timeout": 6, "cost": 3, "error": 0}
     assert sum(samples[f"tokenmill_fleet_cache_fallbacks_total{{reason={r}}}"] for r in reasons) == \
         _fleet(3).num_fallbacks
 
@@ -147,12 +147,10 @@ def test_output_length_prediction_is_exported_and_absent_with_prediction_off() -
 
     metrics.observe_engine(EngineStats(length=LENGTH))
     samples = _samples(metrics)
-    assert samples["tokenmill_predicted_backlog_tokens{queue=default}"] == 1500
-    assert samples["tokenmill_length_estimates_total"] == 90
-    assert samples["tokenmill_length_outlived_total"] == 7
-    assert samples["tokenmill_length_deferred_admissions_total"] == 3
-    assert samples["tokenmill_length_log_error"] == pytest.approx(0.4)
-    assert samples["tokenmill_length_max_tokens_log_error"] == pytest.approx(2.1)
+    _assert_samples(samples, {
+        "tokenmill_predicted_backlog_tokens{queue=default}": 1500, "tokenmill_length_estimates_total": 90,
+        "tokenmill_length_outlived_total": 7, "tokenmill_length_deferred_admissions_total": 3,
+        "tokenmill_length_log_error": 0.4, "tokenmill_length_max_tokens_log_error": 2.1})
 
 
 def test_the_dashboard_asks_only_for_series_the_worker_exports() -> None:
