@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 FULL_SCHEDULE_EVERY = 8
 # the input of a chunk planned ahead until the engine writes in the token the step before samples (never embedded)
 PLACEHOLDER_TOKEN_ID = -1
+# which prompt blocks the scheduler collects for publishing (Scheduler's ``collects_prompt_blocks``)
+PromptBlockCollection = Literal["none", "computed", "reused"]
 
 
 class Scheduler:
@@ -76,12 +78,17 @@ class Scheduler:
         length_predictor: predicts output lengths (engine/core/length_predictor.py); with its config's ``budget_kv``
             admission keeps the predicted peak KV within the pool (engine/core/kv_budget.py), and its
             ``ordering`` orders waiting requests inside a priority level. None = neither.
+        collects_prompt_blocks: which prompt blocks :meth:`take_new_prompt_blocks` hands out, for something that
+            publishes them (the fleet cache, engine/core/fleet_cache.py): "computed" = each one the prefix cache
+            indexes, "reused" = those an admission finds in the prefix cache (a second request uses them: shared),
+            "none" = none (nothing publishes them).
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock: Clock,
                  eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
                  prefix_cache: PrefixCache | None = None, speculator: Speculator | None = None,
-                 length_predictor: LengthPredictor | None = None) -> None:
+                 length_predictor: LengthPredictor | None = None,
+                 collects_prompt_blocks: PromptBlockCollection = "none") -> None:
         self.config = config
         self.block_manager = block_manager
         self.clock = clock
@@ -103,10 +110,8 @@ class Scheduler:
         # it should have before the next, and the step by which pacing ends anyway
         self._paced_after: tuple[Request, float, float] | None = None
         self._policy = PreemptionPolicy(config, block_manager, self._queues)
-        # Prompt blocks to publish since the last take_new_prompt_blocks(), collected only when something publishes
-        # them (the fleet cache, engine/core/fleet_cache.py): "computed" = each one the prefix cache indexes,
-        # "reused" = those an admission finds in the prefix cache (a second request uses them: shared).
-        self.collects_prompt_blocks: Literal["none", "computed", "reused"] = "none"
+        # prompt blocks to publish since the last take_new_prompt_blocks() (as collects_prompt_blocks says)
+        self.collects_prompt_blocks = collects_prompt_blocks
         self._new_prompt_blocks: list[tuple[Request, int, int]] = []
         # schedule_ahead: whether a request arrived since the last full schedule(), and that schedule's step
         self._needs_full_schedule = False

@@ -128,8 +128,9 @@ def _build_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStore
     if leader is not None:
         leader.share_cache(num_gpu_blocks, num_cpu_blocks, backend.name)
     kv_cache = KVCache(spec, num_gpu_blocks, num_cpu_blocks, loaded.device)
-    block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, spec.block_size)
-    prefix_cache = PrefixCache(block_manager) if config.cache.enable_prefix_caching else None
+    prefix_cache = PrefixCache(spec.block_size) if config.cache.enable_prefix_caching else None
+    block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, spec.block_size, prefix_cache)
+    fleet = _fleet_cache(config, loaded, spec, kv_cache, block_manager, prefix_cache, block_store_for)
     grammars = None if isinstance(loaded.tokenizer, NoTokenizer) else \
         GrammarCompiler(loaded.tokenizer, loaded.model.config.vocab_size, loaded.eos_token_ids,
                         limits=_compile_limits(config))
@@ -137,8 +138,10 @@ def _build_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStore
         DraftModelProposer(draft, loaded, kv_cache_spec(draft, BLOCK_TOKENS), num_gpu_blocks * spec.block_size)
     speculator = build_speculator(config.speculative, draft_proposer,
                                   GrammarForcedProposer(grammars) if grammars is not None else None)
+    publishes = "none" if fleet is None else "computed" if config.fleet_cache.publish == "all" else "reused"
     scheduler = Scheduler(config.scheduler, block_manager, clock, loaded.eos_token_ids, loaded.max_model_len,
-                          prefix_cache, speculator, build_length_predictor(config.length))
+                          prefix_cache, speculator, build_length_predictor(config.length),
+                          collects_prompt_blocks=publishes)
     max_request_tokens = min(loaded.max_model_len, num_gpu_blocks * spec.block_size)
     limits = ModelLimits(model_name=model_config.name, source=loaded.source, vocab_size=loaded.model.config.vocab_size,
                          max_request_tokens=max_request_tokens,
@@ -151,20 +154,30 @@ def _build_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStore
     )
     reference = ModelRunner(loaded, kv_cache, Sampler(grammars), backend, tensor_parallel=leader)
     runner = with_fast_paths(reference, grammars, config, max_request_tokens)
-    fleet = None
-    if config.fleet_cache.enabled and prefix_cache is not None:
-        if block_store_for is None:
-            raise EngineError("[engine.fleet_cache] enabled needs the fleet's block store: run the engine in a "
-                              "worker (its Redis holds the blocks)")
-        assert loaded.weights_fingerprint is not None, "load_engine_model fingerprints them with the fleet cache on"
-        root = namespace(loaded.model.config.model_type, loaded.weights_fingerprint,
-                         tokenizer_fingerprint(loaded.tokenizer), str(loaded.dtype), spec.block_size,
-                         (spec.num_layers, spec.num_kv_heads, spec.head_dim))
-        fleet = FleetCache(config.fleet_cache, block_store_for(root), root, kv_cache, spec.bytes_per_block,
-                           block_manager, prefix_cache)
-        scheduler.collects_prompt_blocks = "computed" if config.fleet_cache.publish == "all" else "reused"
-        logger.info("fleet cache on: namespace %s, publishing %s prompt blocks", root.hex(), config.fleet_cache.publish)
     return EngineParts(scheduler, runner, loaded.tokenizer, limits, grammars, fleet)
+
+
+def _fleet_cache(config: EngineConfig, loaded: LoadedModel, spec: KVCacheSpec, kv_cache: KVCache,
+                 block_manager: BlockManager, prefix_cache: PrefixCache | None,
+                 block_store_for: BlockStoreFactory | None) -> FleetCache | None:
+    """The fleet cache with ``[engine.fleet_cache] enabled`` (and prefix caching, whose index it joins), its
+    store under this model's namespace; else None.
+
+    Raises:
+        EngineError: it is enabled and no block store was given.
+    """
+    if not config.fleet_cache.enabled or prefix_cache is None:
+        return None
+    if block_store_for is None:
+        raise EngineError("[engine.fleet_cache] enabled needs the fleet's block store: run the engine in a "
+                          "worker (its Redis holds the blocks)")
+    assert loaded.weights_fingerprint is not None, "load_engine_model fingerprints them with the fleet cache on"
+    root = namespace(loaded.model.config.model_type, loaded.weights_fingerprint,
+                     tokenizer_fingerprint(loaded.tokenizer), str(loaded.dtype), spec.block_size,
+                     (spec.num_layers, spec.num_kv_heads, spec.head_dim))
+    logger.info("fleet cache on: namespace %s, publishing %s prompt blocks", root.hex(), config.fleet_cache.publish)
+    return FleetCache(config.fleet_cache, block_store_for(root), root, kv_cache, spec.bytes_per_block,
+                      block_manager, prefix_cache)
 
 
 def load_engine_model(config: EngineConfig, shard: Shard | None = None) -> LoadedModel:
