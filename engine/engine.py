@@ -34,7 +34,7 @@ from tokenmill.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.engine.core.fleet_cache import FleetCache
-    from tokenmill.engine.model.model_setup import BlockStoreFactory
+    from tokenmill.engine.kv.fleet_io import FleetIOFactory
     from tokenmill.engine.sample.grammar import Grammars
 
 logger = logging.getLogger(__name__)
@@ -95,15 +95,16 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None,
-                    block_store_for: BlockStoreFactory | None = None) -> Self:
+                    fleet_io_for: FleetIOFactory | None = None) -> Self:
         """Load the model and size the KV cache (imports torch), or build the echo model (engine/echo.py:
         no torch, no weights).
 
         Args:
             config: the engine's settings.
             clock: time source (default: monotonic).
-            block_store_for: the fleet's block store for a namespace, for ``[engine.fleet_cache]`` (a worker passes
-                its Redis); the echo model has no KV and ignores it.
+            fleet_io_for: the fleet's store for a namespace, reached off the engine thread, for
+                ``[engine.fleet_cache]`` (a worker passes its Redis, worker/store_io.py); the echo model has no KV and
+                ignores it.
         """
         clock = clock or MonotonicClock()
         overlap = config.execution.overlap
@@ -113,7 +114,7 @@ class Engine:
                        echo.limits, clock, echo.grammars, overlap=overlap == "on")
         from tokenmill.engine.model.model_setup import build_engine_parts  # noqa: PLC0415 - torch only for real engines
 
-        parts = build_engine_parts(config, clock, block_store_for)
+        parts = build_engine_parts(config, clock, fleet_io_for)
         is_on = overlap == "on" or (overlap == "auto" and parts.runner.device.type == "cuda")
         return cls(parts.scheduler, parts.runner, OutputProcessor(parts.tokenizer, clock), parts.tokenizer,
                    parts.limits, clock, parts.grammars, parts.fleet, overlap=is_on)
@@ -374,7 +375,7 @@ class Engine:
 
     def _poll_fleet(self, fleet: FleetCache) -> None:
         """Load the prompt blocks fetched from the fleet's store; when every live request waits for its blocks,
-        wait a little for them instead of spinning (the fetch thread needs the core)."""
+        wait a little for them instead of spinning (the fleet I/O's fetch thread needs the core)."""
         scheduler = self.scheduler
         is_idle = (not scheduler.num_running and not scheduler.num_swapped
                    and scheduler.num_waiting <= fleet.num_fetching)

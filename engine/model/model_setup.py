@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +23,9 @@ from tokenmill.engine.errors import EngineError, ModelLoadError
 from tokenmill.engine.kernels import cpu_linear
 from tokenmill.engine.kernels.attention import AttentionBackend, cpu_kernel, select_backend
 from tokenmill.engine.kv.block_manager import BlockManager
-from tokenmill.engine.kv.block_store import BlockStore, namespace
+from tokenmill.engine.kv.block_store import namespace
+from tokenmill.engine.kv.fetch_rules import FetchRules, TransferCost
+from tokenmill.engine.kv.fleet_io import FleetIOFactory
 from tokenmill.engine.kv.prefix_cache import PrefixCache
 from tokenmill.engine.model import native_decoder
 from tokenmill.engine.model.draft_proposer import (
@@ -74,18 +75,14 @@ class EngineParts:
     fleet: FleetCache | None = None  # prompt blocks shared through the fleet's store ([engine.fleet_cache])
 
 
-BlockStoreFactory = Callable[[bytes], BlockStore]  # the fleet's store of one namespace (engine/kv/block_store.py)
-
-
-def build_engine_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStoreFactory | None = None
-                       ) -> EngineParts:
+def build_engine_parts(config: EngineConfig, clock: Clock, fleet_io_for: FleetIOFactory | None = None) -> EngineParts:
     """Load the model, size the KV cache and wire the parts.
 
     Args:
         config: the engine's settings.
         clock: the engine's clock.
-        block_store_for: the fleet's block store for a namespace (the worker's Redis); needed with
-            ``[engine.fleet_cache] enabled``.
+        fleet_io_for: the fleet's store for a namespace, reached off the engine thread (the worker's Redis, on
+            the worker's threads); needed with ``[engine.fleet_cache] enabled``.
 
     Raises:
         ModelLoadError: the model cannot be found, is not a decoder-only model, or does not split over
@@ -94,14 +91,14 @@ def build_engine_parts(config: EngineConfig, clock: Clock, block_store_for: Bloc
     """
     leader = _start_tensor_parallel(config)
     try:
-        return _build_parts(config, clock, block_store_for, leader)
+        return _build_parts(config, clock, fleet_io_for, leader)
     except BaseException:
         if leader is not None:
             leader.close()
         raise
 
 
-def _build_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStoreFactory | None,
+def _build_parts(config: EngineConfig, clock: Clock, fleet_io_for: FleetIOFactory | None,
                  leader: TensorParallelLeader | None) -> EngineParts:
     """:func:`build_engine_parts`; ``leader``: the tensor-parallel followers, started (None: no tensor parallelism)."""
     model_config = config.model
@@ -130,7 +127,7 @@ def _build_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStore
     kv_cache = KVCache(spec, num_gpu_blocks, num_cpu_blocks, loaded.device)
     prefix_cache = PrefixCache(spec.block_size) if config.cache.enable_prefix_caching else None
     block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, spec.block_size, prefix_cache)
-    fleet = _fleet_cache(config, loaded, spec, kv_cache, block_manager, prefix_cache, block_store_for)
+    fleet = _fleet_cache(config, loaded, spec, kv_cache, block_manager, prefix_cache, fleet_io_for)
     grammars = None if isinstance(loaded.tokenizer, NoTokenizer) else \
         GrammarCompiler(loaded.tokenizer, loaded.model.config.vocab_size, loaded.eos_token_ids,
                         limits=_compile_limits(config))
@@ -159,16 +156,16 @@ def _build_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStore
 
 def _fleet_cache(config: EngineConfig, loaded: LoadedModel, spec: KVCacheSpec, kv_cache: KVCache,
                  block_manager: BlockManager, prefix_cache: PrefixCache | None,
-                 block_store_for: BlockStoreFactory | None) -> FleetCache | None:
+                 fleet_io_for: FleetIOFactory | None) -> FleetCache | None:
     """The fleet cache with ``[engine.fleet_cache] enabled`` (and prefix caching, whose index it joins), its
     store under this model's namespace; else None.
 
     Raises:
-        EngineError: it is enabled and no block store was given.
+        EngineError: it is enabled and no store was given.
     """
     if not config.fleet_cache.enabled or prefix_cache is None:
         return None
-    if block_store_for is None:
+    if fleet_io_for is None:
         raise EngineError("[engine.fleet_cache] enabled needs the fleet's block store: run the engine in a "
                           "worker (its Redis holds the blocks)")
     assert loaded.weights_fingerprint is not None, "load_engine_model fingerprints them with the fleet cache on"
@@ -176,8 +173,9 @@ def _fleet_cache(config: EngineConfig, loaded: LoadedModel, spec: KVCacheSpec, k
                      tokenizer_fingerprint(loaded.tokenizer), str(loaded.dtype), spec.block_size,
                      (spec.num_layers, spec.num_kv_heads, spec.head_dim))
     logger.info("fleet cache on: namespace %s, publishing %s prompt blocks", root.hex(), config.fleet_cache.publish)
-    return FleetCache(config.fleet_cache, block_store_for(root), root, kv_cache, spec.bytes_per_block,
-                      block_manager, prefix_cache)
+    cost = TransferCost(spec.bytes_per_block, spec.block_size)
+    io = fleet_io_for(root, FetchRules(cost, spec.bytes_per_block, kv_cache.check_blocks))
+    return FleetCache(config.fleet_cache, io, root, kv_cache, cost, block_manager, prefix_cache)
 
 
 def load_engine_model(config: EngineConfig, shard: Shard | None = None) -> LoadedModel:
