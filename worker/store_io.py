@@ -62,7 +62,7 @@ class StoreFleetIO:
 
     def take_answers(self) -> list[Fetched | Published]:
         self._fetched.clear()
-        answers = []
+        answers: list[Fetched | Published] = []
         while True:
             try:
                 answer = self._answers.get_nowait()

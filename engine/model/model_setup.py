@@ -18,7 +18,7 @@ from tokenmill.engine.core.clock import Clock
 from tokenmill.engine.core.fleet_cache import FleetCache
 from tokenmill.engine.core.length_predictor import build_length_predictor
 from tokenmill.engine.core.limits import ModelLimits
-from tokenmill.engine.core.scheduler import Scheduler
+from tokenmill.engine.core.scheduler import PromptBlockCollection, Scheduler
 from tokenmill.engine.errors import EngineError, ModelLoadError
 from tokenmill.engine.kernels import cpu_linear
 from tokenmill.engine.kernels.attention import AttentionBackend, cpu_kernel, select_backend
@@ -135,7 +135,8 @@ def _build_parts(config: EngineConfig, clock: Clock, fleet_io_for: FleetIOFactor
         DraftModelProposer(draft, loaded, kv_cache_spec(draft, BLOCK_TOKENS), num_gpu_blocks * spec.block_size)
     speculator = build_speculator(config.speculative, draft_proposer,
                                   GrammarForcedProposer(grammars) if grammars is not None else None)
-    publishes = "none" if fleet is None else "computed" if config.fleet_cache.publish == "all" else "reused"
+    publishes: PromptBlockCollection = "none" if fleet is None else \
+        "computed" if config.fleet_cache.publish == "all" else "reused"
     scheduler = Scheduler(config.scheduler, block_manager, clock, loaded.eos_token_ids, loaded.max_model_len,
                           prefix_cache, speculator, build_length_predictor(config.length),
                           collects_prompt_blocks=publishes)
