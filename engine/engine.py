@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.clock import Clock, MonotonicClock
+from tokenmill.engine.core.length_state import LengthState
 from tokenmill.engine.core.limits import ModelLimits
 from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.core.scheduler import Scheduler
@@ -210,10 +211,10 @@ class Engine:
             self.processor.reject(request_id, exc.code, str(exc), arrival, num_prompt_tokens=exc.num_prompt_tokens)
             return
         request = Request(request_id, list(prompt_token_ids), params, arrival_time_s=arrival, priority=priority,
-                          length_group=length_group, is_handed_off=is_handed_off, streams=streams)
+                          streams=streams, length_state=LengthState(length_group))
         self.scheduler.add_request(request)
         if self.fleet is not None:
-            self.fleet.look_up(request)
+            self.fleet.look_up(request, is_handed_off)
 
     def _resolve_max_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """``params`` with ``max_tokens`` = the room the prompt leaves when it asked for "the rest of the

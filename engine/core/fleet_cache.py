@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tokenmill.engine.config import FleetCacheConfig
+from tokenmill.engine.core.fleet_state import FleetState
 from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.kv.block_manager import BlockManager
 from tokenmill.engine.kv.block_store import block_digests
@@ -115,6 +116,14 @@ class _Lookup:
     is_follower: bool = False  # it waits for another request's fetch of the same blocks
 
 
+def _state(request: Request) -> FleetState:
+    """The request's fleet-cache state, made on first use (a forked sample's blocks are published too)."""
+    state = request.fleet_state
+    if state is None:
+        state = request.fleet_state = FleetState()
+    return state
+
+
 class FleetCache:
     """Looks up, loads and publishes one engine's prompt blocks in the fleet's shared store.
 
@@ -160,16 +169,24 @@ class FleetCache:
 
     def digests(self, request: Request) -> list[bytes]:
         """The store addresses of the request's full prompt blocks (computed once per request)."""
-        if request.block_digests is None:
-            request.block_digests = block_digests(self.root, request.prompt_token_ids, self.block_size)
-        return request.block_digests
+        state = _state(request)
+        if state.block_digests is None:
+            state.block_digests = block_digests(self.root, request.prompt_token_ids, self.block_size)
+        return state.block_digests
 
     # ---- engine thread: lookups ------------------------------------------------------------------
 
-    def look_up(self, request: Request) -> None:
+    def look_up(self, request: Request, is_handed_off: bool = False) -> None:
         """Start fetching the prompt blocks the local cache lacks, if enough are missing; the request
-        waits for them (:attr:`Request.is_fetching_kv`) until :meth:`poll` loads them or gives up."""
-        if request.is_handed_off:
+        waits for them (:attr:`Request.is_fetching_kv`) until :meth:`poll` loads them or gives up.
+
+        Args:
+            request: a request just added.
+            is_handed_off: a prefill worker published its prompt blocks: they are fetched whatever they cost, and
+                those it computes after all are counted.
+        """
+        request.fleet_state = FleetState(is_handed_off)
+        if is_handed_off:
             self._stats.num_handoffs += 1
             self._handed_off[request.request_id] = request
         self._start_lookup(request)
@@ -178,7 +195,8 @@ class FleetCache:
         # NOTE: as the prefix cache's match, one prompt token is always left to compute (it gives the logits).
         num_blocks = (request.num_prompt_tokens - 1) // self.block_size
         num_local = len(self._prefix_cache.match(request.prompt_token_ids)[0])
-        min_blocks = 1 if request.is_handed_off else self.config.min_blocks
+        is_handed_off = _state(request).is_handed_off
+        min_blocks = 1 if is_handed_off else self.config.min_blocks
         if num_blocks - num_local < min_blocks:
             return
         keys = self.digests(request)[num_local:num_blocks]
@@ -187,7 +205,7 @@ class FleetCache:
             lookup = _Lookup(request, num_local, leader.ticket, self._clock(), keys[0], is_follower=True)
         else:
             ticket = next(self._tickets)
-            self._io.fetch(FetchOrder(ticket, keys, min_blocks, at_any_cost=request.is_handed_off))
+            self._io.fetch(FetchOrder(ticket, keys, min_blocks, at_any_cost=is_handed_off))
             lookup = _Lookup(request, num_local, ticket, self._clock(), keys[0])
             self._fetching[keys[0]] = lookup
         self._lookups[request.request_id] = lookup

@@ -437,8 +437,9 @@ class Scheduler:
         for request in self._queues.requests.values():
             tokens = predictor.current(request).mean_remaining(request.num_output_tokens) * request.num_seats
             backlog += tokens
-            if request.length_group is not None:
-                counts = group_to_counts.setdefault(request.length_group, [0, 0.0])
+            group = request.length_state.group
+            if group is not None:
+                counts = group_to_counts.setdefault(group, [0, 0.0])
                 counts[0] += request.num_seats
                 counts[1] += tokens
         error, baseline_error = predictor.errors()
@@ -618,8 +619,7 @@ class Scheduler:
                              num_computed_tokens=parent.num_computed_tokens, group=group, sample_index=index,
                              prefix_entry_ids=list(parent.prefix_entry_ids),
                              first_scheduled_time_s=parent.first_scheduled_time_s,
-                             length_group=parent.length_group, length_keys=parent.length_keys,
-                             admitted_length_estimate=parent.admitted_length_estimate)
+                             length_state=parent.length_state.for_sample())
             if is_running:
                 self.block_manager.fork(parent.request_id, sample.request_id)
             samples.append(sample)
@@ -744,7 +744,7 @@ class Scheduler:
         if request.first_scheduled_time_s is None:
             request.first_scheduled_time_s = plan.now_s
             if self.length_predictor is not None:
-                request.admitted_length_estimate = self.length_predictor.current(request)
+                request.length_state.admitted_estimate = self.length_predictor.current(request)
         plan.admitted_request_ids.add(request.request_id)
         self._note_inflight_prefix(request, plan)
         plan.add(request, num_tokens)
@@ -784,7 +784,7 @@ class Scheduler:
         if predictor is None or ordering == "fcfs":
             return lambda r: admission_key(r, aging_interval_s)
         if ordering == "auto":
-            groups = {r.length_group for r in self._queues.waiting}
+            groups = {r.length_state.group for r in self._queues.waiting}
             # NOTE: one job's requests alone: its makespan is what its owner waits for; mixed: completion times.
             ordering = "longest" if len(groups) == 1 and None not in groups else "shortest"
         sign = 1.0 if ordering == "shortest" else -1.0
@@ -793,7 +793,7 @@ class Scheduler:
             estimate = predictor.current(request)
             # NOTE: a template the history does not know yet runs a few rows first, so that its lengths are learnt:
             # predicted from the job's other answers, its rows would otherwise queue behind every known one.
-            if request.length_exploring:
+            if request.length_state.exploring:
                 return -math.inf
             return sign * estimate.median_remaining(request.num_output_tokens)
 

@@ -47,13 +47,15 @@ class _FailingStore(LocalBlockStore):
         raise ConnectionError("store down")
 
 
-def _fleet(store: LocalBlockStore, num_blocks: int = 16) -> tuple[FleetCache, BytesPool, PrefixCache]:
+def _fleet(store: LocalBlockStore, num_blocks: int = 16,
+           min_blocks: int = 1) -> tuple[FleetCache, BytesPool, PrefixCache]:
     pool = BytesPool(num_blocks)
     prefix_cache = PrefixCache(BLOCK_SIZE)
     manager = BlockManager(num_blocks, 0, BLOCK_SIZE, prefix_cache)
     cost = TransferCost(BLOCK_BYTES, BLOCK_SIZE)
     io = StoreFleetIO(store, FetchRules(cost, BLOCK_BYTES, pool.check_blocks))
-    fleet = FleetCache(FleetCacheConfig(enabled=True, min_blocks=1), io, ROOT, pool, cost, manager, prefix_cache)
+    fleet = FleetCache(FleetCacheConfig(enabled=True, min_blocks=min_blocks), io, ROOT, pool, cost, manager,
+                       prefix_cache)
     return fleet, pool, prefix_cache
 
 
@@ -94,6 +96,22 @@ def test_published_blocks_are_fetched_verified_and_loaded_as_prefix_hits() -> No
     stats = fleet.stats()
     assert (stats.num_hits, stats.num_hit_blocks, stats.num_fetched_blocks) == (1, 3, 3)
     assert stats.num_fallbacks == 0 and stats.num_rejected_blocks == 0
+    fleet.close()
+
+
+def test_a_handed_off_request_fetches_what_a_plain_one_would_not() -> None:
+    """A prefill worker made its blocks for it: fetched below ``min_blocks`` (and whatever they cost)."""
+    store = LocalBlockStore()
+    _publish_prompt(store)
+    fleet, _, prefix_cache = _fleet(store, min_blocks=4)
+    plain, handed_off = _request("plain"), _request("handed-off")
+    fleet.look_up(plain)
+    assert not plain.is_fetching_kv  # three blocks are fewer than min_blocks
+    fleet.look_up(handed_off, is_handed_off=True)
+    _poll_until_done(fleet, handed_off)
+    assert len(prefix_cache.match(PROMPT)[0]) == 3
+    stats = fleet.stats()
+    assert (stats.num_handoffs, stats.num_lookups, stats.num_hit_blocks) == (1, 1, 3)
     fleet.close()
 
 
