@@ -192,8 +192,8 @@ def build_echo_parts(config: EngineConfig, clock: Clock) -> EchoParts:
     budget = config.cache.kv_cache_bytes
     num_gpu_blocks = (budget // block_size if budget is not None
                       else config.scheduler.max_num_seqs * blocks_per_request + 1)
-    block_manager = BlockManager(num_gpu_blocks, num_gpu_blocks, block_size)  # NOTE: a swap pool as large
-    prefix_cache = PrefixCache(block_manager) if config.cache.enable_prefix_caching else None
+    prefix_cache = PrefixCache(block_size) if config.cache.enable_prefix_caching else None
+    block_manager = BlockManager(num_gpu_blocks, num_gpu_blocks, block_size, prefix_cache)  # NOTE: a swap pool as large
     if config.speculative.method == "draft":
         raise ValueError("the echo model has no draft model: [engine.speculative] method 'draft' needs a real model")
     scheduler = Scheduler(config.scheduler, block_manager, clock, frozenset({EOS_TOKEN_ID}), max_model_len,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.clock import Clock, MonotonicClock
+from tokenmill.engine.core.length_state import LengthState
 from tokenmill.engine.core.limits import ModelLimits
 from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.core.scheduler import Scheduler
@@ -34,7 +35,7 @@ from tokenmill.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.engine.core.fleet_cache import FleetCache
-    from tokenmill.engine.model.model_setup import BlockStoreFactory
+    from tokenmill.engine.kv.fleet_io import FleetIOFactory
     from tokenmill.engine.sample.grammar import Grammars
 
 logger = logging.getLogger(__name__)
@@ -95,15 +96,16 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None,
-                    block_store_for: BlockStoreFactory | None = None) -> Self:
+                    fleet_io_for: FleetIOFactory | None = None) -> Self:
         """Load the model and size the KV cache (imports torch), or build the echo model (engine/echo.py:
         no torch, no weights).
 
         Args:
             config: the engine's settings.
             clock: time source (default: monotonic).
-            block_store_for: the fleet's block store for a namespace, for ``[engine.fleet_cache]`` (a worker passes
-                its Redis); the echo model has no KV and ignores it.
+            fleet_io_for: the fleet's store for a namespace, reached off the engine thread, for
+                ``[engine.fleet_cache]`` (a worker passes its Redis, worker/store_io.py); the echo model has no KV and
+                ignores it.
         """
         clock = clock or MonotonicClock()
         overlap = config.execution.overlap
@@ -113,7 +115,7 @@ class Engine:
                        echo.limits, clock, echo.grammars, overlap=overlap == "on")
         from tokenmill.engine.model.model_setup import build_engine_parts  # noqa: PLC0415 - torch only for real engines
 
-        parts = build_engine_parts(config, clock, block_store_for)
+        parts = build_engine_parts(config, clock, fleet_io_for)
         is_on = overlap == "on" or (overlap == "auto" and parts.runner.device.type == "cuda")
         return cls(parts.scheduler, parts.runner, OutputProcessor(parts.tokenizer, clock), parts.tokenizer,
                    parts.limits, clock, parts.grammars, parts.fleet, overlap=is_on)
@@ -209,10 +211,10 @@ class Engine:
             self.processor.reject(request_id, exc.code, str(exc), arrival, num_prompt_tokens=exc.num_prompt_tokens)
             return
         request = Request(request_id, list(prompt_token_ids), params, arrival_time_s=arrival, priority=priority,
-                          length_group=length_group, is_handed_off=is_handed_off, streams=streams)
+                          streams=streams, length_state=LengthState(length_group))
         self.scheduler.add_request(request)
         if self.fleet is not None:
-            self.fleet.look_up(request)
+            self.fleet.look_up(request, is_handed_off)
 
     def _resolve_max_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """``params`` with ``max_tokens`` = the room the prompt leaves when it asked for "the rest of the
@@ -376,7 +378,7 @@ class Engine:
 
     def _poll_fleet(self, fleet: FleetCache) -> None:
         """Load the prompt blocks fetched from the fleet's store; when every live request waits for its blocks,
-        wait a little for them instead of spinning (the fetch thread needs the core)."""
+        wait a little for them instead of spinning (the fleet I/O's fetch thread needs the core)."""
         scheduler = self.scheduler
         is_idle = (not scheduler.num_running and not scheduler.num_swapped
                    and scheduler.num_waiting <= fleet.num_fetching)

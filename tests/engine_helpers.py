@@ -9,6 +9,7 @@ from typing import Any
 from tokenmill.engine import CacheConfig, Engine, EngineConfig, ModelConfig, SchedulerConfig
 from tokenmill.engine.config import ExecutionConfig, FleetCacheConfig, LengthConfig, SpeculativeConfig
 from tokenmill.engine.kv.block_store import BlockStore
+from tokenmill.worker.store_io import StoreFleetIO
 
 _SECTION_OF = {name: section for section, model in (("model", ModelConfig), ("cache", CacheConfig),
                                                      ("scheduler", SchedulerConfig), ("execution", ExecutionConfig),
@@ -32,5 +33,6 @@ def build_engine(model: str, block_store: BlockStore | None = None, **settings: 
     """A real engine (loads the model) from flat settings; ``block_store``: the fleet cache's store (then on)."""
     if block_store is not None:
         settings.setdefault("enabled", True)
-        return Engine.from_config(engine_config(model, **settings), block_store_for=lambda _: block_store)
+        return Engine.from_config(engine_config(model, **settings),
+                                  fleet_io_for=lambda _, rules: StoreFleetIO(block_store, rules))
     return Engine.from_config(engine_config(model, **settings))

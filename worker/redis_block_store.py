@@ -21,8 +21,9 @@ fetches and discards one it rejects (:meth:`RedisBlockStore.discard`), so the bl
 be put; values are stored and returned as they come, the store never looks inside them.
 
 Thread-safety: the redis-py client takes a pooled connection per command or pipeline, and the only other
-state here is the score clock (under a lock), so calls may come from any thread; the engine makes them from
-its fleet thread only. Errors from Redis propagate: the engine counts them and computes the blocks itself.
+state here is the score clock (under a lock), so calls may come from any thread; the fleet's I/O makes them from
+its threads only (worker/store_io.py). Errors from Redis propagate: the engine counts them and computes the blocks
+itself.
 Imports redis and the standard library only; never torch, never the engine.
 """
 

@@ -16,7 +16,7 @@ import redis
 
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.errors import EngineError
-from tokenmill.engine.kv.block_store import BlockStore
+from tokenmill.engine.kv.fetch_rules import FetchRules
 from tokenmill.protocol.connection import connect
 from tokenmill.worker.config import Settings
 from tokenmill.worker.errors import StartupError
@@ -30,6 +30,7 @@ from tokenmill.worker.metrics import WorkerMetrics
 from tokenmill.worker.reader import Reader
 from tokenmill.worker.redis_block_store import redis_block_store
 from tokenmill.worker.state import Load
+from tokenmill.worker.store_io import StoreFleetIO
 from tokenmill.worker.writer import Writer
 
 log = logging.getLogger("tokenmill.worker")
@@ -40,25 +41,26 @@ WARM_JOIN_S = 30.0  # the most shut-down waits for the grammar warm-up still sta
 
 def build_engine(settings: Settings, client: redis.Redis | None = None) -> Engine:
     """The engine of ``settings.engine``: a model (imports torch; slow) or the echo model (no torch). With
-    ``[engine.fleet_cache] enabled`` its block store is ``client``'s Redis (worker/redis_block_store.py).
+    ``[engine.fleet_cache] enabled`` its block store is ``client``'s Redis (worker/redis_block_store.py), reached on
+    threads of the worker's (worker/store_io.py).
 
     Raises:
         StartupError: the model cannot be found or loaded, or the engine cannot be sized.
     """
     fleet = settings.engine.fleet_cache
 
-    def block_store_for(namespace: bytes) -> BlockStore:
+    def fleet_io_for(namespace: bytes, rules: FetchRules) -> StoreFleetIO:
         if client is None:
             raise StartupError("[engine.fleet_cache] enabled needs the worker's Redis")
-        return redis_block_store(client, settings.queue.keys.prefix, namespace, fleet.max_store_bytes, fleet.ttl_s,
-                                 hash_tag=settings.redis.is_cluster)
+        return StoreFleetIO(redis_block_store(client, settings.queue.keys.prefix, namespace, fleet.max_store_bytes,
+                                              fleet.ttl_s, hash_tag=settings.redis.is_cluster), rules)
 
     config = settings.engine
     if settings.worker.role == "prefill" and fleet.publish != "all":
         # NOTE: a prefill worker's blocks are for its decode pool, reused or not
         config = config.model_copy(update={"fleet_cache": fleet.model_copy(update={"publish": "all"})})
     try:
-        return Engine.from_config(config, block_store_for=block_store_for if fleet.enabled else None)
+        return Engine.from_config(config, fleet_io_for=fleet_io_for if fleet.enabled else None)
     except EngineError as exc:
         raise StartupError(str(exc)) from exc
 

@@ -1,17 +1,22 @@
 """The fleet-wide prefix cache: full prompt blocks one engine computes are published to a block store
 (engine/kv/block_store.py), and an engine whose local prefix cache misses fetches the next blocks from it
-when fetching beats computing them again. Standard library only; never torch, never redis.
+when fetching beats computing them again. Standard library only; never torch, never redis, never a thread:
+the store is reached through :class:`~tokenmill.engine.kv.fleet_io.FleetIO` (the worker's threads,
+worker/store_io.py), whose answers this engine thread drains at its step boundaries.
 
 Life of a lookup (engine thread unless named)::
 
-    add_request ─> look_up: local match k blocks, the prompt has n ─ n - k >= min_blocks? ─> fleet thread:
+    add_request ─> look_up: local match k blocks, the prompt has n ─ n - k >= min_blocks? ─> the I/O's thread:
                    contains(k..n) -> m leading blocks held ─ worth fetching m? (cost model) ─> get(k..k+m)
                    ─> each fetched value opened (engine/kv/block_store.py ``unseal``) and its values checked
-                   (``BlockIO.check_blocks``); the first that fails ends the run, and is discarded from the store
-    each step   ─> poll: a done fetch is written into free device blocks and indexed by the local prefix cache
-                   (cached, evictable), so the admission that follows hits them like any local prefix
+                   (the pool's ``check_blocks``) by the engine's rules (engine/kv/fetch_rules.py); the first that
+                   fails ends the run, and is discarded from the store
+    each step   ─> poll: the answers are drained; a done fetch is written into free device blocks and indexed by
+                   the local prefix cache (cached, evictable), so the admission that follows hits them like any
+                   local prefix
     after step  ─> publish: blocks the step computed and indexed (prompt blocks only) are copied out of the
-                   device pool, sealed and put to the store by the publish thread (those it already holds skipped)
+                   device pool, then sealed and put to the store on the I/O's publish thread (those it already
+                   holds skipped)
 
 A request waits (``Request.is_fetching_kv``) while its blocks travel, at most ``max_wait_s``. Whatever ends
 in the request computing blocks the store held is counted as a fallback with its reason: the store failed,
@@ -29,26 +34,27 @@ forger who can compute the digests (engine/kv/block_store.py, the trust model).
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from tokenmill.engine.config import FleetCacheConfig
+from tokenmill.engine.core.fleet_state import FleetState
 from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.kv.block_manager import BlockManager
-from tokenmill.engine.kv.block_store import BlockStore, RejectedBlock, block_digests, seal, unseal
+from tokenmill.engine.kv.block_store import block_digests
+from tokenmill.engine.kv.fetch_rules import TransferCost
+from tokenmill.engine.kv.fleet_io import Fetched, FetchOrder, FleetIO, Published
 from tokenmill.engine.kv.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 
 KNOWN_DIGESTS = 1 << 16  # digests this engine published or fetched lately: not published again
-EWMA_WEIGHT = 0.2  # weight of the newest measurement in the cost model's moving averages
-MIN_PREFILL_TOKENS = 32  # steps computing fewer prompt tokens say little about the prefill rate
 
 
 class BlockIO(Protocol):
@@ -59,10 +65,6 @@ class BlockIO(Protocol):
 
     def write_blocks(self, block_ids: list[int], blocks: Sequence[bytes | memoryview]) -> None:
         """Overwrite device blocks with bytes :meth:`read_blocks` gave (on any engine of the namespace)."""
-
-    def check_blocks(self, blocks: Sequence[bytes | memoryview]) -> list[str | None]:
-        """Why each block's bytes cannot be keys and values this pool computed (None where they can): the wrong
-        length, or values that are not finite or implausibly large. Any thread; never touches the pool."""
 
 
 class Fallback(str, enum.Enum):
@@ -105,101 +107,60 @@ class FleetCacheStats:
 
 
 @dataclass
-class _Fetched:
-    """A lookup's answer from the fleet thread."""
-
-    keys: list[bytes]  # the addresses it looked up
-    blocks: list[memoryview]  # the leading blocks it fetched and verified (payloads; possibly none)
-    num_held: int  # leading blocks the store held
-    seconds: float  # wall time of the lookup
-    is_too_dear: bool = False  # held, but the cost model chose computing
-    rejected: str | None = None  # why the block after ``blocks`` failed verification (None: none did)
-
-
-@dataclass
 class _Lookup:
     request: Request
     first_index: int  # the prompt block the fetch starts at (the local cache held those before)
-    future: Future[_Fetched]
+    ticket: int  # the fetch it waits for (FetchOrder.ticket)
     started_s: float
     first_key: bytes  # the address of that block
     is_follower: bool = False  # it waits for another request's fetch of the same blocks
 
 
-class TransferCost:
-    """Fetch or compute: measured fetch bandwidth and latency against the measured prefill rate.
-
-    NOTE: before both are measured it says fetch: the first fetches measure the store, and a prefill
-    step measures the model.
-    """
-
-    def __init__(self, block_bytes: int, block_size: int) -> None:
-        self.block_bytes = block_bytes
-        self.block_size = block_size
-        self.prefill_tokens_per_s: float | None = None
-        self.fetch_bytes_per_s: float | None = None
-        self.fetch_latency_s = 0.0
-
-    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens >= MIN_PREFILL_TOKENS and seconds > 0:
-            self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, num_tokens / seconds)
-
-    def observe_fetch(self, num_bytes: int, seconds: float, latency_s: float) -> None:
-        self.fetch_latency_s = _ewma(self.fetch_latency_s, latency_s)
-        transfer_s = seconds - latency_s
-        if num_bytes and transfer_s > 0:
-            self.fetch_bytes_per_s = _ewma(self.fetch_bytes_per_s, num_bytes / transfer_s)
-
-    def fetch_beats_compute(self, num_blocks: int) -> bool:
-        if self.prefill_tokens_per_s is None or self.fetch_bytes_per_s is None:
-            return True
-        fetch_s = self.fetch_latency_s + num_blocks * self.block_bytes / self.fetch_bytes_per_s
-        return fetch_s < num_blocks * self.block_size / self.prefill_tokens_per_s
-
-
-def _ewma(average: float | None, value: float) -> float:
-    return value if average is None else (1 - EWMA_WEIGHT) * average + EWMA_WEIGHT * value
+def _state(request: Request) -> FleetState:
+    """The request's fleet-cache state, made on first use (a forked sample's blocks are published too)."""
+    state = request.fleet_state
+    if state is None:
+        state = request.fleet_state = FleetState()
+    return state
 
 
 class FleetCache:
-    """Looks up, loads and publishes one engine's prompt blocks in a shared :class:`BlockStore`.
+    """Looks up, loads and publishes one engine's prompt blocks in the fleet's shared store.
 
     Args:
         config: ``[engine.fleet_cache]``.
-        store: the fleet's store.
+        io: the fleet's store, reached off this thread (its fetches follow rules over ``cost``).
         root: the namespace every digest chain starts from (:func:`block_store.namespace`).
         block_io: reads and writes device blocks' bytes.
-        block_bytes: bytes of one block.
+        cost: the fetch-or-compute cost model its fetches consult (this engine observes its prefill steps).
         block_manager: the device pool the fetched blocks are loaded into.
         prefix_cache: the local index they join.
         clock: seconds, for waits (the engine's wall clock, not a test's scripted one).
     """
 
-    def __init__(self, config: FleetCacheConfig, store: BlockStore, root: bytes, block_io: BlockIO,
-                 block_bytes: int, block_manager: BlockManager, prefix_cache: PrefixCache,
+    def __init__(self, config: FleetCacheConfig, io: FleetIO, root: bytes, block_io: BlockIO, cost: TransferCost,
+                 block_manager: BlockManager, prefix_cache: PrefixCache,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.store = store
         self.root = root
         self.block_size = block_manager.block_size
-        self.cost = TransferCost(block_bytes, self.block_size)
+        self.cost = cost
+        self._io = io
         self._block_io = block_io
-        self._block_bytes = block_bytes
         self._block_manager = block_manager
         self._prefix_cache = prefix_cache
         self._clock = clock
         self._stats = FleetCacheStats(is_on=True)
         self._lookups: dict[str, _Lookup] = {}
         self._fetching: dict[bytes, _Lookup] = {}  # first block address -> the lookup fetching from there
+        self._tickets = itertools.count()
+        self._answers: dict[int, Fetched] = {}  # ticket -> its fetch's answer, while a lookup waits for it
         self._loaded: dict[str, tuple[Request, int]] = {}  # request id -> (it, its prompt blocks held once loaded)
         self._handed_off: dict[str, Request] = {}  # handed-off requests not admitted yet
         self._known: OrderedDict[bytes, None] = OrderedDict()
-        # NOTE: two threads, so a large publish never delays a lookup a waiting request needs.
-        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-fleet-fetch")
-        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-fleet-publish")
-        self._publishes: list[Future[None]] = []
 
     def stats(self) -> FleetCacheStats:
+        self._take_answers()
         return self._stats.copy()
 
     @property
@@ -208,16 +169,24 @@ class FleetCache:
 
     def digests(self, request: Request) -> list[bytes]:
         """The store addresses of the request's full prompt blocks (computed once per request)."""
-        if request.block_digests is None:
-            request.block_digests = block_digests(self.root, request.prompt_token_ids, self.block_size)
-        return request.block_digests
+        state = _state(request)
+        if state.block_digests is None:
+            state.block_digests = block_digests(self.root, request.prompt_token_ids, self.block_size)
+        return state.block_digests
 
     # ---- engine thread: lookups ------------------------------------------------------------------
 
-    def look_up(self, request: Request) -> None:
+    def look_up(self, request: Request, is_handed_off: bool = False) -> None:
         """Start fetching the prompt blocks the local cache lacks, if enough are missing; the request
-        waits for them (:attr:`Request.is_fetching_kv`) until :meth:`poll` loads them or gives up."""
-        if request.is_handed_off:
+        waits for them (:attr:`Request.is_fetching_kv`) until :meth:`poll` loads them or gives up.
+
+        Args:
+            request: a request just added.
+            is_handed_off: a prefill worker published its prompt blocks: they are fetched whatever they cost, and
+                those it computes after all are counted.
+        """
+        request.fleet_state = FleetState(is_handed_off)
+        if is_handed_off:
             self._stats.num_handoffs += 1
             self._handed_off[request.request_id] = request
         self._start_lookup(request)
@@ -226,64 +195,42 @@ class FleetCache:
         # NOTE: as the prefix cache's match, one prompt token is always left to compute (it gives the logits).
         num_blocks = (request.num_prompt_tokens - 1) // self.block_size
         num_local = len(self._prefix_cache.match(request.prompt_token_ids)[0])
-        if num_blocks - num_local < (1 if request.is_handed_off else self.config.min_blocks):
+        is_handed_off = _state(request).is_handed_off
+        min_blocks = 1 if is_handed_off else self.config.min_blocks
+        if num_blocks - num_local < min_blocks:
             return
         keys = self.digests(request)[num_local:num_blocks]
         leader = self._fetching.get(keys[0])
         if leader is not None:  # NOTE: requests that arrive together with one prompt prefix fetch it once
-            lookup = _Lookup(request, num_local, leader.future, self._clock(), keys[0], is_follower=True)
+            lookup = _Lookup(request, num_local, leader.ticket, self._clock(), keys[0], is_follower=True)
         else:
-            future = self._fetcher.submit(self._fetch, keys, request.is_handed_off)
-            lookup = _Lookup(request, num_local, future, self._clock(), keys[0])
+            ticket = next(self._tickets)
+            self._io.fetch(FetchOrder(ticket, keys, min_blocks, at_any_cost=is_handed_off))
+            lookup = _Lookup(request, num_local, ticket, self._clock(), keys[0])
             self._fetching[keys[0]] = lookup
         self._lookups[request.request_id] = lookup
         request.is_fetching_kv = True
         self._stats.num_lookups += 1
 
-    def _fetch(self, keys: list[bytes], is_handed_off: bool) -> _Fetched:
-        """Fleet thread: how many leading blocks the store holds, and those blocks if worth fetching (always, for a
-        handed-off request: its prefill was computed for the purpose)."""
-        started_s = time.perf_counter()
-        held = self.store.contains(keys)
-        num_held = held.index(False) if False in held else len(held)
-        latency_s = time.perf_counter() - started_s
-        if num_held < (1 if is_handed_off else self.config.min_blocks):
-            return _Fetched(keys, [], num_held, latency_s)
-        if not is_handed_off and not self.cost.fetch_beats_compute(num_held):
-            return _Fetched(keys, [], num_held, latency_s, is_too_dear=True)
-        values = self.store.get(keys[:num_held])
-        blocks: list[memoryview] = []
-        rejected = None
-        for key, value in zip(keys, values):
-            if value is None:  # NOTE: a block evicted since contains() ends the run
-                break
-            try:
-                blocks.append(unseal(key, value, self._block_bytes))
-            except RejectedBlock as exc:
-                rejected = str(exc)
-                break
-        reasons = self._block_io.check_blocks(blocks)
-        first_bad = next((i for i, reason in enumerate(reasons) if reason is not None), None)
-        if first_bad is not None:
-            rejected = reasons[first_bad]
-            del blocks[first_bad:]
-        if rejected is not None:
-            self._reject(keys[len(blocks)], rejected, num_held - len(blocks))
-        seconds = time.perf_counter() - started_s
-        self.cost.observe_fetch(sum(map(len, blocks)), seconds, latency_s)
-        return _Fetched(keys, blocks, num_held, seconds, rejected=rejected)
+    def _take_answers(self) -> None:
+        """Drain the I/O's answers: count publishes and rejected blocks, and keep each fetch's answer for the
+        lookups waiting for it (:meth:`poll` loads it)."""
+        for answer in self._io.take_answers():
+            if isinstance(answer, Published):
+                self._count_publish(answer)
+                continue
+            if answer.rejected is not None:
+                self._count_rejection(answer)
+            if any(lookup.ticket == answer.ticket for lookup in self._lookups.values()):
+                self._answers[answer.ticket] = answer
 
-    def _reject(self, key: bytes, reason: str, num_blocks: int) -> None:
-        """Fleet thread: a fetched block failed verification. Counted and logged, and its value dropped from the
-        store: the block computed in its place can then be published under its address."""
+    def _count_rejection(self, fetched: Fetched) -> None:
+        """A fetched block failed verification (the I/O discarded it from the store, so the block computed in its
+        place can be published under its address): counted and logged."""
         self._stats.num_rejected_blocks += 1
         logger.warning("fleet cache: rejected a fetched block (%s); computing it and the %d held after it",
-                       reason, num_blocks - 1, extra={"event": "fleet_block_rejected", "digest": key.hex()})
-        try:
-            self.store.discard([key])
-        except Exception as exc:  # noqa: BLE001 - the value stays; the next fetch of it is rejected again
-            logger.warning("fleet cache: discarding a rejected block failed (%s: %s)", type(exc).__name__, exc,
-                           extra={"event": "fleet_store_error"})
+                       fetched.rejected, fetched.num_held - len(fetched.blocks) - 1,
+                       extra={"event": "fleet_block_rejected", "digest": fetched.keys[len(fetched.blocks)].hex()})
 
     def poll(self, wait_s: float = 0.0) -> None:
         """Load finished fetches into the device pool and release their requests; give up on slow ones.
@@ -291,21 +238,23 @@ class FleetCache:
         Args:
             wait_s: wait this long for a fetch to finish when none has (the engine has nothing else to run).
         """
+        self._take_answers()
         self._check_admitted()
         if not self._lookups:
             return
-        if wait_s > 0 and not any(lookup.future.done() for lookup in self._lookups.values()):
-            wait_futures([lookup.future for lookup in self._lookups.values()], timeout=wait_s,
-                         return_when="FIRST_COMPLETED")
+        if wait_s > 0 and not any(lookup.ticket in self._answers for lookup in self._lookups.values()):
+            self._io.wait(wait_s)
+            self._take_answers()
         now_s = self._clock()
         for request_id, lookup in list(self._lookups.items()):
             request = lookup.request
             if request.status is not RequestStatus.WAITING:  # aborted (or finished) while it waited
                 self._end(lookup)
                 continue
-            if lookup.future.done():
+            fetched = self._answers.get(lookup.ticket)
+            if fetched is not None:
                 self._end(lookup)
-                self._finish_lookup(lookup)
+                self._finish_lookup(lookup, fetched)
             elif now_s - lookup.started_s > self.config.max_wait_s:
                 self._end(lookup)
                 num_blocks = (request.num_prompt_tokens - 1) // self.block_size - lookup.first_index
@@ -319,13 +268,13 @@ class FleetCache:
         lookup.request.is_fetching_kv = False
         if self._fetching.get(lookup.first_key) is lookup:
             del self._fetching[lookup.first_key]
-        if not any(other.future is lookup.future for other in self._lookups.values()):
-            lookup.future.cancel()
+        if not any(other.ticket == lookup.ticket for other in self._lookups.values()):
+            self._answers.pop(lookup.ticket, None)
+            self._io.cancel(lookup.ticket)
 
-    def _finish_lookup(self, lookup: _Lookup) -> None:
-        try:
-            fetched = lookup.future.result()
-        except Exception as exc:  # noqa: BLE001 - the store failed: compute the blocks, count it
+    def _finish_lookup(self, lookup: _Lookup, fetched: Fetched) -> None:
+        exc = fetched.error
+        if exc is not None:  # the store failed: compute the blocks, count it
             num_blocks = (lookup.request.num_prompt_tokens - 1) // self.block_size - lookup.first_index
             self._fall_back(Fallback.ERROR, num_blocks)
             logger.warning("fleet cache: lookup failed (%s: %s); computing the blocks", type(exc).__name__, exc,
@@ -440,25 +389,21 @@ class FleetCache:
         if not keys:
             return
         # NOTE: copied now, on the engine thread: the blocks may be reused by the next step.
-        values = self._block_io.read_blocks(block_ids)
-        self._publishes = [f for f in self._publishes if not f.done()]
-        self._publishes.append(self._publisher.submit(self._put, keys, values))
+        self._io.publish(keys, self._block_io.read_blocks(block_ids))
 
-    def _put(self, keys: list[bytes], values: list[bytes]) -> None:
-        """Publish thread: seal and put what the store does not hold yet."""
-        try:
-            held = self.store.contains(keys)
-            missing = [i for i, is_held in enumerate(held) if not is_held]
-            self.store.put([keys[i] for i in missing], [seal(keys[i], values[i]) for i in missing])
-        except Exception as exc:  # noqa: BLE001 - the blocks stay local; counted and logged
+    def _count_publish(self, published: Published) -> None:
+        """A publish's answer: the blocks put, or (the store failed) counted and logged, the blocks staying local
+        (and publishable again)."""
+        exc = published.error
+        if exc is not None:
             self._stats.num_publish_errors += 1
-            for key in keys:
+            for key in published.keys:
                 self._known.pop(key, None)
-            logger.warning("fleet cache: publishing %d blocks failed (%s: %s)", len(keys), type(exc).__name__, exc,
-                           extra={"event": "fleet_store_error"})
+            logger.warning("fleet cache: publishing %d blocks failed (%s: %s)", len(published.keys),
+                           type(exc).__name__, exc, extra={"event": "fleet_store_error"})
             return
-        self._stats.num_published_blocks += len(missing)
-        self._stats.num_published_bytes += sum(len(values[i]) for i in missing)
+        self._stats.num_published_blocks += published.num_blocks
+        self._stats.num_published_bytes += published.num_bytes
 
     def _remember(self, digest: bytes) -> None:
         self._known[digest] = None
@@ -467,18 +412,16 @@ class FleetCache:
             self._known.popitem(last=False)
 
     def barrier(self) -> Future[None]:
-        """Done once every publish started so far is done (the publish thread runs them in order): a prefill
-        worker hands a request on only after its blocks are in the store."""
-        return self._publisher.submit(lambda: None)
+        """Done once every publish started so far is done (publishes run in order): a prefill worker hands a
+        request on only after its blocks are in the store."""
+        return self._io.barrier()
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until every publish started so far is done; whether they all finished in time."""
-        pending = [f for f in self._publishes if not f.done()]
-        return not wait_futures(pending, timeout=timeout_s).not_done
+        """Wait until every publish started so far is done, and count them; whether they all finished in time."""
+        is_done = self._io.flush(timeout_s)
+        self._take_answers()
+        return is_done
 
     def close(self) -> None:
-        """Stop the threads (publishes in flight finish; lookups are dropped)."""
-        for lookup in self._lookups.values():
-            lookup.future.cancel()
-        self._fetcher.shutdown(wait=False, cancel_futures=True)
-        self._publisher.shutdown(wait=True)
+        """Stop the I/O's threads (publishes in flight finish; lookups are dropped)."""
+        self._io.close()

@@ -19,7 +19,7 @@ likeliest excess, and one request alone is planned at about its quantile). A req
 (one that always runs to ``max_tokens``) adds no margin. Independence holds between the rows of a template the
 history knows (a list answer loops or not on its own), not between rows of a template it does not know yet,
 predicted from the job's other answers: those are all essays or none, so their deviations add before squaring
-(``Request.length_correlation``, set by the predictor). Without that, a cold job admitted a wave of essays
+(``LengthState.correlation``, set by the predictor). Without that, a cold job admitted a wave of essays
 predicted from its first short answers. Two cruder rules were measured in ops/bench/length.py,
 where 1 list answer in 10 loops to ``max_tokens``: every request at its own 0.9 quantile (every list answer
 planned at ``max_tokens``: the pool a third used), then the root sum of squares of the tails past the mean
@@ -135,7 +135,7 @@ class PredictedKvBudget:
             mean_left = estimate.mean_remaining(request.num_output_tokens)
             excess = max(0.0, estimate.high_remaining(request.num_output_tokens) - mean_left)
             std = estimate.std_total if estimate.std_total is not None else excess / self._z
-            run = _Run(mean_left, float(request.num_tokens), excess, std, request.length_correlation)
+            run = _Run(mean_left, float(request.num_tokens), excess, std, request.length_state.correlation)
             runs += [run] * request.num_seats
         return _by_steps_left(runs)
 

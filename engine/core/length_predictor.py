@@ -75,8 +75,9 @@ class LengthPredictor:
         their job), through a per-key memo kept until the next request finishes, so redoing a waiting request's
         estimate costs a dictionary lookup per key, not a pass over the history; the sixteenth bounds how often
         a backlog of thousands is redone (O(16 log n) times each)."""
-        estimate = request.length_estimate
-        size = request.length_history_size
+        state = request.length_state
+        estimate = state.estimate
+        size = state.history_size
         if estimate is None or self.num_observed >= 2 * size + self.config.min_samples:
             return self.estimate(request)
         if request.num_output_tokens == 0:
@@ -88,11 +89,13 @@ class LengthPredictor:
 
     def estimate(self, request: Request) -> LengthEstimate:
         """Estimate ``request``'s final length given what it generated so far; keeps it on the request."""
-        if not request.length_keys:
-            request.length_keys = history_keys(request)
+        state = request.length_state
+        if not state.keys:
+            state.keys = history_keys(request)
+        keys = state.keys
         # NOTE: the last key is every request's: a request not under it is not tracked as live yet
-        if request.request_id not in self._key_to_live.get(request.length_keys[-1][0], {}):
-            for key, _ in request.length_keys:
+        if request.request_id not in self._key_to_live.get(keys[-1][0], {}):
+            for key, _ in keys:
                 self._key_to_live.setdefault(key, {})[request.request_id] = request
         num_generated = request.num_output_tokens
         known_past = num_generated  # what the request, or the running ones of a key that cannot answer, outlived
@@ -101,8 +104,8 @@ class LengthPredictor:
             self._memo.clear()
             self._started_memo.clear()
             self._memo_observed = self.num_observed
-        answer_index = len(request.length_keys)  # the key that answered (none: as many as there are)
-        for index, (key, source) in enumerate(request.length_keys):
+        answer_index = len(keys)  # the key that answered (none: as many as there are)
+        for index, (key, source) in enumerate(keys):
             memo_key = (key, known_past, request.max_tokens)
             answer = self._memo.get(memo_key) if num_generated == 0 else None
             if answer is None:
@@ -116,11 +119,11 @@ class LengthPredictor:
         if estimate is None:
             estimate = (LengthEstimate.outlived(known_past, request.max_tokens) if known_past
                         else LengthEstimate.prior(request.max_tokens))
-        request.length_correlation = self._unknown_template(request, answer_index)
-        request.length_exploring = (request.length_correlation is not None
-                                    and self._num_started(request.length_correlation) < self.config.min_samples)
-        request.length_estimate = estimate
-        request.length_history_size = self.num_observed
+        state.correlation = self._unknown_template(request, answer_index)
+        state.exploring = (state.correlation is not None
+                           and self._num_started(state.correlation) < self.config.min_samples)
+        state.estimate = estimate
+        state.history_size = self.num_observed
         self.num_estimates += 1
         return estimate
 
@@ -147,7 +150,7 @@ class LengthPredictor:
         """The request's template (the most specific history key it shares with another live request: a bulk job's
         rows share the template's prefix, not the row's own words) when its own history did not answer the estimate
         (the key at ``answer_index`` is coarser: the job's or everyone's); None when it did, or it has none."""
-        keys = request.length_keys
+        keys = request.length_state.keys
         template_index = next((index for index, (key, _) in enumerate(keys)
                                if len(self._key_to_live.get(key, ())) >= 2), len(keys))
         if answer_index <= template_index:
@@ -170,7 +173,7 @@ class LengthPredictor:
 
     def forget(self, request: Request) -> None:
         """A request that ended without a length to learn from (aborted, failed, or forked into samples)."""
-        for key, _ in request.length_keys:
+        for key, _ in request.length_state.keys:
             live = self._key_to_live.get(key)
             if live is not None and live.pop(request.request_id, None) is not None and not live:
                 del self._key_to_live[key]
@@ -180,9 +183,10 @@ class LengthPredictor:
         self.forget(request)
         length = request.num_output_tokens
         self.num_observed += 1
-        if not request.length_keys:
-            request.length_keys = history_keys(request)
-        for key, _ in request.length_keys:
+        state = request.length_state
+        if not state.keys:
+            state.keys = history_keys(request)
+        for key, _ in state.keys:
             samples = self._key_to_samples.get(key)
             if samples is None:
                 samples = self._key_to_samples[key] = LengthSamples(self.config.samples_per_key)
@@ -191,7 +195,7 @@ class LengthPredictor:
             else:
                 self._key_to_samples.move_to_end(key)
             samples.add(length)
-        admitted = request.admitted_length_estimate
+        admitted = state.admitted_estimate
         if admitted is not None:
             self.records.append(LengthRecord(admitted.median_total, request.max_tokens, length))
 
@@ -236,7 +240,7 @@ def history_keys(request: Request) -> tuple[tuple[Hashable, str], ...]:
     """The request's history keys, most specific first, each with the name of its kind."""
     prompt = request.prompt_token_ids
     kind = request.sampling_params.is_structured
-    group = request.length_group
+    group = request.length_state.group
     prefixes = [(length, hash(tuple(prompt[:length]))) for length in PREFIX_LENGTHS if length < len(prompt)]
     keys: list[tuple[Hashable, str]] = []
     for length, digest in prefixes:  # NOTE: a longer template match says more than membership of the job

@@ -1,34 +1,25 @@
 """One generation request's state inside the engine, and when it stops.
 
 Standard library and pydantic only. The engine's one registry of live requests holds these
-objects (the scheduler's queues); everything known about a request lives on it.
+objects (the scheduler's queues); everything known about a request lives on it: what scheduling
+needs on the request itself, each feature's own state in a small object its code owns (output-length
+prediction, the fleet cache, speculative decoding, the output side).
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, overload
+from typing import overload
 
-from tokenmill.engine.core.length_history import LengthEstimate
+from tokenmill.engine.core.fleet_state import FleetState
+from tokenmill.engine.core.length_state import LengthState
 from tokenmill.engine.core.sampling_state import SamplingState
 from tokenmill.engine.errors import InvariantError
 from tokenmill.protocol.outcomes import ErrorCode, FinishReason
 from tokenmill.protocol.sampling import SamplingParams
-
-
-class TextDecoder(Protocol):
-    """A request's incremental detokenizer, as the request holds it: the output processor makes and
-    drives it (engine/output/detokenizer.py); the core only keeps it on the request."""
-
-    text: str  # all final text so far
-    stop_matched: str | None  # the stop string that matched, once one has
-
-    def append(self, token_ids: list[int]) -> str: ...
-
-    def finish(self) -> str: ...
 
 
 class RequestStatus(enum.IntEnum):
@@ -93,39 +84,25 @@ class Request:
     error_message: str | None = None  # why, for a person (set with FINISHED_ERROR)
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, when asked for
     prefix_entry_ids: list[int] = field(default_factory=list)  # prefix-cache entries of its leading full blocks
-    # Fleet cache (engine/core/fleet_cache.py): the store addresses of its full prompt blocks (computed once), and
-    # whether its prompt blocks are being fetched from the store (it waits to be admitted until they are in).
-    block_digests: list[bytes] | None = field(default=None, repr=False)
-    is_fetching_kv: bool = False
-    is_handed_off: bool = False  # a prefill worker computed and published its prompt blocks (a decode pool's request)
     num_cached_prompt_tokens: int = 0  # prompt tokens its latest admission found in the prefix cache
-    # Speculative decoding: tokens proposed for this step only (never in output_token_ids until the
-    # model verified them), and the speculator's own per-request state (engine/spec/).
+    # its prompt blocks are being fetched from the fleet's store: it waits to be admitted until they are in
+    is_fetching_kv: bool = False
+    # Speculative decoding: tokens proposed for this step only (never in output_token_ids until the model verified
+    # them). NOTE: on the request, not in the speculator's state: the scheduler plans them into every decode chunk
+    # (engine/core/step_plan.py) and clears them after each step, in the per-step loops.
     draft_token_ids: list[int] = field(default_factory=list)
-    draft_state: object | None = field(default=None, repr=False)
-    # Output-length prediction (engine/core/length_predictor.py): the job whose history predicts it (None:
-    # prompt and kind only), its history keys, its latest estimate (and the history size then), and the one
-    # in force when it was first admitted (what its prediction error is measured by).
-    length_group: str | None = None
-    length_keys: tuple[tuple[Hashable, str], ...] = field(default=(), repr=False)
-    length_estimate: LengthEstimate | None = field(default=None, repr=False)
-    length_history_size: int = 0
-    # the template (a prompt-prefix key it shares with other live requests) whose rows its length varies with, when
-    # its estimate came from coarser history than that template's own (the KV budget adds their deviations)
-    length_correlation: Hashable | None = field(default=None, repr=False)
-    # ... and that template has fewer than min_samples rows started or finished: ordering by length runs it first
-    length_exploring: bool = False
-    admitted_length_estimate: LengthEstimate | None = field(default=None, repr=False)
     group: ParallelGroup | None = None  # the n > 1 request this one is a sample of
     sample_index: int = 0  # which sample of its group
-    # Output side: whether the caller reads its progress (False: its first output, that it started, and its final
-    # one are made, and its text is decoded when it finishes, or each step only where stop strings need the text);
-    # what turns output_token_ids into text, set by the output processor on admission.
+    # Whether the caller reads its progress (False: its first output, that it started, and its final one are made,
+    # and its text is decoded when it finishes, or each step only where stop strings need the text).
     streams: bool = True
-    detokenizer: TextDecoder | None = None
-    num_detokenized_tokens: int = 0  # output tokens already appended to the detokenizer
-    num_reported_tokens: int = 0  # output tokens already handed out in a RequestOutput
-    num_reported_chars: int = 0  # characters of final text already handed out as deltas
+    # Each feature's own state, owned by its code:
+    length_state: LengthState = field(default_factory=LengthState, repr=False)  # engine/core/length_predictor.py
+    fleet_state: FleetState | None = field(default=None, repr=False)  # engine/core/fleet_cache.py, made there
+    # the speculator's (engine/spec/speculator.py ``DraftState``) and the output processor's
+    # (engine/output/output_state.py ``OutputState``), each made on first use by its owner (core imports neither)
+    draft_state: object | None = field(default=None, repr=False)
+    output_state: object | None = field(default=None, repr=False)
     # Penalty counts and grammar matcher over this request's own token lists (filled by the sampler).
     sampling_state: SamplingState = field(init=False, repr=False)
 

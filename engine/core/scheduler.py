@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 FULL_SCHEDULE_EVERY = 8
 # the input of a chunk planned ahead until the engine writes in the token the step before samples (never embedded)
 PLACEHOLDER_TOKEN_ID = -1
+# which prompt blocks the scheduler collects for publishing (Scheduler's ``collects_prompt_blocks``)
+PromptBlockCollection = Literal["none", "computed", "reused"]
 
 
 class Scheduler:
@@ -76,12 +78,17 @@ class Scheduler:
         length_predictor: predicts output lengths (engine/core/length_predictor.py); with its config's ``budget_kv``
             admission keeps the predicted peak KV within the pool (engine/core/kv_budget.py), and its
             ``ordering`` orders waiting requests inside a priority level. None = neither.
+        collects_prompt_blocks: which prompt blocks :meth:`take_new_prompt_blocks` hands out, for something that
+            publishes them (the fleet cache, engine/core/fleet_cache.py): "computed" = each one the prefix cache
+            indexes, "reused" = those an admission finds in the prefix cache (a second request uses them: shared),
+            "none" = none (nothing publishes them).
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock: Clock,
                  eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
                  prefix_cache: PrefixCache | None = None, speculator: Speculator | None = None,
-                 length_predictor: LengthPredictor | None = None) -> None:
+                 length_predictor: LengthPredictor | None = None,
+                 collects_prompt_blocks: PromptBlockCollection = "none") -> None:
         self.config = config
         self.block_manager = block_manager
         self.clock = clock
@@ -103,10 +110,8 @@ class Scheduler:
         # it should have before the next, and the step by which pacing ends anyway
         self._paced_after: tuple[Request, float, float] | None = None
         self._policy = PreemptionPolicy(config, block_manager, self._queues)
-        # Prompt blocks to publish since the last take_new_prompt_blocks(), collected only when something publishes
-        # them (the fleet cache, engine/core/fleet_cache.py): "computed" = each one the prefix cache indexes,
-        # "reused" = those an admission finds in the prefix cache (a second request uses them: shared).
-        self.collects_prompt_blocks: Literal["none", "computed", "reused"] = "none"
+        # prompt blocks to publish since the last take_new_prompt_blocks() (as collects_prompt_blocks says)
+        self.collects_prompt_blocks = collects_prompt_blocks
         self._new_prompt_blocks: list[tuple[Request, int, int]] = []
         # schedule_ahead: whether a request arrived since the last full schedule(), and that schedule's step
         self._needs_full_schedule = False
@@ -432,8 +437,9 @@ class Scheduler:
         for request in self._queues.requests.values():
             tokens = predictor.current(request).mean_remaining(request.num_output_tokens) * request.num_seats
             backlog += tokens
-            if request.length_group is not None:
-                counts = group_to_counts.setdefault(request.length_group, [0, 0.0])
+            group = request.length_state.group
+            if group is not None:
+                counts = group_to_counts.setdefault(group, [0, 0.0])
                 counts[0] += request.num_seats
                 counts[1] += tokens
         error, baseline_error = predictor.errors()
@@ -613,8 +619,7 @@ class Scheduler:
                              num_computed_tokens=parent.num_computed_tokens, group=group, sample_index=index,
                              prefix_entry_ids=list(parent.prefix_entry_ids),
                              first_scheduled_time_s=parent.first_scheduled_time_s,
-                             length_group=parent.length_group, length_keys=parent.length_keys,
-                             admitted_length_estimate=parent.admitted_length_estimate)
+                             length_state=parent.length_state.for_sample())
             if is_running:
                 self.block_manager.fork(parent.request_id, sample.request_id)
             samples.append(sample)
@@ -739,7 +744,7 @@ class Scheduler:
         if request.first_scheduled_time_s is None:
             request.first_scheduled_time_s = plan.now_s
             if self.length_predictor is not None:
-                request.admitted_length_estimate = self.length_predictor.current(request)
+                request.length_state.admitted_estimate = self.length_predictor.current(request)
         plan.admitted_request_ids.add(request.request_id)
         self._note_inflight_prefix(request, plan)
         plan.add(request, num_tokens)
@@ -779,7 +784,7 @@ class Scheduler:
         if predictor is None or ordering == "fcfs":
             return lambda r: admission_key(r, aging_interval_s)
         if ordering == "auto":
-            groups = {r.length_group for r in self._queues.waiting}
+            groups = {r.length_state.group for r in self._queues.waiting}
             # NOTE: one job's requests alone: its makespan is what its owner waits for; mixed: completion times.
             ordering = "longest" if len(groups) == 1 and None not in groups else "shortest"
         sign = 1.0 if ordering == "shortest" else -1.0
@@ -788,7 +793,7 @@ class Scheduler:
             estimate = predictor.current(request)
             # NOTE: a template the history does not know yet runs a few rows first, so that its lengths are learnt:
             # predicted from the job's other answers, its rows would otherwise queue behind every known one.
-            if request.length_exploring:
+            if request.length_state.exploring:
                 return -math.inf
             return sign * estimate.median_remaining(request.num_output_tokens)
 

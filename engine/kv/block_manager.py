@@ -6,7 +6,7 @@ Owns block ids and reference counts only (no tensors). Standard library only; ne
 from __future__ import annotations
 
 from tokenmill.engine.errors import InvariantError
-from tokenmill.engine.kv.block_pool import BlockPool
+from tokenmill.engine.kv.block_pool import BlockIndex, BlockPool
 
 # A block table maps token positions to blocks of ``block_size`` slots:
 #
@@ -27,13 +27,16 @@ class BlockManager:
     InvariantError because it is a bug in the caller.
     """
 
-    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+                 gpu_index: BlockIndex | None = None) -> None:
         """Create both pools, all blocks free.
 
         Args:
             num_gpu_blocks: blocks in the device pool (>= 0).
             num_cpu_blocks: blocks in the host (swap) pool (>= 0).
             block_size: tokens per block (>= 1).
+            gpu_index: the content index of the device pool's blocks (the prefix cache, of the same
+                ``block_size``); None: no prefix caching.
 
         Raises:
             ValueError: a size is out of range.
@@ -41,7 +44,7 @@ class BlockManager:
         if block_size < 1 or num_gpu_blocks < 0 or num_cpu_blocks < 0:
             raise ValueError("block_size must be >= 1 and pool sizes >= 0")
         self.block_size = block_size
-        self.gpu_pool = BlockPool("gpu", num_gpu_blocks)
+        self.gpu_pool = BlockPool("gpu", num_gpu_blocks, gpu_index)
         self._gpu = self.gpu_pool
         self._cpu = BlockPool("cpu", num_cpu_blocks)
         self._gpu_tables: dict[str, list[int]] = {}

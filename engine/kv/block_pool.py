@@ -29,6 +29,12 @@ class BlockIndex(Protocol):
 class BlockPool:
     """Fixed-size blocks with reference counts.
 
+    Args:
+        name: what errors call it (``gpu``, ``cpu``).
+        num_blocks: its size.
+        index: the content index of its blocks (the prefix cache): a released block it holds stays cached, and a
+            cached block taken for other content is forgotten by it. None: a released block is free.
+
     NOTE: allocation pops from the front and release pushes back to the front, so the most
     recently freed blocks are reused first and the blocks ever touched stay as few as the
     peak demand: on CPU the pools are lazily committed memory, so resident memory follows
@@ -36,13 +42,13 @@ class BlockPool:
     left. The order is deterministic (tests rely on it).
     """
 
-    def __init__(self, name: str, num_blocks: int) -> None:
+    def __init__(self, name: str, num_blocks: int, index: BlockIndex | None = None) -> None:
         self.name = name
         self.num_blocks = num_blocks
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.cached_block_ids: OrderedDict[int, None] = OrderedDict()  # oldest first
         self.ref_counts = [0] * num_blocks
-        self.index: BlockIndex | None = None  # set by a prefix cache
+        self.index = index  # the content index of its blocks (a prefix cache); None: freed blocks are just free
 
     @property
     def num_free_blocks(self) -> int:

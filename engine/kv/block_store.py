@@ -2,7 +2,8 @@
 envelope every stored value travels in.
 
 Standard library only; never torch, never redis. The fleet's implementation on Redis is
-worker/redis_block_store.py; the engine reaches a store only through :class:`BlockStore`.
+worker/redis_block_store.py; the engine never calls a store itself: the fleet's I/O does, on threads of the worker's
+(worker/store_io.py, behind engine/kv/fleet_io.py's ``FleetIO``).
 
 A block's address is a hash chain over the tokens of every block up to it, started from the
 *namespace*: the model's identity (its type, a digest of every weight's bytes and of its tokenizer), the
@@ -52,7 +53,7 @@ class RejectedBlock(ValueError):
 
 class BlockStore(Protocol):
     """A content-addressed store of KV blocks shared by engines. Thread-safe; every call may block on I/O
-    (the engine calls it from its fleet thread only, never from a step).
+    (the fleet's I/O calls it from its threads only, never from a step: worker/store_io.py).
 
     Keys are digests (:func:`block_digests`); a store keeps each value until its own limits (a byte cap, a
     lifetime) drop it, so any lookup may miss. A failing store raises (any exception): the engine then

@@ -20,7 +20,6 @@ import itertools
 from dataclasses import dataclass
 
 from tokenmill.engine.errors import InvariantError
-from tokenmill.engine.kv.block_manager import BlockManager
 
 ROOT = 0  # the parent entry id of a sequence's first block
 _Key = tuple[int, tuple[int, ...]]
@@ -39,21 +38,20 @@ class PrefixStats:
 
 
 class PrefixCache:
-    """The index of cached full blocks of one device pool.
+    """The index of cached full blocks of one device pool: the pool's ``index`` (handed to
+    ``BlockManager(..., gpu_index=)``), which keeps freed indexed blocks cached and tells this index
+    when it reuses one.
 
     Args:
-        block_manager: its device pool keeps freed indexed blocks cached and tells this index
-            when it reuses one.
+        block_size: tokens per block, the pool's.
     """
 
-    def __init__(self, block_manager: BlockManager) -> None:
-        self.block_size = block_manager.block_size
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
         self.stats = PrefixStats()
-        self._block_manager = block_manager
         self._key_to_entry: dict[_Key, tuple[int, int]] = {}  # key -> (entry id, block id)
         self._block_to_key: dict[int, _Key] = {}
         self._entry_ids = itertools.count(ROOT + 1)
-        block_manager.gpu_pool.index = self
 
     @property
     def num_cached_blocks(self) -> int:

@@ -142,8 +142,9 @@ class KVCache:
 
     def check_blocks(self, blocks: Sequence[bytes | memoryview]) -> list[str | None]:
         """Why each block's bytes cannot be keys and values this pool computed, None where they can: the wrong
-        length, non-finite values, or values beyond :data:`MAX_KV_MAGNITUDE`. Any thread (the fleet cache checks
-        fetched blocks on its fetch thread, before they may be written); reads no pool."""
+        length, non-finite values, or values beyond :data:`MAX_KV_MAGNITUDE`. Any thread (the fleet cache's rules,
+        engine/kv/fetch_rules.py, check fetched blocks on the fetch thread, before they may be written); reads no
+        pool."""
         block_bytes = self.spec.bytes_per_block
         sized = [block for block in blocks if len(block) == block_bytes]
         # NOTE: one pass over the values; a NaN anywhere makes its block's peak NaN (amax propagates it).

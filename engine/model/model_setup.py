@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,12 +18,14 @@ from tokenmill.engine.core.clock import Clock
 from tokenmill.engine.core.fleet_cache import FleetCache
 from tokenmill.engine.core.length_predictor import build_length_predictor
 from tokenmill.engine.core.limits import ModelLimits
-from tokenmill.engine.core.scheduler import Scheduler
+from tokenmill.engine.core.scheduler import PromptBlockCollection, Scheduler
 from tokenmill.engine.errors import EngineError, ModelLoadError
 from tokenmill.engine.kernels import cpu_linear
 from tokenmill.engine.kernels.attention import AttentionBackend, cpu_kernel, select_backend
 from tokenmill.engine.kv.block_manager import BlockManager
-from tokenmill.engine.kv.block_store import BlockStore, namespace
+from tokenmill.engine.kv.block_store import namespace
+from tokenmill.engine.kv.fetch_rules import FetchRules, TransferCost
+from tokenmill.engine.kv.fleet_io import FleetIOFactory
 from tokenmill.engine.kv.prefix_cache import PrefixCache
 from tokenmill.engine.model import native_decoder
 from tokenmill.engine.model.hf_attention import register
@@ -74,18 +75,14 @@ class EngineParts:
     fleet: FleetCache | None = None  # prompt blocks shared through the fleet's store ([engine.fleet_cache])
 
 
-BlockStoreFactory = Callable[[bytes], BlockStore]  # the fleet's store of one namespace (engine/kv/block_store.py)
-
-
-def build_engine_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStoreFactory | None = None
-                       ) -> EngineParts:
+def build_engine_parts(config: EngineConfig, clock: Clock, fleet_io_for: FleetIOFactory | None = None) -> EngineParts:
     """Load the model, size the KV cache and wire the parts.
 
     Args:
         config: the engine's settings.
         clock: the engine's clock.
-        block_store_for: the fleet's block store for a namespace (the worker's Redis); needed with
-            ``[engine.fleet_cache] enabled``.
+        fleet_io_for: the fleet's store for a namespace, reached off the engine thread (the worker's Redis, on
+            the worker's threads); needed with ``[engine.fleet_cache] enabled``.
 
     Raises:
         ModelLoadError: the model cannot be found, is not a decoder-only model, or does not split over
@@ -94,14 +91,14 @@ def build_engine_parts(config: EngineConfig, clock: Clock, block_store_for: Bloc
     """
     leader = _start_tensor_parallel(config)
     try:
-        return _build_parts(config, clock, block_store_for, leader)
+        return _build_parts(config, clock, fleet_io_for, leader)
     except BaseException:
         if leader is not None:
             leader.close()
         raise
 
 
-def _build_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStoreFactory | None,
+def _build_parts(config: EngineConfig, clock: Clock, fleet_io_for: FleetIOFactory | None,
                  leader: TensorParallelLeader | None) -> EngineParts:
     """:func:`build_engine_parts`; ``leader``: the tensor-parallel followers, started (None: no tensor parallelism)."""
     model_config = config.model
@@ -128,8 +125,9 @@ def _build_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStore
     if leader is not None:
         leader.share_cache(num_gpu_blocks, num_cpu_blocks, backend.name)
     kv_cache = KVCache(spec, num_gpu_blocks, num_cpu_blocks, loaded.device)
-    block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, spec.block_size)
-    prefix_cache = PrefixCache(block_manager) if config.cache.enable_prefix_caching else None
+    prefix_cache = PrefixCache(spec.block_size) if config.cache.enable_prefix_caching else None
+    block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, spec.block_size, prefix_cache)
+    fleet = _fleet_cache(config, loaded, spec, kv_cache, block_manager, prefix_cache, fleet_io_for)
     grammars = None if isinstance(loaded.tokenizer, NoTokenizer) else \
         GrammarCompiler(loaded.tokenizer, loaded.model.config.vocab_size, loaded.eos_token_ids,
                         limits=_compile_limits(config))
@@ -137,8 +135,11 @@ def _build_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStore
         DraftModelProposer(draft, loaded, kv_cache_spec(draft, BLOCK_TOKENS), num_gpu_blocks * spec.block_size)
     speculator = build_speculator(config.speculative, draft_proposer,
                                   GrammarForcedProposer(grammars) if grammars is not None else None)
+    publishes: PromptBlockCollection = "none" if fleet is None else \
+        "computed" if config.fleet_cache.publish == "all" else "reused"
     scheduler = Scheduler(config.scheduler, block_manager, clock, loaded.eos_token_ids, loaded.max_model_len,
-                          prefix_cache, speculator, build_length_predictor(config.length))
+                          prefix_cache, speculator, build_length_predictor(config.length),
+                          collects_prompt_blocks=publishes)
     max_request_tokens = min(loaded.max_model_len, num_gpu_blocks * spec.block_size)
     limits = ModelLimits(model_name=model_config.name, source=loaded.source, vocab_size=loaded.model.config.vocab_size,
                          max_request_tokens=max_request_tokens,
@@ -151,20 +152,31 @@ def _build_parts(config: EngineConfig, clock: Clock, block_store_for: BlockStore
     )
     reference = ModelRunner(loaded, kv_cache, Sampler(grammars), backend, tensor_parallel=leader)
     runner = with_fast_paths(reference, grammars, config, max_request_tokens)
-    fleet = None
-    if config.fleet_cache.enabled and prefix_cache is not None:
-        if block_store_for is None:
-            raise EngineError("[engine.fleet_cache] enabled needs the fleet's block store: run the engine in a "
-                              "worker (its Redis holds the blocks)")
-        assert loaded.weights_fingerprint is not None, "load_engine_model fingerprints them with the fleet cache on"
-        root = namespace(loaded.model.config.model_type, loaded.weights_fingerprint,
-                         tokenizer_fingerprint(loaded.tokenizer), str(loaded.dtype), spec.block_size,
-                         (spec.num_layers, spec.num_kv_heads, spec.head_dim))
-        fleet = FleetCache(config.fleet_cache, block_store_for(root), root, kv_cache, spec.bytes_per_block,
-                           block_manager, prefix_cache)
-        scheduler.collects_prompt_blocks = "computed" if config.fleet_cache.publish == "all" else "reused"
-        logger.info("fleet cache on: namespace %s, publishing %s prompt blocks", root.hex(), config.fleet_cache.publish)
     return EngineParts(scheduler, runner, loaded.tokenizer, limits, grammars, fleet)
+
+
+def _fleet_cache(config: EngineConfig, loaded: LoadedModel, spec: KVCacheSpec, kv_cache: KVCache,
+                 block_manager: BlockManager, prefix_cache: PrefixCache | None,
+                 fleet_io_for: FleetIOFactory | None) -> FleetCache | None:
+    """The fleet cache with ``[engine.fleet_cache] enabled`` (and prefix caching, whose index it joins), its
+    store under this model's namespace; else None.
+
+    Raises:
+        EngineError: it is enabled and no store was given.
+    """
+    if not config.fleet_cache.enabled or prefix_cache is None:
+        return None
+    if fleet_io_for is None:
+        raise EngineError("[engine.fleet_cache] enabled needs the fleet's block store: run the engine in a "
+                          "worker (its Redis holds the blocks)")
+    assert loaded.weights_fingerprint is not None, "load_engine_model fingerprints them with the fleet cache on"
+    root = namespace(loaded.model.config.model_type, loaded.weights_fingerprint,
+                     tokenizer_fingerprint(loaded.tokenizer), str(loaded.dtype), spec.block_size,
+                     (spec.num_layers, spec.num_kv_heads, spec.head_dim))
+    logger.info("fleet cache on: namespace %s, publishing %s prompt blocks", root.hex(), config.fleet_cache.publish)
+    cost = TransferCost(spec.bytes_per_block, spec.block_size)
+    io = fleet_io_for(root, FetchRules(cost, spec.bytes_per_block, kv_cache.check_blocks))
+    return FleetCache(config.fleet_cache, io, root, kv_cache, cost, block_manager, prefix_cache)
 
 
 def load_engine_model(config: EngineConfig, shard: Shard | None = None) -> LoadedModel:

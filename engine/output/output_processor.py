@@ -1,6 +1,6 @@
 """Turns requests' new tokens into RequestOutputs: detokenizes, finds stop strings, and builds
-each step's outputs. Keeps no table of requests: per-request state lives on the Request.
-No torch, no scheduler internals."""
+each step's outputs. Keeps no table of requests: per-request state lives on the Request (its own in
+``Request.output_state``, engine/output/output_state.py). No torch, no scheduler internals."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import dataclasses
 from typing import Any
 
 from tokenmill.engine.core.clock import Clock
-from tokenmill.engine.core.request import FINISH_REASON, ParallelGroup, Request, RequestStatus, TextDecoder
+from tokenmill.engine.core.request import FINISH_REASON, ParallelGroup, Request, RequestStatus
 from tokenmill.engine.output.detokenizer import make_detokenizer
 from tokenmill.engine.output.logprobs import TokenBytes, build_token_logprobs
+from tokenmill.engine.output.output_state import OutputState, TextDecoder
 from tokenmill.engine.output.request_output import RequestMetrics, RequestOutput, SampleOutput
 from tokenmill.protocol.outcomes import ErrorCode, FinishReason, TokenLogprob
 
@@ -57,11 +58,12 @@ class OutputProcessor:
         for request in requests:
             if not request.streams and not request.is_finished and not request.sampling_params.stop:
                 continue  # NOTE: nobody reads its text before it finishes: decoded then, in one call
-            detokenizer = self._detokenizer(request)
+            state = self._state(request)
+            detokenizer = state.detokenizer
             # NOTE: its own cursor, not num_reported_tokens: samples of an n > 1 request report
             # nothing until the group ends, yet their text must still be decoded token by token once.
-            new_token_ids = request.output_token_ids[request.num_detokenized_tokens:]
-            request.num_detokenized_tokens = request.num_output_tokens
+            new_token_ids = request.output_token_ids[state.num_detokenized_tokens:]
+            state.num_detokenized_tokens = request.num_output_tokens
             if request.stop_token_id is not None:
                 new_token_ids = new_token_ids[:-1]
             if detokenizer.stop_matched is None:
@@ -71,7 +73,7 @@ class OutputProcessor:
                     failed.append((request, exc))
                     continue
                 if detokenizer.stop_matched is not None:
-                    _drop_tokens_past_stop(request, num_past_stop)
+                    _drop_tokens_past_stop(request, state, num_past_stop)
                     matched.append(request)
         return matched, failed
 
@@ -96,8 +98,14 @@ class OutputProcessor:
         of them finished.
         """
         outputs, self._rejected = self._rejected, []
-        outputs += [self._output(r) for r in progressed
-                    if not r.is_finished and r.group is None and (r.streams or not r.num_reported_tokens)]
+        for request in progressed:
+            if request.is_finished or request.group is not None:
+                continue
+            if not request.streams:  # NOTE: only its first output (that it started) before its final one
+                state = request.output_state
+                if isinstance(state, OutputState) and state.num_reported_tokens:
+                    continue
+            outputs.append(self._output(request))
         for request in finished:
             self._finish_text(request)
             if request.group is None:
@@ -111,11 +119,12 @@ class OutputProcessor:
         if request.status is RequestStatus.FINISHED_ERROR:  # NOTE: its text stays as far as it got
             return
         try:
-            detokenizer = self._detokenizer(request)
-            if request.num_detokenized_tokens < request.num_output_tokens and detokenizer.stop_matched is None:
+            state = self._state(request)
+            detokenizer = state.detokenizer
+            if state.num_detokenized_tokens < request.num_output_tokens and detokenizer.stop_matched is None:
                 # NOTE: a request nobody streams, finished without a step of its own (aborted): its text now
-                new_token_ids = request.output_token_ids[request.num_detokenized_tokens:]
-                request.num_detokenized_tokens = request.num_output_tokens
+                new_token_ids = request.output_token_ids[state.num_detokenized_tokens:]
+                state.num_detokenized_tokens = request.num_output_tokens
                 detokenizer.append(new_token_ids[:-1] if request.stop_token_id is not None else new_token_ids)
             detokenizer.finish()
         except Exception as exc:  # noqa: BLE001 - this request's tokens; the others go on
@@ -138,20 +147,22 @@ class OutputProcessor:
         return dataclasses.replace(first, request_id=group.request_id, new_token_ids=list(first.token_ids),
                                    text_delta=first.text, metrics=metrics, samples=samples)
 
-    def _detokenizer(self, request: Request) -> TextDecoder:
-        """The request's text decoder, made on first use (forked samples start without one)."""
-        if request.detokenizer is None:
-            request.detokenizer = make_detokenizer(self.tokenizer, request.prompt_token_ids,
-                                                   request.sampling_params.stop)
-        return request.detokenizer
+    def _state(self, request: Request) -> OutputState:
+        """The request's output state with its text decoder, made on first use (forked samples start without one)."""
+        state = request.output_state
+        if not isinstance(state, OutputState):
+            state = request.output_state = OutputState(make_detokenizer(self.tokenizer, request.prompt_token_ids,
+                                                                        request.sampling_params.stop))
+        return state
 
     def _output(self, request: Request) -> RequestOutput:
         """The one way a request becomes an output: what is new since the last one, and all so far."""
-        text = self._detokenizer(request).text
-        text_delta = text[request.num_reported_chars:]
-        new_token_ids = request.output_token_ids[request.num_reported_tokens:]
-        request.num_reported_tokens = request.num_output_tokens
-        request.num_reported_chars = len(text)
+        state = self._state(request)
+        text = state.detokenizer.text
+        text_delta = text[state.num_reported_chars:]
+        new_token_ids = request.output_token_ids[state.num_reported_tokens:]
+        state.num_reported_tokens = request.num_output_tokens
+        state.num_reported_chars = len(text)
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,
@@ -185,7 +196,7 @@ class OutputProcessor:
         return build_token_logprobs(request.output_token_ids, request.logprobs, num_top, self._token_bytes)
 
 
-def _drop_tokens_past_stop(request: Request, num_tokens: int) -> None:
+def _drop_tokens_past_stop(request: Request, state: OutputState, num_tokens: int) -> None:
     """Nothing past a stop string is emitted: its last tokens (and their logprobs) go, as does a stop
     token id that followed them."""
     if request.stop_token_id is not None:  # NOTE: the stop string came first: the stop id is past it
@@ -196,4 +207,4 @@ def _drop_tokens_past_stop(request: Request, num_tokens: int) -> None:
     del request.output_token_ids[-num_tokens:]
     if request.logprobs:
         del request.logprobs[len(request.output_token_ids):]
-    request.num_detokenized_tokens = request.num_output_tokens
+    state.num_detokenized_tokens = request.num_output_tokens

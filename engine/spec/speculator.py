@@ -41,7 +41,7 @@ from tokenmill.engine.spec.ngram import LazyNgramIndex
 from tokenmill.engine.spec.suffix_pool import SuffixPool
 
 
-@dataclass
+@dataclass(slots=True)
 class DraftState:
     """What the speculator keeps on a request (``Request.draft_state``)."""
 

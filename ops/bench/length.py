@@ -209,7 +209,7 @@ def run_mode(mode: str, jobs: list[Job], args: argparse.Namespace, kv_cache_byte
             generated[rid] = len(out.token_ids)
             if rid not in admission and out.token_ids:
                 request = scheduler.get_request(rid)
-                est = request.length_estimate if request is not None else None
+                est = request.length_state.estimate if request is not None else None
                 admission[rid] = None if est is None else {
                     "median": est.median_total, "mean": est.mean_total, "high": est.high_total,
                     "num_samples": est.num_samples, "source": est.source}

@@ -76,6 +76,7 @@ def history_predictions(report: dict[str, Any], order: list[str], lengths: dict[
     """The engine predictor's median for each request from the ones finished before it."""
     from tokenmill.engine.config import LengthConfig
     from tokenmill.engine.core.length_predictor import LengthPredictor
+    from tokenmill.engine.core.length_state import LengthState
     from tokenmill.engine.core.request import Request
     from tokenmill.protocol.sampling import SamplingParams
 
@@ -86,7 +87,7 @@ def history_predictions(report: dict[str, Any], order: list[str], lengths: dict[
     for rid in order:
         request = Request(request_id=rid, prompt_token_ids=prompts[rid],
                           sampling_params=SamplingParams(max_tokens=max_tokens), arrival_time_s=0.0,
-                          length_group=group)
+                          length_state=LengthState(group))
         medians.append(predictor.estimate(request).median_total)
         request.output_token_ids = [1] * lengths[rid]
         predictor.observe(request)

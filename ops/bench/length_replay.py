@@ -38,6 +38,7 @@ from ops.bench.length import MODES
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.clock import ManualClock
 from tokenmill.engine.core.length_predictor import build_length_predictor
+from tokenmill.engine.core.length_state import LengthState
 from tokenmill.engine.core.request import Request
 from tokenmill.engine.core.scheduler import Scheduler
 from tokenmill.engine.core.step_io import ModelOutput
@@ -88,7 +89,7 @@ def replay(mode: str, rows: list[tuple[str, list[int]]], lengths: dict[str, int]
     for request_id, prompt in rows:
         scheduler.add_request(Request(request_id=request_id, prompt_token_ids=prompt,
                                       sampling_params=SamplingParams(max_tokens=max_tokens), arrival_time_s=0.0,
-                                      length_group=report["args"].get("length_group") or None))
+                                      length_state=LengthState(report["args"].get("length_group") or None)))
     generated = collections.Counter[str]()
     finished: dict[str, float] = {}
     running_area = kv_area = 0.0

@@ -307,4 +307,4 @@ def test_a_bad_block_is_rejected_counted_discarded_and_computed(
     assert second.fleet is not None and second.fleet.flush(timeout_s=10)
     replaced = store.get([target])[0]  # the block computed in place of the bad one, published
     assert replaced is not None and replaced != bad
-    assert second.fleet._block_io.check_blocks([unseal(target, replaced, block_bytes)]) == [None]
+    assert second.runner.kv_cache.check_blocks([unseal(target, replaced, block_bytes)]) == [None]

@@ -70,9 +70,9 @@ def make_scheduler(
     Aging and the long-output cap are off unless asked for: each scenario names the policy it tests.
     """
     config = SchedulerConfig(**{"aging_interval_s": 0.0, "demote_after_decode_steps": 0, **scheduler_config})
-    block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, block_size)
+    prefix_cache = PrefixCache(block_size) if prefix_caching else None
+    block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, block_size, prefix_cache)
     eos_token_ids = frozenset() if eos_token_id is None else frozenset({eos_token_id})
-    prefix_cache = PrefixCache(block_manager) if prefix_caching else None
     return Scheduler(config, block_manager, clock if clock is not None else ManualClock(), eos_token_ids,
                      prefix_cache=prefix_cache, length_predictor=LengthPredictor(length) if length else None)
 

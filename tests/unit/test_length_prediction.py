@@ -128,8 +128,8 @@ def test_running_requests_refine_an_estimate_but_do_not_make_one() -> None:
 def test_the_most_specific_history_with_enough_samples_predicts() -> None:
     predictor = LengthPredictor(LengthConfig(min_samples=4))
     fresh = templated("fresh", "short", 1)
-    assert predictor.current(fresh).source == "prior" and fresh.length_estimate is not None
-    assert fresh.length_estimate.median_total == 64  # no history: plan for max_tokens
+    assert predictor.current(fresh).source == "prior" and fresh.length_state.estimate is not None
+    assert fresh.length_state.estimate.median_total == 64  # no history: plan for max_tokens
     warm_history(predictor)
     short, long = templated("s", "short", 2), templated("l", "long", 3)
     assert (predictor.estimate(short).median_total, predictor.estimate(short).source) == (SHORT, "prefix")
@@ -137,13 +137,13 @@ def test_the_most_specific_history_with_enough_samples_predicts() -> None:
     stranger = make_request("x", prompt_token_ids=[33] * 20, max_tokens=64)
     assert predictor.estimate(stranger).source == "all"  # an unseen template: every request's lengths
     grouped = templated("g", "long", 4)
-    grouped.length_group = "job-1"
+    grouped.length_state.group = "job-1"
     assert predictor.estimate(grouped).source == "prefix"  # the job has no history yet
     for row in range(4):
         done = templated(f"job-{row}", "long", 200 + row)
-        done.length_group, done.output_token_ids = "job-1", [1] * 12
+        done.length_state.group, done.output_token_ids = "job-1", [1] * 12
         predictor.observe(done)
-    grouped.length_keys = ()
+    grouped.length_state.keys = ()
     assert (predictor.estimate(grouped).source, predictor.estimate(grouped).median_total) == ("group+prefix", 12)
     assert predictor.group_mean_length("job-1") == 12
 
@@ -212,7 +212,7 @@ def test_prediction_errors_compare_with_planning_by_max_tokens() -> None:
     warm_history(predictor)
     for row in range(10):
         request = templated(f"e{row}", "short", row)
-        request.admitted_length_estimate = predictor.current(request)
+        request.length_state.admitted_estimate = predictor.current(request)
         request.output_token_ids = [1] * SHORT
         predictor.observe(request)
     error, baseline = predictor.errors()
@@ -328,15 +328,15 @@ def test_rows_of_a_template_the_history_does_not_know_vary_together() -> None:
         predictor.estimate(request)
     for request in rows:  # each now shares its template's prefix with the others
         assert predictor.estimate(request).source == "all"
-        assert request.length_correlation is not None
-    assert len({request.length_correlation for request in rows}) == 1
+        assert request.length_state.correlation is not None
+    assert len({request.length_state.correlation for request in rows}) == 1
     short = templated("short-new", "short", 50)
-    assert predictor.estimate(short).source == "prefix" and short.length_correlation is None  # its own history
+    assert predictor.estimate(short).source == "prefix" and short.length_state.correlation is None  # its own history
     tailed = LengthEstimate(0, 100.0, 290.0, 2000.0, 50, "all", std_total=500.0)
     budget = PredictedKvBudget(num_pool_blocks=100_000, block_size=4, estimate_of=lambda r: tailed, confidence=0.9)
     correlated = budget.predicted_peak_blocks(rows)
     for request in rows:
-        request.length_correlation = None
+        request.length_state.correlation = None
     independent = budget.predicted_peak_blocks(rows)
     z = 1.2816
     assert (correlated - independent) * 4 == pytest.approx(z * 500 * (10 - 10 ** 0.5), abs=8)
@@ -438,7 +438,7 @@ def test_auto_orders_one_job_longest_first_and_mixed_work_shortest_first() -> No
         warm_history(scheduler.length_predictor)
         backlog = [templated(f"r{i}", "long" if i % 2 else "short", i) for i in range(4)]  # r0 is short
         for request, group in zip(backlog, groups, strict=True):
-            request.length_group = group
+            request.length_state.group = group
         run = run_backlog(scheduler, backlog)
         first = min(run.admitted_step, key=run.admitted_step.__getitem__)
         return "long" if int(first[1:]) % 2 else "short"
@@ -483,7 +483,7 @@ def test_stats_report_the_predicted_backlog_per_group() -> None:
     warm_history(scheduler.length_predictor)
     for i in range(4):
         request = templated(f"b{i}", "long", i)
-        request.length_group = "job"
+        request.length_state.group = "job"
         scheduler.add_request(request)
     stats = scheduler.stats().length
     assert stats.group_backlog["job"].num_requests == 4
