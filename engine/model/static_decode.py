@@ -201,11 +201,11 @@ class StaticDecode:
         tables = [c.block_ids for c in chunks]
         inputs = StepInputs()
         if q == 1:
-            positions = [c.start_position for c in chunks]
+            starts = [c.start_position for c in chunks]
             inputs.add("ids", [c.token_ids[0] for c in chunks])
-            inputs.add("positions", positions)
-            inputs.add("slots", [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)])
-            inputs.add("seq_lens", [p + 1 for p in positions])
+            inputs.add("positions", starts)
+            inputs.add("slots", [t[p // bs] * bs + p % bs for t, p in zip(tables, starts)])
+            inputs.add("seq_lens", [p + 1 for p in starts])
             num_tokens = num
         else:
             ids: list[int] = []
