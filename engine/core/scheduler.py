@@ -333,10 +333,13 @@ class Scheduler:
             # NOTE: only when a block filled up: building the token list costs the whole context
             if self.prefix_cache is not None and \
                     request.num_computed_tokens // self.block_manager.block_size > len(request.prefix_entry_ids):
-                known_token_ids = request.all_token_ids + new_token_ids[:num_accepted]  # verified, not yet appended
+                # NOTE: the tokens from the first block not indexed yet, and the verified ones not appended yet: not the
+                # whole context, whose copy would grow with it
+                first_token = len(request.prefix_entry_ids) * self.block_manager.block_size
+                known_token_ids = request.token_slice(first_token, request.num_tokens) + new_token_ids[:num_accepted]
                 block_ids = self.block_manager.get_block_ids(request.request_id)
                 indexed = self.prefix_cache.register(known_token_ids, block_ids, request.prefix_entry_ids,
-                                                     request.num_computed_tokens)
+                                                     request.num_computed_tokens, first_token)
                 if self.collects_prompt_blocks == "computed" and indexed:
                     num_prompt_blocks = request.num_prompt_tokens // self.block_manager.block_size
                     self._new_prompt_blocks.extend((request, i, block_ids[i]) for i in indexed

@@ -17,6 +17,7 @@ model, dtype and block size never change under it.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenmill.engine.errors import InvariantError
@@ -102,15 +103,17 @@ class PrefixCache:
         self.stats.num_query_tokens += num_query_tokens
         self.stats.num_hit_tokens += num_hit_tokens
 
-    def register(self, token_ids: list[int], block_ids: list[int], entry_ids: list[int],
-                 num_computed_tokens: int) -> list[int]:
+    def register(self, token_ids: Sequence[int], block_ids: list[int], entry_ids: list[int],
+                 num_computed_tokens: int, first_token: int = 0) -> list[int]:
         """Index the request's full blocks computed since the last call; extends ``entry_ids``.
 
         Args:
-            token_ids: the request's tokens (prompt and output).
+            token_ids: the request's tokens (prompt and output) from position ``first_token`` on.
             block_ids: its device block table.
             entry_ids: the entry ids of its leading blocks found or registered so far (updated).
             num_computed_tokens: tokens whose KV is in those blocks.
+            first_token: the position of ``token_ids[0]``, at most the first block not in ``entry_ids``: a decoding
+                request passes the tokens of its newly filled block only, not its whole context.
 
         Returns:
             The table indexes of the blocks it indexed (not those whose content was indexed already).
@@ -121,7 +124,7 @@ class PrefixCache:
         num_full = min(num_computed_tokens // self.block_size, len(block_ids))
         indexed = []
         for index in range(len(entry_ids), num_full):
-            start = index * self.block_size
+            start = index * self.block_size - first_token
             parent = entry_ids[-1] if entry_ids else ROOT
             key = (parent, tuple(token_ids[start:start + self.block_size]))
             existing = self._key_to_entry.get(key)
