@@ -8,7 +8,9 @@ a KV pool just large enough for them, the same ``execute`` path as every real st
 - the largest mixed step: ``max_num_batched_tokens`` tokens over ``max_num_seqs`` sequences (each
   samples a row of logits), the first one a whole ``max_prefill_chunk``;
 - the largest decode bucket: ``max_num_seqs`` one-token decodes, when decode steps are captured
-  (a CUDA graph keeps its activations in a pool of its own, beside the eager steps' memory).
+  (a CUDA graph keeps its activations in a pool of its own, beside the eager steps' memory);
+- the largest verification shape, when speculation's verification steps are captured too: its
+  sequences' newest token and drafts, a row of logits sampled for each.
 
 Imports torch (a loading helper).
 """
@@ -64,8 +66,10 @@ def largest_step(config: SchedulerConfig) -> list[int]:
 
 
 def profile_steps(loaded: LoadedModel, spec: KVCacheSpec, backend: AttentionBackend, config: SchedulerConfig,
-                  with_decode_bucket: bool, measure: Measure) -> list[StepProfile]:
-    """Run the largest mixed step (and the largest decode bucket) and measure each one's peak.
+                  with_decode_bucket: bool, measure: Measure,
+                  verification: tuple[int, int] | None = None) -> list[StepProfile]:
+    """Run the largest mixed step (and the largest decode bucket, and verification shape) and measure each one's
+    peak.
 
     Args:
         loaded: the model, on its device.
@@ -74,25 +78,31 @@ def profile_steps(loaded: LoadedModel, spec: KVCacheSpec, backend: AttentionBack
         config: the step budgets.
         with_decode_bucket: also profile ``max_num_seqs`` decodes (decode steps will be captured).
         measure: runs a step and returns its peak bytes (:func:`cuda_peak_bytes` on CUDA).
+        verification: ``(sequences, query tokens)`` of the largest verification step that will be captured (every
+            token a sampled row of logits); None: none will be.
     """
     steps = [("largest step", largest_step(config), False)]
     if with_decode_bucket:
         steps.append(("largest decode bucket", [1] * config.max_num_seqs, True))
+    if verification is not None:
+        steps.append(("largest verification shape", [verification[1]] * verification[0], True))
     blocks_per_step = [sum(-(-n // spec.block_size) for n in lengths) for _, lengths, _ in steps]
     kv_cache = KVCache(spec, max(blocks_per_step), 0, loaded.device)
     runner = ModelRunner(loaded, kv_cache, Sampler(), backend)
     profiles = []
     for name, lengths, captured in steps:
-        peak = measure(functools.partial(runner.execute, SchedulerOutput(chunks=_chunks(lengths, spec.block_size))))
+        chunks = _chunks(lengths, spec.block_size, drafts=name == "largest verification shape")
+        peak = measure(functools.partial(runner.execute, SchedulerOutput(chunks=chunks)))
         profiles.append(StepProfile(name, lengths, peak, captured))
         logger.info("memory profile: %s (%d tokens, %d sequences) needs %.1f MiB at its peak",
                     name, sum(lengths), len(lengths), peak / 2**20)
     return profiles
 
 
-def _chunks(lengths: list[int], block_size: int) -> list[ScheduledChunk]:
+def _chunks(lengths: list[int], block_size: int, drafts: bool = False) -> list[ScheduledChunk]:
     """First prompt chunks of the given lengths, each in blocks of its own, all sampling as
-    :data:`PROFILE_SAMPLING` (a top-p draw with logprobs)."""
+    :data:`PROFILE_SAMPLING` (a top-p draw with logprobs); with ``drafts``, every token but the first a draft
+    token (a verification step: a row of logits sampled per token)."""
     chunks = []
     next_block = 0
     for i, length in enumerate(lengths):
@@ -100,7 +110,7 @@ def _chunks(lengths: list[int], block_size: int) -> list[ScheduledChunk]:
         chunks.append(ScheduledChunk(
             request_id=f"profile-{i}", token_ids=[0] * length, start_position=0,
             block_ids=list(range(next_block, next_block + num_blocks)), needs_sample=True,
-            sampling_params=PROFILE_SAMPLING, num_output_tokens=0,
+            sampling_params=PROFILE_SAMPLING, num_output_tokens=0, num_draft_tokens=length - 1 if drafts else 0,
         ))
         next_block += num_blocks
     return chunks

@@ -39,7 +39,13 @@ from tokenmill.engine.model.model_loader import (
     tokenizer_fingerprint,
 )
 from tokenmill.engine.model.model_runner import ModelRunner
-from tokenmill.engine.model.static_decode import StaticDecode, cuda_graph_runner, decode_buckets, verify_query_lens
+from tokenmill.engine.model.static_decode import (
+    StaticDecode,
+    cuda_graph_runner,
+    decode_buckets,
+    largest_verification,
+    verify_query_lens,
+)
 from tokenmill.engine.model.tensor_parallel import Shard
 from tokenmill.engine.model.tp_leader import TensorParallelLeader
 from tokenmill.engine.output.no_tokenizer import NoTokenizer
@@ -114,9 +120,11 @@ def _build_parts(config: EngineConfig, clock: Clock, fleet_io_for: FleetIOFactor
     logger.info("attention backend: %s", backend.name)
     profiles: list[StepProfile] = []
     if loaded.device.type == "cuda" and config.cache.kv_cache_bytes is None:
-        profiles = profile_steps(loaded, spec, backend, config.scheduler,
-                                 with_decode_bucket=captures_decode_steps(config, loaded.device, backend),
-                                 measure=cuda_peak_bytes(loaded.device))
+        captures = captures_decode_steps(config, loaded.device, backend)
+        verification = largest_verification(config.scheduler.max_num_seqs, num_verified_drafts(config)) \
+            if captures and leader is None else None  # NOTE: tensor parallelism captures no graphs
+        profiles = profile_steps(loaded, spec, backend, config.scheduler, with_decode_bucket=captures,
+                                 measure=cuda_peak_bytes(loaded.device), verification=verification)
         gc.collect()  # NOTE: the profile's pool and activations go back to the device before free memory is read
         torch.cuda.empty_cache()
     draft_token_bytes, draft_reserved_bytes = draft_memory(draft, config.scheduler.max_num_seqs)
@@ -239,8 +247,8 @@ def with_fast_paths(reference: ModelRunner, grammars: GrammarCompiler | None, co
         if reference.tensor_parallel is not None:  # NOTE: a captured step would need its all-reduces captured too
             logger.info("tensor parallelism: no CUDA graphs (each step runs eagerly, with NCCL's all-reduces)")
         else:
-            drafts = config.speculative.num_speculative_tokens if config.speculative.method != "off" else 0
-            static = capture_decode_steps(reference, config.scheduler.max_num_seqs, max_request_tokens, drafts)
+            static = capture_decode_steps(reference, config.scheduler.max_num_seqs, max_request_tokens,
+                                          num_verified_drafts(config))
     # NOTE: the linear layers' packing is chosen (and logged) as the model loads: engine/kernels/cpu_linear.py.
     logger.info("fast paths: forward=%s, decode steps=%s, attention=%s",
                 "native C++ decoder stack" if decoder is not None else "eager",
@@ -299,6 +307,11 @@ def _prebuild_cpu_extensions(config: EngineConfig) -> None:
     if config.execution.decode_fast_path == "auto":
         native_decoder.build_in_background()
     cpu_linear.prebuild_kernel_for(resolve_dtype(config.model.dtype, device), config.execution.linear_kernel)
+
+
+def num_verified_drafts(config: EngineConfig) -> int:
+    """The most draft tokens a verification step runs per request (0: no speculation, none captured)."""
+    return config.speculative.num_speculative_tokens if config.speculative.method != "off" else 0
 
 
 def capture_decode_steps(runner: ModelRunner, max_num_seqs: int, max_request_tokens: int,

@@ -63,6 +63,20 @@ def verify_query_lens(num_speculative_tokens: int) -> list[int]:
     return [1 + k for k in decode_buckets(num_speculative_tokens)] if num_speculative_tokens > 0 else []
 
 
+def static_shapes(buckets: list[int], query_lens: list[int]) -> list[Shape]:
+    """The shapes prepared: every bucket for decode steps (``q = 1``); for each verification length ``q``, the
+    buckets whose steps run at most ``MAX_VERIFY_TOKENS`` tokens (bucket 1 always)."""
+    return [(bucket, q) for q in sorted(set(query_lens)) for bucket in buckets
+            if q == 1 or bucket == 1 or bucket * q <= MAX_VERIFY_TOKENS]
+
+
+def largest_verification(max_num_seqs: int, num_speculative_tokens: int) -> Shape | None:
+    """The verification shape with the most tokens that :class:`StaticDecode` prepares (what the memory profile
+    measures); None without speculation."""
+    shapes = static_shapes(decode_buckets(max_num_seqs), verify_query_lens(num_speculative_tokens))
+    return max(shapes, key=lambda shape: (shape[0] * shape[1], shape)) if shapes else None
+
+
 class StaticDecode:
     """Persistent inputs for up to ``max(buckets)`` sequences of up to ``max(query_lens)`` tokens, and one
     runner per shape.
@@ -74,8 +88,8 @@ class StaticDecode:
             per-step host values, which a replayed graph would not see.
         buckets: the batch sizes to prepare, ascending.
         max_blocks_per_seq: block-table width (the longest request's blocks).
-        query_lens: the query lengths to prepare: 1 (decode steps) and those of :func:`verify_query_lens`; each
-            ``q > 1`` in the buckets whose steps run at most ``MAX_VERIFY_TOKENS`` tokens (at least bucket 1).
+        query_lens: the query lengths to prepare: 1 (decode steps) and those of :func:`verify_query_lens`, each in
+            the buckets :func:`static_shapes` gives it.
     """
 
     def __init__(self, forward: Forward, kv_cache: KVCache, backend: AttentionBackend, buckets: list[int],
@@ -87,8 +101,7 @@ class StaticDecode:
         self.query_lens = sorted(set(query_lens or [1]))
         if self.query_lens[0] != 1:
             raise ValueError(f"query lengths {self.query_lens} must include 1 (decode steps)")
-        self.shapes: list[Shape] = [(bucket, q) for q in self.query_lens for bucket in buckets
-                                    if q == 1 or bucket == 1 or bucket * q <= MAX_VERIFY_TOKENS]
+        self.shapes = static_shapes(buckets, self.query_lens)
         self._known_shapes = frozenset(self.shapes)
         self.block_size = kv_cache.spec.block_size
         device = kv_cache.device

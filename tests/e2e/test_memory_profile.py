@@ -19,6 +19,7 @@ from tokenmill.engine.model.kv_cache import KVCacheSpec
 from tokenmill.engine.model.memory_profile import largest_step, profile_steps
 from tokenmill.engine.model.model_loader import load_model
 from tokenmill.engine.model.model_setup import kv_cache_spec, size_kv_cache
+from tokenmill.engine.model.static_decode import largest_verification
 from tokenmill.engine.sample import sampler
 
 pytestmark = pytest.mark.e2e
@@ -56,6 +57,28 @@ def test_profile_runs_the_largest_steps_through_execute(tiny_model_dirs: dict[st
     assert [(p.name, p.query_lengths, p.captured) for p in profiles] == expected
     assert [p.peak_bytes for p in profiles] == [8] * len(expected)  # every sequence sampled
     assert sum(largest_step(config)) == 96
+
+
+def test_the_largest_verification_shape_is_profiled_with_a_row_per_token(tiny_model_dirs: dict[str, Path]) -> None:
+    """With speculation's verification steps captured, their largest shape is profiled too: every token a draft
+    but the first, every row sampled (its logits are what a captured verification keeps beside the decode's)."""
+    loaded = load_model(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", attn_implementation=register())
+    spec = kv_cache_spec(loaded, block_size=4)
+    config = SchedulerConfig(max_num_batched_tokens=96, max_num_seqs=8, max_prefill_chunk=32)
+    shape = largest_verification(config.max_num_seqs, num_speculative_tokens=4)
+    assert shape == (8, 5)
+
+    def rows_sampled(step: Callable[[], object]) -> int:
+        output = step()
+        assert isinstance(output, ModelOutput)
+        return sum(len(tokens) for tokens in output.sampled_token_ids.values())
+
+    profiles = profile_steps(loaded, spec, ReferenceBackend(), config, True, rows_sampled, verification=shape)
+    verification = profiles[-1]
+    assert (verification.name, verification.query_lengths, verification.captured) == (
+        "largest verification shape", [5] * 8, True)
+    assert 8 <= verification.peak_bytes <= 40  # each sequence keeps 1 to 5 of its rows; every row was sampled
+    assert largest_verification(8, 0) is None and largest_verification(256, 10) == (256, 2)
 
 
 def test_a_budget_without_room_for_a_block_is_a_clear_error() -> None:
