@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -117,6 +119,18 @@ def no_child_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Nothing outlives the suite: every child process still running is stopped."""
     stop_children_started_since(set())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A SIGTERM (a CI job's time limit, a supervisor) stops the suite as Ctrl-C does: pytest then tears the
+    fixtures down and :func:`pytest_sessionfinish` runs, so the session's Redis servers and workers stop with it
+    instead of outliving it. Without this, SIGTERM ends the process where it stands."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupted)
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"stopped by signal {signum}")
 
 
 @pytest.fixture
