@@ -8,7 +8,7 @@ gives the fraction of the device's limit reached (steps x S / wall: 1.0 means th
 Two tables, each measured in this run:
 
 - host time: microseconds per running request per decode step, at batch 1 / 64 / 256 / 1024 and prompts of
-  32 / 2k / 8k tokens, speculation off and ``auto``, the requests added as a worker adds those whose callers wait
+  32 / 2k / 4k / 8k tokens, speculation off and ``auto``, the requests added as a worker adds those whose callers wait
   for the whole result (``streams=False``) and, speculation off, streamed (text every step);
 - device fraction: step delays of 2 / 5 / 10 ms at batch 64 and 256, for the synchronous loop and the overlapped
   one (``[engine.execution] overlap``: the forward on a device thread while the previous step's outputs are made
@@ -108,7 +108,7 @@ def main() -> None:
                         help="the synchronous loop only (a tree from before the overlapped loop, as a baseline)")
     args = parser.parse_args()
     batches = [64, 256] if args.quick else [1, 64, 256, 1024]
-    prompts = [32, 2048] if args.quick else [32, 2048, 8192]
+    prompts = [32, 2048] if args.quick else [32, 2048, 4096, 8192]
     host_rows, cells = [], []
     for spec, streams in (("off", False), ("off", True), ("auto", False)):
         for batch in batches:
