@@ -481,7 +481,7 @@ class Engine:
 
     def close(self) -> None:
         """Let go of the engine's threads: publishes to the fleet's store in flight finish first; then of its
-        processes (a tensor-parallel runner's follower ranks)."""
+        processes (a tensor-parallel runner's follower ranks, the grammar compiler's child, even while it starts)."""
         if self.fleet is not None:
             self.fleet.close()
         if self._device is not None:
@@ -489,6 +489,9 @@ class Engine:
         close_runner = getattr(self.runner, "close", None)  # NOTE: only the model's runner has processes to stop
         if close_runner is not None:
             close_runner()
+        close_grammars = getattr(self.grammars, "close", None)  # NOTE: the compile child, or its start in progress
+        if close_grammars is not None:
+            close_grammars()
 
     def stats(self) -> EngineStats:
         """Queues, KV usage, totals and the scheduler's counters."""

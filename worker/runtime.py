@@ -36,7 +36,7 @@ from tokenmill.worker.writer import Writer
 log = logging.getLogger("tokenmill.worker")
 
 IDLE_WAIT_S = 0.05  # engine thread: wait for commands this long when it has nothing to run
-WARM_JOIN_S = 30.0  # the most shut-down waits for the grammar warm-up still starting its compiler
+WARM_JOIN_S = 5.0  # the most shut-down waits for the grammar warm-up, once the engine's close stopped its start
 
 
 def build_engine(settings: Settings, client: redis.Redis | None = None) -> Engine:
@@ -254,10 +254,10 @@ class Worker:
     def _shut_down(self, threads: list[threading.Thread]) -> None:
         for event in (self._reader.stopping, self._reader.closing, self._writer.closing):
             event.set()
+        self._loop.close()
+        self._engine.close()  # NOTE: stops the grammar compiler's start too, should the warm-up still be in it
         if self._warm is not None:
             self._warm.join(timeout=WARM_JOIN_S)
-        self._loop.close()
-        self._engine.close()
         # NOTE: the writer may spend drain_timeout_s retrying results Redis refuses
         for thread in threads:
             thread.join(timeout=self.settings.worker.idle_wait_ms / 1000 + self.settings.worker.drain_timeout_s + 5.0)

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 # xgrammar's C++ errors start with "[time] /path/file.cc:line: " (and sometimes a failed check): drop that.
 _NATIVE_PREFIX = re.compile(r"^\[[\d:]+\] \S+: (Check failed: \(.*?\) is false: )?")
 _START_TIMEOUT_S = 120.0  # the child imports xgrammar (and torch) and rebuilds the tokenizer info
+_START_POLL_S = 0.1  # how soon a start in progress sees close()
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class GrammarProcess:
         self._lock = threading.Lock()  # one compile at a time: the child is single-threaded
         self._process: Any = None  # multiprocessing.Process (spawn context)
         self._conn: Connection | None = None
+        self._closing = threading.Event()  # close() was called: a start in progress gives up
 
     def compile(self, kind: str, spec: str) -> tuple[str, GrammarBounds]:
         """The serialized compiled grammar of ``spec`` (``kind``: regex, grammar or json_schema), with its
@@ -92,12 +94,21 @@ class GrammarProcess:
             GrammarError: the child did not start.
         """
         with self._lock:
-            self._ready_connection()
+            try:
+                self._ready_connection()
+            except GrammarError:
+                if not self._closing.is_set():
+                    raise  # NOTE: stopped by close(): a warm-up that is no longer wanted, not a failure
 
     def close(self) -> None:
-        """Stop the child (a later compile starts a new one)."""
-        with self._lock:
-            self._kill()
+        """Stop the child (a later compile starts a new one). A start in progress (a warm-up's: tens of seconds
+        under load) gives up at once rather than making a shutting-down worker wait for it."""
+        self._closing.set()
+        try:
+            with self._lock:
+                self._kill()
+        finally:
+            self._closing.clear()
 
     def _ready_connection(self) -> Connection:
         if self._conn is not None and self._process is not None and self._process.is_alive():
@@ -110,13 +121,26 @@ class GrammarProcess:
         started = time.monotonic()
         process.start()
         child.close()
-        if not parent.poll(_START_TIMEOUT_S) or parent.recv() != "ready":
+        if not self._started(parent, process, started + _START_TIMEOUT_S):
             process.kill()
-            raise GrammarError("the grammar compiler process did not start")
+            process.join(timeout=5.0)
+            parent.close()
+            raise GrammarError("the grammar compiler process was stopped while it started" if self._closing.is_set()
+                               else "the grammar compiler process did not start")
         logger.info("grammar compiler process started", extra={"event": "grammar_process_started",
                                                                 "seconds": round(time.monotonic() - started, 2)})
         self._process, self._conn = process, parent
         return parent
+
+    def _started(self, conn: Connection, process: Any, deadline: float) -> bool:
+        """Whether the child said it is ready before ``deadline``, it died, or :meth:`close` was called."""
+        while not conn.poll(_START_POLL_S):
+            if self._closing.is_set() or not process.is_alive() or time.monotonic() > deadline:
+                return False
+        try:
+            return bool(conn.recv() == "ready")
+        except (EOFError, OSError):
+            return False
 
     def _kill(self) -> None:
         if self._process is not None:

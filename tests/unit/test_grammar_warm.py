@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -38,6 +40,39 @@ def test_warm_starts_the_compile_child_before_any_structured_request() -> None:
     finally:
         compiler.close()
     assert not any(child.is_alive() for child in started)
+
+
+def test_closing_stops_a_warm_up_still_starting_the_child() -> None:
+    """The child's start imports xgrammar and torch: seconds, tens of them under load. A worker shutting down while
+    its warm-up is in that start must not wait for it: close() stops the start, and the warm-up ends quietly."""
+    tokenizer = build_tokenizer()
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}),
+                               limits=CompileLimits(timeout_s=30.0, memory_bytes=1 << 30))
+    before = _grammar_children()
+    errors: list[BaseException] = []
+
+    def warm() -> None:
+        try:
+            compiler.warm()
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            errors.append(exc)
+
+    thread = threading.Thread(target=warm)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not _grammar_children() - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = _grammar_children() - before
+    assert started, "the warm-up started no child"
+    closed_at = time.monotonic()
+    compiler.close()
+    thread.join(timeout=5)
+    assert not thread.is_alive() and time.monotonic() - closed_at < 5
+    assert errors == []
+    assert not any(child.is_alive() for child in started)
+    # a later compile starts a child anew
+    compiler.compile(ResponseFormat.model_validate({"type": "regex", "regex": "[0-9]{3}"}))
+    compiler.close()
 
 
 def test_warm_without_limits_prepares_in_thread_and_starts_no_child() -> None:
