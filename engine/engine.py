@@ -356,9 +356,10 @@ class Engine:
         if self.scheduler.speculator is not None and scheduler_output.is_decode_only:
             # NOTE: wall time, not the engine clock: the step cost model sizes drafts by what a decode step
             # costs (prefill chunks cost more per token and would skew it), measured, not assumed.
-            drafted = any(chunk.num_draft_tokens for chunk in scheduler_output.chunks)
-            self.scheduler.speculator.observe_step(scheduler_output.num_batched_tokens, step_s, model_output.path,
-                                                   drafted)
+            # NOTE: a decode-only step carried drafts iff it ran more tokens than chunks (each decode runs one)
+            num_tokens = scheduler_output.num_batched_tokens
+            self.scheduler.speculator.observe_step(num_tokens, step_s, model_output.path,
+                                                   num_tokens > len(scheduler_output.chunks))
         progressed = self.scheduler.update(scheduler_output, model_output)
         if self.fleet is not None:
             self.fleet.publish(self.scheduler.take_new_prompt_blocks())

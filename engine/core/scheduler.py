@@ -330,7 +330,7 @@ class Scheduler:
                     raise InvariantError(f"{chunk.request_id}: needs_sample={chunk.needs_sample}, "
                                          f"got {len(new_token_ids)} tokens")
                 request.num_computed_tokens += chunk.num_tokens
-            # NOTE: only when a block filled up: building the token list costs the whole context
+            # NOTE: only when a block filled up
             if self.prefix_cache is not None and \
                     request.num_computed_tokens // self.block_manager.block_size > len(request.prefix_entry_ids):
                 # NOTE: the tokens from the first block not indexed yet, and the verified ones not appended yet: not the
