@@ -26,10 +26,13 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 # The dashboard's browser tests drive Debian's chromium (Playwright never downloads a browser here). Installed only
 # where missing, and only where apt-get can (root); elsewhere the browser tests skip, saying why (in CI they fail).
+# Two checkouts installing at once take turns (flock), and apt waits for a dpkg lock another apt holds.
+APT_GET := apt-get -q -o DPkg::Lock::Timeout=600
 chromium:
 	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
 	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
-		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; \
+		flock /tmp/tokenmill-apt.lock sh -c 'command -v chromium >/dev/null 2>&1 || { $(APT_GET) update && \
+			DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y --no-install-recommends chromium; }'; \
 	else echo "note: no chromium and no root apt-get: the dashboard's browser tests will skip"; fi
 
 install: $(VENV)/.installed chromium

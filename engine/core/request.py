@@ -239,28 +239,41 @@ class ParallelGroup:
         return f"{request_id} #{index}"
 
 
-def check_stop(request: Request, eos_token_ids: frozenset[int], max_model_len: int | None) -> RequestStatus | None:
-    """Whether the request's newest token ends it; the one place stopping on tokens is decided.
+def find_stop(request: Request, new_token_ids: list[int], eos_token_ids: frozenset[int],
+              max_model_len: int | None) -> tuple[int, RequestStatus] | None:
+    """Which of the tokens about to be appended to the request ends it, as if they came one at a time; the one
+    place stopping on tokens is decided.
 
     Stop *strings* need text: the output processor finds them and finishes the request then.
 
     Args:
-        request: a request that just received a token.
+        request: a running request, before ``new_token_ids`` are appended to its output.
+        new_token_ids: its step's new tokens (one, or a verified draft and its bonus token).
         eos_token_ids: the model's end-of-sequence ids (ignored with ``ignore_eos``).
         max_model_len: the model's context length; None = unbounded.
 
     Returns:
-        FINISHED_STOPPED (EOS or a stop id, once ``min_tokens`` are out; sets ``stop_token_id``),
-        FINISHED_LENGTH (``max_tokens`` or the context is full), or None to go on.
+        ``(index, status)`` of the first new token that ends it -- FINISHED_STOPPED (EOS or a stop id, once
+        ``min_tokens`` are out; sets ``stop_token_id``) or FINISHED_LENGTH (``max_tokens`` reached or the context
+        full) -- or None to go on after all of them.
     """
     params = request.sampling_params
-    token_id = request.output_token_ids[-1]
-    if not params.is_min_tokens_active(request.num_output_tokens - 1) and (
-        (token_id in eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids
-    ):
-        request.stop_token_id = token_id
-        return RequestStatus.FINISHED_STOPPED
-    is_context_full = max_model_len is not None and request.num_tokens >= max_model_len
-    if request.num_output_tokens >= request.max_tokens or is_context_full:
-        return RequestStatus.FINISHED_LENGTH
+    num_output = len(request.output_token_ids)
+    # the token that brings the output to max_tokens or the context to max_model_len (the first token, if either
+    # is reached already)
+    num_left = request.max_tokens - num_output
+    if max_model_len is not None:
+        num_left = min(num_left, max_model_len - len(request.prompt_token_ids) - num_output)
+    length_index = max(num_left, 1) - 1
+    stop_token_ids = params.stop_token_ids
+    checks_eos = not params.ignore_eos and bool(eos_token_ids)
+    if stop_token_ids or checks_eos:
+        for index in range(min(len(new_token_ids), length_index + 1)):
+            token_id = new_token_ids[index]
+            if ((checks_eos and token_id in eos_token_ids) or token_id in stop_token_ids) and \
+                    not params.is_min_tokens_active(num_output + index):
+                request.stop_token_id = token_id
+                return index, RequestStatus.FINISHED_STOPPED
+    if length_index < len(new_token_ids):
+        return length_index, RequestStatus.FINISHED_LENGTH
     return None

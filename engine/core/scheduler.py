@@ -26,7 +26,7 @@ from tokenmill.engine.core.clock import Clock
 from tokenmill.engine.core.kv_budget import PredictedKvBudget
 from tokenmill.engine.core.length_predictor import LengthPredictor
 from tokenmill.engine.core.preemption import PreemptionPolicy
-from tokenmill.engine.core.request import ParallelGroup, PreemptionCause, Request, RequestStatus, check_stop
+from tokenmill.engine.core.request import ParallelGroup, PreemptionCause, Request, RequestStatus, find_stop
 from tokenmill.engine.core.request_queue import RequestQueues
 from tokenmill.engine.core.scheduler_policy import (
     AdmissionKey,
@@ -69,7 +69,7 @@ class Scheduler:
         config: budgets and policy.
         block_manager: the KV block pools (owned by this scheduler from now on).
         clock: the only source of time.
-        eos_token_ids: the model's end-of-sequence ids (see :func:`engine.core.request.check_stop`).
+        eos_token_ids: the model's end-of-sequence ids (see :func:`engine.core.request.find_stop`).
         max_model_len: the model's context length; None = unbounded.
         prefix_cache: an index of cached full blocks over ``block_manager``'s device pool (new
             requests start after the blocks it already holds); None = every prompt is computed.
@@ -293,7 +293,7 @@ class Scheduler:
 
     def update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
         """Apply one executed step: advance computed tokens, append sampled tokens, and finish
-        the requests whose new token ends them (:func:`engine.core.request.check_stop`).
+        the requests whose new token ends them (:func:`engine.core.request.find_stop`).
 
         Chunks of requests finished since ``schedule()`` are skipped.
 
@@ -345,11 +345,7 @@ class Scheduler:
                     self._new_prompt_blocks.extend((request, i, block_ids[i]) for i in indexed
                                                    if i < num_prompt_blocks)
             if new_token_ids:
-                logprobs = model_output.logprobs.get(chunk.request_id)
-                for index, token_id in enumerate(new_token_ids):  # NOTE: each one may stop it
-                    self._append_token(request, token_id, logprobs[index:index + 1] if logprobs else None, now_s)
-                    if request.is_finished:
-                        break
+                self._append_tokens(request, new_token_ids, model_output.logprobs.get(chunk.request_id), now_s)
                 updated.append(request)
         return updated
 
@@ -689,17 +685,20 @@ class Scheduler:
 
     # --------------------------------------------------------------------------- helpers
 
-    def _append_token(self, request: Request, token_id: int, logprobs: list[dict[int, float]] | None,
-                      now_s: float) -> None:
-        request.output_token_ids.append(token_id)
-        self.counters.num_generated_tokens += 1
+    def _append_tokens(self, request: Request, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+                       now_s: float) -> None:
+        """Append a step's new tokens up to the first that ends the request, and finish it there."""
+        stop = find_stop(request, token_ids, self.eos_token_ids, self.max_model_len)
+        if stop is not None:
+            token_ids = token_ids[:stop[0] + 1]
+        request.output_token_ids.extend(token_ids)
+        self.counters.num_generated_tokens += len(token_ids)
         if logprobs:
-            request.logprobs.extend(logprobs)
+            request.logprobs.extend(logprobs[:len(token_ids)])
         if request.first_token_time_s is None:
             request.first_token_time_s = now_s
-        status = check_stop(request, self.eos_token_ids, self.max_model_len)
-        if status is not None:
-            self.finish_request(request.request_id, status)
+        if stop is not None:
+            self.finish_request(request.request_id, stop[1])
 
     def _make_room(self, request: Request, num_blocks: int, plan: StepPlan) -> bool:
         """Preempt whom the policy names so that ``num_blocks`` and a sequence slot are free."""
