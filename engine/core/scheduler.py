@@ -320,8 +320,9 @@ class Scheduler:
                 self._check_verified(chunk, new_token_ids)
                 num_accepted = len(new_token_ids) - 1
                 request.num_computed_tokens += 1 + num_accepted
-                # NOTE: only verified tokens reach the prefix cache; the rejected drafts' slots go back.
-                self.block_manager.trim(request.request_id, request.num_computed_tokens)
+                if num_accepted < chunk.num_draft_tokens:
+                    # NOTE: only verified tokens reach the prefix cache; the rejected drafts' slots go back.
+                    self.block_manager.trim(request.request_id, request.num_computed_tokens)
                 request.draft_token_ids = []
                 if self.speculator is not None:
                     self.speculator.observe(request, chunk.num_draft_tokens, num_accepted)
@@ -646,22 +647,28 @@ class Scheduler:
         a prefill, an admission or a resumption could use, and never preempts anyone."""
         if min(plan.num_tokens_left, plan.num_decode_tokens_left) <= 0:
             return
+        requests, prefill_request_ids = self._queues.requests, plan.prefill_request_ids
+        max_model_len = self.max_model_len
         candidates: list[tuple[Request, int]] = []
+        num_decodes = 0
         for request_id, num_tokens in plan.request_to_num_tokens.items():
-            request = self._queues.requests[request_id]
-            if num_tokens != 1 or not is_decode(request) or not request.sampling_params.speculative:
+            if request_id in prefill_request_ids:
+                continue
+            num_decodes += 1
+            request = requests[request_id]
+            if num_tokens != 1 or not request.sampling_params.speculative or not is_decode(request):
                 continue
             # NOTE: a draft never runs past max_tokens or the context: its last token's successor is the bonus.
-            bound = request.max_tokens - request.num_output_tokens - 1
-            if self.max_model_len is not None:
-                bound = min(bound, self.max_model_len - request.num_tokens)
+            num_output = len(request.output_token_ids)
+            bound = request.max_tokens - num_output - 1
+            if max_model_len is not None:
+                bound = min(bound, max_model_len - len(request.prompt_token_ids) - num_output)
             if bound > 0:
                 candidates.append((request, bound))
         if not candidates:
             return
         room = DraftRoom(min(plan.num_tokens_left, plan.num_decode_tokens_left),
-                         self.config.max_num_batched_tokens - plan.num_tokens_left,
-                         sum(1 for r in plan.request_to_num_tokens if r not in plan.prefill_request_ids))
+                         self.config.max_num_batched_tokens - plan.num_tokens_left, num_decodes)
         try:
             drafts = speculator.draft(candidates, room)
         except Exception:
@@ -669,18 +676,24 @@ class Scheduler:
                            extra={"event": "speculator_failed"})
             return
         bm = self.block_manager
+        block_size = bm.block_size
         for request, _ in candidates:
             draft = drafts.get(request.request_id)
             if not draft:
                 continue
-            spare_blocks = max(0, bm.num_free_gpu_blocks - self.config.watermark_blocks)
-            num_slots = (bm.num_device_blocks(request.request_id) + spare_blocks) * bm.block_size
-            num_tokens = min(len(draft), plan.num_tokens_left, plan.num_decode_tokens_left,
-                             num_slots - request.num_computed_tokens - 1)
+            num_computed = request.num_computed_tokens
+            # NOTE: the slots its table holds past its decode token; free blocks (above the watermark) only when the
+            # draft needs more
+            num_own_slots = bm.num_device_blocks(request.request_id) * block_size - num_computed - 1
+            num_tokens = min(len(draft), plan.num_tokens_left, plan.num_decode_tokens_left)
+            if num_tokens > num_own_slots:
+                spare_blocks = max(0, bm.num_free_gpu_blocks - self.config.watermark_blocks)
+                num_tokens = min(num_tokens, num_own_slots + spare_blocks * block_size)
+                if num_tokens > 0:
+                    self._append_slots(request, num_computed + 1 + num_tokens)
             if num_tokens <= 0:
                 continue
-            request.draft_token_ids = draft[:num_tokens]
-            self._append_slots(request, request.num_computed_tokens + 1 + num_tokens)
+            request.draft_token_ids = draft if num_tokens == len(draft) else draft[:num_tokens]
             plan.add_drafts(request, num_tokens)
 
     # --------------------------------------------------------------------------- helpers

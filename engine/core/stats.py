@@ -44,8 +44,9 @@ class SpeculationCounters:
     num_drafts: int = 0  # (request, step) pairs that ran draft tokens
     num_draft_tokens: int = 0  # draft tokens run through the model
     num_accepted_tokens: int = 0  # of them, kept (the bonus token after each draft not counted)
-    drafted_by_position: list[int] = field(default_factory=list)  # [i]: drafts with a token at position i + 1
-    accepted_by_position: list[int] = field(default_factory=list)  # [i]: drafts whose token i + 1 was kept
+    # [k]: drafts that ran k tokens / whose first k tokens (and no more) were kept; the by-position counts follow
+    drafts_by_length: list[int] = field(default_factory=list)
+    drafts_by_num_kept: list[int] = field(default_factory=list)
     draft_length_counts: dict[int, int] = field(default_factory=dict)  # length chosen -> (request, step) pairs
     # proposer name (grammar, ngram, suffix, ngram-1, suffix-1, draft) -> draft tokens it proposed that ran / were kept
     draft_tokens_by_proposer: dict[str, int] = field(default_factory=dict)
@@ -63,10 +64,20 @@ class SpeculationCounters:
         """Draft tokens kept per draft (each draft also yields one token of the model's own)."""
         return self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
+    @property
+    def drafted_by_position(self) -> list[int]:
+        """[i]: drafts with a token at position i + 1."""
+        return _at_least(self.drafts_by_length)
+
+    @property
+    def accepted_by_position(self) -> list[int]:
+        """[i]: drafts whose token i + 1 was kept."""
+        return _at_least(self.drafts_by_num_kept)
+
     def copy(self) -> SpeculationCounters:
         """A snapshot: the lists and the dict copied too."""
-        return dataclasses.replace(self, drafted_by_position=list(self.drafted_by_position),
-                                   accepted_by_position=list(self.accepted_by_position),
+        return dataclasses.replace(self, drafts_by_length=list(self.drafts_by_length),
+                                   drafts_by_num_kept=list(self.drafts_by_num_kept),
                                    draft_length_counts=dict(self.draft_length_counts),
                                    draft_tokens_by_proposer=dict(self.draft_tokens_by_proposer),
                                    accepted_tokens_by_proposer=dict(self.accepted_tokens_by_proposer))
@@ -74,6 +85,15 @@ class SpeculationCounters:
     def acceptance_by_position(self) -> list[float]:
         """Per draft position, the fraction of drafts that reached it whose token there was kept."""
         return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+
+def _at_least(counts: list[int]) -> list[int]:
+    """``[i]``: the sum of ``counts[i + 1:]`` (how many drafts reached position i + 1)."""
+    reached, total = [], 0
+    for count in reversed(counts[1:]):
+        total += count
+        reached.append(total)
+    return reached[::-1]
 
 
 @dataclass(frozen=True)

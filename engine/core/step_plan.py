@@ -107,13 +107,14 @@ class StepPlan:
         Raises:
             InvariantError: the request is not scheduled as a decode, or the budget would go negative.
         """
-        if self.request_to_num_tokens.get(request.request_id) != 1 or not is_decode(request) or num_tokens < 1:
-            raise InvariantError(f"bad draft for {request.request_id}: {num_tokens} tokens")
+        request_id = request.request_id
+        if self.request_to_num_tokens.get(request_id) != 1 or request_id in self.prefill_request_ids or num_tokens < 1:
+            raise InvariantError(f"bad draft for {request_id}: {num_tokens} tokens")
         self.num_tokens_left -= num_tokens
         self.num_decode_tokens_left -= num_tokens
         if self.num_tokens_left < 0 or self.num_decode_tokens_left < 0:
-            raise InvariantError(f"budget exceeded drafting for {request.request_id}")
-        self.request_to_num_tokens[request.request_id] += num_tokens
+            raise InvariantError(f"budget exceeded drafting for {request_id}")
+        self.request_to_num_tokens[request_id] += num_tokens
 
     def remove(self, request_id: str) -> None:
         """Unschedule the request's chunk (if any) and refund its tokens."""

@@ -51,16 +51,18 @@ class Acceptance:
 
     accepted: float = 1.0
     rejected: float = 1.0
-    steps_since_draft: int = 0
+    # the speculator's step count (its draft calls) when this request's latest draft came back, or when this was made:
+    # a stamp, not a count per request, so no step has to touch every request's acceptances
+    drafted_at_step: int = 0
 
     @property
     def rate(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
-    def observe(self, num_drafted: int, num_accepted: int) -> None:
+    def observe(self, num_drafted: int, num_accepted: int, step: int) -> None:
         self.accepted = self.accepted * ACCEPTANCE_DECAY + num_accepted
         self.rejected = self.rejected * ACCEPTANCE_DECAY + (1.0 if num_accepted < num_drafted else 0.0)
-        self.steps_since_draft = 0
+        self.drafted_at_step = step
 
 
 class CostLine:

@@ -49,10 +49,11 @@ class DraftState:
     proposer: str | None = None  # the proposer of the draft the request ran last
     ngram: LazyNgramIndex | None = None
 
-    def acceptance_of(self, proposer: str) -> Acceptance:
+    def acceptance_of(self, proposer: str, step: int) -> Acceptance:
+        """The proposer's acceptance for this request, made at ``step`` (the speculator's) on first use."""
         acceptance = self.acceptance.get(proposer)
         if acceptance is None:
-            acceptance = self.acceptance[proposer] = Acceptance()
+            acceptance = self.acceptance[proposer] = Acceptance(drafted_at_step=step)
         return acceptance
 
 
@@ -146,18 +147,19 @@ class DraftSpeculator:
         self.cost = StepCost()
         self._stepped_at_s: float | None = None  # when the last observe_step came
         self._drafts_since_step = 0  # draft calls since then
-        self.counters = SpeculationCounters(drafted_by_position=[0] * num_speculative_tokens,
-                                            accepted_by_position=[0] * num_speculative_tokens)
+        self._num_steps = 0  # draft calls (steps that had requests to draft for) since the engine started
+        self.counters = SpeculationCounters(drafts_by_length=[0] * (num_speculative_tokens + 1),
+                                            drafts_by_num_kept=[0] * (num_speculative_tokens + 1))
 
     def draft(self, candidates: list[tuple[Request, int]], room: DraftRoom) -> dict[str, list[int]]:
         self._drafts_since_step += 1
+        self._num_steps += 1
+        step = self._num_steps
         threshold = self.cost.draft_threshold(room.num_scheduled_tokens, room.num_decodes)
-        pending = []  # (request, bound, state, tokens) of the requests without a draft yet
+        pending = []  # (request, bound, state) of the requests without a draft yet
         for request, bound in candidates:
-            state = draft_state(request)
-            for acceptance in state.acceptance.values():
-                acceptance.steps_since_draft += 1
-            pending.append((request, bound, state, request.token_view))
+            state = request.draft_state
+            pending.append((request, bound, state if state.__class__ is DraftState else draft_state(request)))
         proposed: dict[str, tuple[list[int], str, DraftState]] = {}  # request id -> (draft, proposer, state)
         asked: set[str] = set()
         started_s = time.perf_counter()
@@ -166,10 +168,10 @@ class DraftSpeculator:
                 break  # NOTE: every request has its draft: the later proposers have nothing to add
             name = proposer.name
             wanted: list[tuple[Request, Sequence[int], int]] = []
-            for request, bound, state, token_ids in pending:
-                num_tokens = self._allowed(state.acceptance_of(name), bound, threshold)
+            for request, bound, state in pending:
+                num_tokens = self._allowed(state.acceptance_of(name, step), bound, threshold)
                 if num_tokens > 0:
-                    wanted.append((request, token_ids, num_tokens))
+                    wanted.append((request, request.token_view, num_tokens))
             if not wanted:
                 continue
             asked.update([request.request_id for request, _, _ in wanted])
@@ -185,13 +187,15 @@ class DraftSpeculator:
                 pending = still
         if asked:
             self.cost.observe_proposals(len(asked), time.perf_counter() - started_s)
-        lengths = choose_draft_lengths(
-            [(request_id, len(draft), state.acceptance[name].rate)
-             for request_id, (draft, name, state) in proposed.items()],
-            room.num_tokens_left, room.num_scheduled_tokens, room.num_decodes, self.cost)
+        if not proposed:
+            self.counters.draft_length_counts[0] = self.counters.draft_length_counts.get(0, 0) + len(candidates)
+            return {}
+        rates = {request_id: state.acceptance[name].rate for request_id, (_, name, state) in proposed.items()}
+        lengths = choose_draft_lengths([(request_id, len(draft), rates[request_id])
+                                        for request_id, (draft, _, _) in proposed.items()],
+                                       room.num_tokens_left, room.num_scheduled_tokens, room.num_decodes, self.cost)
         if lengths and self.cost.switches_path and not drafting_pays(
-                lengths, {request_id: state.acceptance[name].rate for request_id, (_, name, state) in proposed.items()},
-                room.num_scheduled_tokens, room.num_decodes, self.cost):
+                lengths, rates, room.num_scheduled_tokens, room.num_decodes, self.cost):
             lengths = {}
         counts = self.counters.draft_length_counts
         if len(lengths) < len(candidates):
@@ -200,7 +204,7 @@ class DraftSpeculator:
         for request_id, length in lengths.items():
             counts[length] = counts.get(length, 0) + 1
             draft, name, state = proposed[request_id]
-            drafts[request_id] = draft[:length]
+            drafts[request_id] = draft if length == len(draft) else draft[:length]
             state.proposer = name
         return drafts
 
@@ -213,23 +217,22 @@ class DraftSpeculator:
             return 0
         num_tokens = min(bound, self.num_speculative_tokens)
         if rate < self.min_acceptance:
-            return min(num_tokens, PROBE_TOKENS) if acceptance.steps_since_draft >= PROBE_EVERY_STEPS else 0
+            is_probe_due = self._num_steps - acceptance.drafted_at_step >= PROBE_EVERY_STEPS
+            return min(num_tokens, PROBE_TOKENS) if is_probe_due else 0
         return num_tokens
 
     def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         state = draft_state(request)
         name = state.proposer or ""
-        state.acceptance_of(name).observe(num_drafted, num_accepted)
+        state.acceptance_of(name, self._num_steps).observe(num_drafted, num_accepted, self._num_steps)
         counters = self.counters
         counters.draft_tokens_by_proposer[name] = counters.draft_tokens_by_proposer.get(name, 0) + num_drafted
         counters.accepted_tokens_by_proposer[name] = counters.accepted_tokens_by_proposer.get(name, 0) + num_accepted
         counters.num_drafts += 1
         counters.num_draft_tokens += num_drafted
         counters.num_accepted_tokens += num_accepted
-        for position in range(num_drafted):
-            counters.drafted_by_position[position] += 1
-        for position in range(num_accepted):
-            counters.accepted_by_position[position] += 1
+        counters.drafts_by_length[num_drafted] += 1
+        counters.drafts_by_num_kept[num_accepted] += 1
 
     def observe_step(self, num_tokens: int, seconds: float, path: str, drafted: bool) -> None:
         now_s = time.perf_counter()

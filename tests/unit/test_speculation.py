@@ -15,6 +15,7 @@ from tokenmill.engine import Engine, EngineConfig
 from tokenmill.engine.config import SpeculativeConfig
 from tokenmill.engine.core.request import Request
 from tokenmill.engine.core.speculation import DraftRoom
+from tokenmill.engine.core.stats import SpeculationCounters
 from tokenmill.engine.core.step_io import ModelOutput, SchedulerOutput
 from tokenmill.engine.spec.draft_length import (
     PROBE_EVERY_STEPS,
@@ -153,10 +154,10 @@ def test_acceptance_counts_recent_drafts() -> None:
     acceptance = Acceptance()
     assert acceptance.rate == 0.5
     for _ in range(10):
-        acceptance.observe(num_drafted=4, num_accepted=4)
+        acceptance.observe(num_drafted=4, num_accepted=4, step=1)
     assert acceptance.rate > 0.95
     for _ in range(20):
-        acceptance.observe(num_drafted=4, num_accepted=0)
+        acceptance.observe(num_drafted=4, num_accepted=0, step=2)
     assert acceptance.rate < 0.1
 
 
@@ -494,3 +495,12 @@ def test_a_proposer_whose_drafts_miss_stops_alone() -> None:
     assert counters.accepted_tokens_by_proposer == {"strong": 72, "weak": 0}
     assert counters.draft_tokens_by_proposer["strong"] == 72
     assert counters.draft_tokens_by_proposer["weak"] == sum(length for _, length in weak_tokens)
+
+
+def test_by_position_counts_follow_from_the_draft_length_counts():
+    counters = SpeculationCounters(drafts_by_length=[0, 1, 0, 2], drafts_by_num_kept=[1, 1, 1, 0])
+    # NOTE: drafts of 1, 3 and 3 tokens reach position 1 three times, positions 2 and 3 twice; kept 0, 1 and 2
+    assert counters.drafted_by_position == [3, 2, 2]
+    assert counters.accepted_by_position == [2, 1, 0]
+    assert counters.acceptance_by_position() == [2 / 3, 1 / 2, 0.0]
+    assert SpeculationCounters().drafted_by_position == []

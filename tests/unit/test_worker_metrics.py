@@ -47,8 +47,8 @@ def _speculation(scale: int) -> SpeculationCounters:
     """Counters after ``scale`` rounds of: 10 drafts of 3 tokens (40 (request, step) pairs, 30 undrafted)."""
     return SpeculationCounters(
         num_drafts=10 * scale, num_draft_tokens=30 * scale, num_accepted_tokens=24 * scale,
-        drafted_by_position=[10 * scale, 10 * scale, 10 * scale, 0],
-        accepted_by_position=[10 * scale, 8 * scale, 6 * scale, 0],
+        drafts_by_length=[0, 0, 0, 10 * scale, 0],  # by position: 10, 10, 10, 0
+        drafts_by_num_kept=[0, 2 * scale, 2 * scale, 6 * scale, 0],  # by position: 10, 8, 6, 0
         draft_length_counts={0: 30 * scale, 3: 10 * scale}, step_fixed_s=0.012, step_per_token_s=0.0004,
         draft_tokens_by_proposer={"ngram": 24 * scale, "ngram-1": 6 * scale},
         accepted_tokens_by_proposer={"ngram": 22 * scale, "ngram-1": 2 * scale})
