@@ -19,6 +19,19 @@ _MAX_DEAD_TOKENS = 64
 _REPLACEMENT_CHAR = "\ufffd"
 
 
+def prompt_context(prompt_token_ids: list[int], special_ids: frozenset[int]) -> list[int]:
+    """The prompt's last few ids that decode to text (special ones dropped): the first output tokens' context. Found
+    from the end, so a request's decoder costs the same whatever its prompt's length."""
+    context: list[int] = []
+    for token_id in reversed(prompt_token_ids):
+        if token_id not in special_ids:
+            context.append(token_id)
+            if len(context) == _NUM_PROMPT_CONTEXT_TOKENS:
+                break
+    context.reverse()
+    return context
+
+
 class Tokenizer(Protocol):
     """The part of a Hugging Face tokenizer this module uses."""
 
@@ -106,6 +119,7 @@ class IncrementalDetokenizer(_StopStrings):
         prompt_token_ids: list[int],
         stop: list[str],
         skip_special_tokens: bool = True,
+        special_ids: frozenset[int] | None = None,
     ) -> None:
         """Prepares decoding after ``prompt_token_ids``.
 
@@ -114,14 +128,20 @@ class IncrementalDetokenizer(_StopStrings):
             prompt_token_ids: the prompt; only its last few tokens are kept, as context.
             stop: stop strings, non-empty; the earliest match in the text wins.
             skip_special_tokens: drop special tokens from the text.
+            special_ids: the tokenizer's special ids, where the caller keeps them (a tokenizer makes the list
+                anew on each ask); None: asked here.
         """
         self._tokenizer = tokenizer
         self._init_stops(stop)
         self._skip_special_tokens = skip_special_tokens
         # NOTE: skipped special ids are dropped on entry: they decode to nothing, and keeping
         # them would stall the offsets and grow the window on runs of special tokens.
-        self._special_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
-        self._token_ids = [t for t in prompt_token_ids if t not in self._special_ids][-_NUM_PROMPT_CONTEXT_TOKENS:]
+        if not skip_special_tokens:
+            special_ids = frozenset()
+        elif special_ids is None:
+            special_ids = frozenset(tokenizer.all_special_ids)
+        self._special_ids = special_ids
+        self._token_ids = prompt_context(prompt_token_ids, special_ids)
         self._prefix_offset = 0
         self._read_offset = len(self._token_ids)
 
@@ -193,7 +213,7 @@ class StreamDetokenizer(_StopStrings):
         self._backend = backend
         self._special_ids = special_ids
         self._init_stops(stop)
-        context = [t for t in prompt_token_ids if t not in special_ids][-_NUM_PROMPT_CONTEXT_TOKENS:]
+        context = prompt_context(prompt_token_ids, special_ids)
         self._skip_special_tokens = skip_special_tokens
         # NOTE: tokens the tokenizer itself marks special (added tokens) are skipped by it, as HF decode skips them
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
@@ -230,17 +250,24 @@ class StreamDetokenizer(_StopStrings):
         return self._release(rest, is_final=True)
 
 
-def make_detokenizer(tokenizer: Any, prompt_token_ids: list[int], stop: list[str],
-                     skip_special_tokens: bool = True) -> IncrementalDetokenizer | StreamDetokenizer:
+def make_detokenizer(tokenizer: Any, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool = True,
+                     special_ids: frozenset[int] | None = None) -> IncrementalDetokenizer | StreamDetokenizer:
     """The request's text decoder: the streaming fast path for a fast (``tokenizers``-backed) tokenizer, the
-    reference otherwise (the echo model's byte tokenizer, slow tokenizers)."""
+    reference otherwise (the echo model's byte tokenizer, slow tokenizers).
+
+    Args:
+        special_ids: the tokenizer's special ids, where the caller keeps them; None: asked of the tokenizer.
+    """
+    if not skip_special_tokens:
+        special_ids = frozenset()
+    elif special_ids is None:
+        special_ids = frozenset(tokenizer.all_special_ids)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "decode"):
-        return IncrementalDetokenizer(tokenizer, prompt_token_ids, stop, skip_special_tokens)
-    special_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
-    context = [t for t in prompt_token_ids if t not in special_ids][-_NUM_PROMPT_CONTEXT_TOKENS:]
+        return IncrementalDetokenizer(tokenizer, prompt_token_ids, stop, skip_special_tokens, special_ids)
+    context = prompt_context(prompt_token_ids, special_ids)
     # NOTE: a prompt whose last tokens end inside a character (token ids given directly) makes DecodeStream emit
     # the context's own bytes with the first token; the reference handles it (rare: one decode to tell).
     if backend.decode(context, skip_special_tokens=skip_special_tokens).endswith(_REPLACEMENT_CHAR):
-        return IncrementalDetokenizer(tokenizer, prompt_token_ids, stop, skip_special_tokens)
+        return IncrementalDetokenizer(tokenizer, prompt_token_ids, stop, skip_special_tokens, special_ids)
     return StreamDetokenizer(backend, special_ids, prompt_token_ids, stop, skip_special_tokens)

@@ -29,6 +29,7 @@ class OutputProcessor:
         self.clock = clock
         self._rejected: list[RequestOutput] = []  # refused at admission, handed out by the next step
         self._token_bytes: TokenBytes | None = None  # made with the first request that asks for logprobs
+        self._special_ids: frozenset[int] | None = None  # the tokenizer's, made with the first decoder
 
     def reject(self, request_id: str, code: ErrorCode, message: str, arrival_s: float,
                num_prompt_tokens: int = 0) -> None:
@@ -151,8 +152,10 @@ class OutputProcessor:
         """The request's output state with its text decoder, made on first use (forked samples start without one)."""
         state = request.output_state
         if not isinstance(state, OutputState):
-            state = request.output_state = OutputState(make_detokenizer(self.tokenizer, request.prompt_token_ids,
-                                                                        request.sampling_params.stop))
+            if self._special_ids is None:  # NOTE: a tokenizer makes its list anew on each ask: asked once
+                self._special_ids = frozenset(self.tokenizer.all_special_ids)
+            state = request.output_state = OutputState(make_detokenizer(
+                self.tokenizer, request.prompt_token_ids, request.sampling_params.stop, special_ids=self._special_ids))
         return state
 
     def _output(self, request: Request) -> RequestOutput:

@@ -8,10 +8,17 @@ import random
 from collections.abc import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import ByteLevelBPETokenizer, SentencePieceBPETokenizer
 from transformers import PreTrainedTokenizerFast
 
-from tokenmill.engine.output.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
+from tokenmill.engine.output.detokenizer import (
+    IncrementalDetokenizer,
+    StreamDetokenizer,
+    make_detokenizer,
+    prompt_context,
+)
 
 Detokenizer = IncrementalDetokenizer | StreamDetokenizer
 New = Callable[..., Detokenizer]
@@ -227,3 +234,9 @@ def test_tokenizers_without_a_fast_backend_get_the_reference() -> None:
             return "".join(map(chr, token_ids))
 
     assert isinstance(make_detokenizer(Plain(), [], []), IncrementalDetokenizer)
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt=st.lists(st.integers(0, 6), max_size=30), special=st.frozensets(st.integers(0, 6), max_size=3))
+def test_the_prompt_context_is_the_last_ids_that_are_not_special(prompt, special):
+    assert prompt_context(prompt, special) == [t for t in prompt if t not in special][-5:]
