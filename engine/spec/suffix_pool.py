@@ -10,9 +10,8 @@ pool forgets its oldest n-grams once it holds ``capacity`` of them.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
-from itertools import repeat
 
 
 class SuffixPool:
@@ -36,30 +35,19 @@ class SuffixPool:
         return len(self._continuations)
 
     def add(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
-        """Remember what followed each n-gram of an output (the prompt's last ``max_n`` tokens lead in).
-
-        Every finished request comes through here on the engine thread, so the n-grams of each length are made
-        from ``n`` shifted slices by ``zip`` and stored by ``update``, in C: one Python step per position (its
-        continuation), not one per position and length. An n-gram seen again moves to the newest end (popped
-        first), and a later position's continuation wins over an earlier one's, as one at a time would have it.
-        """
+        """Remember what followed each n-gram of an output (the prompt's last ``max_n`` tokens lead in)."""
         if self.capacity == 0 or not output_token_ids:
             return
         lead = prompt_token_ids[-self.max_n:]
         tokens = lead + output_token_ids
-        first, end = len(lead), len(tokens)
-        length = self.continuation_len
-        continuations = [tuple(tokens[stop:stop + length]) for stop in range(first, end)]  # [stop - first]
-        pool, pop = self._continuations, self._continuations.pop
-        for n in range(self.min_n, self.max_n + 1):
-            begin = max(first, n)  # NOTE: the first n-gram ends at n
-            if begin >= end:
-                continue
-            keys = list(zip(*[tokens[begin - n + i:end - n + i] for i in range(n)]))
-            deque(map(pop, keys, repeat(None, len(keys))), maxlen=0)
-            pool.update(zip(keys, continuations[begin - first:]))
-        while len(pool) > self.capacity:
-            pool.popitem(last=False)
+        for stop in range(len(lead), len(tokens)):
+            continuation = tuple(tokens[stop:stop + self.continuation_len])
+            for n in range(self.min_n, min(self.max_n, stop) + 1):
+                key = tuple(tokens[stop - n:stop])
+                self._continuations[key] = continuation
+                self._continuations.move_to_end(key)
+        while len(self._continuations) > self.capacity:
+            self._continuations.popitem(last=False)
 
     def propose(self, token_ids: Sequence[int], num_tokens: int, min_n: int | None = None) -> list[int]:
         """Up to ``num_tokens`` tokens that followed the longest suffix of ``token_ids`` in an earlier

@@ -21,7 +21,6 @@ from tokenmill.engine.core.speculation import DraftRoom
 from tokenmill.engine.spec.draft_length import StepCost, choose_draft_lengths, greedy_draft_lengths
 from tokenmill.engine.spec.ngram import BULK_GRAMS, LazyNgramIndex, NgramIndex
 from tokenmill.engine.spec.speculator import NgramProposer, build_speculator, draft_state
-from tokenmill.engine.spec.suffix_pool import SuffixPool
 
 
 @st.composite
@@ -92,45 +91,3 @@ def draft_choices(draw: st.DrawFn) -> dict[str, Any]:
 @given(draft_choices())
 def test_draft_lengths_are_the_greedy_rules(case: dict[str, Any]) -> None:
     assert choose_draft_lengths(**case) == greedy_draft_lengths(**case)
-
-
-def add_one_at_a_time(pool: dict[tuple[int, ...], tuple[int, ...]], prompt: list[int], output: list[int],
-                      min_n: int, max_n: int, continuation_len: int) -> set[tuple[int, ...]]:
-    """The suffix pool's rule written out (the specification ``SuffixPool.add`` is held to): for each position of
-    the output and each n, the n-gram ending there maps to the tokens from there on, the later position winning.
-    Returns the n-grams written."""
-    lead = prompt[-max_n:]
-    tokens = lead + output
-    written = set()
-    for stop in range(len(lead), len(tokens)):
-        for n in range(min_n, min(max_n, stop) + 1):
-            pool.pop(tuple(tokens[stop - n:stop]), None)
-            pool[tuple(tokens[stop - n:stop])] = tuple(tokens[stop:stop + continuation_len])
-            written.add(tuple(tokens[stop - n:stop]))
-    return written
-
-
-@settings(max_examples=300, deadline=None)
-@given(max_n=st.integers(1, 5), min_n=st.integers(1, 5), continuation_len=st.integers(1, 6),
-       adds=st.lists(st.tuples(st.lists(st.integers(0, 3), max_size=8), st.lists(st.integers(0, 3), max_size=12)),
-                     min_size=1, max_size=6))
-def test_the_suffix_pool_stores_what_one_gram_at_a_time_would(max_n, min_n, continuation_len, adds):
-    min_n = min(min_n, max_n)
-    pool = SuffixPool(min_n, max_n, continuation_len, capacity=10_000)
-    expected: dict[tuple[int, ...], tuple[int, ...]] = {}
-    for prompt, output in adds:
-        pool.add(prompt, output)
-        written = add_one_at_a_time(expected, prompt, output, min_n, max_n, continuation_len) if output else set()
-        assert dict(pool._continuations) == expected
-        # NOTE: this output's n-grams sit at the newest end (forgotten last), after every older one's
-        assert set(list(pool._continuations)[len(pool) - len(written):]) == written
-
-
-def test_the_suffix_pool_forgets_whole_older_outputs_first():
-    pool = SuffixPool(min_n=1, max_n=2, continuation_len=2, capacity=4)
-    pool.add([9], [1, 2])  # (9,) -> (1, 2), (1,) -> (2,), (9, 1) -> (2,)
-    pool.add([8], [3, 4])  # (8,) -> (3, 4), (3,) -> (4,), (8, 3) -> (4,): the first output's two oldest go
-    assert len(pool) == 4
-    assert pool.propose([9], 2) == [] and pool.propose([5, 1], 1, min_n=1) == []
-    assert pool.propose([9, 1], 1) == [2]
-    assert pool.propose([8], 2) == [3, 4] and pool.propose([8, 3], 1) == [4]

@@ -504,3 +504,13 @@ def test_by_position_counts_follow_from_the_draft_length_counts():
     assert counters.accepted_by_position == [2, 1, 0]
     assert counters.acceptance_by_position() == [2 / 3, 1 / 2, 0.0]
     assert SpeculationCounters().drafted_by_position == []
+
+
+def test_the_suffix_pool_forgets_whole_older_outputs_first():
+    pool = SuffixPool(min_n=1, max_n=2, continuation_len=2, capacity=4)
+    pool.add([9], [1, 2])  # (9,) -> (1, 2), (1,) -> (2,), (9, 1) -> (2,)
+    pool.add([8], [3, 4])  # (8,) -> (3, 4), (3,) -> (4,), (8, 3) -> (4,): the first output's two oldest go
+    assert len(pool) == 4
+    assert pool.propose([9], 2) == [] and pool.propose([5, 1], 1, min_n=1) == []
+    assert pool.propose([9, 1], 1) == [2]
+    assert pool.propose([8], 2) == [3, 4] and pool.propose([8, 3], 1) == [4]
