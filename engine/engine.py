@@ -232,7 +232,7 @@ class Engine:
         if not prompt_token_ids:
             raise PromptError(ErrorCode.VALIDATION, "prompt is empty")
         vocab_size = self.limits.vocab_size
-        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:  # NOTE: in C: O(prompt) per request
             raise PromptError(ErrorCode.VALIDATION, f"prompt token ids must be in [0, {vocab_size})")
         if params.n > self.scheduler.config.max_num_seqs:
             raise PromptError(ErrorCode.VALIDATION,
