@@ -98,9 +98,10 @@ def test_abort_and_rejections_come_out_as_outputs() -> None:
     engine = make_engine()
     engine.add_request("long", [1, 2], SamplingParams(max_tokens=50, ignore_eos=True))
     engine.add_request("bad", [99], SamplingParams(max_tokens=2))
+    engine.add_request("negative", [1, -1, 2], SamplingParams(max_tokens=2))
     engine.add_request("huge", [1] * 100, SamplingParams(max_tokens=100))
     first = {o.request_id: o for o in engine.step()}
-    assert first["bad"].error_code is ErrorCode.VALIDATION
+    assert first["bad"].error_code is ErrorCode.VALIDATION and first["negative"].error_code is ErrorCode.VALIDATION
     assert first["huge"].error_code is ErrorCode.PROMPT_TOO_LONG and first["huge"].prompt_token_count == 100
     engine.abort("long")
     final = run_all(engine)["long"][-1]
