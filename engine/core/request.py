@@ -105,9 +105,13 @@ class Request:
     output_state: object | None = field(default=None, repr=False)
     # Penalty counts and grammar matcher over this request's own token lists (filled by the sampler).
     sampling_state: SamplingState = field(init=False, repr=False)
+    # Prompt and output as one read-only sequence, without copying either (the speculator's lookups); made once, as
+    # a request's two lists are never replaced (they only grow).
+    token_view: TokenView = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.sampling_state = SamplingState(self.prompt_token_ids, self.output_token_ids)
+        self.token_view = TokenView(self.prompt_token_ids, self.output_token_ids)
 
     def fail_finished(self, code: ErrorCode, message: str) -> None:
         """Turn a request that already left the scheduler's queues this step into an error (its
@@ -130,11 +134,6 @@ class Request:
     def all_token_ids(self) -> list[int]:
         """Prompt and output in one new list: O(context); the step's hot path uses :meth:`token_slice`."""
         return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def token_view(self) -> TokenView:
-        """Prompt and output as one read-only sequence, without copying either (the speculator's lookups)."""
-        return TokenView(self.prompt_token_ids, self.output_token_ids)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """``all_token_ids[start:end]`` without building the whole list (a decode step's cost must not grow

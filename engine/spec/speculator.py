@@ -162,16 +162,27 @@ class DraftSpeculator:
             pending.append((request, bound, state if state.__class__ is DraftState else draft_state(request)))
         proposed: dict[str, tuple[list[int], str, DraftState]] = {}  # request id -> (draft, proposer, state)
         asked: set[str] = set()
+        most, floor = self.num_speculative_tokens, self.min_acceptance
         started_s = time.perf_counter()
         for proposer in self.proposers:
             if not pending:
                 break  # NOTE: every request has its draft: the later proposers have nothing to add
             name = proposer.name
             wanted: list[tuple[Request, Sequence[int], int]] = []
+            # Most draft tokens the proposer may offer each request: none where the goodput rule could not take its
+            # first (its acceptance rate at or under ``threshold``, StepCost.draft_threshold), none while its
+            # drafts for it are accepted under the floor, except a short probe now and then.
             for request, bound, state in pending:
-                num_tokens = self._allowed(state.acceptance_of(name, step), bound, threshold)
-                if num_tokens > 0:
-                    wanted.append((request, request.token_view, num_tokens))
+                acceptance = state.acceptance.get(name) or state.acceptance_of(name, step)
+                rate = acceptance.rate
+                if rate <= threshold and threshold > 0.0:
+                    continue
+                num_tokens = bound if bound < most else most
+                if rate < floor:
+                    if step - acceptance.drafted_at_step < PROBE_EVERY_STEPS:
+                        continue
+                    num_tokens = min(num_tokens, PROBE_TOKENS)
+                wanted.append((request, request.token_view, num_tokens))
             if not wanted:
                 continue
             asked.update([request.request_id for request, _, _ in wanted])
@@ -207,19 +218,6 @@ class DraftSpeculator:
             drafts[request_id] = draft if length == len(draft) else draft[:length]
             state.proposer = name
         return drafts
-
-    def _allowed(self, acceptance: Acceptance, bound: int, threshold: float) -> int:
-        """Most draft tokens a proposer may offer a request: none where the goodput rule could not take its
-        first (its acceptance rate at or under ``threshold``, :meth:`StepCost.draft_threshold`), none while
-        its drafts for it are accepted under the floor, except a short probe now and then."""
-        rate = acceptance.rate
-        if threshold > 0.0 and rate <= threshold:
-            return 0
-        num_tokens = min(bound, self.num_speculative_tokens)
-        if rate < self.min_acceptance:
-            is_probe_due = self._num_steps - acceptance.drafted_at_step >= PROBE_EVERY_STEPS
-            return min(num_tokens, PROBE_TOKENS) if is_probe_due else 0
-        return num_tokens
 
     def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         state = draft_state(request)
