@@ -201,12 +201,13 @@ class DraftSpeculator:
         if not proposed:
             self.counters.draft_length_counts[0] = self.counters.draft_length_counts.get(0, 0) + len(candidates)
             return {}
-        rates = {request_id: state.acceptance[name].rate for request_id, (_, name, state) in proposed.items()}
-        lengths = choose_draft_lengths([(request_id, len(draft), rates[request_id])
-                                        for request_id, (draft, _, _) in proposed.items()],
-                                       room.num_tokens_left, room.num_scheduled_tokens, room.num_decodes, self.cost)
+        proposals = [(request_id, len(draft), state.acceptance[name].rate)
+                     for request_id, (draft, name, state) in proposed.items()]
+        lengths = choose_draft_lengths(proposals, room.num_tokens_left, room.num_scheduled_tokens, room.num_decodes,
+                                       self.cost)
         if lengths and self.cost.switches_path and not drafting_pays(
-                lengths, rates, room.num_scheduled_tokens, room.num_decodes, self.cost):
+                lengths, {request_id: rate for request_id, _, rate in proposals}, room.num_scheduled_tokens,
+                room.num_decodes, self.cost):
             lengths = {}
         counts = self.counters.draft_length_counts
         if len(lengths) < len(candidates):
