@@ -330,11 +330,12 @@ def _speculation_delta(before: Any, after: Any) -> dict[str, Any]:
         num_drafts=after.num_drafts - before.num_drafts,
         num_draft_tokens=after.num_draft_tokens - before.num_draft_tokens,
         num_accepted_tokens=after.num_accepted_tokens - before.num_accepted_tokens,
-        drafted_by_position=minus(after.drafted_by_position, before.drafted_by_position),
-        accepted_by_position=minus(after.accepted_by_position, before.accepted_by_position),
+        drafts_by_length=minus(after.drafts_by_length, before.drafts_by_length),
+        drafts_by_num_kept=minus(after.drafts_by_num_kept, before.drafts_by_num_kept),
         draft_length_counts={k: v for k, v in lengths.items() if v},
         step_fixed_s=after.step_fixed_s, step_per_token_s=after.step_per_token_s)
-    return {**dataclasses.asdict(span), "acceptance_rate": span.acceptance_rate,
+    return {**dataclasses.asdict(span), "drafted_by_position": span.drafted_by_position,
+            "accepted_by_position": span.accepted_by_position, "acceptance_rate": span.acceptance_rate,
             "mean_accepted_length": span.mean_accepted_length,
             "acceptance_by_position": span.acceptance_by_position()}
 
