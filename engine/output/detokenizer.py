@@ -32,6 +32,14 @@ def prompt_context(prompt_token_ids: list[int], special_ids: frozenset[int]) -> 
     return context
 
 
+def _dropped_ids(tokenizer: Any, skip_special_tokens: bool, special_ids: frozenset[int] | None) -> frozenset[int]:
+    """The ids a decoder drops from the text: none when special tokens are kept, else the tokenizer's special ids
+    (``special_ids`` where the caller keeps them; asked of the tokenizer otherwise)."""
+    if not skip_special_tokens:
+        return frozenset()
+    return frozenset(tokenizer.all_special_ids) if special_ids is None else special_ids
+
+
 class Tokenizer(Protocol):
     """The part of a Hugging Face tokenizer this module uses."""
 
@@ -136,12 +144,8 @@ class IncrementalDetokenizer(_StopStrings):
         self._skip_special_tokens = skip_special_tokens
         # NOTE: skipped special ids are dropped on entry: they decode to nothing, and keeping
         # them would stall the offsets and grow the window on runs of special tokens.
-        if not skip_special_tokens:
-            special_ids = frozenset()
-        elif special_ids is None:
-            special_ids = frozenset(tokenizer.all_special_ids)
-        self._special_ids = special_ids
-        self._token_ids = prompt_context(prompt_token_ids, special_ids)
+        self._special_ids = _dropped_ids(tokenizer, skip_special_tokens, special_ids)
+        self._token_ids = prompt_context(prompt_token_ids, self._special_ids)
         self._prefix_offset = 0
         self._read_offset = len(self._token_ids)
 
@@ -258,10 +262,7 @@ def make_detokenizer(tokenizer: Any, prompt_token_ids: list[int], stop: list[str
     Args:
         special_ids: the tokenizer's special ids, where the caller keeps them; None: asked of the tokenizer.
     """
-    if not skip_special_tokens:
-        special_ids = frozenset()
-    elif special_ids is None:
-        special_ids = frozenset(tokenizer.all_special_ids)
+    special_ids = _dropped_ids(tokenizer, skip_special_tokens, special_ids)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "decode"):
         return IncrementalDetokenizer(tokenizer, prompt_token_ids, stop, skip_special_tokens, special_ids)
