@@ -127,8 +127,9 @@ class EchoRunner:
         for chunk in scheduler_output.chunks:
             if chunk.needs_sample:
                 # NOTE: with draft tokens, one "sampled" row per position, kept as a model's would be.
-                token_ids = [echo_token(chunk, chunk.num_output_tokens + row) for row in range(chunk.num_sample_rows)]
-                token_ids = token_ids[:accept_drafts(chunk.draft_token_ids, token_ids)]
+                token_ids = echo_tokens(chunk, 1 + chunk.num_draft_tokens)
+                if chunk.num_draft_tokens:
+                    token_ids = token_ids[:accept_drafts(chunk.draft_token_ids, token_ids)]
                 output.sampled_token_ids[chunk.request_id] = token_ids
                 if chunk.sampling_params.logprobs is not None:
                     # certain: each its own only alternative
@@ -141,6 +142,19 @@ class AnyGrammar:
 
     def compile(self, response_format: ResponseFormat) -> None:
         """Nothing to compile: the echo model's answer is its prompt."""
+
+
+def echo_tokens(chunk: ScheduledChunk, num_rows: int) -> list[int]:
+    """The tokens at the chunk's next ``num_rows`` output positions: :func:`echo_token` of each, the prompt's
+    bytes taken by a slice while the prompt lasts (the echo stands in for a device: its own time should not
+    count as the engine's)."""
+    prompt = _prompt_of(chunk)
+    start = chunk.num_output_tokens
+    if start + num_rows <= len(prompt):
+        return prompt[start:start + num_rows]
+    if chunk.sampling_params.ignore_eos:  # round the prompt again, and again
+        return [prompt[position % len(prompt)] for position in range(start, start + num_rows)]
+    return [echo_token(chunk, position) for position in range(start, start + num_rows)]
 
 
 def echo_token(chunk: ScheduledChunk, position: int) -> int:

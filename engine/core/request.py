@@ -55,7 +55,7 @@ class PreemptionCause(str, enum.Enum):
     STARVATION = "starvation"  # long-output limit: it decoded too long while others waited
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """A request as the scheduler and engine see it.
 

@@ -305,16 +305,20 @@ class Scheduler:
         """
         now_s = self.clock.now()
         updated: list[Request] = []
+        requests, sampled_token_ids, running = self._queues.requests, model_output.sampled_token_ids, \
+            RequestStatus.RUNNING
+        prefix_cache, block_size = self.prefix_cache, self.block_manager.block_size
+        outcomes: list[tuple[Request, int, int]] = []  # the verified drafts': (request, drafted, accepted)
         for chunk in scheduler_output.chunks:
-            request = self._queues.requests.get(chunk.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            request = requests.get(chunk.request_id)
+            if request is None or request.status is not running:
                 continue
             if request.num_computed_tokens != chunk.start_position:
                 raise InvariantError(f"{chunk.request_id}: chunk at {chunk.start_position}, "
                                      f"computed {request.num_computed_tokens}")
-            if is_decode(request):
+            if request.output_token_ids and chunk.start_position + 1 == request.num_tokens:  # is_decode, inlined
                 request.num_steps_since_admitted += 1
-            new_token_ids = model_output.sampled_token_ids.get(chunk.request_id, [])
+            new_token_ids = sampled_token_ids.get(chunk.request_id, [])
             num_accepted = 0
             if chunk.num_draft_tokens:
                 self._check_verified(chunk, new_token_ids)
@@ -324,23 +328,21 @@ class Scheduler:
                     # NOTE: only verified tokens reach the prefix cache; the rejected drafts' slots go back.
                     self.block_manager.trim(request.request_id, request.num_computed_tokens)
                 request.draft_token_ids = []
-                if self.speculator is not None:
-                    self.speculator.observe(request, chunk.num_draft_tokens, num_accepted)
+                outcomes.append((request, chunk.num_draft_tokens, num_accepted))
             else:
                 if len(new_token_ids) != int(chunk.needs_sample):
                     raise InvariantError(f"{chunk.request_id}: needs_sample={chunk.needs_sample}, "
                                          f"got {len(new_token_ids)} tokens")
-                request.num_computed_tokens += chunk.num_tokens
+                request.num_computed_tokens += len(chunk.token_ids)
             # NOTE: only when a block filled up
-            if self.prefix_cache is not None and \
-                    request.num_computed_tokens // self.block_manager.block_size > len(request.prefix_entry_ids):
+            if prefix_cache is not None and request.num_computed_tokens // block_size > len(request.prefix_entry_ids):
                 # NOTE: the tokens from the first block not indexed yet, and the verified ones not appended yet: not the
                 # whole context, whose copy would grow with it
                 first_token = len(request.prefix_entry_ids) * self.block_manager.block_size
                 known_token_ids = request.token_slice(first_token, request.num_tokens) + new_token_ids[:num_accepted]
                 block_ids = self.block_manager.get_block_ids(request.request_id)
-                indexed = self.prefix_cache.register(known_token_ids, block_ids, request.prefix_entry_ids,
-                                                     request.num_computed_tokens, first_token)
+                indexed = prefix_cache.register(known_token_ids, block_ids, request.prefix_entry_ids,
+                                                request.num_computed_tokens, first_token)
                 if self.collects_prompt_blocks == "computed" and indexed:
                     num_prompt_blocks = request.num_prompt_tokens // self.block_manager.block_size
                     self._new_prompt_blocks.extend((request, i, block_ids[i]) for i in indexed
@@ -348,6 +350,8 @@ class Scheduler:
             if new_token_ids:
                 self._append_tokens(request, new_token_ids, model_output.logprobs.get(chunk.request_id), now_s)
                 updated.append(request)
+        if outcomes and self.speculator is not None:
+            self.speculator.observe(outcomes)
         return updated
 
     @staticmethod
@@ -464,41 +468,34 @@ class Scheduler:
 
     def _schedule_running(self, plan: StepPlan) -> None:
         """Give every running request its next tokens: decodes first, then chunked prefills."""
-        by_urgency = sorted(self._queues.running, key=self._urgency_key(plan))
-        decodes = [r for r in by_urgency if is_decode(r)]
-        prefills = [r for r in by_urgency if not is_decode(r)]
-        if self._fits_without_preemption(decodes, plan):
-            self._schedule_decodes(decodes, plan)
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for request in sorted(self._queues.running, key=self._urgency_key(plan)):
+            (decodes if is_decode(request) else prefills).append(request)
+        slots = [(request.request_id, request.num_computed_tokens) for request in decodes]
+        if self._fits_without_preemption(slots, plan):
+            self._schedule_decodes(decodes, slots, plan)
             decodes = []
         for request in decodes + prefills:
             if request.status is RequestStatus.RUNNING:  # not preempted earlier in this loop
                 self._schedule_running_request(request, plan)
 
-    def _fits_without_preemption(self, decodes: list[Request], plan: StepPlan) -> bool:
-        """Whether every decode gets its token this step with no one preempted: the budgets hold them all and the
-        free blocks cover every new block they need (one where a block is full, one where a shared block is
-        copied first). Then the per-request checks of :meth:`_schedule_running_request` cannot fail, and
-        :meth:`_schedule_decodes` skips them (the steady state of a running batch)."""
-        if not decodes or len(decodes) > min(plan.num_tokens_left, plan.num_decode_tokens_left):
+    def _fits_without_preemption(self, slots: list[tuple[str, int]], plan: StepPlan) -> bool:
+        """Whether every decode (``(request id, position)`` each) gets its token this step with no one preempted:
+        the budgets hold them all and the free blocks cover every new block they need (one where a block is full,
+        one where a shared block is copied first). Then the per-request checks of
+        :meth:`_schedule_running_request` cannot fail, and :meth:`_schedule_decodes` skips them (the steady state
+        of a running batch)."""
+        if not slots or len(slots) > min(plan.num_tokens_left, plan.num_decode_tokens_left):
             return False
         bm = self.block_manager
-        num_new_blocks = 0
-        for request in decodes:
-            position = request.num_computed_tokens
-            num_new_blocks += bm.num_new_blocks(request.request_id, position + 1) + \
-                bm.num_copies_on_write(request.request_id, position)
-        return num_new_blocks <= bm.num_free_gpu_blocks
+        return bm.num_blocks_for_decodes(slots) <= bm.num_free_gpu_blocks
 
-    def _schedule_decodes(self, decodes: list[Request], plan: StepPlan) -> None:
+    def _schedule_decodes(self, decodes: list[Request], slots: list[tuple[str, int]], plan: StepPlan) -> None:
         """Schedule each decode's next token, in order (:meth:`_fits_without_preemption` said they all fit)."""
-        bm = self.block_manager
-        for request in decodes:
-            position = request.num_computed_tokens
-            for source, destination in bm.copy_on_write(request.request_id, position) or []:
-                plan.copies[request.request_id] = (position, source, destination)
-            if bm.append_slots(request.request_id, position + 1) is None:
-                raise InvariantError(f"no blocks for {request.request_id} after room was checked")
-            plan.add_decode(request)
+        for request_id, position, source, destination in self.block_manager.grow_for_decodes(slots):
+            plan.copies[request_id] = (position, source, destination)
+        plan.add_decodes(decodes)
 
     def _schedule_running_request(self, request: Request, plan: StepPlan) -> None:
         """Schedule one running request, preempting others (MEMORY) if its blocks run out.
@@ -654,15 +651,15 @@ class Scheduler:
         for request_id, num_tokens in plan.request_to_num_tokens.items():
             if request_id in prefill_request_ids:
                 continue
-            num_decodes += 1
+            num_decodes += 1  # NOTE: a chunk the plan does not count as a prefill is a decode (StepPlan.add)
             request = requests[request_id]
-            if num_tokens != 1 or not request.sampling_params.speculative or not is_decode(request):
+            if num_tokens != 1 or not request.sampling_params.speculative:
                 continue
             # NOTE: a draft never runs past max_tokens or the context: its last token's successor is the bonus.
             num_output = len(request.output_token_ids)
             bound = request.max_tokens - num_output - 1
-            if max_model_len is not None:
-                bound = min(bound, max_model_len - len(request.prompt_token_ids) - num_output)
+            if max_model_len is not None and max_model_len - len(request.prompt_token_ids) - num_output < bound:
+                bound = max_model_len - len(request.prompt_token_ids) - num_output
             if bound > 0:
                 candidates.append((request, bound))
         if not candidates:

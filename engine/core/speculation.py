@@ -31,8 +31,8 @@ class Speculator(Protocol):
         urgency order); requests it does not name get none."""
         ...
 
-    def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
-        """The verified outcome of a request's draft."""
+    def observe(self, outcomes: list[tuple[Request, int, int]]) -> None:
+        """The verified outcomes of a step's drafts: ``(request, draft tokens run, of them accepted)`` each."""
         ...
 
     def observe_step(self, num_tokens: int, seconds: float, path: str, drafted: bool) -> None:

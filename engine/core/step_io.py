@@ -11,7 +11,7 @@ from tokenmill.engine.core.sampling_state import SamplingState
 from tokenmill.protocol.sampling import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """Tokens of one request to run through the model this step.
 

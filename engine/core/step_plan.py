@@ -91,14 +91,20 @@ class StepPlan:
             raise InvariantError(f"budget exceeded scheduling {request.request_id}")
         self.request_to_num_tokens[request.request_id] = num_tokens
 
-    def add_decode(self, request: Request) -> None:
-        """:meth:`add` of one token for a request known to be decoding, within the budgets (the scheduler checked
-        them for the whole batch first)."""
-        if request.request_id in self.request_to_num_tokens:
-            raise InvariantError(f"bad chunk for {request.request_id}: scheduled twice")
-        self.num_tokens_left -= 1
-        self.num_decode_tokens_left -= 1
-        self.request_to_num_tokens[request.request_id] = 1
+    def add_decodes(self, requests: list[Request]) -> None:
+        """:meth:`add` of one token each for requests known to be decoding, within the budgets (the scheduler
+        checked them for the whole batch first).
+
+        Raises:
+            InvariantError: one is scheduled already.
+        """
+        request_to_num_tokens = self.request_to_num_tokens
+        num_before = len(request_to_num_tokens)
+        request_to_num_tokens.update((request.request_id, 1) for request in requests)
+        if len(request_to_num_tokens) != num_before + len(requests):
+            raise InvariantError("a decode was scheduled twice")
+        self.num_tokens_left -= len(requests)
+        self.num_decode_tokens_left -= len(requests)
 
     def add_drafts(self, request: Request, num_tokens: int) -> None:
         """Grow a scheduled decode by ``num_tokens`` draft tokens (``request.draft_token_ids``),
@@ -129,7 +135,8 @@ class StepPlan:
     def build_output(self, requests: dict[str, Request], block_manager: BlockManager) -> SchedulerOutput:
         """The plain output for the runner: decode chunks first, then prefill chunks."""
         chunks = [self._chunk(requests[rid], n, block_manager) for rid, n in self.request_to_num_tokens.items()]
-        chunks.sort(key=lambda chunk: chunk.request_id in self.prefill_request_ids)
+        if self.prefill_request_ids:
+            chunks.sort(key=lambda chunk: chunk.request_id in self.prefill_request_ids)
         return SchedulerOutput(
             chunks=chunks,
             swap_out=list(self.swap_out),
@@ -142,15 +149,11 @@ class StepPlan:
     def _chunk(request: Request, num_tokens: int, block_manager: BlockManager) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_tokens
-        num_draft_tokens = max(0, end - request.num_tokens)  # the tail past the known tokens: the draft's
-        return ScheduledChunk(
-            request_id=request.request_id,
-            token_ids=request.token_slice(start, end) + request.draft_token_ids[:num_draft_tokens],
-            start_position=start,
-            block_ids=block_manager.block_table(request.request_id),
-            needs_sample=end >= request.num_tokens,
-            sampling_params=request.sampling_params,
-            num_output_tokens=request.num_output_tokens,
-            sampling_state=request.sampling_state,
-            num_draft_tokens=num_draft_tokens,
-        )
+        num_known = len(request.prompt_token_ids) + len(request.output_token_ids)
+        num_draft_tokens = end - num_known if end > num_known else 0  # the tail past the known tokens: the draft's
+        token_ids = request.token_slice(start, end - num_draft_tokens)
+        if num_draft_tokens:
+            token_ids += request.draft_token_ids[:num_draft_tokens]
+        return ScheduledChunk(request.request_id, token_ids, start, block_manager.block_table(request.request_id),
+                              end >= num_known, request.sampling_params, len(request.output_token_ids),
+                              request.sampling_state, num_draft_tokens)

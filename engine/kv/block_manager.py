@@ -161,6 +161,50 @@ class BlockManager:
         self._gpu.release([source])
         return [(source, new[0])]
 
+    def num_blocks_for_decodes(self, slots: list[tuple[str, int]]) -> int:
+        """Device blocks that writing one token at each ``(request id, position)`` needs: a new block where the
+        table ends before the position, a copy where the block holding it is shared. What :meth:`num_new_blocks`
+        and :meth:`num_copies_on_write` sum to, in one pass over a decoding batch (its steady state needs
+        neither for most requests)."""
+        tables, ref_counts, block_size = self._gpu_tables, self._gpu.ref_counts, self.block_size
+        num_blocks = 0
+        for request_id, position in slots:
+            table = tables.get(request_id, ())
+            index = position // block_size
+            if index >= len(table):
+                num_blocks += index + 1 - len(table)
+            elif ref_counts[table[index]] > 1:
+                num_blocks += 1
+        return num_blocks
+
+    def grow_for_decodes(self, slots: list[tuple[str, int]]) -> list[tuple[str, int, int, int]]:
+        """Make each table of ``slots`` ready for a token written at its position: :meth:`copy_on_write`, then
+        :meth:`append_slots` to ``position + 1`` tokens, for each in order. The caller checked the room first
+        (:meth:`num_blocks_for_decodes`).
+
+        Returns:
+            ``(request id, position, source, destination)`` for each shared block copied.
+
+        Raises:
+            InvariantError: the blocks ran out (the room was not checked).
+        """
+        tables, ref_counts, block_size = self._gpu_tables, self._gpu.ref_counts, self.block_size
+        copies = []
+        for request_id, position in slots:
+            table = tables.get(request_id, ())
+            index = position // block_size
+            if index < len(table):
+                if ref_counts[table[index]] <= 1:
+                    continue  # NOTE: the steady state: its own block has the slot
+                pairs = self.copy_on_write(request_id, position)
+                if pairs is None:
+                    raise InvariantError(f"no block to copy for {request_id} after room was checked")
+                copies.extend((request_id, position, source, destination) for source, destination in pairs)
+                continue
+            if self.append_slots(request_id, position + 1) is None:
+                raise InvariantError(f"no blocks for {request_id} after room was checked")
+        return copies
+
     def can_append_slots(self, request_id: str, num_tokens: int) -> bool:
         """Whether the request's device table can grow to cover ``num_tokens`` tokens."""
         return self.num_new_blocks(request_id, num_tokens) <= self._gpu.num_free_blocks

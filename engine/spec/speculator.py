@@ -220,18 +220,26 @@ class DraftSpeculator:
             state.proposer = name
         return drafts
 
-    def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
-        state = draft_state(request)
-        name = state.proposer or ""
-        state.acceptance_of(name, self._num_steps).observe(num_drafted, num_accepted, self._num_steps)
+    def observe(self, outcomes: list[tuple[Request, int, int]]) -> None:
+        step = self._num_steps
         counters = self.counters
-        counters.draft_tokens_by_proposer[name] = counters.draft_tokens_by_proposer.get(name, 0) + num_drafted
-        counters.accepted_tokens_by_proposer[name] = counters.accepted_tokens_by_proposer.get(name, 0) + num_accepted
-        counters.num_drafts += 1
-        counters.num_draft_tokens += num_drafted
-        counters.num_accepted_tokens += num_accepted
-        counters.drafts_by_length[num_drafted] += 1
-        counters.drafts_by_num_kept[num_accepted] += 1
+        drafted_by_proposer, accepted_by_proposer = counters.draft_tokens_by_proposer, \
+            counters.accepted_tokens_by_proposer
+        drafts_by_length, drafts_by_num_kept = counters.drafts_by_length, counters.drafts_by_num_kept
+        num_drafted_tokens = num_accepted_tokens = 0
+        for request, num_drafted, num_accepted in outcomes:
+            state = draft_state(request)
+            name = state.proposer or ""
+            state.acceptance_of(name, step).observe(num_drafted, num_accepted, step)
+            drafted_by_proposer[name] = drafted_by_proposer.get(name, 0) + num_drafted
+            accepted_by_proposer[name] = accepted_by_proposer.get(name, 0) + num_accepted
+            drafts_by_length[num_drafted] += 1
+            drafts_by_num_kept[num_accepted] += 1
+            num_drafted_tokens += num_drafted
+            num_accepted_tokens += num_accepted
+        counters.num_drafts += len(outcomes)
+        counters.num_draft_tokens += num_drafted_tokens
+        counters.num_accepted_tokens += num_accepted_tokens
 
     def observe_step(self, num_tokens: int, seconds: float, path: str, drafted: bool) -> None:
         now_s = time.perf_counter()

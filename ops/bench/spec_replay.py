@@ -104,7 +104,7 @@ def replay(rows: list[dict[str, Any]], batch: int, speculator: DraftSpeculator, 
                 while kept < len(draft) and done + kept < len(output) and draft[kept] == output[done + kept]:
                     kept += 1
                 if draft:
-                    speculator.observe(request, len(draft), kept)
+                    speculator.observe([(request, len(draft), kept)])
                 request.output_token_ids.extend(output[done:done + kept + 1])
                 if request.num_output_tokens < len(output):
                     still.append((request, output))

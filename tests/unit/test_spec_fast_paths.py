@@ -70,7 +70,7 @@ def test_every_tier_drafts_what_the_plain_index_proposes(steps: list[list[int]],
         assert speculator.draft([(request, 10)], room).get("r", []) == expected[1]
         if expected[1]:
             assert draft_state(request).proposer == expected[0]
-            speculator.observe(request, len(expected[1]), len(expected[1]))
+            speculator.observe([(request, len(expected[1]), len(expected[1]))])
 
 
 @st.composite

@@ -488,7 +488,7 @@ def test_a_proposer_whose_drafts_miss_stops_alone() -> None:
         elif draft:
             weak_tokens.append((step, len(draft)))
         if draft:
-            speculator.observe(request, len(draft), len(draft) if draft[0] == 1 else 0)
+            speculator.observe([(request, len(draft), len(draft) if draft[0] == 1 else 0)])
     late = [length for step, length in weak_tokens if step >= 16]
     assert late and max(late) <= PROBE_TOKENS and len(late) <= 32 // PROBE_EVERY_STEPS + 1  # probes only
     counters = speculator.counters
