@@ -152,8 +152,9 @@ def echo_tokens(chunk: ScheduledChunk, num_rows: int) -> list[int]:
     start = chunk.num_output_tokens
     if start + num_rows <= len(prompt):
         return prompt[start:start + num_rows]
-    if chunk.sampling_params.ignore_eos:  # round the prompt again, and again
-        return [prompt[position % len(prompt)] for position in range(start, start + num_rows)]
+    if chunk.sampling_params.ignore_eos and num_rows <= len(prompt):  # round the prompt again, and again
+        offset = start % len(prompt)
+        return prompt[offset:offset + num_rows] + prompt[:max(0, offset + num_rows - len(prompt))]
     return [echo_token(chunk, position) for position in range(start, start + num_rows)]
 
 

@@ -316,7 +316,9 @@ class Scheduler:
             if request.num_computed_tokens != chunk.start_position:
                 raise InvariantError(f"{chunk.request_id}: chunk at {chunk.start_position}, "
                                      f"computed {request.num_computed_tokens}")
-            if request.output_token_ids and chunk.start_position + 1 == request.num_tokens:  # is_decode, inlined
+            output_token_ids = request.output_token_ids
+            if output_token_ids and chunk.start_position + 1 == len(request.prompt_token_ids) + len(output_token_ids):
+                # NOTE: is_decode, inlined
                 request.num_steps_since_admitted += 1
             new_token_ids = sampled_token_ids.get(chunk.request_id, [])
             num_accepted = 0
@@ -357,8 +359,8 @@ class Scheduler:
     @staticmethod
     def _check_verified(chunk: ScheduledChunk, new_token_ids: list[int]) -> None:
         """The runner kept what accept_drafts allows: 1 to k + 1 tokens, all but the last the draft's."""
-        num_kept = len(new_token_ids)
-        is_draft_prefix = new_token_ids[:-1] == chunk.draft_token_ids[:num_kept - 1]
+        num_kept, first_draft = len(new_token_ids), len(chunk.token_ids) - chunk.num_draft_tokens
+        is_draft_prefix = new_token_ids[:-1] == chunk.token_ids[first_draft:first_draft + num_kept - 1]
         if not 1 <= num_kept <= chunk.num_draft_tokens + 1 or not is_draft_prefix:
             raise InvariantError(f"{chunk.request_id}: kept {new_token_ids} of draft {chunk.draft_token_ids}")
 
@@ -673,7 +675,9 @@ class Scheduler:
                            extra={"event": "speculator_failed"})
             return
         bm = self.block_manager
-        block_size = bm.block_size
+        block_size, watermark_blocks = bm.block_size, self.config.watermark_blocks
+        num_tokens_left = min(plan.num_tokens_left, plan.num_decode_tokens_left)
+        planned: list[tuple[Request, int]] = []
         for request, _ in candidates:
             draft = drafts.get(request.request_id)
             if not draft:
@@ -682,16 +686,18 @@ class Scheduler:
             # NOTE: the slots its table holds past its decode token; free blocks (above the watermark) only when the
             # draft needs more
             num_own_slots = bm.num_device_blocks(request.request_id) * block_size - num_computed - 1
-            num_tokens = min(len(draft), plan.num_tokens_left, plan.num_decode_tokens_left)
+            num_tokens = min(len(draft), num_tokens_left)
             if num_tokens > num_own_slots:
-                spare_blocks = max(0, bm.num_free_gpu_blocks - self.config.watermark_blocks)
+                spare_blocks = max(0, bm.num_free_gpu_blocks - watermark_blocks)
                 num_tokens = min(num_tokens, num_own_slots + spare_blocks * block_size)
                 if num_tokens > 0:
                     self._append_slots(request, num_computed + 1 + num_tokens)
             if num_tokens <= 0:
                 continue
             request.draft_token_ids = draft if num_tokens == len(draft) else draft[:num_tokens]
-            plan.add_drafts(request, num_tokens)
+            planned.append((request, num_tokens))
+            num_tokens_left -= num_tokens
+        plan.add_drafts(planned)
 
     # --------------------------------------------------------------------------- helpers
 

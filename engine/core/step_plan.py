@@ -106,21 +106,25 @@ class StepPlan:
         self.num_tokens_left -= len(requests)
         self.num_decode_tokens_left -= len(requests)
 
-    def add_drafts(self, request: Request, num_tokens: int) -> None:
-        """Grow a scheduled decode by ``num_tokens`` draft tokens (``request.draft_token_ids``),
-        charged to the step's budget like any token.
+    def add_drafts(self, drafts: list[tuple[Request, int]]) -> None:
+        """Grow scheduled decodes by ``(request, draft tokens)`` each (``request.draft_token_ids``), charged to the
+        step's budget like any token.
 
         Raises:
-            InvariantError: the request is not scheduled as a decode, or the budget would go negative.
+            InvariantError: a request is not scheduled as a decode, or the budget would go negative.
         """
-        request_id = request.request_id
-        if self.request_to_num_tokens.get(request_id) != 1 or request_id in self.prefill_request_ids or num_tokens < 1:
-            raise InvariantError(f"bad draft for {request_id}: {num_tokens} tokens")
-        self.num_tokens_left -= num_tokens
-        self.num_decode_tokens_left -= num_tokens
+        request_to_num_tokens, prefill_request_ids = self.request_to_num_tokens, self.prefill_request_ids
+        num_draft_tokens = 0
+        for request, num_tokens in drafts:
+            request_id = request.request_id
+            if request_to_num_tokens.get(request_id) != 1 or request_id in prefill_request_ids or num_tokens < 1:
+                raise InvariantError(f"bad draft for {request_id}: {num_tokens} tokens")
+            request_to_num_tokens[request_id] = 1 + num_tokens
+            num_draft_tokens += num_tokens
+        self.num_tokens_left -= num_draft_tokens
+        self.num_decode_tokens_left -= num_draft_tokens
         if self.num_tokens_left < 0 or self.num_decode_tokens_left < 0:
-            raise InvariantError(f"budget exceeded drafting for {request_id}")
-        self.request_to_num_tokens[request_id] += num_tokens
+            raise InvariantError(f"budget exceeded drafting {num_draft_tokens} tokens")
 
     def remove(self, request_id: str) -> None:
         """Unschedule the request's chunk (if any) and refund its tokens."""

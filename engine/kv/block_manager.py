@@ -189,7 +189,7 @@ class BlockManager:
             InvariantError: the blocks ran out (the room was not checked).
         """
         tables, ref_counts, block_size = self._gpu_tables, self._gpu.ref_counts, self.block_size
-        copies = []
+        copies: list[tuple[str, int, int, int]] = []
         for request_id, position in slots:
             table = tables.get(request_id, ())
             index = position // block_size

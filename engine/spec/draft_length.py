@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Acceptance is an exponentially decayed count over a request's recent drafts, starting from a
 # prior of one accepted and one rejected token (a = 0.5) so a new request drafts moderately.
@@ -44,7 +44,7 @@ PROBE_EVERY_STEPS = 8  # a request under the floor drafts a probe this often
 PROBE_TOKENS = 2
 
 
-@dataclass
+@dataclass(slots=True)
 class Acceptance:
     """A request's recent draft acceptance: each draft token accepted with probability ``rate`` once
     the tokens before it were (the count of accepted tokens over accepted plus rejections)."""
@@ -54,14 +54,16 @@ class Acceptance:
     # the speculator's step count (its draft calls) when this request's latest draft came back, or when this was made:
     # a stamp, not a count per request, so no step has to touch every request's acceptances
     drafted_at_step: int = 0
+    # accepted / (accepted + rejected), kept as they change: read for every decoding request every step
+    rate: float = field(init=False)
 
-    @property
-    def rate(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
+    def __post_init__(self) -> None:
+        self.rate = self.accepted / (self.accepted + self.rejected)
 
     def observe(self, num_drafted: int, num_accepted: int, step: int) -> None:
-        self.accepted = self.accepted * ACCEPTANCE_DECAY + num_accepted
-        self.rejected = self.rejected * ACCEPTANCE_DECAY + (1.0 if num_accepted < num_drafted else 0.0)
+        self.accepted = accepted = self.accepted * ACCEPTANCE_DECAY + num_accepted
+        self.rejected = rejected = self.rejected * ACCEPTANCE_DECAY + (1.0 if num_accepted < num_drafted else 0.0)
+        self.rate = accepted / (accepted + rejected)
         self.drafted_at_step = step
 
 

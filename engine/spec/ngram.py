@@ -60,31 +60,32 @@ class NgramIndex:
         return []
 
 
-# NOTE: the new n-grams a lookup stores one by one, up to this many; more (a prompt) at once, in C (which
-# costs more to set up than a few grams take)
-BULK_GRAMS = 16
+# Token ids packed into an n-gram's key, this many bits each: a key is ``t1 << (BITS * (n - 1)) | ... | tn``, an int
+# made by shifting the next token in (no tuple built per gram). Ids are below 2 ** 32 (a vocabulary's size).
+BITS = 32
 
 
 class LazyNgramIndex:
     """One request's n-grams, for :meth:`propose`: what :class:`NgramIndex` proposes, at a fraction of its
     host time.
 
-    Two things make it cheap. It indexes an n only when a lookup reaches that n: a lookup tries the longest
+    Three things make it cheap. It indexes an n only when a lookup reaches that n: a lookup tries the longest
     suffix first and stops at the first that occurred before, so where the request copies (the case drafts
-    pay for) only ``max_n``-grams are ever indexed, one per token, not one per token and n. And it works on
-    its own copy of the tokens, taken from the request's prompt and output lists by a slice each (a list's
-    slice costs C only, where a view of the two costs a Python call per slice, as much as the rest of a
-    lookup), and indexes a long run of new grams -- a prompt -- in one ``dict.update`` over ``zip`` of
-    shifted slices, the grams made and stored in C. The rule is the plain one's, since a lookup of an n sees
-    every n-gram that ends before the request's last token (the index of an n catches up to there first),
-    the latest occurrence winning (each run is stored in order).
+    pay for) only ``max_n``-grams are ever indexed, one per token, not one per token and n. Its keys are ints
+    (``BITS`` per token) rolled forward one token at a time: each n keeps the key of the last gram it indexed,
+    and the next gram's key is that one shifted, the new token or'ed in and the oldest masked off, so a gram
+    costs three int operations and a dict store, whether a call brings one token or a whole prompt. And it
+    works on its own copy of the tokens, taken from the request's prompt and output lists by a slice each (a
+    list's slice costs C only, where a view of the two costs a Python call per slice). The rule is the plain
+    one's, since a lookup of an n sees every n-gram that ends before the request's last token (the index of
+    an n catches up to there first), the latest occurrence winning (each run is stored in order).
 
     Args:
         min_n: shortest n-gram matched (a lookup may ask for longer ones only); at least 1.
         max_n: longest suffix matched (tried first: a longer match predicts better).
     """
 
-    __slots__ = ("_ends", "_missed", "_num_indexed", "_tokens", "max_n", "min_n")
+    __slots__ = ("_ends", "_keys", "_masks", "_missed", "_num_indexed", "_tokens", "max_n", "min_n")
 
     def __init__(self, min_n: int, max_n: int) -> None:
         if not 1 <= min_n <= max_n:
@@ -92,8 +93,13 @@ class LazyNgramIndex:
         self.min_n = min_n
         self.max_n = max_n
         self._tokens: list[int] = []  # the request's tokens, copied as they come (slicing a list costs C only)
-        self._ends: dict[tuple[int, ...], int] = {}  # n-gram (any n) -> end (exclusive) of its latest occurrence
-        self._num_indexed = [0] * (max_n + 1)  # per n: the n-grams ending before this are in _ends
+        # per n: packed n-gram -> end (exclusive) of its latest occurrence
+        self._ends: list[dict[int, int]] = [{} for _ in range(max_n + 1)]
+        # per n: the n-grams ending before this are in _ends (0: none yet), and the key of the last one (of the
+        # n - 1 tokens before the first gram, until the first is stored)
+        self._num_indexed = [0] * (max_n + 1)
+        self._keys = [0] * (max_n + 1)
+        self._masks = [(1 << (BITS * n)) - 1 for n in range(max_n + 1)]
         # (tokens, n): the suffixes of n or more tokens of the request's first `tokens` tokens never occurred
         # before. A lookup is a function of the tokens alone, so a later tier's lookup at the same length (with
         # a shorter min_n) starts below n, not over again.
@@ -112,26 +118,32 @@ class LazyNgramIndex:
         if num_copied < num_prompt:
             tokens += prompt[num_copied:]
             num_copied = num_prompt
-        tokens += output[num_copied - num_prompt:]
-        if num_tokens <= 0:
+        if num_copied - num_prompt < len(output):
+            tokens += output[num_copied - num_prompt:]
+        if num_tokens <= 0 or not tokens:
             return []
         end = len(tokens)
-        ends, num_indexed = self._ends, self._num_indexed
-        longest = min(self.max_n, end)
-        shortest = max(self.min_n, min_n or 0)
-        if self._missed[0] == end:
-            longest = min(longest, self._missed[1] - 1)
+        num_indexed, keys = self._num_indexed, self._keys
+        longest = self.max_n if self.max_n < end else end
+        shortest = self.min_n if min_n is None or min_n < self.min_n else min_n
+        if self._missed[0] == end and self._missed[1] <= longest:
+            longest = self._missed[1] - 1
+        last = tokens[-1]
         for n in range(longest, shortest - 1, -1):
-            start = num_indexed[n]
-            if start < end:
-                start = max(start, n)  # NOTE: the first n-gram ends at n
-                if end - start <= BULK_GRAMS:
-                    for stop in range(start, end):
-                        ends[tuple(tokens[stop - n:stop])] = stop
-                else:  # the n-grams ending at start..end-1 made by zip from n shifted slices, and stored, in C
-                    ends.update(zip(zip(*[tokens[start - n + i:end - n + i] for i in range(n)]), range(start, end)))
-                num_indexed[n] = end
-            found = ends.get(tuple(tokens[end - n:]))
+            ends, mask, key, start = self._ends[n], self._masks[n], keys[n], num_indexed[n]
+            if start == 0:  # NOTE: the first use of this n: the n - 1 tokens before its first gram
+                start = n - 1
+                for token in tokens[:start]:
+                    key = (key << BITS) | token
+            if start < end - 1:  # the grams ending at start + 1 .. end - 1 (not the suffix: it ends at end)
+                stop = start
+                for token in tokens[start:end - 1]:
+                    key = ((key << BITS) | token) & mask
+                    stop += 1
+                    ends[key] = stop
+                start = stop
+            keys[n], num_indexed[n] = key, start
+            found = ends.get(((key << BITS) | last) & mask)
             if found is not None:
                 return tokens[found:found + num_tokens]
         if shortest <= longest:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from tokenmill.engine.config import SpeculativeConfig
 from tokenmill.engine.core.request import Request
@@ -83,7 +83,9 @@ class NgramProposer:
         drafts = {}
         min_n = self.min_n
         for request, _, num_tokens in wanted:  # NOTE: the index copies the request's lists, not its view
-            state = draft_state(request)
+            state = request.draft_state
+            if state.__class__ is not DraftState:
+                state = draft_state(request)
             index = state.ngram
             if index is None:
                 index = state.ngram = LazyNgramIndex(self.index_min_n, self.max_n)
@@ -156,12 +158,16 @@ class DraftSpeculator:
         self._num_steps += 1
         step = self._num_steps
         threshold = self.cost.draft_threshold(room.num_scheduled_tokens, room.num_decodes)
-        pending = []  # (request, bound, state) of the requests without a draft yet
+        # [request, bound, state, its rate for the proposer asked last, whether a proposer asked it] of the requests
+        # without a draft yet
+        pending: list[list[Any]] = []
         for request, bound in candidates:
             state = request.draft_state
-            pending.append((request, bound, state if state.__class__ is DraftState else draft_state(request)))
+            pending.append([request, bound, state if state.__class__ is DraftState else draft_state(request), 0.0,
+                            False])
         proposed: dict[str, tuple[list[int], str, DraftState]] = {}  # request id -> (draft, proposer, state)
-        asked: set[str] = set()
+        proposals: list[tuple[str, int, float]] = []  # (request id, draft length, acceptance rate), as proposed
+        num_asked = 0
         most, floor = self.num_speculative_tokens, self.min_acceptance
         started_s = time.perf_counter()
         for proposer in self.proposers:
@@ -172,7 +178,8 @@ class DraftSpeculator:
             # Most draft tokens the proposer may offer each request: none where the goodput rule could not take its
             # first (its acceptance rate at or under ``threshold``, StepCost.draft_threshold), none while its
             # drafts for it are accepted under the floor, except a short probe now and then.
-            for request, bound, state in pending:
+            for item in pending:
+                request, bound, state = item[0], item[1], item[2]
                 acceptance = state.acceptance.get(name) or state.acceptance_of(name, step)
                 rate = acceptance.rate
                 if rate <= threshold and threshold > 0.0:
@@ -183,26 +190,29 @@ class DraftSpeculator:
                         continue
                     num_tokens = min(num_tokens, PROBE_TOKENS)
                 wanted.append((request, request.token_view, num_tokens))
+                item[3] = rate
+                if not item[4]:
+                    item[4] = True
+                    num_asked += 1
             if not wanted:
                 continue
-            asked.update([request.request_id for request, _, _ in wanted])
             found = proposer.propose(wanted)
             if found:
                 still = []
                 for item in pending:
-                    draft = found.get(item[0].request_id)
+                    request_id = item[0].request_id
+                    draft = found.get(request_id)
                     if draft is None:
                         still.append(item)
                     else:
-                        proposed[item[0].request_id] = (draft, name, item[2])
+                        proposed[request_id] = (draft, name, item[2])
+                        proposals.append((request_id, len(draft), item[3]))
                 pending = still
-        if asked:
-            self.cost.observe_proposals(len(asked), time.perf_counter() - started_s)
+        if num_asked:
+            self.cost.observe_proposals(num_asked, time.perf_counter() - started_s)
         if not proposed:
             self.counters.draft_length_counts[0] = self.counters.draft_length_counts.get(0, 0) + len(candidates)
             return {}
-        proposals = [(request_id, len(draft), state.acceptance[name].rate)
-                     for request_id, (draft, name, state) in proposed.items()]
         lengths = choose_draft_lengths(proposals, room.num_tokens_left, room.num_scheduled_tokens, room.num_decodes,
                                        self.cost)
         if lengths and self.cost.switches_path and not drafting_pays(

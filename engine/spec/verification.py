@@ -23,6 +23,8 @@ def accept_drafts(draft_token_ids: list[int], sampled_token_ids: list[int]) -> i
     """
     if len(sampled_token_ids) != len(draft_token_ids) + 1:
         raise ValueError(f"{len(sampled_token_ids)} sampled rows for {len(draft_token_ids)} draft tokens")
+    if sampled_token_ids[:-1] == draft_token_ids:  # NOTE: every draft token kept (one C comparison)
+        return len(sampled_token_ids)
     for i, draft_token_id in enumerate(draft_token_ids):
         if sampled_token_ids[i] != draft_token_id:
             return i + 1

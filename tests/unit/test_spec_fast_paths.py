@@ -2,10 +2,11 @@
 
 The n-gram index it runs (``LazyNgramIndex``) proposes the drafts of the plain one it replaced (``NgramIndex``,
 kept as the specification): the same longest suffix, its latest earlier occurrence, the same continuation, call
-after call as a request's output grows, for any n range, any tier's ``min_n``, any draft length, whether a call
-brings one new token or a whole prompt (the bulk path), and whether the lookup reaches an n the index has not
-needed before (the lazy catch-up). And ``choose_draft_lengths`` sizes drafts as the token-by-token goodput rule
-(``greedy_draft_lengths``) does, whatever the step cost, the proposing's cost, the host time and the budget.
+after call as a request's output grows, for any n range, any tier's ``min_n``, any draft length, any id below
+2 ** 32, whether a call brings one new token or a whole prompt (each n's rolled key carried across calls), and
+whether the lookup reaches an n the index has not needed before (the lazy catch-up). And ``choose_draft_lengths``
+sizes drafts as the token-by-token goodput rule (``greedy_draft_lengths``) does, whatever the step cost, the
+proposing's cost, the host time and the budget.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tests.unit.scheduler_helpers import make_request
 from tokenmill.engine.config import SpeculativeConfig
 from tokenmill.engine.core.speculation import DraftRoom
 from tokenmill.engine.spec.draft_length import StepCost, choose_draft_lengths, greedy_draft_lengths
-from tokenmill.engine.spec.ngram import BULK_GRAMS, LazyNgramIndex, NgramIndex
+from tokenmill.engine.spec.ngram import LazyNgramIndex, NgramIndex
 from tokenmill.engine.spec.speculator import NgramProposer, build_speculator, draft_state
 
 
@@ -27,15 +28,15 @@ from tokenmill.engine.spec.speculator import NgramProposer, build_speculator, dr
 def histories(draw: st.DrawFn) -> dict[str, Any]:
     max_n = draw(st.integers(1, 6))
     # NOTE: few distinct tokens make repeats (matches of every length); a large id now and then, as a vocabulary has
-    alphabet = draw(st.lists(st.integers(0, 200_000), min_size=1, max_size=draw(st.integers(1, 5)), unique=True))
+    alphabet = draw(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=draw(st.integers(1, 5)), unique=True))
     tokens = st.sampled_from(alphabet)
     calls = draw(st.lists(st.tuples(
-        st.lists(tokens, max_size=draw(st.sampled_from([3, BULK_GRAMS + 8]))),  # output tokens added before the call
+        st.lists(tokens, max_size=draw(st.sampled_from([3, 24]))),  # output tokens added before the call
         st.integers(0, 8),  # draft tokens asked for
         st.one_of(st.none(), st.integers(0, max_n + 1)),  # the tier's min_n
     ), min_size=1, max_size=25))
     return {"min_n": draw(st.integers(1, max_n)), "max_n": max_n,
-            "prompt": draw(st.lists(tokens, max_size=draw(st.sampled_from([4, 3 * BULK_GRAMS])))), "calls": calls}
+            "prompt": draw(st.lists(tokens, max_size=draw(st.sampled_from([4, 48])))), "calls": calls}
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
