@@ -27,20 +27,28 @@ class CancelMarks:
         self._client, self._layout, self._poll_s = client, layout, poll_s
         self._next_poll_s = 0.0
 
-    def marked(self, request_ids: list[str]) -> set[str]:
-        """The ids of ``request_ids`` with a cancel mark (in the cancel set of each one's shard)."""
-        if not request_ids:
+    def marked(self, request_ids: list[str], pipe: redis.client.Pipeline | None = None) -> set[str]:
+        """The ids of ``request_ids`` with a cancel mark (in the cancel set of each one's shard).
+
+        Args:
+            pipe: a pipeline holding the caller's own writes, run here with these reads (one round trip); its
+                replies before the reads are not looked at (an error among them raises).
+        """
+        if not request_ids and pipe is None:
             return set()
-        if not self._layout.is_sharded:
-            scores = self._client.zmscore(self._layout.home.cancel, request_ids)
-            return {rid for rid, score in zip(request_ids, scores) if score is not None}
         shard_to_ids: dict[int, list[str]] = {}
         for request_id in request_ids:
-            shard_to_ids.setdefault(self._layout.shard_of(request_id), []).append(request_id)
-        pipe = self._client.pipeline(transaction=False)
+            shard = self._layout.shard_of(request_id) if self._layout.is_sharded else 0
+            shard_to_ids.setdefault(shard, []).append(request_id)
+        if pipe is None and len(shard_to_ids) == 1:
+            [(shard, ids)] = shard_to_ids.items()
+            scores = self._client.zmscore(self._layout.shards[shard].cancel, ids)
+            return {rid for rid, score in zip(ids, scores) if score is not None}
+        pipe = pipe if pipe is not None else self._client.pipeline(transaction=False)
         for shard, ids in shard_to_ids.items():
             pipe.zmscore(self._layout.shards[shard].cancel, ids)
-        return {rid for ids, scores in zip(shard_to_ids.values(), pipe.execute())
+        replies = pipe.execute()
+        return {rid for ids, scores in zip(shard_to_ids.values(), replies[len(replies) - len(shard_to_ids):])
                 for rid, score in zip(ids, scores) if score is not None}
 
     def poll(self, live_ids: Iterable[str]) -> set[str]:

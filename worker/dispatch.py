@@ -70,12 +70,15 @@ class Dispatcher:
         decided = [self._triage(e, now_s) for e in entries]
         admits = [d for d in decided if isinstance(d, Admit)]
         try:
+            # NOTE: the alone mark's write and the cancel marks' read in one round trip (a request's first wait)
+            pipe = None
             if not is_marked and entries:
+                pipe = self._client.pipeline(transaction=False)
                 if len(entries) == 1 and self._load.num_held == 1:
-                    self._alone.set(entries[0].stream, entries[0].entry_id)
+                    self._alone.set(entries[0].stream, entries[0].entry_id, pipe)
                 else:
-                    self._alone.clear()
-            cancelled = self._cancels.marked([a.request.id for a in admits])
+                    self._alone.clear(pipe)
+            cancelled = self._cancels.marked([a.request.id for a in admits], pipe)
         except REDIS_ERRORS:
             # NOTE: held entries are skipped by the pending check: let go of them, so the check after
             # the reconnect takes them back (they are still pending under this name).

@@ -122,7 +122,12 @@ class EngineLoop:
         stats = None
         now_s = time.monotonic()
         scheduler = self._engine.scheduler
-        if now_s >= self._next_stats_s or not self._engine.has_unfinished():
+        is_idle = not self._engine.has_unfinished()
+        if now_s >= self._next_stats_s or is_idle:
+            if is_idle:
+                # NOTE: the writer, woken for the results just put, runs first (until its round trip lets go of
+                # the GIL): otherwise it waits for this thread's stats, on the path of every result at light load
+                time.sleep(0)
             self._next_stats_s = now_s + STATS_EVERY_S
             stats = self._engine.stats()
             if self._metrics is not None:
@@ -152,12 +157,17 @@ class EngineLoop:
             if isinstance(command, Abort):
                 self._abort(command)
             elif isinstance(command, AdmitBatch):
-                self._preparation.submit(command.admits)
+                # NOTE: an idle engine thread prepares light requests itself (a request's wait at light load)
+                self._take_prepared(self._preparation.submit(command.admits,
+                                                             inline=not self._engine.has_unfinished()))
             else:
-                self._load.add_queued(-len(command.prepared))
-                if self.is_admitting:  # NOTE: while draining, a dropped admit stays pending in Redis
-                    for prepared in command.prepared:
-                        self._admit(prepared)
+                self._take_prepared(command.prepared)
+
+    def _take_prepared(self, prepared: list[Prepared]) -> None:
+        self._load.add_queued(-len(prepared))
+        if self.is_admitting:  # NOTE: while draining, a dropped admit stays pending in Redis
+            for one in prepared:
+                self._admit(one)
 
     def _abort(self, command: Abort) -> None:
         live = self._live.get(command.request_id)

@@ -69,9 +69,9 @@ class AloneMark:
         self._consumer = consumer
         self.stream: str | None = None  # the stream of the marked entry; None: nothing marked
 
-    def set(self, stream: str, entry_id: str) -> None:
-        """Mark ``entry_id`` as the one entry this worker holds (before it runs)."""
-        self._client.hset(alone_key(stream), self._consumer, entry_id)
+    def set(self, stream: str, entry_id: str, pipe: redis.client.Pipeline | None = None) -> None:
+        """Mark ``entry_id`` as the one entry this worker holds (before it runs); on ``pipe``, the caller runs it."""
+        (pipe or self._client).hset(alone_key(stream), self._consumer, entry_id)
         self.was_set(stream)
 
     def was_set(self, stream: str) -> None:
@@ -80,8 +80,9 @@ class AloneMark:
             self.clear()
         self.stream = stream
 
-    def clear(self) -> None:
-        """Clear the mark: this worker is about to hold more than one entry (or stops)."""
+    def clear(self, pipe: redis.client.Pipeline | None = None) -> None:
+        """Clear the mark: this worker is about to hold more than one entry (or stops); on ``pipe``, the caller
+        runs it."""
         if self.stream is not None:
-            self._client.hdel(alone_key(self.stream), self._consumer)
+            (pipe or self._client).hdel(alone_key(self.stream), self._consumer)
             self.stream = None

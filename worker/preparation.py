@@ -1,4 +1,5 @@
-"""Preparing admitted requests off the engine thread: tokenizing prompts and compiling grammars.
+"""Preparing admitted requests off the engine thread: tokenizing prompts and compiling grammars (short prompts
+that arrive while the engine is idle are tokenized on its thread, which has nothing else to do).
 
 Two lanes, so that a large job never delays a small one: requests with a long prompt or a
 structured ``response_format`` go to the heavy lane (tokenizing a 4 MB prompt takes seconds; a
@@ -23,6 +24,10 @@ from tokenmill.worker.convert import engine_prompt
 from tokenmill.worker.messages import Admit, Incoming, Prepared, PreparedBatch
 
 HEAVY_PROMPT_CHARS = 64 * 1024  # prompts longer than this (text, or all messages' content) take the heavy lane
+# an idle engine thread prepares a read's light requests itself when their prompts hold this many characters or fewer
+# together (well under a millisecond of tokenizing): at light load the lane's two thread hand-offs were a fifth of a
+# short request's round trip (ops/bench/README.md, 2026-12-07)
+INLINE_PROMPT_CHARS = 1024
 NUM_HEAVY_THREADS = 2  # a large prompt and a grammar compile may run side by side
 HEAVY_NICE = 10  # the heavy lane's threads' nice value
 
@@ -42,9 +47,20 @@ class Preparation:
         self._heavy = ThreadPoolExecutor(max_workers=NUM_HEAVY_THREADS, thread_name_prefix="tm-prepare-heavy",
                                          initializer=_yield_to_the_engine)
 
-    def submit(self, admits: list[Admit]) -> None:
+    def submit(self, admits: list[Admit], inline: bool = False) -> list[Prepared]:
         """Prepare ``admits``: each heavy one in a job of its own, the light ones together in jobs of up to
-        ``HEAVY_PROMPT_CHARS`` of prompts (so none waits long for the others); the results arrive in the inbox."""
+        ``HEAVY_PROMPT_CHARS`` of prompts (so none waits long for the others); the results arrive in the inbox.
+
+        Args:
+            inline: the caller's thread has nothing else to do: if the light ones' prompts hold at most
+                ``INLINE_PROMPT_CHARS`` together, prepare them here and now and return them (two thread hand-offs
+                would only add to their wait).
+        """
+        light = [admit for admit in admits if not is_heavy(admit)]
+        if inline and light and sum(prompt_chars(admit) for admit in light) <= INLINE_PROMPT_CHARS:
+            if len(light) < len(admits):
+                self.submit([admit for admit in admits if is_heavy(admit)])
+            return [self._prepare_one(admit) for admit in light]
         job: list[Admit] = []
         job_chars = 0
         for admit in admits:
@@ -59,6 +75,7 @@ class Preparation:
             job_chars += chars
         if job:
             self._light.submit(self._prepare, job)
+        return []
 
     def close(self) -> None:
         """Stop both lanes (requests still being prepared stay pending in Redis)."""

@@ -69,9 +69,10 @@ class LazyNgramIndex:
     """One request's n-grams, for :meth:`propose`: what :class:`NgramIndex` proposes, at a fraction of its
     host time.
 
-    Three things make it cheap. It indexes an n only when a lookup reaches that n: a lookup tries the longest
-    suffix first and stops at the first that occurred before, so where the request copies (the case drafts
-    pay for) only ``max_n``-grams are ever indexed, one per token, not one per token and n. Its keys are ints
+    Three things make it cheap. It indexes an n only when a lookup tries that n: a lookup tries the longest
+    suffix first and stops there if it occurred before, so where the request copies (the case drafts pay for)
+    only ``max_n``-grams are ever indexed, one per token, not one per token and n; where nothing repeats, the
+    shortest next, and so the two lengths only. Its keys are ints
     (``BITS`` per token) rolled forward one token at a time: each n keeps the key of the last gram it indexed,
     and the next gram's key is that one shifted, the new token or'ed in and the oldest masked off, so a gram
     costs three int operations and a dict store, whether a call brings one token or a whole prompt. And it
@@ -93,8 +94,8 @@ class LazyNgramIndex:
         self.min_n = min_n
         self.max_n = max_n
         self._tokens: list[int] = []  # the request's tokens, copied as they come (slicing a list costs C only)
-        # per n: packed n-gram -> end (exclusive) of its latest occurrence
-        self._ends: list[dict[int, int]] = [{} for _ in range(max_n + 1)]
+        # per n: packed n-gram -> end (exclusive) of its latest occurrence; made when a lookup first tries that n
+        self._ends: list[dict[int, int] | None] = [None] * (max_n + 1)
         # per n: the n-grams ending before this are in _ends (0: none yet), and the key of the last one (of the
         # n - 1 tokens before the first gram, until the first is stored)
         self._num_indexed = [0] * (max_n + 1)
@@ -123,29 +124,48 @@ class LazyNgramIndex:
         if num_tokens <= 0 or not tokens:
             return []
         end = len(tokens)
-        num_indexed, keys = self._num_indexed, self._keys
         longest = self.max_n if self.max_n < end else end
         shortest = self.min_n if min_n is None or min_n < self.min_n else min_n
         if self._missed[0] == end and self._missed[1] <= longest:
             longest = self._missed[1] - 1
-        last = tokens[-1]
-        for n in range(longest, shortest - 1, -1):
-            ends, mask, key, start = self._ends[n], self._masks[n], keys[n], num_indexed[n]
-            if start == 0:  # NOTE: the first use of this n: the n - 1 tokens before its first gram
-                start = n - 1
-                for token in tokens[:start]:
-                    key = (key << BITS) | token
-            if start < end - 1:  # the grams ending at start + 1 .. end - 1 (not the suffix: it ends at end)
-                stop = start
-                for token in tokens[start:end - 1]:
-                    key = ((key << BITS) | token) & mask
-                    stop += 1
-                    ends[key] = stop
-                start = stop
-            keys[n], num_indexed[n] = key, start
-            found = ends.get(((key << BITS) | last) & mask)
-            if found is not None:
-                return tokens[found:found + num_tokens]
-        if shortest <= longest:
-            self._missed = (end, shortest)
-        return []
+        if longest < shortest:
+            return []
+        # NOTE: whether a suffix occurred before falls with its length (a longer one's occurrence holds the shorter
+        # one's), so the longest that did is found by bisection: the longest first (a copy: one lookup), then the
+        # shortest (none occurred: two), then between. A lookup indexes its n first, so fewer lengths tried is
+        # fewer lengths indexed, which is most of a new request's cost.
+        found = self._latest(longest, end)
+        if found is None:
+            if longest == shortest or (found := self._latest(shortest, end)) is None:
+                self._missed = (end, shortest)
+                return []
+            low, high = shortest, longest  # the suffix of `low` tokens occurred before, of `high` did not
+            while high - low > 1:
+                middle = (low + high) // 2
+                found_middle = self._latest(middle, end)
+                if found_middle is None:
+                    high = middle
+                else:
+                    low, found = middle, found_middle
+        return self._tokens[found:found + num_tokens]
+
+    def _latest(self, n: int, end: int) -> int | None:
+        """Where the latest earlier occurrence of the last ``n`` tokens (of the first ``end``) ends; None if they
+        did not occur before. Indexes the n-grams ending before ``end`` first."""
+        tokens, ends, mask = self._tokens, self._ends[n], self._masks[n]
+        if ends is None:
+            ends = self._ends[n] = {}
+        key, start = self._keys[n], self._num_indexed[n]
+        if start == 0:  # NOTE: the first use of this n: the n - 1 tokens before its first gram
+            start = n - 1
+            for token in tokens[:start]:
+                key = (key << BITS) | token
+        if start < end - 1:  # the grams ending at start + 1 .. end - 1 (not the suffix: it ends at end)
+            stop = start
+            for token in tokens[start:end - 1]:
+                key = ((key << BITS) | token) & mask
+                stop += 1
+                ends[key] = stop
+            start = stop
+        self._keys[n], self._num_indexed[n] = key, start
+        return ends.get(((key << BITS) | tokens[end - 1]) & mask)

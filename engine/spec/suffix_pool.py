@@ -10,7 +10,7 @@ pool forgets its oldest n-grams once it holds ``capacity`` of them.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import itertools
 from collections.abc import Sequence
 
 
@@ -29,7 +29,9 @@ class SuffixPool:
         self.max_n = max_n
         self.continuation_len = continuation_len
         self.capacity = capacity
-        self._continuations: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
+        # n-gram -> what followed it; a plain dict's insertion order is the age (oldest first): an n-gram seen again
+        # is popped and stored anew, at the end
+        self._continuations: dict[tuple[int, ...], tuple[int, ...]] = {}
 
     def __len__(self) -> int:
         return len(self._continuations)
@@ -38,16 +40,22 @@ class SuffixPool:
         """Remember what followed each n-gram of an output (the prompt's last ``max_n`` tokens lead in)."""
         if self.capacity == 0 or not output_token_ids:
             return
+        continuations = self._continuations
+        pop = continuations.pop
         lead = prompt_token_ids[-self.max_n:]
         tokens = lead + output_token_ids
-        for stop in range(len(lead), len(tokens)):
-            continuation = tuple(tokens[stop:stop + self.continuation_len])
-            for n in range(self.min_n, min(self.max_n, stop) + 1):
-                key = tuple(tokens[stop - n:stop])
-                self._continuations[key] = continuation
-                self._continuations.move_to_end(key)
-        while len(self._continuations) > self.capacity:
-            self._continuations.popitem(last=False)
+        first = len(lead)  # the first position of the output
+        following = [tuple(tokens[stop:stop + self.continuation_len]) for stop in range(first, len(tokens))]
+        for n in range(self.min_n, self.max_n + 1):
+            start = max(first, n)  # NOTE: the first n-gram ending in the output with n tokens before it
+            # the n-grams ending at start .. len(tokens) - 1, made by zip from n shifted slices (in C), in order
+            grams = zip(*[tokens[start - n + i:len(tokens) - n + i] for i in range(n)])
+            for gram, continuation in zip(grams, following[start - first:]):
+                pop(gram, None)
+                continuations[gram] = continuation
+        if len(continuations) > self.capacity:
+            for gram in list(itertools.islice(continuations, len(continuations) - self.capacity)):
+                del continuations[gram]
 
     def propose(self, token_ids: Sequence[int], num_tokens: int, min_n: int | None = None) -> list[int]:
         """Up to ``num_tokens`` tokens that followed the longest suffix of ``token_ids`` in an earlier

@@ -30,6 +30,7 @@ from tokenmill.engine.output.prompts import Prompt
 from tokenmill.protocol.keys import CONSUMER_GROUP, Keys
 from tokenmill.protocol.schema import decode_result
 from tokenmill.worker.heartbeat import read_heartbeats
+from tokenmill.worker.preparation import INLINE_PROMPT_CHARS
 from tokenmill.worker.runtime import Worker
 from tokenmill.worker.writer import Writer
 
@@ -271,9 +272,15 @@ def test_prompts_are_tokenized_off_the_engine_thread(redis_url: str, redis_clien
 
     monkeypatch.setattr(Engine, "tokenize", recording)
     settings = make_settings(redis_url, key_prefix)
+    keys = settings.queue.keys
     with running_worker(settings):
-        assert wait_result(redis_client, settings.queue.keys, enqueue(redis_client, settings.queue.keys)).ok
-    assert threads and all(name.startswith("tm-prepare") for name in threads), threads
+        long_prompt = "tokens " * (INLINE_PROMPT_CHARS // 7 + 1)
+        assert wait_result(redis_client, keys, enqueue(redis_client, keys, prompt=long_prompt)).ok
+        assert threads and all(name.startswith("tm-prepare") for name in threads), threads
+        # NOTE: a short prompt on an idle engine: its thread tokenizes it (no hand-off to wait for)
+        threads.clear()
+        assert wait_result(redis_client, keys, enqueue(redis_client, keys, prompt="short")).ok
+    assert threads and not any(name.startswith("tm-prepare") for name in threads), threads
 
 
 def _deep_entry(request_id: str, depth: int, *, id_first: bool) -> RawEntry:
