@@ -90,5 +90,5 @@ class PreemptionPolicy:
     def has_room(self, num_blocks: int, num_freed_blocks: int, num_freed_seats: int, num_seats: int = 1) -> bool:
         """Whether ``num_blocks`` and ``num_seats`` running slots are free once victims go."""
         has_blocks = self.block_manager.num_free_gpu_blocks + num_freed_blocks >= num_blocks
-        num_used_seats = sum(r.num_seats for r in self._queues.running)
-        return has_blocks and num_used_seats - num_freed_seats + num_seats <= self.config.max_num_seqs
+        return has_blocks and \
+            self._queues.num_running_seats - num_freed_seats + num_seats <= self.config.max_num_seqs

@@ -55,12 +55,16 @@ class PreemptionCause(str, enum.Enum):
     STARVATION = "starvation"  # long-output limit: it decoded too long while others waited
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Request:
     """A request as the scheduler and engine see it.
 
     The KV cache holds ``num_computed_tokens`` of ``all_token_ids``; the scheduler
     schedules the rest (a prefill chunk, or the one newest token when decoding).
+
+    Two requests are equal only if they are the same object (``eq=False``): a request is one live thing, and
+    a queue's removal compares it with every request before it (a field-by-field ``__eq__`` built two tuples
+    of every field for each).
     """
 
     request_id: str

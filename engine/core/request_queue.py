@@ -21,6 +21,9 @@ class RequestQueues:
         self.running: list[Request] = []  # owns device blocks
         self.swapped: list[Request] = []  # owns host blocks
         self.request_to_admitted_step: dict[str, int] = {}  # running request -> step it (re)started
+        # running slots (max_num_seqs) the running queue takes: kept as requests come and go (a request's seats never
+        # change: a forked parent leaves, its samples come), so the admission checks do not sum the queue each time
+        self.num_running_seats = 0
 
     def _queue(self, status: RequestStatus) -> list[Request]:
         queues = {RequestStatus.WAITING: self.waiting, RequestStatus.RUNNING: self.running,
@@ -52,10 +55,13 @@ class RequestQueues:
         """Move a tracked request to the queue of ``status`` (RUNNING records ``step_index``)."""
         self._queue(request.status).remove(request)
         self.request_to_admitted_step.pop(request.request_id, None)
+        if request.status is RequestStatus.RUNNING:
+            self.num_running_seats -= request.num_seats
         request.status = status
         self._queue(status).append(request)
         if status is RequestStatus.RUNNING:
             self.request_to_admitted_step[request.request_id] = step_index
+            self.num_running_seats += request.num_seats
 
     def remove(self, request_id: str) -> Request | None:
         """Stop tracking a request (None if unknown); its status is left to the caller."""
@@ -63,6 +69,8 @@ class RequestQueues:
         if request is not None:
             self._queue(request.status).remove(request)
             self.request_to_admitted_step.pop(request_id, None)
+            if request.status is RequestStatus.RUNNING:
+                self.num_running_seats -= request.num_seats
         return request
 
     def check_invariants(self, block_manager: BlockManager, max_num_seqs: int) -> None:
@@ -76,6 +84,8 @@ class RequestQueues:
                     raise InvariantError(f"{request.request_id} is {request.status!r} in the {status.name} queue")
                 _check_blocks(request, block_manager)
         num_seats = sum(r.num_seats for r in self.running)
+        if num_seats != self.num_running_seats:
+            raise InvariantError(f"{num_seats} running seats counted as {self.num_running_seats}")
         if num_seats > max_num_seqs:
             raise InvariantError(f"{num_seats} running seats > max_num_seqs {max_num_seqs}")
         if self.request_to_admitted_step.keys() != {r.request_id for r in self.running}:
