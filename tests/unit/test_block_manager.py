@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenmill.engine.errors import InvariantError
 from tokenmill.engine.kv.block_manager import BlockManager
@@ -126,3 +128,51 @@ def test_check_invariants_catches_corruption(corrupt) -> None:  # type: ignore[n
     corrupt(manager)
     with pytest.raises(InvariantError):
         manager.check_invariants()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_a_decoding_batch_grows_as_each_request_would_alone(data: st.DataObject) -> None:
+    """``num_blocks_for_decodes`` / ``grow_for_decodes`` (the steady state's one pass) against the per-request calls
+    they replace (``num_new_blocks`` + ``num_copies_on_write``, then ``copy_on_write`` + ``append_slots``): the same
+    count, the same copies, the same tables and free blocks after, whatever the positions, shared blocks (forks)
+    and full blocks."""
+    block_size = data.draw(st.integers(1, 4))
+    managers = [BlockManager(256, 0, block_size), BlockManager(256, 0, block_size)]
+    lengths = data.draw(st.lists(st.integers(1, 12), min_size=1, max_size=5))
+    forks = data.draw(st.lists(st.integers(0, len(lengths) - 1), max_size=3))
+    slots = []
+    for manager in managers:
+        for index, num_tokens in enumerate(lengths):
+            assert manager.allocate(f"r{index}", num_tokens) is not None
+        for number, parent in enumerate(forks):
+            manager.fork(f"r{parent}", f"f{number}")
+    ids = [f"r{index}" for index in range(len(lengths))] + [f"f{number}" for number in range(len(forks))]
+    num_tokens_of = lengths + [lengths[parent] for parent in forks]
+    for request_id, num_tokens in zip(ids, num_tokens_of):
+        # NOTE: a decode writes at its last computed position or the next one (a table that ends at a block boundary)
+        slots.append((request_id, num_tokens - 1 + data.draw(st.integers(0, 1))))
+    batch, alone = managers
+    expected = sum(alone.num_new_blocks(rid, position + 1) + alone.num_copies_on_write(rid, position)
+                   for rid, position in slots)
+    assert batch.num_blocks_for_decodes(slots) == expected
+    copies = batch.grow_for_decodes(slots)
+    expected_copies = []
+    for request_id, position in slots:
+        for source, destination in alone.copy_on_write(request_id, position) or []:
+            expected_copies.append((request_id, position, source, destination))
+        assert alone.append_slots(request_id, position + 1) is not None
+    assert copies == expected_copies
+    assert [batch.get_block_ids(rid) for rid in ids] == [alone.get_block_ids(rid) for rid in ids]
+    assert batch.num_free_gpu_blocks == alone.num_free_gpu_blocks
+    batch.check_invariants()
+
+
+def test_growing_a_batch_past_the_free_blocks_is_a_caller_bug() -> None:
+    manager = BlockManager(2, 0, 2)
+    manager.allocate("a", 2)
+    manager.allocate("b", 2)
+    slots = [("a", 2), ("b", 2)]
+    assert manager.num_blocks_for_decodes(slots) == 2 > manager.num_free_gpu_blocks
+    with pytest.raises(InvariantError, match="after room was checked"):
+        manager.grow_for_decodes(slots)
