@@ -93,7 +93,7 @@ def run_offline(
             num_tokens += len(output.new_token_ids)
             if output.finished:
                 results[output.request_id] = GenerationOutput(
-                    request_id=output.request_id, token_ids=output.token_ids, text=output.text,
+                    request_id=output.request_id, token_ids=list(output.token_ids), text=output.text,
                     finish_reason=output.finish_reason, prompt_token_count=output.prompt_token_count,
                     metrics=output.metrics, error=output.error, token_logprobs=output.token_logprobs,
                     samples=output.samples,

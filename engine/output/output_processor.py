@@ -12,7 +12,7 @@ from tokenmill.engine.core.request import FINISH_REASON, ParallelGroup, Request,
 from tokenmill.engine.output.detokenizer import make_detokenizer
 from tokenmill.engine.output.logprobs import TokenBytes, build_token_logprobs
 from tokenmill.engine.output.output_state import OutputState, TextDecoder
-from tokenmill.engine.output.request_output import RequestMetrics, RequestOutput, SampleOutput
+from tokenmill.engine.output.request_output import RequestMetrics, RequestOutput, SampleOutput, SoFar
 from tokenmill.protocol.outcomes import ErrorCode, FinishReason, TokenLogprob
 
 
@@ -143,7 +143,8 @@ class OutputProcessor:
             num_output_tokens=sum(o.metrics.num_output_tokens for o in outputs),
             num_preemptions=sum(o.metrics.num_preemptions for o in outputs),
         )
-        samples = [SampleOutput(r.sample_index, o.token_ids, o.text, o.finish_reason, o.logprobs, o.token_logprobs)
+        samples = [SampleOutput(r.sample_index, list(o.token_ids), o.text, o.finish_reason,
+                                None if o.logprobs is None else list(o.logprobs), o.token_logprobs)
                    for r, o in zip(by_index, outputs)]
         return dataclasses.replace(first, request_id=group.request_id, new_token_ids=list(first.token_ids),
                                    text_delta=first.text, metrics=metrics, samples=samples)
@@ -166,11 +167,16 @@ class OutputProcessor:
         new_token_ids = request.output_token_ids[state.num_reported_tokens:]
         state.num_reported_tokens = request.num_output_tokens
         state.num_reported_chars = len(text)
+        # NOTE: a final output's lists are copies; a progress output's are read in place (SoFar): a copy per step
+        # cost O(output) per streamed request
+        is_final = request.is_finished
+        token_ids = request.output_token_ids
+        logprobs = request.logprobs
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,
             text_delta=text_delta,
-            token_ids=list(request.output_token_ids),
+            token_ids=list(token_ids) if is_final else SoFar(token_ids, len(token_ids)),
             text=text,
             finished=request.is_finished,
             finish_reason=FINISH_REASON[request.status] if request.is_finished else None,
@@ -183,7 +189,7 @@ class OutputProcessor:
                 num_preemptions=request.num_preemptions,
                 num_output_tokens=request.num_output_tokens,
             ),
-            logprobs=list(request.logprobs) if request.logprobs else None,
+            logprobs=None if not logprobs else list(logprobs) if is_final else SoFar(logprobs, len(logprobs)),
             token_logprobs=self._token_logprobs(request),
             error=request.error_message,
             error_code=request.error_code,
