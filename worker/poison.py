@@ -71,18 +71,23 @@ class AloneMark:
 
     def set(self, stream: str, entry_id: str, pipe: redis.client.Pipeline | None = None) -> None:
         """Mark ``entry_id`` as the one entry this worker holds (before it runs); on ``pipe``, the caller runs it."""
-        (pipe or self._client).hset(alone_key(stream), self._consumer, entry_id)
-        self.was_set(stream)
+        self._on(pipe).hset(alone_key(stream), self._consumer, entry_id)
+        self.was_set(stream, pipe)
 
-    def was_set(self, stream: str) -> None:
-        """The delivery script set the mark in ``stream`` (worker/pending.py)."""
+    def was_set(self, stream: str, pipe: redis.client.Pipeline | None = None) -> None:
+        """The delivery script (worker/pending.py), or :meth:`set`, set the mark in ``stream``."""
         if self.stream is not None and self.stream != stream:
-            self.clear()
+            self.clear(pipe)
         self.stream = stream
 
     def clear(self, pipe: redis.client.Pipeline | None = None) -> None:
         """Clear the mark: this worker is about to hold more than one entry (or stops); on ``pipe``, the caller
         runs it."""
         if self.stream is not None:
-            (pipe or self._client).hdel(alone_key(self.stream), self._consumer)
+            self._on(pipe).hdel(alone_key(self.stream), self._consumer)
             self.stream = None
+
+    def _on(self, pipe: redis.client.Pipeline | None) -> redis.Redis | redis.client.Pipeline:
+        # NOTE: not ``pipe or client``: a pipeline has a length (its queued commands), so its truth is not its being
+        # there
+        return self._client if pipe is None else pipe

@@ -316,9 +316,7 @@ class Scheduler:
             if request.num_computed_tokens != chunk.start_position:
                 raise InvariantError(f"{chunk.request_id}: chunk at {chunk.start_position}, "
                                      f"computed {request.num_computed_tokens}")
-            output_token_ids = request.output_token_ids
-            if output_token_ids and chunk.start_position + 1 == len(request.prompt_token_ids) + len(output_token_ids):
-                # NOTE: is_decode, inlined
+            if is_decode(request):
                 request.num_steps_since_admitted += 1
             new_token_ids = sampled_token_ids.get(chunk.request_id, [])
             num_accepted = 0

@@ -158,6 +158,14 @@ class StepPlan:
         token_ids = request.token_slice(start, end - num_draft_tokens)
         if num_draft_tokens:
             token_ids += request.draft_token_ids[:num_draft_tokens]
-        return ScheduledChunk(request.request_id, token_ids, start, block_manager.block_table(request.request_id),
-                              end >= num_known, request.sampling_params, len(request.output_token_ids),
-                              request.sampling_state, num_draft_tokens)
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=token_ids,
+            start_position=start,
+            block_ids=block_manager.block_table(request.request_id),
+            needs_sample=end >= num_known,
+            sampling_params=request.sampling_params,
+            num_output_tokens=len(request.output_token_ids),
+            sampling_state=request.sampling_state,
+            num_draft_tokens=num_draft_tokens,
+        )
