@@ -684,7 +684,9 @@ class Scheduler:
             # NOTE: the slots its table holds past its decode token; free blocks (above the watermark) only when the
             # draft needs more
             num_own_slots = bm.num_device_blocks(request.request_id) * block_size - num_computed - 1
-            num_tokens = min(len(draft), num_tokens_left)
+            num_tokens = len(draft)
+            if num_tokens > num_tokens_left:
+                num_tokens = num_tokens_left
             if num_tokens > num_own_slots:
                 spare_blocks = max(0, bm.num_free_gpu_blocks - watermark_blocks)
                 num_tokens = min(num_tokens, num_own_slots + spare_blocks * block_size)

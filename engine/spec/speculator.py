@@ -21,9 +21,10 @@ to charge a request's first draft token with it.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from tokenmill.engine.config import SpeculativeConfig
 from tokenmill.engine.core.request import Request
@@ -158,16 +159,11 @@ class DraftSpeculator:
         self._num_steps += 1
         step = self._num_steps
         threshold = self.cost.draft_threshold(room.num_scheduled_tokens, room.num_decodes)
-        # [request, bound, state, its rate for the proposer asked last, whether a proposer asked it] of the requests
-        # without a draft yet
-        pending: list[list[Any]] = []
-        for request, bound in candidates:
-            state = request.draft_state
-            pending.append([request, bound, state if state.__class__ is DraftState else draft_state(request), 0.0,
-                            False])
+        pending = candidates  # (request, bound) of the requests without a draft yet, in urgency order
         proposed: dict[str, tuple[list[int], str, DraftState]] = {}  # request id -> (draft, proposer, state)
         proposals: list[tuple[str, int, float]] = []  # (request id, draft length, acceptance rate), as proposed
-        num_asked = 0
+        first_asked: list[tuple[Request, Sequence[int], int]] | None = None  # whom the first proposer to ask asked
+        asked_ids: set[str] | None = None  # whom any proposer asked, made once a second one asks
         most, floor = self.num_speculative_tokens, self.min_acceptance
         started_s = time.perf_counter()
         for proposer in self.proposers:
@@ -175,11 +171,15 @@ class DraftSpeculator:
                 break  # NOTE: every request has its draft: the later proposers have nothing to add
             name = proposer.name
             wanted: list[tuple[Request, Sequence[int], int]] = []
+            rates: list[float] = []  # each wanted request's acceptance rate for this proposer, and its state
+            states: list[DraftState] = []
             # Most draft tokens the proposer may offer each request: none where the goodput rule could not take its
             # first (its acceptance rate at or under ``threshold``, StepCost.draft_threshold), none while its
             # drafts for it are accepted under the floor, except a short probe now and then.
-            for item in pending:
-                request, bound, state = item[0], item[1], item[2]
+            for request, bound in pending:
+                state = request.draft_state
+                if state.__class__ is not DraftState:
+                    state = draft_state(request)
                 acceptance = state.acceptance.get(name) or state.acceptance_of(name, step)
                 rate = acceptance.rate
                 if rate <= threshold and threshold > 0.0:
@@ -190,24 +190,26 @@ class DraftSpeculator:
                         continue
                     num_tokens = min(num_tokens, PROBE_TOKENS)
                 wanted.append((request, request.token_view, num_tokens))
-                item[3] = rate
-                if not item[4]:
-                    item[4] = True
-                    num_asked += 1
+                rates.append(rate)
+                states.append(state)
             if not wanted:
                 continue
+            if first_asked is None:
+                first_asked = wanted
+            else:
+                if asked_ids is None:
+                    asked_ids = {request.request_id for request, _, _ in first_asked}
+                asked_ids.update(request.request_id for request, _, _ in wanted)
             found = proposer.propose(wanted)
-            if found:
-                still = []
-                for item in pending:
-                    request_id = item[0].request_id
-                    draft = found.get(request_id)
-                    if draft is None:
-                        still.append(item)
-                    else:
-                        proposed[request_id] = (draft, name, item[2])
-                        proposals.append((request_id, len(draft), item[3]))
-                pending = still
+            if not found:
+                continue
+            for (request, _, _), rate, state in zip(wanted, rates, states, strict=True):
+                draft = found.get(request.request_id)
+                if draft is not None:
+                    proposed[request.request_id] = (draft, name, state)
+                    proposals.append((request.request_id, len(draft), rate))
+            pending = [item for item in pending if item[0].request_id not in found] if len(found) < len(pending) else []
+        num_asked = len(asked_ids) if asked_ids is not None else len(first_asked) if first_asked is not None else 0
         if num_asked:
             self.cost.observe_proposals(num_asked, time.perf_counter() - started_s)
         if not proposed:
@@ -222,9 +224,10 @@ class DraftSpeculator:
         counts = self.counters.draft_length_counts
         if len(lengths) < len(candidates):
             counts[0] = counts.get(0, 0) + len(candidates) - len(lengths)
+        for length, num_drafts in Counter(lengths.values()).items():
+            counts[length] = counts.get(length, 0) + num_drafts
         drafts = {}
         for request_id, length in lengths.items():
-            counts[length] = counts.get(length, 0) + 1
             draft, name, state = proposed[request_id]
             drafts[request_id] = draft if length == len(draft) else draft[:length]
             state.proposer = name
@@ -233,23 +236,33 @@ class DraftSpeculator:
     def observe(self, outcomes: list[tuple[Request, int, int]]) -> None:
         step = self._num_steps
         counters = self.counters
-        drafted_by_proposer, accepted_by_proposer = counters.draft_tokens_by_proposer, \
-            counters.accepted_tokens_by_proposer
         drafts_by_length, drafts_by_num_kept = counters.drafts_by_length, counters.drafts_by_num_kept
-        num_drafted_tokens = num_accepted_tokens = 0
+        # proposer -> [draft tokens, accepted]: most of a step's drafts come from one proposer, whose pair is kept at
+        # hand (one comparison per draft, not two dict updates)
+        totals: dict[str, list[int]] = {}
+        last_name: str | None = None
+        last = [0, 0]
         for request, num_drafted, num_accepted in outcomes:
-            state = draft_state(request)
+            state = request.draft_state
+            if state.__class__ is not DraftState:
+                state = draft_state(request)
             name = state.proposer or ""
-            state.acceptance_of(name, step).observe(num_drafted, num_accepted, step)
-            drafted_by_proposer[name] = drafted_by_proposer.get(name, 0) + num_drafted
-            accepted_by_proposer[name] = accepted_by_proposer.get(name, 0) + num_accepted
+            (state.acceptance.get(name) or state.acceptance_of(name, step)).observe(num_drafted, num_accepted, step)
+            if name != last_name:
+                last_name = name
+                last = totals.get(name) or totals.setdefault(name, [0, 0])
+            last[0] += num_drafted
+            last[1] += num_accepted
             drafts_by_length[num_drafted] += 1
             drafts_by_num_kept[num_accepted] += 1
-            num_drafted_tokens += num_drafted
-            num_accepted_tokens += num_accepted
+        drafted_by_proposer, accepted_by_proposer = counters.draft_tokens_by_proposer, \
+            counters.accepted_tokens_by_proposer
+        for name, (num_drafted, num_accepted) in totals.items():
+            drafted_by_proposer[name] = drafted_by_proposer.get(name, 0) + num_drafted
+            accepted_by_proposer[name] = accepted_by_proposer.get(name, 0) + num_accepted
+            counters.num_draft_tokens += num_drafted
+            counters.num_accepted_tokens += num_accepted
         counters.num_drafts += len(outcomes)
-        counters.num_draft_tokens += num_drafted_tokens
-        counters.num_accepted_tokens += num_accepted_tokens
 
     def observe_step(self, num_tokens: int, seconds: float, path: str, drafted: bool) -> None:
         now_s = time.perf_counter()
