@@ -97,6 +97,8 @@ class ByteTokenizer:
         return "\n".join(str(m.get("content", "")) for m in messages)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True, **kwargs: Any) -> str:
+        if EOS_TOKEN_ID not in token_ids:  # NOTE: every id a byte: one C call (decoded every step of a stream)
+            return bytes(token_ids).decode("utf-8", errors="replace")
         eos = b"" if skip_special_tokens else b"</s>"
         return b"".join(bytes([t]) if t != EOS_TOKEN_ID else eos for t in token_ids).decode("utf-8", errors="replace")
 
@@ -154,7 +156,8 @@ def echo_tokens(chunk: ScheduledChunk, num_rows: int) -> list[int]:
         return prompt[start:start + num_rows]
     if chunk.sampling_params.ignore_eos and num_rows <= len(prompt):  # round the prompt again, and again
         offset = start % len(prompt)
-        return prompt[offset:offset + num_rows] + prompt[:max(0, offset + num_rows - len(prompt))]
+        end = offset + num_rows
+        return prompt[offset:end] if end <= len(prompt) else prompt[offset:] + prompt[:end - len(prompt)]
     return [echo_token(chunk, position) for position in range(start, start + num_rows)]
 
 

@@ -266,6 +266,11 @@ class Engine:
                 or bool(self._unreported) or self._inflight is not None)
 
     @property
+    def num_generated_tokens(self) -> int:
+        """Output tokens generated since the engine started, every request's."""
+        return self.scheduler.counters.num_generated_tokens
+
+    @property
     def overlaps(self) -> bool:
         """Whether steps overlap the forward with the previous step's outputs (``[engine.execution] overlap``)."""
         return self._device is not None

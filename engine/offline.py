@@ -24,10 +24,14 @@ class OfflineEngine(Protocol):
 
     clock: Clock
 
+    @property
+    def num_generated_tokens(self) -> int: ...
+
     def tokenize(self, prompt: Prompt) -> list[int]: ...
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> None: ...
+                    priority: int = 0, arrival_time: float | None = None, length_group: str | None = None,
+                    is_handed_off: bool = False, streams: bool = True) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...
 
@@ -60,7 +64,7 @@ def run_offline(
         engine: an idle or busy engine (other requests keep running alongside).
         prompts: texts, token-id lists, chat-message lists or typed prompts.
         params: one SamplingParams for all, one per prompt, or None for defaults.
-        progress: show a tqdm bar with requests done and output tokens/s.
+        progress: show a tqdm bar with requests done and the engine's output tokens/s.
         priorities: optional per-prompt priority (lower = more urgent).
 
     Returns:
@@ -82,15 +86,17 @@ def run_offline(
             metrics = RequestMetrics(arrival_time_s=engine.clock.now(), finished_time_s=engine.clock.now())
             results[request_id] = GenerationOutput(request_id, [], "", FinishReason.ERROR, 0, metrics, str(exc))
             continue
-        engine.add_request(request_id, prompt_token_ids, per_prompt[i], priority=priorities[i] if priorities else 0)
+        # NOTE: only final outputs are read (streams=False): a request's text is decoded once, when it finishes, and
+        # no output is made for it per step (the host time a step spends per streamed request, ops/bench/overhead.py)
+        engine.add_request(request_id, prompt_token_ids, per_prompt[i], priority=priorities[i] if priorities else 0,
+                           streams=False)
     wanted = set(request_ids)
     bar = tqdm(total=len(prompts), initial=len(results), desc="generating", unit="req", disable=not progress)
-    num_tokens = 0
+    generated_before = engine.num_generated_tokens  # the bar's tokens/s: the engine's, whoever else runs on it
     while len(results) < len(prompts):
         for output in engine.step():
             if output.request_id not in wanted:
                 continue
-            num_tokens += len(output.new_token_ids)
             if output.finished:
                 results[output.request_id] = GenerationOutput(
                     request_id=output.request_id, token_ids=list(output.token_ids), text=output.text,
@@ -100,6 +106,7 @@ def run_offline(
                 )
                 bar.update(1)
         elapsed = bar.format_dict.get("elapsed") or 0.0
+        num_tokens = engine.num_generated_tokens - generated_before
         bar.set_postfix(tok_s=f"{num_tokens / elapsed:.1f}" if elapsed else "-", refresh=False)
     bar.close()
     return [results[request_id] for request_id in request_ids]

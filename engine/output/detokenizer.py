@@ -66,6 +66,9 @@ class _StopStrings:
 
     def _release(self, new_text: str, is_final: bool) -> str:
         """Appends decoded text, applies stop strings and returns what became final."""
+        if not self._stop:  # NOTE: nothing to look for or hold back (most requests, every step)
+            self.text += new_text
+            return new_text
         pending = self._pending + new_text
         match_start, match = self._find_stop(pending)
         if match is not None:

@@ -178,8 +178,8 @@ class OutputProcessor:
             text_delta=text_delta,
             token_ids=list(token_ids) if is_final else SoFar(token_ids, len(token_ids)),
             text=text,
-            finished=request.is_finished,
-            finish_reason=FINISH_REASON[request.status] if request.is_finished else None,
+            finished=is_final,
+            finish_reason=FINISH_REASON[request.status] if is_final else None,
             prompt_token_count=request.num_prompt_tokens,
             metrics=RequestMetrics(
                 arrival_time_s=request.arrival_time_s,
@@ -190,7 +190,7 @@ class OutputProcessor:
                 num_output_tokens=request.num_output_tokens,
             ),
             logprobs=None if not logprobs else list(logprobs) if is_final else SoFar(logprobs, len(logprobs)),
-            token_logprobs=self._token_logprobs(request),
+            token_logprobs=self._token_logprobs(request) if is_final else None,
             error=request.error_message,
             error_code=request.error_code,
         )

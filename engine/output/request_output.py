@@ -60,7 +60,7 @@ class SoFar(Sequence[T]):
         return list(self) + list(other)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     """Timings of one request, in clock seconds (the engine's clock)."""
 
@@ -107,9 +107,10 @@ class SampleOutput:
     token_logprobs: list[TokenLogprob] | None = None  # OpenAI's shape, when logprobs were asked for
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
-    """One request's progress in one engine step (streaming) or its final state."""
+    """One request's progress in one engine step (streaming) or its final state (slotted: one is made per streamed
+    request per step)."""
 
     request_id: str
     new_token_ids: list[int]  # tokens generated this step

@@ -245,8 +245,20 @@ def _every_token_if_all_pay(proposals: list[tuple[str, int, float]], num_tokens_
     least gain of all (each request's last token; a first token's: its rate) beats that final goodput, every test
     on the way passed. One pass over the requests, where the greedy rule pops each token off a heap.
     """
-    lengths = {request_id: num_proposed for request_id, num_proposed, _ in proposals if num_proposed > 0}
-    num_tokens = sum(lengths.values())
+    # NOTE: one pass makes the lengths and the sums the tests below need (most steps pass them)
+    lengths: dict[str, int] = {}
+    num_tokens, expected, least_gain, least_rate = 0, float(num_decodes), 1.0, 1.0
+    for request_id, num_proposed, rate in proposals:
+        if num_proposed > 0:
+            lengths[request_id] = num_proposed
+            num_tokens += num_proposed
+            last_gain = rate ** num_proposed
+            # rate + rate ** 2 + ... + rate ** num_proposed
+            expected += (rate - last_gain * rate) / (1.0 - rate) if rate < 1.0 else float(num_proposed)
+            if last_gain < least_gain:
+                least_gain = last_gain
+            if rate < least_rate:
+                least_rate = rate
     if num_tokens > num_tokens_left:
         return None
     per_token_s, host_s = cost.per_token_s, cost.host_s
@@ -254,13 +266,6 @@ def _every_token_if_all_pay(proposals: list[tuple[str, int, float]], num_tokens_
     seconds = cost.fixed_s + per_token_s * (num_scheduled_tokens + num_tokens) + host_s
     if seconds <= 0.0 or (per_token_s <= 0.0 and not charge_proposal):
         return lengths  # NOTE: no test applies (drafting taken as free)
-    expected, least_gain, least_rate = float(num_decodes), 1.0, 1.0
-    for _, num_proposed, rate in proposals:
-        if num_proposed > 0:
-            last_gain = rate ** num_proposed
-            # rate + rate ** 2 + ... + rate ** num_proposed
-            expected += (rate - last_gain * rate) / (1.0 - rate) if rate < 1.0 else float(num_proposed)
-            least_gain, least_rate = min(least_gain, last_gain), min(least_rate, rate)
     goodput = expected / seconds * (1.0 + 1e-9)  # NOTE: a margin for the greedy rule's own rounding
     if per_token_s > 0.0 and least_gain <= per_token_s * goodput:
         return None

@@ -47,7 +47,8 @@ class DraftState:
     """What the speculator keeps on a request (``Request.draft_state``)."""
 
     acceptance: dict[str, Acceptance] = field(default_factory=dict)  # proposer name -> its drafts' acceptance
-    proposer: str | None = None  # the proposer of the draft the request ran last
+    # the proposer of its latest proposal: that of the draft it ran, if it ran one (proposed the same step)
+    proposer: str | None = None
     ngram: LazyNgramIndex | None = None
 
     def acceptance_of(self, proposer: str, step: int) -> Acceptance:
@@ -160,7 +161,7 @@ class DraftSpeculator:
         step = self._num_steps
         threshold = self.cost.draft_threshold(room.num_scheduled_tokens, room.num_decodes)
         pending = candidates  # (request, bound) of the requests without a draft yet, in urgency order
-        proposed: dict[str, tuple[list[int], str, DraftState]] = {}  # request id -> (draft, proposer, state)
+        proposed: dict[str, list[int]] = {}  # request id -> its draft
         proposals: list[tuple[str, int, float]] = []  # (request id, draft length, acceptance rate), as proposed
         first_asked: list[tuple[Request, Sequence[int], int]] | None = None  # whom the first proposer to ask asked
         asked_ids: set[str] | None = None  # whom any proposer asked, made once a second one asks
@@ -206,8 +207,9 @@ class DraftSpeculator:
             for (request, _, _), rate, state in zip(wanted, rates, states, strict=True):
                 draft = found.get(request.request_id)
                 if draft is not None:
-                    proposed[request.request_id] = (draft, name, state)
+                    proposed[request.request_id] = draft
                     proposals.append((request.request_id, len(draft), rate))
+                    state.proposer = name
             pending = [item for item in pending if item[0].request_id not in found] if len(found) < len(pending) else []
         num_asked = len(asked_ids) if asked_ids is not None else len(first_asked) if first_asked is not None else 0
         if num_asked:
@@ -228,9 +230,8 @@ class DraftSpeculator:
             counts[length] = counts.get(length, 0) + num_drafts
         drafts = {}
         for request_id, length in lengths.items():
-            draft, name, state = proposed[request_id]
+            draft = proposed[request_id]
             drafts[request_id] = draft if length == len(draft) else draft[:length]
-            state.proposer = name
         return drafts
 
     def observe(self, outcomes: list[tuple[Request, int, int]]) -> None:

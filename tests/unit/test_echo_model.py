@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from tokenmill.engine import Engine, EngineConfig
-from tokenmill.engine.echo import EOS_TOKEN_ID, EchoOptions
+from tokenmill.engine.core.sampling_state import SamplingState
+from tokenmill.engine.core.step_io import ScheduledChunk
+from tokenmill.engine.echo import EOS_TOKEN_ID, EchoOptions, echo_token, echo_tokens
 from tokenmill.engine.output.prompts import ChatPrompt
 from tokenmill.protocol.outcomes import FinishReason
 from tokenmill.protocol.sampling import SamplingParams
@@ -91,3 +93,18 @@ def test_crash_on_exits_the_process_in_a_step_that_runs_the_prompt() -> None:
     boom = subprocess.run([sys.executable, "-c", code, "a BOOM here"], cwd=ROOT, capture_output=True, text=True)
     assert (calm.returncode, calm.stdout) == (0, "calm\n")
     assert (boom.returncode, boom.stdout) == (1, "calm\n")
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_the_sliced_rows_are_the_per_position_tokens(ignore_eos: bool) -> None:
+    """echo_tokens (slices of the prompt, the fast path) gives what echo_token (one position at a time, the rule)
+    does, before, across and past the prompt's end, and round it again with ignore_eos."""
+    prompt = list(range(97, 110))
+    params = SamplingParams(ignore_eos=ignore_eos, min_tokens=3)
+    for start in range(3 * len(prompt)):
+        for num_rows in range(1, len(prompt) + 3):
+            chunk = ScheduledChunk(request_id="r", token_ids=[0], start_position=0, block_ids=[], needs_sample=True,
+                                   sampling_params=params, num_output_tokens=start,
+                                   sampling_state=SamplingState(prompt, []))
+            expected = [echo_token(chunk, position) for position in range(start, start + num_rows)]
+            assert echo_tokens(chunk, num_rows) == expected, (start, num_rows)
