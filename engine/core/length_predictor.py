@@ -51,6 +51,9 @@ class LengthPredictor:
         self._key_to_samples: OrderedDict[Hashable, LengthSamples] = OrderedDict()
         # Unfinished requests per key: their ages are censored lengths for the key's estimates.
         self._key_to_live: dict[Hashable, dict[str, Request]] = {}
+        # ... of them, those scheduled at least once: only they have an age (a backlog of thousands waits under one
+        # template's key; an estimate reads the ages of the few that run, not a pass over every waiting one)
+        self._key_to_started: dict[Hashable, dict[str, Request]] = {}
         self.records: deque[LengthRecord] = deque(maxlen=_NUM_RECORDS)
         self.num_observed = 0  # finished requests learnt from
         self.num_estimates = 0
@@ -93,11 +96,13 @@ class LengthPredictor:
         if not state.keys:
             state.keys = history_keys(request)
         keys = state.keys
+        num_generated = request.num_output_tokens
         # NOTE: the last key is every request's: a request not under it is not tracked as live yet
         if request.request_id not in self._key_to_live.get(keys[-1][0], {}):
             for key, _ in keys:
                 self._key_to_live.setdefault(key, {})[request.request_id] = request
-        num_generated = request.num_output_tokens
+            if request.first_scheduled_time_s is not None or num_generated:
+                self.started(request)
         known_past = num_generated  # what the request, or the running ones of a key that cannot answer, outlived
         estimate = None
         if self._memo_observed != self.num_observed:
@@ -136,7 +141,8 @@ class LengthPredictor:
         of a job, while its short answers have finished), says its lengths are longer than the coarser keys'
         typical one: those then predict it from their lengths past the age ``min_samples`` of them reached."""
         min_samples = self.config.min_samples
-        live_ages = [r.num_output_tokens for r in self._key_to_live.get(key, {}).values()]
+        # NOTE: a request never scheduled has generated nothing: its age would pass neither test below
+        live_ages = [r.num_output_tokens for r in self._key_to_started.get(key, {}).values()]
         samples = self._key_to_samples.get(key)
         if samples is not None:
             estimate = samples.estimate(known_past, max_tokens, min_samples=min_samples,
@@ -167,16 +173,26 @@ class LengthPredictor:
         num_started = self._started_memo.get(key)
         if num_started is None:
             samples = self._key_to_samples.get(key)
-            num_running = sum(1 for r in self._key_to_live.get(key, {}).values() if r.num_output_tokens > 0)
+            num_running = sum(1 for r in self._key_to_started.get(key, {}).values() if r.num_output_tokens > 0)
             num_started = self._started_memo[key] = (len(samples) if samples is not None else 0) + num_running
         return num_started
+
+    def started(self, request: Request) -> None:
+        """A live request was scheduled for the first time (the scheduler's admission; a sample of a running request
+        starts so): from now on its age counts in its keys' estimates. Nothing for one not estimated yet (its first
+        estimate counts it)."""
+        keys = request.length_state.keys
+        if keys and request.request_id in self._key_to_live.get(keys[-1][0], {}):
+            for key, _ in keys:
+                self._key_to_started.setdefault(key, {})[request.request_id] = request
 
     def forget(self, request: Request) -> None:
         """A request that ended without a length to learn from (aborted, failed, or forked into samples)."""
         for key, _ in request.length_state.keys:
-            live = self._key_to_live.get(key)
-            if live is not None and live.pop(request.request_id, None) is not None and not live:
-                del self._key_to_live[key]
+            for key_to_requests in (self._key_to_live, self._key_to_started):
+                requests = key_to_requests.get(key)
+                if requests is not None and requests.pop(request.request_id, None) is not None and not requests:
+                    del key_to_requests[key]
 
     def observe(self, request: Request) -> None:
         """Learn from a request that finished on its own (a stop or its length limit; not an abort or error)."""

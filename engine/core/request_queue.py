@@ -1,11 +1,18 @@
 """The scheduler's request bookkeeping: waiting / running / swapped queues kept consistent
-with each request's status. Standard library only."""
+with each request's status, and the waiting and swapped requests kept in admission order. Standard library only."""
 
 from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterator
+from operator import itemgetter
+from typing import Any
 
 from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.errors import InvariantError
 from tokenmill.engine.kv.block_manager import BlockManager
+
+_key_of = itemgetter(0)
 
 
 class RequestQueues:
@@ -13,22 +20,86 @@ class RequestQueues:
 
     Queue order carries no meaning (the scheduler sorts by urgency each step); moves go
     through :meth:`move` so status and queue never disagree.
+
+    Args:
+        admission_key: where the scheduler admits in an order that stays fixed while a request waits or is
+            swapped (first come, first served: ``scheduler_policy.admission_key``), that order's key: the queues
+            keep the waiting and swapped requests sorted by it as they come and go (:meth:`in_admission_order`),
+            so a step with thousands waiting does not compute and sort thousands of keys. None: the scheduler
+            sorts them itself (an order that moves with the length predictions).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, admission_key: Callable[[Request], Any] | None = None) -> None:
         self.requests: dict[str, Request] = {}  # request_id -> unfinished request
         self.waiting: list[Request] = []  # no KV anywhere (new, or preempted by recompute)
         self.running: list[Request] = []  # owns device blocks
         self.swapped: list[Request] = []  # owns host blocks
+        self._by_status = {RequestStatus.WAITING: self.waiting, RequestStatus.RUNNING: self.running,
+                           RequestStatus.SWAPPED: self.swapped}
+        self._admission_key = admission_key
+        # (key, request) of the waiting and swapped requests, sorted; those that came since the last read, whose
+        # keys are made then (a preempted request's aging restarts after its move); each sorted one's key
+        self._in_order: list[tuple[Any, Request]] = []
+        self._arrived: list[Request] = []
+        self._keys: dict[str, Any] = {}
         self.request_to_admitted_step: dict[str, int] = {}  # running request -> step it (re)started
         # running slots (max_num_seqs) the running queue takes: kept as requests come and go (a request's seats never
         # change: a forked parent leaves, its samples come), so the admission checks do not sum the queue each time
         self.num_running_seats = 0
 
     def _queue(self, status: RequestStatus) -> list[Request]:
-        queues = {RequestStatus.WAITING: self.waiting, RequestStatus.RUNNING: self.running,
-                  RequestStatus.SWAPPED: self.swapped}
-        return queues[status]
+        return self._by_status[status]
+
+    @property
+    def keeps_admission_order(self) -> bool:
+        """Whether :meth:`in_admission_order` can be read (an ``admission_key`` was given)."""
+        return self._admission_key is not None
+
+    def in_admission_order(self) -> Iterator[Request]:
+        """The waiting and swapped requests in admission order (needs ``admission_key``), read lazily: admitting or
+        finishing the one just read is fine while iterating; one that starts waiting meanwhile (preempted) is not
+        among them (it comes in the next call's)."""
+        if self._admission_key is None:
+            raise InvariantError("these queues keep no admission order (no admission_key)")
+        self._sort_arrived(self._admission_key)
+        in_order = self._in_order
+        position = 0
+        while position < len(in_order):
+            key, request = in_order[position]
+            yield request
+            # NOTE: the one just read may have left (admitted, finished): the next is the first after its key
+            position = bisect_right(in_order, key, key=_key_of)
+
+    def _sort_arrived(self, admission_key: Callable[[Request], Any]) -> None:
+        arrived, self._arrived = self._arrived, []
+        if not arrived:
+            return
+        keyed = [(admission_key(request), request) for request in arrived]
+        self._keys.update((request.request_id, key) for key, request in keyed)
+        if len(keyed) > 16:
+            self._in_order += keyed
+            self._in_order.sort(key=_key_of)  # NOTE: two sorted runs and a few strays: timsort merges them
+        else:
+            for pair in keyed:
+                self._in_order.insert(bisect_right(self._in_order, pair[0], key=_key_of), pair)
+
+    def _enter(self, request: Request) -> None:
+        """The request starts waiting or is swapped."""
+        if self._admission_key is not None:
+            self._arrived.append(request)
+
+    def _leave(self, request: Request) -> None:
+        """The request stops waiting or being swapped."""
+        if self._admission_key is None:
+            return
+        key = self._keys.pop(request.request_id, None)
+        if key is None:
+            self._arrived.remove(request)
+            return
+        position = bisect_left(self._in_order, key, key=_key_of)
+        if position == len(self._in_order) or self._in_order[position][1] is not request:
+            raise InvariantError(f"{request.request_id} is not where its admission key puts it")
+        del self._in_order[position]
 
     def add(self, request: Request) -> None:
         """Start tracking a request as WAITING.
@@ -41,6 +112,7 @@ class RequestQueues:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self._enter(request)
 
     def add_running(self, request: Request, step_index: int) -> None:
         """Start tracking a request that already holds device blocks (a forked sample).
@@ -57,11 +129,15 @@ class RequestQueues:
         self.request_to_admitted_step.pop(request.request_id, None)
         if request.status is RequestStatus.RUNNING:
             self.num_running_seats -= request.num_seats
+        else:
+            self._leave(request)
         request.status = status
         self._queue(status).append(request)
         if status is RequestStatus.RUNNING:
             self.request_to_admitted_step[request.request_id] = step_index
             self.num_running_seats += request.num_seats
+        else:
+            self._enter(request)
 
     def remove(self, request_id: str) -> Request | None:
         """Stop tracking a request (None if unknown); its status is left to the caller."""
@@ -71,6 +147,8 @@ class RequestQueues:
             self.request_to_admitted_step.pop(request_id, None)
             if request.status is RequestStatus.RUNNING:
                 self.num_running_seats -= request.num_seats
+            else:
+                self._leave(request)
         return request
 
     def check_invariants(self, block_manager: BlockManager, max_num_seqs: int) -> None:
@@ -90,12 +168,25 @@ class RequestQueues:
             raise InvariantError(f"{num_seats} running seats > max_num_seqs {max_num_seqs}")
         if self.request_to_admitted_step.keys() != {r.request_id for r in self.running}:
             raise InvariantError("admission records do not match the running queue")
+        if self._admission_key is not None:
+            self._check_admission_order(self._admission_key)
         num_used = block_manager.num_gpu_blocks - block_manager.num_free_gpu_blocks
         if num_used != len({b for r in self.running for b in block_manager.get_block_ids(r.request_id)}):
             raise InvariantError("device blocks are owned by requests that are not running")
         num_used = block_manager.num_cpu_blocks - block_manager.num_free_cpu_blocks
         if num_used != sum(len(block_manager.get_host_block_ids(r.request_id)) for r in self.swapped):
             raise InvariantError("host blocks are owned by requests that are not swapped")
+
+    def _check_admission_order(self, admission_key: Callable[[Request], Any]) -> None:
+        """The sorted and the arrived hold exactly the waiting and swapped requests, each sorted one under the key it
+        has now, in order."""
+        members = [request for _, request in self._in_order] + self._arrived
+        if sorted(map(id, members)) != sorted(map(id, self.waiting + self.swapped)):
+            raise InvariantError("the admission order does not hold exactly the waiting and swapped requests")
+        keys = [key for key, _ in self._in_order]
+        if keys != sorted(keys) or any(admission_key(request) != key for key, request in self._in_order) or \
+                any(self._keys.get(request.request_id) != key for key, request in self._in_order):
+            raise InvariantError("the admission order is out of order or holds stale keys")
 
 
 def _check_blocks(request: Request, block_manager: BlockManager) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 from tokenmill.engine.config import SchedulerConfig
@@ -102,7 +102,12 @@ class Scheduler:
             self._kv_budget = PredictedKvBudget(block_manager.num_gpu_blocks, block_manager.block_size,
                                                 length_predictor.current, length_predictor.config.tail_quantile)
         self.counters = SchedulerCounters()
-        self._queues = RequestQueues()
+        # NOTE: first come, first served (the default ordering) keeps a waiting request's admission key while it
+        # waits: the queues keep that order as requests come and go; ordered by predicted length, it is sorted anew
+        # each step (the predictions move)
+        aging_interval_s = config.aging_interval_s
+        is_fcfs = length_predictor is None or length_predictor.config.ordering == "fcfs"
+        self._queues = RequestQueues(admission_key=(lambda r: admission_key(r, aging_interval_s)) if is_fcfs else None)
         self._finished: list[Request] = []  # finished since the last take_finished()
         self._groups: dict[str, ParallelGroup] = {}  # n > 1 requests that forked, until every sample finished
         self._next_seq_no = 0
@@ -181,7 +186,10 @@ class Scheduler:
         for request in self._policy.requests_to_demote():
             request.is_demoted = True
         self._schedule_running(plan)
-        for request in sorted(self._queues.swapped + self._queues.waiting, key=self._admission_order()):
+        candidates: Iterable[Request] = (
+            self._queues.in_admission_order() if self._queues.keeps_admission_order
+            else sorted(self._queues.swapped + self._queues.waiting, key=self._length_admission_order()))
+        for request in candidates:
             if request.request_id in plan.preempted_request_ids:
                 break  # memory is short: admit nothing behind a request just preempted
             if request.status is RequestStatus.SWAPPED:
@@ -762,6 +770,7 @@ class Scheduler:
         if request.first_scheduled_time_s is None:
             request.first_scheduled_time_s = plan.now_s
             if self.length_predictor is not None:
+                self.length_predictor.started(request)
                 request.length_state.admitted_estimate = self.length_predictor.current(request)
         plan.admitted_request_ids.add(request.request_id)
         self._note_inflight_prefix(request, plan)
@@ -793,14 +802,15 @@ class Scheduler:
     def _urgency_key(self, plan: StepPlan) -> Callable[[Request], UrgencyKey]:
         return lambda r: urgency_key(r, plan.now_s, self.config.aging_interval_s)
 
-    def _admission_order(self) -> Callable[[Request], AdmissionKey]:
-        """The key ordering swapped and waiting requests for admission this step (``admission_key``), with
-        the predicted length inside a level when the length config orders by it."""
+    def _length_admission_order(self) -> Callable[[Request], AdmissionKey]:
+        """The key ordering swapped and waiting requests for admission this step (``admission_key``) where the
+        length config orders them by predicted length inside a level (first come, first served: the queues keep the
+        order, ``RequestQueues.in_admission_order``)."""
         aging_interval_s = self.config.aging_interval_s
         predictor = self.length_predictor
-        ordering = predictor.config.ordering if predictor is not None else "fcfs"
-        if predictor is None or ordering == "fcfs":
-            return lambda r: admission_key(r, aging_interval_s)
+        if predictor is None or predictor.config.ordering == "fcfs":
+            raise InvariantError("first come, first served is the queues' order, not sorted each step")
+        ordering = predictor.config.ordering
         if ordering == "auto":
             groups = {r.length_state.group for r in self._queues.waiting}
             # NOTE: one job's requests alone: its makespan is what its owner waits for; mixed: completion times.

@@ -508,3 +508,23 @@ def test_long_requests_are_paced_and_short_ones_run_meanwhile() -> None:
     assert 0 < run.admitted_step["long1"] < run.admitted_step["long2"]
     assert scheduler.stats().counters.num_preemptions == 0
     assert_no_leaks(scheduler)
+
+
+def test_a_backlog_that_never_ran_does_not_change_an_estimate() -> None:
+    """Only requests that were scheduled have an age: thousands of a template's rows waiting behind its running ones
+    leave the running ones' estimates (and a new row's) as they are, and cost no pass over them."""
+
+    def estimates(num_waiting: int) -> tuple[LengthEstimate, LengthEstimate]:
+        predictor = LengthPredictor(LengthConfig(min_samples=4))
+        warm_history(predictor)
+        for row in range(num_waiting):
+            predictor.current(templated(f"waiting-{row}", "long", 1000 + row))
+        running = [templated(f"running-{row}", "long", row) for row in range(5)]
+        for row, request in enumerate(running):
+            predictor.current(request)
+            request.first_scheduled_time_s = 1.0
+            predictor.started(request)
+            request.output_token_ids.extend([1] * (10 + 5 * row))
+        return predictor.estimate(running[0]), predictor.estimate(templated("new", "long", 500))
+
+    assert estimates(0) == estimates(2000)
