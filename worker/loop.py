@@ -7,6 +7,7 @@ sends the writer goes in one put: each put wakes the writer, which then takes th
 
 from __future__ import annotations
 
+import heapq
 import logging
 import queue
 import time
@@ -80,10 +81,11 @@ class EngineLoop:
         self._live: dict[str, _Live] = {}
         # NOTE: kept beside _live, so that a step costs nothing per live request: the ids the reader polls for
         # cancellation (live, not aborted; published as a frozenset when changed), and the deadlines of requests
-        # that may still expire (pruned once started, finished or aborted).
+        # that may still expire, soonest first (a heap: an iteration looks at the due ones only; entries of requests
+        # that started, finished or were aborted are dropped when due, or all at once when they outnumber the live).
         self._live_ids: set[str] = set()
         self._published_ids: frozenset[str] = frozenset()
-        self._deadlines: dict[str, float] = {}
+        self._deadlines: list[tuple[float, str]] = []
         self._sending: list[Outgoing] = []  # for the writer, put in the outbox at the end of the iteration
         self._role = role
         # Prefilled requests waiting for their blocks' publish to finish before they are handed off.
@@ -204,7 +206,11 @@ class EngineLoop:
         self._live[request.id] = _Live(admit, is_prefill=is_prefill)
         self._live_ids.add(request.id)
         if request.deadline is not None:
-            self._deadlines[request.id] = request.deadline
+            heapq.heappush(self._deadlines, (request.deadline, request.id))
+            if len(self._deadlines) > 2 * len(self._live) + 64:
+                self._deadlines = [(deadline, request_id) for deadline, request_id in self._deadlines
+                                   if self._may_expire(request_id)]
+                heapq.heapify(self._deadlines)
         log.info("claimed", extra={"event": "claimed", "request_id": request.id, "lane": admit.entry.lane,
                                    "prefill_only": is_prefill, "handed_off": admit.is_handed_off})
 
@@ -215,13 +221,16 @@ class EngineLoop:
 
     def _expire_waiting(self, now_s: float) -> None:
         """Abort (``expired``) the requests whose deadline passed before they started."""
-        for request_id, deadline in list(self._deadlines.items()):
-            live = self._live.get(request_id)
-            if live is None or live.is_started or live.abort_status is not None:
-                del self._deadlines[request_id]
-            elif deadline <= now_s:
-                del self._deadlines[request_id]
-                self._stop(request_id, live, AbortReason.EXPIRED)
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now_s:
+            _, request_id = heapq.heappop(deadlines)
+            if self._may_expire(request_id):
+                self._stop(request_id, self._live[request_id], AbortReason.EXPIRED)
+
+    def _may_expire(self, request_id: str) -> bool:
+        """Whether the request is live and has neither started nor been aborted."""
+        live = self._live.get(request_id)
+        return live is not None and not live.is_started and live.abort_status is None
 
     def _handle_output(self, output: RequestOutput) -> None:
         live = self._live.get(output.request_id)

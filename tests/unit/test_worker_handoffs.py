@@ -115,3 +115,40 @@ def test_a_deadline_expires_a_waiting_request_and_not_a_started_one() -> None:
         assert not load.live_ids
     finally:
         loop.close()
+
+
+def test_deadlines_expire_only_requests_that_never_started_and_their_heap_stays_bounded() -> None:
+    """Many requests with deadlines, one running at a time: those still waiting at their deadline expire with no
+    tokens, the rest finish whole; the deadlines kept never outnumber twice the live requests by much, however many
+    came and went: their number stays within twice the most requests live at once (an entry is dropped when due, or
+    when an admission finds them outnumbering the live twice over)."""
+    loop, inbox, outbox, load = _loop(model="echo:step_delay_s=0.002", max_num_seqs=1, speculative="off")
+    try:
+        soon, far = time.time() + 0.25, time.time() + 3600.0
+        inbox.put(AdmitBatch([_admit(i, deadline=soon if i % 2 else far, params={"max_tokens": 4})
+                              for i in range(300)]))
+        results: dict[str, Any] = {}
+        most_live = 0
+
+        def answered() -> bool:
+            nonlocal most_live
+            most_live = max(most_live, loop.num_live)
+            assert len(loop._deadlines) <= 2 * most_live + 65
+            while not outbox.empty():
+                batch = outbox.get_nowait()
+                assert isinstance(batch, list)
+                results.update({item.result.id: item.result for item in batch if isinstance(item, Finish)})
+            return len(results) == 300
+
+        _run_until(loop, answered, timeout_s=60.0)
+        expired = {request_id for request_id, result in results.items() if result.status == "expired"}
+        assert expired and all(int(request_id[1:]) % 2 for request_id in expired)  # only the soon ones
+        assert all(not results[request_id].token_ids for request_id in expired)
+        assert all(result.ok and len(result.token_ids) == 4 for request_id, result in results.items()
+                   if request_id not in expired)
+        assert not load.live_ids
+        inbox.put(AdmitBatch([_admit(1000, deadline=far)]))  # NOTE: the next admission drops the finished ones' entries
+        _run_until(loop, lambda: loop.num_live == 1)
+        assert [request_id for _, request_id in loop._deadlines] == ["r1000"]
+    finally:
+        loop.close()
