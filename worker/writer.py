@@ -173,18 +173,29 @@ class Writer:
 
     def _positioned(self, items: list[Outgoing]) -> list[Writable]:
         """``items`` with each token delta placed at its byte offset in its request's text (this run's:
-        a finish ends the run), so that a retried write keeps its place."""
+        a finish ends the run), so that a retried write keeps its place. A request's deltas of several steps in
+        one batch (the writer fell behind the engine) become one, at the first one's place: one stream entry and
+        its expiry per request per write, not per step."""
         out: list[Writable] = []
+        open_deltas: dict[str, int] = {}  # request id -> where its delta is in `out` (none of its finish since)
         for item in items:
             if isinstance(item, TokenDelta):
                 data = item.text.encode(errors="replace")
                 offset = self._stream_bytes.get(item.request_id, 0)
                 self._stream_bytes[item.request_id] = offset + len(data)
-                out.append(PositionedDelta(item.request_id, data, offset))
+                index = open_deltas.get(item.request_id)
+                if index is None:
+                    open_deltas[item.request_id] = len(out)
+                    out.append(PositionedDelta(item.request_id, data, offset))
+                else:
+                    earlier = out[index]
+                    assert isinstance(earlier, PositionedDelta)  # NOTE: open_deltas holds only deltas' places
+                    out[index] = PositionedDelta(item.request_id, earlier.data + data, earlier.offset)
             elif isinstance(item, Handoff):
                 out.append(item)
             else:
                 if item.result is not None:
+                    open_deltas.pop(item.result.id, None)
                     self._stream_bytes.pop(item.result.id, None)
                     if item.result.model is None:
                         item.result.model = self._beat.served_model_name

@@ -224,7 +224,8 @@ class StreamDetokenizer(_StopStrings):
         self._skip_special_tokens = skip_special_tokens
         # NOTE: tokens the tokenizer itself marks special (added tokens) are skipped by it, as HF decode skips them
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
-        self._emitted = context  # the last few ids whose text is out: the context of a final decode
+        # the last ids whose text is out (the last _NUM_PROMPT_CONTEXT_TOKENS of them: a final decode's context)
+        self._emitted = list(context)
         self._held: list[int] = []  # ids the stream holds back (an incomplete character)
 
     def append(self, token_ids: list[int]) -> str:
@@ -232,17 +233,23 @@ class StreamDetokenizer(_StopStrings):
         if self.stop_matched is not None:
             return ""
         pieces = []
+        stream, backend, special_ids, held, emitted = self._stream, self._backend, self._special_ids, self._held, \
+            self._emitted
         for token_id in token_ids:
-            if token_id in self._special_ids:
+            if token_id in special_ids:
                 continue
-            piece = self._stream.step(self._backend, token_id)
+            piece = stream.step(backend, token_id)
             if piece is None:
-                self._held.append(token_id)
+                held.append(token_id)
                 continue
             pieces.append(piece)
-            self._emitted = (self._emitted + self._held + [token_id])[-_NUM_PROMPT_CONTEXT_TOKENS:]
-            self._held = []
-        return self._release("".join(pieces), is_final=False)
+            if held:
+                emitted += held
+                held.clear()
+            emitted.append(token_id)
+        if len(emitted) > 4 * _NUM_PROMPT_CONTEXT_TOKENS:  # NOTE: trimmed now and then, not per token
+            del emitted[:-_NUM_PROMPT_CONTEXT_TOKENS]
+        return self._release(pieces[0] if len(pieces) == 1 else "".join(pieces), is_final=False)
 
     def finish(self) -> str:
         """As :meth:`IncrementalDetokenizer.finish`."""
@@ -250,8 +257,9 @@ class StreamDetokenizer(_StopStrings):
             return ""
         rest = ""
         if self._held:
-            prefix = self._backend.decode(self._emitted, skip_special_tokens=self._skip_special_tokens)
-            rest = self._backend.decode(self._emitted + self._held,
+            context = self._emitted[-_NUM_PROMPT_CONTEXT_TOKENS:]
+            prefix = self._backend.decode(context, skip_special_tokens=self._skip_special_tokens)
+            rest = self._backend.decode(context + self._held,
                                         skip_special_tokens=self._skip_special_tokens)[len(prefix):]
             self._held = []
         return self._release(rest, is_final=True)
