@@ -78,17 +78,28 @@ class LengthPredictor:
         their job), through a per-key memo kept until the next request finishes, so redoing a waiting request's
         estimate costs a dictionary lookup per key, not a pass over the history; the sixteenth bounds how often
         a backlog of thousands is redone (O(16 log n) times each)."""
-        state = request.length_state
-        estimate = state.estimate
-        size = state.history_size
-        if estimate is None or self.num_observed >= 2 * size + self.config.min_samples:
+        estimate = request.length_state.estimate
+        if estimate is None or self.num_observed >= self.stable_until(request):
             return self.estimate(request)
-        if request.num_output_tokens == 0:
-            return estimate if self.num_observed <= size + size // 16 else self.estimate(request)
-        if request.num_output_tokens >= min(estimate.median_total, estimate.mean_total):
+        num_generated = request.num_output_tokens
+        if num_generated and num_generated >= min(estimate.median_total, estimate.mean_total):
             self.num_outlived += 1
             return self.estimate(request)
         return estimate
+
+    def stable_until(self, request: Request) -> int:
+        """The history size (``num_observed``) from which :meth:`current` redoes the request's estimate for the
+        history's growth (0: it has none yet); until then it keeps it, unless the request outlives it (only a running
+        request's age grows). The scheduler keeps an admission order by predicted length while no waiting request's
+        is due."""
+        state = request.length_state
+        if state.estimate is None:
+            return 0
+        size = state.history_size
+        until = 2 * size + self.config.min_samples
+        if request.num_output_tokens == 0:
+            until = min(until, size + size // 16 + 1)
+        return until
 
     def estimate(self, request: Request) -> LengthEstimate:
         """Estimate ``request``'s final length given what it generated so far; keeps it on the request."""

@@ -4,6 +4,7 @@ with each request's status, and the waiting and swapped requests kept in admissi
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections import Counter
 from collections.abc import Callable, Iterator
 from operator import itemgetter
 from typing import Any
@@ -22,14 +23,16 @@ class RequestQueues:
     through :meth:`move` so status and queue never disagree.
 
     Args:
-        admission_key: where the scheduler admits in an order that stays fixed while a request waits or is
-            swapped (first come, first served: ``scheduler_policy.admission_key``), that order's key: the queues
-            keep the waiting and swapped requests sorted by it as they come and go (:meth:`in_admission_order`),
-            so a step with thousands waiting does not compute and sort thousands of keys. None: the scheduler
-            sorts them itself (an order that moves with the length predictions).
+        admission_key: the key of the scheduler's admission order: the queues keep the waiting and swapped
+            requests sorted by it as they come and go (:meth:`in_admission_order`), so a step with thousands waiting
+            does not compute and sort thousands of keys. A request's key is made when it is first read and kept
+            while it waits or is swapped; :meth:`rekey` makes them all anew (an order by predicted length, when a
+            prediction may have moved).
+        is_key_fixed: whether a request's key never changes while it waits or is swapped (first come, first
+            served): :meth:`check_invariants` then holds each kept key to a fresh one.
     """
 
-    def __init__(self, admission_key: Callable[[Request], Any] | None = None) -> None:
+    def __init__(self, admission_key: Callable[[Request], Any], is_key_fixed: bool = True) -> None:
         self.requests: dict[str, Request] = {}  # request_id -> unfinished request
         self.waiting: list[Request] = []  # no KV anywhere (new, or preempted by recompute)
         self.running: list[Request] = []  # owns device blocks
@@ -37,6 +40,9 @@ class RequestQueues:
         self._by_status = {RequestStatus.WAITING: self.waiting, RequestStatus.RUNNING: self.running,
                            RequestStatus.SWAPPED: self.swapped}
         self._admission_key = admission_key
+        self._is_key_fixed = is_key_fixed
+        # the length groups of the waiting requests, with how many of each (none at 0)
+        self.waiting_groups: Counter[str | None] = Counter()
         # (key, request) of the waiting and swapped requests, sorted; those that came since the last read, whose
         # keys are made then (a preempted request's aging restarts after its move); each sorted one's key
         self._in_order: list[tuple[Any, Request]] = []
@@ -50,17 +56,10 @@ class RequestQueues:
     def _queue(self, status: RequestStatus) -> list[Request]:
         return self._by_status[status]
 
-    @property
-    def keeps_admission_order(self) -> bool:
-        """Whether :meth:`in_admission_order` can be read (an ``admission_key`` was given)."""
-        return self._admission_key is not None
-
     def in_admission_order(self) -> Iterator[Request]:
         """The waiting and swapped requests in admission order (needs ``admission_key``), read lazily: admitting or
         finishing the one just read is fine while iterating; one that starts waiting meanwhile (preempted) is not
         among them (it comes in the next call's)."""
-        if self._admission_key is None:
-            raise InvariantError("these queues keep no admission order (no admission_key)")
         self._sort_arrived(self._admission_key)
         in_order = self._in_order
         position = 0
@@ -83,15 +82,24 @@ class RequestQueues:
             for pair in keyed:
                 self._in_order.insert(bisect_right(self._in_order, pair[0], key=_key_of), pair)
 
+    def rekey(self) -> None:
+        """Make every kept key anew at the next read (the order's inputs moved)."""
+        self._arrived += [request for _, request in self._in_order]
+        self._in_order, self._keys = [], {}
+
     def _enter(self, request: Request) -> None:
         """The request starts waiting or is swapped."""
-        if self._admission_key is not None:
-            self._arrived.append(request)
+        self._arrived.append(request)
+        if request.status is RequestStatus.WAITING:
+            self.waiting_groups[request.length_state.group] += 1
 
     def _leave(self, request: Request) -> None:
         """The request stops waiting or being swapped."""
-        if self._admission_key is None:
-            return
+        if request.status is RequestStatus.WAITING:
+            group = request.length_state.group
+            self.waiting_groups[group] -= 1
+            if not self.waiting_groups[group]:
+                del self.waiting_groups[group]
         key = self._keys.pop(request.request_id, None)
         if key is None:
             self._arrived.remove(request)
@@ -168,8 +176,7 @@ class RequestQueues:
             raise InvariantError(f"{num_seats} running seats > max_num_seqs {max_num_seqs}")
         if self.request_to_admitted_step.keys() != {r.request_id for r in self.running}:
             raise InvariantError("admission records do not match the running queue")
-        if self._admission_key is not None:
-            self._check_admission_order(self._admission_key)
+        self._check_admission_order(self._admission_key)
         num_used = block_manager.num_gpu_blocks - block_manager.num_free_gpu_blocks
         if num_used != len({b for r in self.running for b in block_manager.get_block_ids(r.request_id)}):
             raise InvariantError("device blocks are owned by requests that are not running")
@@ -184,9 +191,12 @@ class RequestQueues:
         if sorted(map(id, members)) != sorted(map(id, self.waiting + self.swapped)):
             raise InvariantError("the admission order does not hold exactly the waiting and swapped requests")
         keys = [key for key, _ in self._in_order]
-        if keys != sorted(keys) or any(admission_key(request) != key for key, request in self._in_order) or \
-                any(self._keys.get(request.request_id) != key for key, request in self._in_order):
-            raise InvariantError("the admission order is out of order or holds stale keys")
+        if keys != sorted(keys) or any(self._keys.get(request.request_id) != key for key, request in self._in_order):
+            raise InvariantError("the admission order is out of order or its keys are not the requests'")
+        if self._is_key_fixed and any(admission_key(request) != key for key, request in self._in_order):
+            raise InvariantError("the admission order holds stale keys")
+        if self.waiting_groups != Counter(request.length_state.group for request in self.waiting):
+            raise InvariantError("the waiting requests' length groups are miscounted")
 
 
 def _check_blocks(request: Request, block_manager: BlockManager) -> None:

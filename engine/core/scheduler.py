@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Iterable
+import sys
+from collections.abc import Callable
 from typing import Literal
 
 from tokenmill.engine.config import SchedulerConfig
@@ -102,12 +103,16 @@ class Scheduler:
             self._kv_budget = PredictedKvBudget(block_manager.num_gpu_blocks, block_manager.block_size,
                                                 length_predictor.current, length_predictor.config.tail_quantile)
         self.counters = SchedulerCounters()
-        # NOTE: first come, first served (the default ordering) keeps a waiting request's admission key while it
-        # waits: the queues keep that order as requests come and go; ordered by predicted length, it is sorted anew
-        # each step (the predictions move)
+        # NOTE: the queues keep the waiting and swapped requests in admission order as they come and go. First come,
+        # first served (the default), a request's key stays while it waits; by predicted length, the kept keys are
+        # made anew when a waiting request's prediction may have moved (_keep_length_order)
         aging_interval_s = config.aging_interval_s
-        is_fcfs = length_predictor is None or length_predictor.config.ordering == "fcfs"
-        self._queues = RequestQueues(admission_key=(lambda r: admission_key(r, aging_interval_s)) if is_fcfs else None)
+        self._is_fcfs = length_predictor is None or length_predictor.config.ordering == "fcfs"
+        self._length_sign = 1.0  # shortest first (1) or longest (-1), as the kept length keys were made
+        self._length_keys_until = 0  # the predictor's history size from which a kept length key may be stale
+        self._queues = RequestQueues(
+            (lambda r: admission_key(r, aging_interval_s)) if self._is_fcfs else self._length_admission_key,
+            is_key_fixed=self._is_fcfs)
         self._finished: list[Request] = []  # finished since the last take_finished()
         self._groups: dict[str, ParallelGroup] = {}  # n > 1 requests that forked, until every sample finished
         self._next_seq_no = 0
@@ -186,10 +191,9 @@ class Scheduler:
         for request in self._policy.requests_to_demote():
             request.is_demoted = True
         self._schedule_running(plan)
-        candidates: Iterable[Request] = (
-            self._queues.in_admission_order() if self._queues.keeps_admission_order
-            else sorted(self._queues.swapped + self._queues.waiting, key=self._length_admission_order()))
-        for request in candidates:
+        if not self._is_fcfs:
+            self._keep_length_order()
+        for request in self._queues.in_admission_order():
             if request.request_id in plan.preempted_request_ids:
                 break  # memory is short: admit nothing behind a request just preempted
             if request.status is RequestStatus.SWAPPED:
@@ -802,30 +806,36 @@ class Scheduler:
     def _urgency_key(self, plan: StepPlan) -> Callable[[Request], UrgencyKey]:
         return lambda r: urgency_key(r, plan.now_s, self.config.aging_interval_s)
 
-    def _length_admission_order(self) -> Callable[[Request], AdmissionKey]:
-        """The key ordering swapped and waiting requests for admission this step (``admission_key``) where the
-        length config orders them by predicted length inside a level (first come, first served: the queues keep the
-        order, ``RequestQueues.in_admission_order``)."""
-        aging_interval_s = self.config.aging_interval_s
+    def _keep_length_order(self) -> None:
+        """Where the length config orders admission by predicted length inside a level: the kept keys made anew
+        when one may be stale, i.e. the order's direction changed (``auto``: longest first while one job's requests
+        alone wait, else shortest) or the history grew to where a waiting request's prediction is redone
+        (``LengthPredictor.stable_until``; until then ``current`` gives each the estimate its key was made from)."""
         predictor = self.length_predictor
-        if predictor is None or predictor.config.ordering == "fcfs":
-            raise InvariantError("first come, first served is the queues' order, not sorted each step")
+        if predictor is None:
+            raise InvariantError("ordering by predicted length needs the length predictor")
         ordering = predictor.config.ordering
         if ordering == "auto":
-            groups = {r.length_state.group for r in self._queues.waiting}
+            groups = self._queues.waiting_groups
             # NOTE: one job's requests alone: its makespan is what its owner waits for; mixed: completion times.
             ordering = "longest" if len(groups) == 1 and None not in groups else "shortest"
         sign = 1.0 if ordering == "shortest" else -1.0
+        if sign != self._length_sign or predictor.num_observed >= self._length_keys_until:
+            self._length_sign, self._length_keys_until = sign, sys.maxsize
+            self._queues.rekey()
 
-        def length_order(request: Request) -> float:
-            estimate = predictor.current(request)
-            # NOTE: a template the history does not know yet runs a few rows first, so that its lengths are learnt:
-            # predicted from the job's other answers, its rows would otherwise queue behind every known one.
-            if request.length_state.exploring:
-                return -math.inf
-            return sign * estimate.median_remaining(request.num_output_tokens)
-
-        return lambda r: admission_key(r, aging_interval_s, length_order(r))
+    def _length_admission_key(self, request: Request) -> AdmissionKey:
+        """A waiting or swapped request's admission key ordered by predicted length inside its level (the queues make
+        it when they first read the request, or after :meth:`_keep_length_order` asked them to)."""
+        predictor = self.length_predictor
+        assert predictor is not None  # NOTE: _keep_length_order's
+        estimate = predictor.current(request)
+        self._length_keys_until = min(self._length_keys_until, predictor.stable_until(request))
+        # NOTE: a template the history does not know yet runs a few rows first, so that its lengths are learnt:
+        # predicted from the job's other answers, its rows would otherwise queue behind every known one.
+        length_order = -math.inf if request.length_state.exploring else \
+            self._length_sign * estimate.median_remaining(request.num_output_tokens)
+        return admission_key(request, self.config.aging_interval_s, length_order)
 
     def _is_paced(self, request: Request, plan: StepPlan) -> bool:
         """Whether a long request waits for its turn: the last long admission has generated fewer output tokens

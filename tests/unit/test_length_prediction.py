@@ -7,6 +7,8 @@ unrelated to ``max_tokens``, as a model's are.
 
 from __future__ import annotations
 
+import math
+
 import pydantic
 import pytest
 
@@ -24,6 +26,7 @@ from tokenmill.engine.core.length_history import LengthEstimate, LengthSamples
 from tokenmill.engine.core.length_predictor import LengthPredictor
 from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.core.scheduler import Scheduler
+from tokenmill.engine.core.scheduler_policy import admission_key
 from tokenmill.engine.core.step_io import ModelOutput, SchedulerOutput
 from tokenmill.engine.kv.block_manager import BlockManager
 
@@ -528,3 +531,52 @@ def test_a_backlog_that_never_ran_does_not_change_an_estimate() -> None:
         return predictor.estimate(running[0]), predictor.estimate(templated("new", "long", 500))
 
     assert estimates(0) == estimates(2000)
+
+
+def _plain_length_order(scheduler: Scheduler) -> list[Request]:
+    """The waiting and swapped requests sorted by their admission keys made afresh (the rule the kept order follows:
+    the scheduler keyed and sorted them every step before it kept them)."""
+    predictor = scheduler.length_predictor
+    assert predictor is not None
+    waiting = [r for r in scheduler._queues.waiting]
+    ordering = predictor.config.ordering
+    if ordering == "auto":
+        groups = {r.length_state.group for r in waiting}
+        ordering = "longest" if len(groups) == 1 and None not in groups else "shortest"
+    sign = 1.0 if ordering == "shortest" else -1.0
+
+    def key(request: Request) -> object:
+        estimate = predictor.current(request)
+        order = -math.inf if request.length_state.exploring else sign * estimate.median_remaining(
+            request.num_output_tokens)
+        return admission_key(request, scheduler.config.aging_interval_s, order)
+
+    return sorted(scheduler._queues.swapped + waiting, key=key)
+
+
+@pytest.mark.parametrize("ordering", ["shortest", "longest", "auto"])
+def test_the_kept_length_order_is_the_order_made_afresh_every_step(ordering: str) -> None:
+    """Kept between steps (its keys made anew only when the direction changes or a waiting request's prediction is
+    due), the admission order by predicted length is, after every schedule, the one keying and sorting every
+    waiting and swapped request gives: a backlog of two templates and three jobs, arrivals, preemptions (a pool
+    too small for all that run), the history learning as requests finish."""
+    clock = ManualClock()
+    scheduler = make_scheduler(num_gpu_blocks=40, num_cpu_blocks=40, max_num_seqs=6, eos_token_id=EOS, clock=clock,
+                               aging_interval_s=5.0, preemption_mode="swap",
+                               length=LengthConfig(min_samples=3, ordering=ordering, budget_kv=False))
+    requests = [templated(f"r{i}", "long" if i % 3 == 0 else "short", i, arrival_time_s=float(i // 10))
+                for i in range(90)]
+    for i, request in enumerate(requests):
+        request.length_state.group = ("job", "other", None)[i % 7 % 3] if ordering != "auto" or i >= 40 else "job"
+    arrivals = {step: requests[step * 10:(step + 1) * 10] for step in range(9)}
+    runner = EosAtLength(scheduler.block_manager, lengths_of(requests))
+    checked = []
+
+    def compare(step: int, output: SchedulerOutput) -> None:
+        kept = list(scheduler._queues.in_admission_order())
+        assert kept == _plain_length_order(scheduler), f"step {step}"
+        checked.append(len(kept))
+
+    run = step_until_done(scheduler, runner, arrivals=arrivals, advance_s=1.0, on_step=compare)
+    assert len(run.outputs) == 90 and max(checked) >= 20
+    assert_no_leaks(scheduler)
