@@ -14,13 +14,15 @@ from tokenmill.engine.errors import InvariantError
 from tokenmill.engine.kv.block_manager import BlockManager
 
 _key_of = itemgetter(0)
+_request_of = itemgetter(1)
 
 
 class RequestQueues:
     """Every unfinished request, in exactly the queue its status names.
 
-    Queue order carries no meaning (the scheduler sorts by urgency each step); moves go
-    through :meth:`move` so status and queue never disagree.
+    The lists' order carries no meaning: the queues keep the running requests in urgency order beside them
+    (:meth:`running_in_order`) and the waiting and swapped ones in admission order (:meth:`in_admission_order`), as
+    requests come and go. Moves go through :meth:`move` so status and queue never disagree.
 
     Args:
         admission_key: the key of the scheduler's admission order: the queues keep the waiting and swapped
@@ -30,9 +32,13 @@ class RequestQueues:
             prediction may have moved).
         is_key_fixed: whether a request's key never changes while it waits or is swapped (first come, first
             served): :meth:`check_invariants` then holds each kept key to a fresh one.
+        running_key: the key of the order running requests are scheduled in (most urgent first), fixed while a
+            request runs (``scheduler_policy.running_order_key``): the queues keep them sorted by it
+            (:meth:`running_in_order`). None: kept in arrival order.
     """
 
-    def __init__(self, admission_key: Callable[[Request], Any], is_key_fixed: bool = True) -> None:
+    def __init__(self, admission_key: Callable[[Request], Any], is_key_fixed: bool = True,
+                 running_key: Callable[[Request], Any] | None = None) -> None:
         self.requests: dict[str, Request] = {}  # request_id -> unfinished request
         self.waiting: list[Request] = []  # no KV anywhere (new, or preempted by recompute)
         self.running: list[Request] = []  # owns device blocks
@@ -48,6 +54,10 @@ class RequestQueues:
         self._in_order: list[tuple[Any, Request]] = []
         self._arrived: list[Request] = []
         self._keys: dict[str, Any] = {}
+        # (key, request) of the running requests, sorted by running_key, and each one's key
+        self._running_key = running_key or (lambda _: 0)
+        self._running_in_order: list[tuple[Any, Request]] = []
+        self._running_keys: dict[str, Any] = {}
         self.request_to_admitted_step: dict[str, int] = {}  # running request -> step it (re)started
         # running slots (max_num_seqs) the running queue takes: kept as requests come and go (a request's seats never
         # change: a forked parent leaves, its samples come), so the admission checks do not sum the queue each time
@@ -68,6 +78,10 @@ class RequestQueues:
             yield request
             # NOTE: the one just read may have left (admitted, finished): the next is the first after its key
             position = bisect_right(in_order, key, key=_key_of)
+
+    def running_in_order(self) -> list[Request]:
+        """The running requests, most urgent first (by ``running_key``); a new list."""
+        return list(map(_request_of, self._running_in_order))
 
     def _sort_arrived(self, admission_key: Callable[[Request], Any]) -> None:
         arrived, self._arrived = self._arrived, []
@@ -137,6 +151,7 @@ class RequestQueues:
         self.request_to_admitted_step.pop(request.request_id, None)
         if request.status is RequestStatus.RUNNING:
             self.num_running_seats -= request.num_seats
+            self._stop_running(request)
         else:
             self._leave(request)
         request.status = status
@@ -144,6 +159,8 @@ class RequestQueues:
         if status is RequestStatus.RUNNING:
             self.request_to_admitted_step[request.request_id] = step_index
             self.num_running_seats += request.num_seats
+            key = self._running_keys[request.request_id] = self._running_key(request)
+            self._running_in_order.insert(bisect_right(self._running_in_order, key, key=_key_of), (key, request))
         else:
             self._enter(request)
 
@@ -155,9 +172,17 @@ class RequestQueues:
             self.request_to_admitted_step.pop(request_id, None)
             if request.status is RequestStatus.RUNNING:
                 self.num_running_seats -= request.num_seats
+                self._stop_running(request)
             else:
                 self._leave(request)
         return request
+
+    def _stop_running(self, request: Request) -> None:
+        key = self._running_keys.pop(request.request_id)
+        position = bisect_left(self._running_in_order, key, key=_key_of)
+        while self._running_in_order[position][1] is not request:  # NOTE: equal keys (a running_key of none)
+            position += 1
+        del self._running_in_order[position]
 
     def check_invariants(self, block_manager: BlockManager, max_num_seqs: int) -> None:
         """Raise InvariantError unless queues, statuses and block ownership agree."""
@@ -197,6 +222,11 @@ class RequestQueues:
             raise InvariantError("the admission order holds stale keys")
         if self.waiting_groups != Counter(request.length_state.group for request in self.waiting):
             raise InvariantError("the waiting requests' length groups are miscounted")
+        running_keys = [key for key, _ in self._running_in_order]
+        if sorted(map(id, self.running_in_order())) != sorted(map(id, self.running)) or \
+                running_keys != sorted(running_keys) or \
+                any(self._running_key(request) != key for key, request in self._running_in_order):
+            raise InvariantError("the running order does not hold the running requests by their keys, in order")
 
 
 def _check_blocks(request: Request, block_manager: BlockManager) -> None:

@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import math
 import sys
-from collections.abc import Callable
 from typing import Literal
 
 from tokenmill.engine.config import SchedulerConfig
@@ -31,10 +30,10 @@ from tokenmill.engine.core.request import ParallelGroup, PreemptionCause, Reques
 from tokenmill.engine.core.request_queue import RequestQueues
 from tokenmill.engine.core.scheduler_policy import (
     AdmissionKey,
-    UrgencyKey,
     admission_key,
     effective_priority,
     is_decode,
+    running_order_key,
     urgency_key,
 )
 from tokenmill.engine.core.speculation import DraftRoom, Speculator
@@ -112,7 +111,7 @@ class Scheduler:
         self._length_keys_until = 0  # the predictor's history size from which a kept length key may be stale
         self._queues = RequestQueues(
             (lambda r: admission_key(r, aging_interval_s)) if self._is_fcfs else self._length_admission_key,
-            is_key_fixed=self._is_fcfs)
+            is_key_fixed=self._is_fcfs, running_key=lambda r: running_order_key(r, aging_interval_s))
         self._finished: list[Request] = []  # finished since the last take_finished()
         self._groups: dict[str, ParallelGroup] = {}  # n > 1 requests that forked, until every sample finished
         self._next_seq_no = 0
@@ -470,9 +469,14 @@ class Scheduler:
         )
 
     def check_invariants(self) -> None:
-        """Raise InvariantError unless queues, statuses and block ownership agree."""
+        """Raise InvariantError unless queues, statuses and block ownership agree, and the running requests are kept
+        in urgency order (``urgency_key`` now)."""
         self.block_manager.check_invariants()
         self._queues.check_invariants(self.block_manager, self.config.max_num_seqs)
+        now_s, aging_interval_s = self.clock.now(), self.config.aging_interval_s
+        if self._queues.running_in_order() != sorted(self._queues.running,
+                                                      key=lambda r: urgency_key(r, now_s, aging_interval_s)):
+            raise InvariantError("the running requests are not kept in urgency order")
         if self.prefix_cache is not None:
             self.prefix_cache.check_invariants()
 
@@ -482,7 +486,7 @@ class Scheduler:
         """Give every running request its next tokens: decodes first, then chunked prefills."""
         decodes: list[Request] = []
         prefills: list[Request] = []
-        for request in sorted(self._queues.running, key=self._urgency_key(plan)):
+        for request in self._queues.running_in_order():  # NOTE: urgency order, kept (running_order_key)
             (decodes if is_decode(request) else prefills).append(request)
         slots = [(request.request_id, request.num_computed_tokens) for request in decodes]
         if self._fits_without_preemption(slots, plan):
@@ -802,9 +806,6 @@ class Scheduler:
         self.counters.num_finished_errors += 1
         self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR, ErrorCode.INTERNAL,
                             "the scheduler could not place this request in the KV cache")
-
-    def _urgency_key(self, plan: StepPlan) -> Callable[[Request], UrgencyKey]:
-        return lambda r: urgency_key(r, plan.now_s, self.config.aging_interval_s)
 
     def _keep_length_order(self) -> None:
         """Where the length config orders admission by predicted length inside a level: the kept keys made anew

@@ -65,6 +65,17 @@ def urgency_key(request: Request, now_s: float, aging_interval_s: float) -> Urge
     return (effective_priority(request, now_s, aging_interval_s), request.arrival_time_s, request.seq_no)
 
 
+def running_order_key(request: Request, aging_interval_s: float) -> UrgencyKey:
+    """:func:`urgency_key`'s order without a clock, for requests whose aging started at or before any time asked
+    about (running ones: the clock only moves forward): their effective priority is ``priority +
+    floor(waiting_since_s / I) - floor(now_s / I)``, the last term the same for all (as in :func:`admission_key`).
+    A running request's key stays while it runs, so the queues keep the running requests in this order."""
+    level = request.priority
+    if aging_interval_s > 0.0:
+        level += math.floor(request.waiting_since_s / aging_interval_s)
+    return (level, request.arrival_time_s, request.seq_no)
+
+
 def admission_key(request: Request, aging_interval_s: float, length_order: float = 0.0) -> AdmissionKey:
     """Order of swapped and waiting requests for (re)admission: by effective priority, then a swapped
     request before a new (or recompute-preempted) one, then ``length_order`` (the predicted remaining
