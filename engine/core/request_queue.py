@@ -1,5 +1,6 @@
 """The scheduler's request bookkeeping: waiting / running / swapped queues kept consistent
-with each request's status, and the waiting and swapped requests kept in admission order. Standard library only."""
+with each request's status, the running requests kept in urgency order and the waiting and swapped ones in admission
+order. Standard library only."""
 
 from __future__ import annotations
 
@@ -67,9 +68,9 @@ class RequestQueues:
         return self._by_status[status]
 
     def in_admission_order(self) -> Iterator[Request]:
-        """The waiting and swapped requests in admission order (needs ``admission_key``), read lazily: admitting or
-        finishing the one just read is fine while iterating; one that starts waiting meanwhile (preempted) is not
-        among them (it comes in the next call's)."""
+        """The waiting and swapped requests in admission order, read lazily: admitting or finishing the one just read
+        is fine while iterating; one that starts waiting meanwhile (preempted) is not among them (it comes in the next
+        call's)."""
         self._sort_arrived(self._admission_key)
         in_order = self._in_order
         position = 0
@@ -178,11 +179,14 @@ class RequestQueues:
         return request
 
     def _stop_running(self, request: Request) -> None:
-        key = self._running_keys.pop(request.request_id)
-        position = bisect_left(self._running_in_order, key, key=_key_of)
-        while self._running_in_order[position][1] is not request:  # NOTE: equal keys (a running_key of none)
+        """The request stops running."""
+        order = self._running_in_order
+        position = bisect_left(order, self._running_keys.pop(request.request_id), key=_key_of)
+        while position < len(order) and order[position][1] is not request:  # NOTE: equal keys (no running_key)
             position += 1
-        del self._running_in_order[position]
+        if position == len(order):
+            raise InvariantError(f"{request.request_id} is not in the running order")
+        del order[position]
 
     def check_invariants(self, block_manager: BlockManager, max_num_seqs: int) -> None:
         """Raise InvariantError unless queues, statuses and block ownership agree."""
@@ -201,7 +205,7 @@ class RequestQueues:
             raise InvariantError(f"{num_seats} running seats > max_num_seqs {max_num_seqs}")
         if self.request_to_admitted_step.keys() != {r.request_id for r in self.running}:
             raise InvariantError("admission records do not match the running queue")
-        self._check_admission_order(self._admission_key)
+        self._check_orders(self._admission_key)
         num_used = block_manager.num_gpu_blocks - block_manager.num_free_gpu_blocks
         if num_used != len({b for r in self.running for b in block_manager.get_block_ids(r.request_id)}):
             raise InvariantError("device blocks are owned by requests that are not running")
@@ -209,9 +213,10 @@ class RequestQueues:
         if num_used != sum(len(block_manager.get_host_block_ids(r.request_id)) for r in self.swapped):
             raise InvariantError("host blocks are owned by requests that are not swapped")
 
-    def _check_admission_order(self, admission_key: Callable[[Request], Any]) -> None:
-        """The sorted and the arrived hold exactly the waiting and swapped requests, each sorted one under the key it
-        has now, in order."""
+    def _check_orders(self, admission_key: Callable[[Request], Any]) -> None:
+        """The admission order's sorted and arrived requests are exactly the waiting and swapped ones, each sorted one
+        under its kept key (the key it has now, where keys are fixed), in order; the waiting groups are counted right;
+        the running order holds exactly the running requests, under their keys, in order."""
         members = [request for _, request in self._in_order] + self._arrived
         if sorted(map(id, members)) != sorted(map(id, self.waiting + self.swapped)):
             raise InvariantError("the admission order does not hold exactly the waiting and swapped requests")
