@@ -184,9 +184,11 @@ class Scheduler:
         plan = StepPlan.start(self.config, self.counters.num_steps, self.clock.now())
         self._needs_full_schedule = False
         self._last_full_schedule = self.counters.num_steps
-        for parent in [r for r in self._queues.running if r.is_fork_pending]:
-            if parent.num_computed_tokens == parent.num_schedulable_tokens:
-                self._add_samples(parent, self._fork(parent, is_running=True), plan.index)
+        # NOTE: only an n > 1 request before its fork takes more than one seat: none running, none to look for
+        if self._queues.num_running_seats > len(self._queues.running):
+            for parent in [r for r in self._queues.running if r.is_fork_pending]:
+                if parent.num_computed_tokens == parent.num_schedulable_tokens:
+                    self._add_samples(parent, self._fork(parent, is_running=True), plan.index)
         for request in self._policy.requests_to_demote():
             request.is_demoted = True
         self._schedule_running(plan)

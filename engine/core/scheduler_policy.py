@@ -109,7 +109,9 @@ def choose_victim(requests: Iterable[Request], now_s: float, aging_interval_s: f
 
 def is_decode(request: Request) -> bool:
     """Whether the request's next step computes just its newest sampled token."""
-    return request.num_output_tokens > 0 and request.num_tokens - request.num_computed_tokens == 1
+    # NOTE: the lists' lengths read directly (not the request's num_* properties): asked twice per request per step
+    output = request.output_token_ids
+    return bool(output) and len(request.prompt_token_ids) + len(output) - request.num_computed_tokens == 1
 
 
 def room_victims(
