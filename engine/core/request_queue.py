@@ -4,18 +4,14 @@ order. Standard library only."""
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
 from collections import Counter
 from collections.abc import Callable, Iterator
-from operator import itemgetter
 from typing import Any
 
+from tokenmill.engine.core.kept_order import KeptOrder
 from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.errors import InvariantError
 from tokenmill.engine.kv.block_manager import BlockManager
-
-_key_of = itemgetter(0)
-_request_of = itemgetter(1)
 
 
 class RequestQueues:
@@ -50,15 +46,13 @@ class RequestQueues:
         self._is_key_fixed = is_key_fixed
         # the length groups of the waiting requests, with how many of each (none at 0)
         self.waiting_groups: Counter[str | None] = Counter()
-        # (key, request) of the waiting and swapped requests, sorted; those that came since the last read, whose
-        # keys are made then (a preempted request's aging restarts after its move); each sorted one's key
-        self._in_order: list[tuple[Any, Request]] = []
+        # the waiting and swapped requests in admission order, and those that came since the last read, whose keys
+        # are made then (a preempted request's aging restarts after its move)
+        self._admission_order = KeptOrder()
         self._arrived: list[Request] = []
-        self._keys: dict[str, Any] = {}
-        # (key, request) of the running requests, sorted by running_key, and each one's key
+        # the running requests, by running_key
         self._running_key = running_key or (lambda _: 0)
-        self._running_in_order: list[tuple[Any, Request]] = []
-        self._running_keys: dict[str, Any] = {}
+        self._running_order = KeptOrder()
         self.request_to_admitted_step: dict[str, int] = {}  # running request -> step it (re)started
         # running slots (max_num_seqs) the running queue takes: kept as requests come and go (a request's seats never
         # change: a forked parent leaves, its samples come), so the admission checks do not sum the queue each time
@@ -71,36 +65,18 @@ class RequestQueues:
         """The waiting and swapped requests in admission order, read lazily: admitting or finishing the one just read
         is fine while iterating; one that starts waiting meanwhile (preempted) is not among them (it comes in the next
         call's)."""
-        self._sort_arrived(self._admission_key)
-        in_order = self._in_order
-        position = 0
-        while position < len(in_order):
-            key, request = in_order[position]
-            yield request
-            # NOTE: the one just read may have left (admitted, finished): the next is the first after its key
-            position = bisect_right(in_order, key, key=_key_of)
+        if self._arrived:
+            arrived, self._arrived = self._arrived, []
+            self._admission_order.add([(self._admission_key(request), request) for request in arrived])
+        return self._admission_order.read()
 
     def running_in_order(self) -> list[Request]:
         """The running requests, most urgent first (by ``running_key``); a new list."""
-        return list(map(_request_of, self._running_in_order))
-
-    def _sort_arrived(self, admission_key: Callable[[Request], Any]) -> None:
-        arrived, self._arrived = self._arrived, []
-        if not arrived:
-            return
-        keyed = [(admission_key(request), request) for request in arrived]
-        self._keys.update((request.request_id, key) for key, request in keyed)
-        if len(keyed) > 16:
-            self._in_order += keyed
-            self._in_order.sort(key=_key_of)  # NOTE: two sorted runs and a few strays: timsort merges them
-        else:
-            for pair in keyed:
-                self._in_order.insert(bisect_right(self._in_order, pair[0], key=_key_of), pair)
+        return self._running_order.requests()
 
     def rekey(self) -> None:
         """Make every kept key anew at the next read (the order's inputs moved)."""
-        self._arrived += [request for _, request in self._in_order]
-        self._in_order, self._keys = [], {}
+        self._arrived += self._admission_order.take_all()
 
     def _enter(self, request: Request) -> None:
         """The request starts waiting or is swapped."""
@@ -115,14 +91,10 @@ class RequestQueues:
             self.waiting_groups[group] -= 1
             if not self.waiting_groups[group]:
                 del self.waiting_groups[group]
-        key = self._keys.pop(request.request_id, None)
-        if key is None:
+        if request in self._admission_order:
+            self._admission_order.remove(request)
+        else:
             self._arrived.remove(request)
-            return
-        position = bisect_left(self._in_order, key, key=_key_of)
-        if position == len(self._in_order) or self._in_order[position][1] is not request:
-            raise InvariantError(f"{request.request_id} is not where its admission key puts it")
-        del self._in_order[position]
 
     def add(self, request: Request) -> None:
         """Start tracking a request as WAITING.
@@ -152,7 +124,7 @@ class RequestQueues:
         self.request_to_admitted_step.pop(request.request_id, None)
         if request.status is RequestStatus.RUNNING:
             self.num_running_seats -= request.num_seats
-            self._stop_running(request)
+            self._running_order.remove(request)
         else:
             self._leave(request)
         request.status = status
@@ -160,8 +132,7 @@ class RequestQueues:
         if status is RequestStatus.RUNNING:
             self.request_to_admitted_step[request.request_id] = step_index
             self.num_running_seats += request.num_seats
-            key = self._running_keys[request.request_id] = self._running_key(request)
-            self._running_in_order.insert(bisect_right(self._running_in_order, key, key=_key_of), (key, request))
+            self._running_order.add([(self._running_key(request), request)])
         else:
             self._enter(request)
 
@@ -173,20 +144,10 @@ class RequestQueues:
             self.request_to_admitted_step.pop(request_id, None)
             if request.status is RequestStatus.RUNNING:
                 self.num_running_seats -= request.num_seats
-                self._stop_running(request)
+                self._running_order.remove(request)
             else:
                 self._leave(request)
         return request
-
-    def _stop_running(self, request: Request) -> None:
-        """The request stops running."""
-        order = self._running_in_order
-        position = bisect_left(order, self._running_keys.pop(request.request_id), key=_key_of)
-        while position < len(order) and order[position][1] is not request:  # NOTE: equal keys (no running_key)
-            position += 1
-        if position == len(order):
-            raise InvariantError(f"{request.request_id} is not in the running order")
-        del order[position]
 
     def check_invariants(self, block_manager: BlockManager, max_num_seqs: int) -> None:
         """Raise InvariantError unless queues, statuses and block ownership agree."""
@@ -217,21 +178,13 @@ class RequestQueues:
         """The admission order's sorted and arrived requests are exactly the waiting and swapped ones, each sorted one
         under its kept key (the key it has now, where keys are fixed), in order; the waiting groups are counted right;
         the running order holds exactly the running requests, under their keys, in order."""
-        members = [request for _, request in self._in_order] + self._arrived
+        members = self._admission_order.check(admission_key if self._is_key_fixed else None) + self._arrived
         if sorted(map(id, members)) != sorted(map(id, self.waiting + self.swapped)):
             raise InvariantError("the admission order does not hold exactly the waiting and swapped requests")
-        keys = [key for key, _ in self._in_order]
-        if keys != sorted(keys) or any(self._keys.get(request.request_id) != key for key, request in self._in_order):
-            raise InvariantError("the admission order is out of order or its keys are not the requests'")
-        if self._is_key_fixed and any(admission_key(request) != key for key, request in self._in_order):
-            raise InvariantError("the admission order holds stale keys")
         if self.waiting_groups != Counter(request.length_state.group for request in self.waiting):
             raise InvariantError("the waiting requests' length groups are miscounted")
-        running_keys = [key for key, _ in self._running_in_order]
-        if sorted(map(id, self.running_in_order())) != sorted(map(id, self.running)) or \
-                running_keys != sorted(running_keys) or \
-                any(self._running_key(request) != key for key, request in self._running_in_order):
-            raise InvariantError("the running order does not hold the running requests by their keys, in order")
+        if sorted(map(id, self._running_order.check(self._running_key))) != sorted(map(id, self.running)):
+            raise InvariantError("the running order does not hold exactly the running requests")
 
 
 def _check_blocks(request: Request, block_manager: BlockManager) -> None:
