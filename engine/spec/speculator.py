@@ -38,7 +38,7 @@ from tokenmill.engine.spec.draft_length import (
     choose_draft_lengths,
     drafting_pays,
 )
-from tokenmill.engine.spec.ngram import LazyNgramIndex
+from tokenmill.engine.spec.ngram import SCAN_TOKENS, LazyNgramIndex
 from tokenmill.engine.spec.suffix_pool import SuffixPool
 
 
@@ -90,7 +90,9 @@ class NgramProposer:
                 state = draft_state(request)
             index = state.ngram
             if index is None:
-                index = state.ngram = LazyNgramIndex(self.index_min_n, self.max_n)
+                # NOTE: a request that cannot outgrow SCAN_TOKENS searches its tokens; a longer one indexes them
+                searches = request.max_total_tokens <= SCAN_TOKENS
+                index = state.ngram = LazyNgramIndex(self.index_min_n, self.max_n, SCAN_TOKENS if searches else 0)
             draft = index.propose(request.prompt_token_ids, request.output_token_ids, num_tokens, min_n)
             if draft:
                 drafts[request.request_id] = draft

@@ -4,7 +4,8 @@ The n-gram index it runs (``LazyNgramIndex``) proposes the drafts of the plain o
 kept as the specification): the same longest suffix, its latest earlier occurrence, the same continuation, call
 after call as a request's output grows, for any n range, any tier's ``min_n``, any draft length, any id below
 2 ** 32, whether a call brings one new token or a whole prompt (each n's rolled key carried across calls), and
-whether the lookup reaches an n the index has not needed before (the lazy catch-up). And ``choose_draft_lengths``
+whether the lookup reaches an n the index has not needed before (the lazy catch-up), whether the request is short
+enough for its lookups to search its tokens (``scan_tokens``) or outgrows that mid-way. And ``choose_draft_lengths``
 sizes drafts as the token-by-token goodput rule (``greedy_draft_lengths``) does, whatever the step cost, the
 proposing's cost, the host time and the budget.
 """
@@ -35,7 +36,9 @@ def histories(draw: st.DrawFn) -> dict[str, Any]:
         st.integers(0, 8),  # draft tokens asked for
         st.one_of(st.none(), st.integers(0, max_n + 1)),  # the tier's min_n
     ), min_size=1, max_size=25))
+    # NOTE: 0: indexed from the start; 10_000: searched throughout; between: outgrown at some call
     return {"min_n": draw(st.integers(1, max_n)), "max_n": max_n,
+            "scan_tokens": draw(st.one_of(st.sampled_from([0, 10_000]), st.integers(1, 80))),
             "prompt": draw(st.lists(tokens, max_size=draw(st.sampled_from([4, 48])))), "calls": calls}
 
 
@@ -43,7 +46,7 @@ def histories(draw: st.DrawFn) -> dict[str, Any]:
 @given(histories())
 def test_the_lazy_index_proposes_the_plain_indexs_drafts(history: dict[str, Any]) -> None:
     reference = NgramIndex(history["min_n"], history["max_n"])
-    lazy = LazyNgramIndex(history["min_n"], history["max_n"])
+    lazy = LazyNgramIndex(history["min_n"], history["max_n"], history["scan_tokens"])
     prompt: list[int] = history["prompt"]
     output: list[int] = []
     for new_tokens, num_tokens, min_n in history["calls"]:

@@ -69,6 +69,17 @@ def test_ngram_lookup_continues_the_latest_earlier_occurrence_of_the_longest_suf
         LazyNgramIndex(min_n=0, max_n=3)
 
 
+
+def test_a_short_requests_search_matches_whole_tokens_only() -> None:
+    """A short request's lookups search its tokens' bytes: a byte match across two tokens is no occurrence."""
+    first, second = 0x04030201, 0x08070605  # bytes 01 02 03 04 | 05 06 07 08 (4-byte ids, little-endian)
+    across = 0x06050403  # bytes 03 04 05 06: in the two above, straddling them
+    for scan_tokens in (0, 100):  # indexed, searched
+        lazy = LazyNgramIndex(min_n=1, max_n=2, scan_tokens=scan_tokens)
+        assert lazy.propose([first, second], [across], 2) == []
+        assert lazy.propose([first, second], [across, first], 2) == [second, across]  # a whole token's match
+        assert NgramIndex(1, 2).propose([first, second, across, first], 2) == [second, across]
+
 def test_the_suffix_pool_drafts_from_earlier_outputs_and_forgets_the_oldest() -> None:
     pool = SuffixPool(min_n=2, max_n=3, continuation_len=4, capacity=1000)
     pool.add(prompt_token_ids=[100, 101], output_token_ids=[10, 11, 12, 13, 14, 15])
