@@ -234,8 +234,8 @@ class SpeculativeConfig(_Frozen):
                            "of 2 or more tokens is found (the request's own tokens, then the suffix pool), the "
                            "latest occurrence of the last token alone drafts, a weaker guess with its own acceptance")
     ngram_max: int = Field(5, ge=1, le=16, description="longest suffix n-gram the lookup matches")
-    suffix_pool_tokens: int = Field(1_000_000, ge=0, description="continuations the suffix pool remembers "
-                                    "(entries; oldest forgotten first)")
+    suffix_pool_tokens: int = Field(1_000_000, ge=0, description="n-grams the suffix pool remembers, shared "
+                                    "evenly by the n-gram lengths (oldest forgotten first)")
     draft_model: str | None = Field(None, description="method draft: a Hugging Face causal LM sharing the "
                                     "model's tokenizer (a path or a name in the cache)")
     min_acceptance: float = Field(0.2, ge=0.0, le=1.0, description="a proposer whose recent drafts for a request "

@@ -23,6 +23,7 @@ from tokenmill.engine.core.speculation import DraftRoom
 from tokenmill.engine.spec.draft_length import StepCost, choose_draft_lengths, greedy_draft_lengths
 from tokenmill.engine.spec.ngram import LazyNgramIndex, NgramIndex
 from tokenmill.engine.spec.speculator import NgramProposer, build_speculator, draft_state
+from tokenmill.engine.spec.suffix_pool import SuffixPool
 
 
 @st.composite
@@ -95,3 +96,51 @@ def draft_choices(draw: st.DrawFn) -> dict[str, Any]:
 @given(draft_choices())
 def test_draft_lengths_are_the_greedy_rules(case: dict[str, Any]) -> None:
     assert choose_draft_lengths(**case) == greedy_draft_lengths(**case)
+
+
+class _EagerSuffixPool:
+    """The suffix pool's plain form: every output's n-grams stored in every length's table as it comes."""
+
+    def __init__(self, min_n: int, max_n: int, continuation_len: int) -> None:
+        self.min_n, self.max_n, self.continuation_len = min_n, max_n, continuation_len
+        self.tables: dict[int, dict[tuple[int, ...], tuple[int, ...]]] = {n: {} for n in range(min_n, max_n + 1)}
+
+    def add(self, prompt: list[int], output: list[int]) -> None:
+        lead = prompt[-self.max_n:]
+        tokens = lead + output
+        for n, table in self.tables.items():
+            for stop in range(max(len(lead), n), len(tokens)):
+                gram = tuple(tokens[stop - n:stop])
+                table.pop(gram, None)
+                table[gram] = tuple(tokens[stop:stop + self.continuation_len])
+
+    def propose(self, token_ids: list[int], num_tokens: int, min_n: int | None) -> list[int]:
+        for n in range(min(self.max_n, len(token_ids)), max(self.min_n, min_n or 0) - 1, -1):
+            continuation = self.tables[n].get(tuple(token_ids[len(token_ids) - n:]))
+            if continuation and num_tokens > 0:
+                return list(continuation[:num_tokens])
+        return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 3), st.integers(0, 3), st.integers(1, 6),
+       st.lists(st.one_of(
+           st.tuples(st.just("add"), st.lists(st.integers(0, 3), max_size=4), st.lists(st.integers(0, 3), max_size=8)),
+           st.tuples(st.just("propose"), st.lists(st.integers(0, 3), min_size=1, max_size=6), st.integers(0, 5),
+                     st.one_of(st.none(), st.integers(1, 5)))), max_size=40))
+def test_the_lazy_suffix_pool_proposes_what_every_output_stored_at_once_would(
+        min_n: int, extra: int, continuation_len: int, calls: list[tuple[Any, ...]]) -> None:
+    """The pool's tables take the logged outputs when a lookup reads them (engine/spec/suffix_pool.py): with room for
+    everything, each lookup finds what tables filled as every output came would hold, whichever lengths the lookups
+    before it read (a length read late takes the outputs of every step it skipped, in order: the newest continuation
+    wins)."""
+    max_n = min_n + extra
+    pool = SuffixPool(min_n, max_n, continuation_len, capacity=1_000_000)
+    reference = _EagerSuffixPool(min_n, max_n, continuation_len)
+    for call in calls:
+        if call[0] == "add":
+            pool.add(call[1], call[2])
+            reference.add(call[1], call[2])
+        else:
+            assert pool.propose(call[1], call[2], call[3]) == reference.propose(call[1], call[2], call[3]), call
+    assert len(pool) == sum(len(table) for table in reference.tables.values())

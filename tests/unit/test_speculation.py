@@ -525,3 +525,16 @@ def test_the_suffix_pool_forgets_whole_older_outputs_first():
     assert pool.propose([9], 2) == [] and pool.propose([5, 1], 1, min_n=1) == []
     assert pool.propose([9, 1], 1) == [2]
     assert pool.propose([8], 2) == [3, 4] and pool.propose([8, 3], 1) == [4]
+
+
+def test_the_suffix_pool_logs_only_the_outputs_its_tables_could_hold():
+    """Outputs wait in a log until a lookup reads their length's table; the log keeps the latest outputs that give the
+    longest length its share of the capacity, so a table read late takes what it would still hold, nothing older."""
+    pool = SuffixPool(min_n=1, max_n=1, continuation_len=1, capacity=2)
+    pool.add([0], [1])
+    pool.add([2], [3])
+    pool.add([4], [5])  # NOTE: nothing read yet: the first output leaves the log unread, as a table would forget it
+    assert pool.propose([0], 1) == [] and pool.propose([2], 1) == [3] and pool.propose([4], 1) == [5]
+    assert len(pool) == 2
+    pool.add([2], [6])  # the newest continuation wins, in the table already read
+    assert pool.propose([2], 1) == [6]
