@@ -81,6 +81,10 @@ class WorkerConfig(BaseModel):
         "both", description="prefill: compute prompts' KV, publish it to the fleet's store and hand each request to "
         "the decode pool; decode: take handed-off requests, fetch their KV and generate; both: either (needs "
         "[engine.fleet_cache] enabled unless both)")
+    gc_young_threshold: int = Field(20_000, ge=0, description="once the engine is built: freeze the loaded "
+                                    "objects out of the garbage collector's passes and pass over young objects "
+                                    "every this many allocations (Python's default: 700); 0 leaves the collector "
+                                    "as Python sets it (worker/gc_tuning.py)")
     log_json: bool = Field(False, description="one JSON object per log line")
     log_level: Annotated[LogLevel, BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)] = "INFO"
 

@@ -20,6 +20,7 @@ from tokenmill.engine.kv.fetch_rules import FetchRules
 from tokenmill.protocol.connection import connect
 from tokenmill.worker.config import Settings
 from tokenmill.worker.errors import StartupError
+from tokenmill.worker.gc_tuning import tune_gc
 from tokenmill.worker.health import RedisHealth
 from tokenmill.worker.heartbeat import STOPPED
 from tokenmill.worker.lane_reads import lanes_for_role
@@ -79,6 +80,7 @@ def run_worker(settings: Settings, *, burst: bool = False) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+    tune_gc(settings.worker.gc_young_threshold)  # NOTE: this process is the worker's own (not an embedding one)
     if stop_signals:
         log.info("signal", extra={"event": "signal", "signal": "SIGTERM", "forced": False, "while": "starting"})
         worker.stop()  # NOTE: run() then drains at once: it reads nothing new and shuts down as after any stop
