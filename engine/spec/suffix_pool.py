@@ -6,15 +6,16 @@ Each finished request's output (led in by the prompt's last ``max_n`` tokens) is
 position of it, the n-grams ending there (``min_n``..``max_n`` tokens) map to the tokens that followed them. A
 lookup tries the request's longest suffix first. The newest continuation of an n-gram wins. Memory is bounded by
 ``capacity`` n-grams shared evenly by the lengths: each length's table forgets its oldest n-grams past its share,
-and the pool remembers only the latest outputs that give the longest length its share (an older one would be
-forgotten by every table that takes it).
+and the pool remembers only the latest outputs that give the longest length its share, n-grams counted with
+repeats (an older one's would be forgotten by any table that took it, unless the later ones repeat n-grams: then
+it is forgotten a little early, the price of the bound on memory).
 
 Each length has its own table, filled lazily: a finished output is only logged, and a lookup of an n first
 brings that n's table up to date with the outputs logged since it last looked. A lookup stops at the longest
 suffix found, so where requests copy what earlier ones produced (the case the pool pays for) the tables of the
 shorter lengths are rarely read and rarely filled: a finished request costs a log entry, not an n-gram per
 position and length (it was ~80 dictionary updates for a 16-token answer, 10% of a worker's engine thread on
-short requests).
+short requests). Of identical outputs a table catching up takes the latest only (:func:`_latest_of_each`).
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from collections.abc import Sequence
 class _Output:
     """One logged output: its tokens (the prompt's lead-in first) and the continuation after each position."""
 
-    __slots__ = ("first", "following", "num_grams", "tokens")
+    __slots__ = ("first", "following", "key", "num_grams", "tokens")
 
     def __init__(self, tokens: list[int], first: int, max_n: int) -> None:
         self.tokens = tokens
         self.first = first  # the position of its first output token
+        self.key = (first, *tokens)  # equal for outputs that write the same n-grams and continuations
         self.following: list[tuple[int, ...]] | None = None  # made when the first table takes it
         # the n-grams it gives the longest length's table (the fewest of any length's), at least one
         self.num_grams = max(1, len(tokens) - max(first, max_n))
@@ -107,7 +109,7 @@ class SuffixPool:
         if taken == num_logged:
             return table
         pop = table.pop
-        for output in itertools.islice(self._log, taken - self._log_start, None):
+        for output in _latest_of_each(list(itertools.islice(self._log, taken - self._log_start, None))):
             tokens, first = output.tokens, output.first
             following = output.following
             if following is None:
@@ -124,3 +126,23 @@ class SuffixPool:
             for gram in list(itertools.islice(table, len(table) - self._capacity_per_n)):
                 del table[gram]
         return table
+
+
+def _latest_of_each(outputs: list[_Output]) -> list[_Output]:
+    """The outputs no identical one follows, in order: what a table that takes them all ends up holding.
+
+    An output identical to a later one (the same lead-in and tokens) writes n-grams the later one writes again,
+    with the same continuations, and the later writes decide each n-gram's place in the table's age order: taking
+    only the later one leaves the table the same, evictions included (they come after the whole catch-up). Rows of
+    one job often give the same answer (a label, a fixed field), so a table catching up on a step's finished
+    requests often takes one of them, not each."""
+    if len(outputs) < 2:
+        return outputs
+    seen: set[tuple[int, ...]] = set()
+    latest = []
+    for output in reversed(outputs):
+        if output.key not in seen:
+            seen.add(output.key)
+            latest.append(output)
+    latest.reverse()
+    return latest

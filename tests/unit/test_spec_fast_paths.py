@@ -13,13 +13,15 @@ proposing's cost, the host time and the budget.
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.unit.scheduler_helpers import make_request
 from tokenmill.engine.config import SpeculativeConfig
 from tokenmill.engine.core.speculation import DraftRoom
+from tokenmill.engine.spec import suffix_pool
 from tokenmill.engine.spec.draft_length import StepCost, choose_draft_lengths, greedy_draft_lengths
 from tokenmill.engine.spec.ngram import LazyNgramIndex, NgramIndex
 from tokenmill.engine.spec.speculator import NgramProposer, build_speculator, draft_state
@@ -126,6 +128,7 @@ class _EagerSuffixPool:
 @given(st.integers(1, 3), st.integers(0, 3), st.integers(1, 6),
        st.lists(st.one_of(
            st.tuples(st.just("add"), st.lists(st.integers(0, 3), max_size=4), st.lists(st.integers(0, 3), max_size=8)),
+           st.tuples(st.just("again"), st.integers(0, 40)),  # an earlier output once more (rows giving one answer)
            st.tuples(st.just("propose"), st.lists(st.integers(0, 3), min_size=1, max_size=6), st.integers(0, 5),
                      st.one_of(st.none(), st.integers(1, 5)))), max_size=40))
 def test_the_lazy_suffix_pool_proposes_what_every_output_stored_at_once_would(
@@ -133,14 +136,53 @@ def test_the_lazy_suffix_pool_proposes_what_every_output_stored_at_once_would(
     """The pool's tables take the logged outputs when a lookup reads them (engine/spec/suffix_pool.py): with room for
     everything, each lookup finds what tables filled as every output came would hold, whichever lengths the lookups
     before it read (a length read late takes the outputs of every step it skipped, in order: the newest continuation
-    wins)."""
+    wins; of identical outputs, the latest)."""
     max_n = min_n + extra
     pool = SuffixPool(min_n, max_n, continuation_len, capacity=1_000_000)
     reference = _EagerSuffixPool(min_n, max_n, continuation_len)
+    added: list[tuple[list[int], list[int]]] = []
     for call in calls:
+        if call[0] == "again" and added:
+            call = ("add", *added[call[1] % len(added)])
         if call[0] == "add":
             pool.add(call[1], call[2])
             reference.add(call[1], call[2])
-        else:
+            added.append((call[1], call[2]))
+        elif call[0] == "propose":
             assert pool.propose(call[1], call[2], call[3]) == reference.propose(call[1], call[2], call[3]), call
     assert len(pool) == sum(len(table) for table in reference.tables.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 3), st.integers(0, 2), st.integers(1, 40),
+       st.lists(st.one_of(
+           st.tuples(st.just("add"), st.lists(st.integers(0, 2), max_size=3), st.lists(st.integers(0, 2), max_size=6)),
+           st.tuples(st.just("again"), st.integers(0, 40)),
+           st.tuples(st.just("propose"), st.lists(st.integers(0, 2), min_size=1, max_size=5))), max_size=40))
+# the same tokens led in by prompts of different lengths: different n-grams (not identical outputs)
+@example(1, 1, 100, [("add", [0], [1, 2]), ("add", [0, 1], [2]), ("propose", [0])])
+def test_a_catch_up_taking_only_the_latest_of_identical_outputs_leaves_the_tables_the_same(
+        min_n: int, extra: int, capacity: int, calls: list[tuple[Any, ...]]) -> None:
+    """``_latest_of_each`` (engine/spec/suffix_pool.py): a table that takes every logged output, repeats included,
+    holds the same n-grams, continuations and age order as one that takes the latest of identical ones, with a
+    capacity small enough that tables forget their oldest n-grams."""
+    max_n = min_n + extra
+    latest, every_one = SuffixPool(min_n, max_n, 3, capacity), SuffixPool(min_n, max_n, 3, capacity)
+    takes_every_one = mock.patch.object(suffix_pool, "_latest_of_each", lambda outputs: outputs)
+    added: list[tuple[list[int], list[int]]] = []
+    for call in calls:
+        if call[0] == "again" and added:
+            call = ("add", *added[call[1] % len(added)])
+        if call[0] == "add":
+            added.append((call[1], call[2]))
+            latest.add(call[1], call[2])
+            every_one.add(call[1], call[2])
+        elif call[0] == "propose":
+            with takes_every_one:
+                expected = every_one.propose(call[1], 3)
+            assert latest.propose(call[1], 3) == expected, call
+    with takes_every_one:
+        len(every_one)  # every table caught up
+    len(latest)
+    for n in range(min_n, max_n + 1):
+        assert list((latest._tables[n] or {}).items()) == list((every_one._tables[n] or {}).items()), n
