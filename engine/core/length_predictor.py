@@ -19,6 +19,7 @@ the history keys need no model access and answer in microseconds; docs/design.md
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import OrderedDict, deque
@@ -55,6 +56,9 @@ class LengthPredictor:
         # template's key; an estimate reads the ages of the few that run, not a pass over every waiting one)
         self._key_to_started: dict[Hashable, dict[str, Request]] = {}
         self.records: deque[LengthRecord] = deque(maxlen=_NUM_RECORDS)
+        # per record: the absolute log-length errors of its prediction and of its max_tokens (what errors() takes
+        # the medians of), made once as it is recorded
+        self._record_errors: deque[tuple[float, float]] = deque(maxlen=_NUM_RECORDS)
         self.num_observed = 0  # finished requests learnt from
         self.num_estimates = 0
         self.num_outlived = 0  # estimates redone because the request generated past the last one's median or mean
@@ -225,6 +229,8 @@ class LengthPredictor:
         admitted = state.admitted_estimate
         if admitted is not None:
             self.records.append(LengthRecord(admitted.median_total, request.max_tokens, length))
+            self._record_errors.append((abs(_log(admitted.median_total) - _log(length)),
+                                        abs(_log(request.max_tokens) - _log(length))))
 
     def group_mean_length(self, group: str | None, is_structured: bool = False) -> float | None:
         """Predicted mean output length of a new request of ``group``: from the group's history, else from every
@@ -249,11 +255,12 @@ class LengthPredictor:
         they were admitted with, and of planning with ``max_tokens`` (the baseline); (None, None) before any."""
         if self._errors[0] == (self.num_observed, last):
             return self._errors[1]
-        records = list(self.records)[-last:]
+        # NOTE: the stats ask after every finish on a busy worker: the last `last` only, not a copy of every record
+        recent = list(itertools.islice(reversed(self._record_errors), last))
         errors: tuple[float | None, float | None] = (None, None)
-        if records:
-            errors = (statistics.median(abs(_log(r.predicted) - _log(r.actual)) for r in records),
-                      statistics.median(abs(_log(r.max_tokens) - _log(r.actual)) for r in records))
+        if recent:
+            errors = (statistics.median(error for error, _ in recent),
+                      statistics.median(baseline for _, baseline in recent))
         self._errors = ((self.num_observed, last), errors)
         return errors
 

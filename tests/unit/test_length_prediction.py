@@ -8,6 +8,8 @@ unrelated to ``max_tokens``, as a model's are.
 from __future__ import annotations
 
 import math
+import statistics
+from typing import Any
 
 import pydantic
 import pytest
@@ -220,6 +222,26 @@ def test_prediction_errors_compare_with_planning_by_max_tokens() -> None:
         predictor.observe(request)
     error, baseline = predictor.errors()
     assert error == 0.0 and baseline is not None and baseline > 2.0  # log(64 / 3)
+
+
+def test_prediction_errors_are_the_medians_over_the_last_records() -> None:
+    """``errors(last)``: the median absolute log-length error of the last ``last`` records' predictions and of
+    their ``max_tokens``, as the records themselves give them (kept per record, read from the newest)."""
+    predictor = LengthPredictor(LengthConfig(min_samples=4))
+    warm_history(predictor)
+    for row in range(300):
+        request = templated(f"m{row}", "long" if row % 3 else "short", row, max_tokens=64 + row % 7)
+        request.length_state.admitted_estimate = predictor.current(request)
+        request.output_token_ids = [1] * (1 + (row * 37) % 60)
+        predictor.observe(request)
+    for last in (1, 50, 200, 10_000):
+        records = list(predictor.records)[-last:]
+
+        def median_error(predicted_of: Any, records: list[Any] = records) -> float:
+            return statistics.median(abs(math.log(max(1.0, predicted_of(r))) - math.log(max(1.0, r.actual)))
+                                     for r in records)
+
+        assert predictor.errors(last) == (median_error(lambda r: r.predicted), median_error(lambda r: r.max_tokens))
 
 
 # ----------------------------------------------------------------------------- the scheduler
