@@ -82,8 +82,8 @@ def bulk_command(
         "--progress/--no-progress", help="progress on stderr: a bar on a terminal, else a line every 10 s")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
     log_level: Annotated[str | None, typer.Option(
-        help="with --model, its worker's log level: DEBUG, INFO (two lines per record), WARNING (the default here) "
-             "or ERROR")] = None,
+        help="with --model, its worker's log level: DEBUG (two lines per record), INFO (failed records, and "
+             "a throughput line a minute), WARNING (the default here) or ERROR")] = None,
     queue: QueueOption = None,
     engine_flags: EngineFlags = NO_FLAGS,
 ) -> None:

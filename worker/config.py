@@ -85,6 +85,9 @@ class WorkerConfig(BaseModel):
                                     "objects out of the garbage collector's passes and pass over young objects "
                                     "every this many allocations (Python's default: 700); 0 leaves the collector "
                                     "as Python sets it (worker/gc_tuning.py)")
+    throughput_log_s: float = Field(60.0, ge=0, description="log results and completion tokens per minute this "
+                                    "often, when any were written (at info; each ok result is logged at debug, the "
+                                    "others at info); 0: never")
     log_json: bool = Field(False, description="one JSON object per log line")
     log_level: Annotated[LogLevel, BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)] = "INFO"
 

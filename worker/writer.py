@@ -28,6 +28,7 @@ from tokenmill.worker.messages import DeadLetter, Finish, Handoff, Outbound, Out
 from tokenmill.worker.metrics import WorkerMetrics
 from tokenmill.worker.results import PositionedDelta, ResultWriter, Writable
 from tokenmill.worker.state import Load
+from tokenmill.worker.throughput_log import ThroughputLog
 
 log = logging.getLogger("tokenmill.worker")
 
@@ -72,6 +73,7 @@ class Writer:
                                shards=self._layout.num_shards, hash_tag=home.hash_tag, cluster=self._layout.is_cluster,
                                role=config.role, version=package_version())
         self._rates = RateCounter(home, config.name)  # the dashboard's per-minute counters (protocol/rates.py)
+        self._throughput = ThroughputLog(config.throughput_log_s)  # the info line of results per minute
         self._unwritten: list[Writable] = []  # items of a flush that failed, retried first
         self._stream_bytes: dict[str, int] = {}  # request id -> bytes of token deltas so far in this run
         self._backoff = Backoff()
@@ -130,6 +132,7 @@ class Writer:
             try:
                 self._flush(self._take(max(0.0, min(WAKE_S, next_beat_s - time.monotonic()))))
                 self._rates.flush(self._client, force=self.closing.is_set())
+                self._throughput.report_if_due()
                 if time.monotonic() >= next_beat_s:
                     self.beat()
                     next_beat_s = time.monotonic() + self._config.heartbeat_interval_s
@@ -145,6 +148,7 @@ class Writer:
                 self._health.failed("tm-writer", exc)
                 self._backoff.wait(self.closing if give_up_at_s is None else None)
         self._unwritten += self._positioned(self._take_all())
+        self._throughput.report_if_due(final=True)
         if self._unwritten:
             return  # NOTE: Redis is failing: a last beat would only fail too (staleness tells)
         self.beat(STOPPED)
@@ -235,11 +239,19 @@ class Writer:
         result = item.result
         if self._metrics is not None:
             self._metrics.observe_result(result, was_stored)
-        if result is not None and was_stored:
-            self._rates.add(item.entry.stream, result.usage.completion_tokens)
-        log.info("finished", extra={"event": "finished", "request_id": result.id if result else None,
-                                    "status": result.status if result else "dead", "duplicate": not was_stored,
-                                    "tokens": len(result.token_ids) if result else 0})
+        status = result.status if result is not None else "dead"
+        if was_stored:
+            tokens = result.usage.completion_tokens if result is not None else 0
+            if result is not None:
+                self._rates.add(item.entry.stream, tokens)
+            self._throughput.add(status, tokens)
+        # NOTE: an ok result at debug (the throughput line counts it: a line each cost ~30% of a busy worker's CPU),
+        # what did not go well or was written twice at info
+        level = logging.DEBUG if status == "ok" and was_stored else logging.INFO
+        if log.isEnabledFor(level):
+            log.log(level, "finished", extra={"event": "finished", "request_id": result.id if result else None,
+                                              "status": status, "duplicate": not was_stored,
+                                              "tokens": len(result.token_ids) if result else 0})
 
     def _trim(self) -> None:
         """Forget old cancellations (of every shard) and long-silent workers' heartbeats."""

@@ -1,4 +1,5 @@
-"""The worker's log lines keep tracebacks: a "thread died" line says why, in text and in JSON."""
+"""The worker's log lines keep tracebacks: a "thread died" line says why, in text and in JSON; the throughput line
+tells what was answered per minute."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.worker_helpers import worker_logs
+from tokenmill.worker.throughput_log import ThroughputLog
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,3 +80,39 @@ def test_json_logs_switch_off_hugging_face_progress_bars(tiny_model: Path, as_js
                           capture_output=True, text=True, timeout=300, check=True)
     # NOTE: the text control shows the bar is there to switch off (text logs leave it as it is)
     assert ("Loading weights" in done.stderr) is not as_json, done.stderr[-2000:]
+
+
+def _lines(buffer: Any) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in buffer.getvalue().splitlines()]
+
+
+def test_the_throughput_line_gives_each_windows_rates_per_status() -> None:
+    throughput = ThroughputLog(interval_s=30.0)
+    start_s = time.monotonic()
+    with worker_logs(as_json=True) as buffer:
+        for _ in range(40):
+            throughput.add("ok", 16)
+        throughput.add("error", 0)
+        throughput.add("dead", 0)
+        throughput.report_if_due(start_s + 10.0)  # the window not over yet: nothing
+        assert buffer.getvalue() == ""
+        throughput.report_if_due(start_s + 30.0)
+        throughput.report_if_due(start_s + 70.0)  # nothing stored since: no line
+        throughput.add("ok", 4)
+        throughput.report_if_due(start_s + 71.0, final=True)  # the worker stops: the partial window at once
+    first, last = _lines(buffer)
+    assert first["event"] == "throughput" and first["level"] == "INFO"
+    window_s = first["window_s"]
+    assert window_s == pytest.approx(30.0, abs=0.1)
+    assert first["ok_per_min"] == round(40 * 60 / window_s, 1) and first["error_per_min"] == round(60 / window_s, 1)
+    assert first["dead_per_min"] == round(60 / window_s, 1) and first["results_per_min"] == round(42 * 60 / window_s, 1)
+    assert first["completion_tokens_per_min"] == round(640 * 60 / window_s, 1)
+    assert last["window_s"] == 1.0 and last["ok_per_min"] == 60.0 and "error_per_min" not in last
+
+
+def test_a_zero_interval_never_logs_throughput() -> None:
+    throughput = ThroughputLog(interval_s=0.0)
+    with worker_logs(as_json=True) as buffer:
+        throughput.add("ok", 1)
+        throughput.report_if_due(time.monotonic() + 3600.0, final=True)
+    assert buffer.getvalue() == ""
