@@ -92,6 +92,7 @@ class LocalWorker:
     """
 
     def __init__(self, settings: Settings, on_failure: Callable[[], None]) -> None:
+        from tokenmill.worker.gc_tuning import tune_gc  # noqa: PLC0415 - as below
         from tokenmill.worker.runtime import Worker  # noqa: PLC0415 - loads the engine (and torch for a model)
 
         self.settings = settings
@@ -100,6 +101,7 @@ class LocalWorker:
         self._stop_asked = threading.Event()
         log.info("loading the model", extra={"event": "loading", "model": settings.engine.model.name})
         self._worker: Worker = Worker(settings, handle_signals=False)
+        tune_gc(settings.worker.gc_young_threshold)  # NOTE: the command's process is the worker's, as run_worker's
         self._thread = threading.Thread(target=self._run, name="tm-local-worker", daemon=True)
 
     @property

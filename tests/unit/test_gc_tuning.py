@@ -59,6 +59,23 @@ def test_the_worker_process_tunes_its_collector_once_the_engine_is_built(monkeyp
     assert events == ["built", ("tuned", 5_000), "run"]
 
 
+def test_a_commands_own_worker_tunes_the_commands_process_once_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve --model`` and ``bulk --model`` run their worker in their own process (cli/local_worker.py)."""
+    from tokenmill.cli import local_worker
+    from tokenmill.worker import gc_tuning
+
+    events: list[Any] = []
+
+    class BuiltWorker:
+        def __init__(self, settings: Settings, *, handle_signals: bool = True) -> None:
+            events.append("built")
+
+    monkeypatch.setattr(runtime, "Worker", BuiltWorker)
+    monkeypatch.setattr(gc_tuning, "tune_gc", lambda young_threshold: events.append(("tuned", young_threshold)))
+    local_worker.LocalWorker(Settings(worker=WorkerConfig(gc_young_threshold=0)), on_failure=lambda: None)
+    assert events == ["built", ("tuned", 0)]
+
+
 def test_a_negative_threshold_is_refused_with_the_settings_name() -> None:
     with pytest.raises(pydantic.ValidationError, match="gc_young_threshold"):
         WorkerConfig(gc_young_threshold=-1)
