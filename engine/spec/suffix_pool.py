@@ -59,8 +59,8 @@ class SuffixPool:
         # again is popped and stored anew, at the end. None until a lookup first tries n.
         self._tables: list[dict[tuple[int, ...], tuple[int, ...]] | None] = [None] * (max_n + 1)
         # the latest finished outputs, oldest first, numbered from _log_start: as many as the longest length's table
-        # could hold n-grams of (an output gives each shorter length at least as many), so every table, however
-        # late it looks, finds what it would still hold
+        # could hold n-grams of, repeats counted (an output gives each shorter length at least as many), so a table,
+        # however late it looks, finds what it would still hold unless later outputs repeated n-grams (module doc)
         self._log: deque[_Output] = deque()
         self._log_start = 0
         self._log_grams = 0  # the longest length's n-grams in the log
