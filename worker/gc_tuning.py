@@ -20,6 +20,7 @@ that builds one itself) leaves that program's collector alone.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import time
@@ -35,6 +36,9 @@ def tune_gc(young_threshold: int) -> None:
     start = time.perf_counter()
     gc.collect()
     gc.freeze()
+    # NOTE: back to the collector at exit: the interpreter's last collections skip frozen objects, and extensions that
+    # count theirs at exit (nanobind's, in triton and xgrammar) would print a "leaked" report of dozens of lines
+    atexit.register(gc.unfreeze)
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(young_threshold, older, oldest)
     log.info("garbage collector tuned", extra={
