@@ -107,6 +107,13 @@ def worker_logs(as_json: bool, level: str = "INFO") -> Iterator[io.StringIO]:
     the loggers are put back as they were afterwards."""
     loggers = [logging.getLogger(name) for name in ("tokenmill", "engine")]
     saved = [(logger.handlers[:], logger.level, logger.propagate) for logger in loggers]
+    # NOTE: an earlier test's dictConfig (Celery's, uvicorn's) disables the loggers that existed then; a worker
+    # process has none disabled
+    disabled = [logger for name, logger in logging.Logger.manager.loggerDict.items()
+                if isinstance(logger, logging.Logger) and logger.disabled
+                and name.split(".")[0] in ("tokenmill", "engine")]
+    for logger in disabled:
+        logger.disabled = False
     buffer = io.StringIO()
     stderr, sys.stderr = sys.stderr, buffer
     try:
@@ -119,6 +126,8 @@ def worker_logs(as_json: bool, level: str = "INFO") -> Iterator[io.StringIO]:
         for logger, (handlers, level_before, propagate) in zip(loggers, saved):
             logger.handlers[:], logger.propagate = handlers, propagate
             logger.setLevel(level_before)
+        for logger in disabled:
+            logger.disabled = True
 
 
 def enqueue(client: redis.Redis, keys: Keys, lane: int = 0, **fields: Any) -> str:

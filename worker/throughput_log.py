@@ -47,7 +47,8 @@ class ThroughputLog:
         if self._status_to_num:
             per_min = 60.0 / elapsed_s
             log.info("throughput", extra={
-                "event": "throughput", "results_per_min": round(self._status_to_num.total() * per_min, 1),
+                "event": "throughput", "results": self._status_to_num.total(),
+                "results_per_min": round(self._status_to_num.total() * per_min, 1),
                 **{f"{status}_per_min": round(num * per_min, 1) for status, num in sorted(self._status_to_num.items())},
                 "completion_tokens_per_min": round(self._completion_tokens * per_min, 1),
                 "window_s": round(elapsed_s, 1)})

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
-import pytest
 import redis
 
 from tests.worker_helpers import enqueue, make_settings, running_worker, wait_result, wait_until, worker_logs
@@ -21,16 +21,16 @@ def test_at_info_a_worker_logs_failures_and_throughput_not_each_request(
             assert all(wait_result(redis_client, keys, request_id).ok for request_id in ok_ids)
             assert wait_result(redis_client, keys, failed_id).status == "error"
 
-            def throughput_lines() -> list[dict[str, object]]:
+            def throughput_lines() -> list[dict[str, Any]]:
                 lines = [json.loads(line) for line in logs.getvalue().splitlines()]
                 return [line for line in lines if line.get("event") == "throughput"]
 
-            wait_until(lambda: sum(float(line.get("ok_per_min", 0)) * float(line["window_s"]) / 60  # type: ignore[arg-type]
-                                   for line in throughput_lines()) >= 19.5, timeout_s=10)
+            wait_until(lambda: sum(line["results"] for line in throughput_lines()) >= 21, timeout_s=10)
     lines = [json.loads(line) for line in logs.getvalue().splitlines()]
     assert not [line for line in lines if line.get("event") == "claimed"]
     finished = [line for line in lines if line.get("event") == "finished"]
     assert [(line["request_id"], line["status"], line["level"]) for line in finished] == [(failed_id, "error", "INFO")]
     counted = [line for line in lines if line.get("event") == "throughput"]
-    assert sum(float(line.get("error_per_min", 0)) * float(line["window_s"]) / 60 for line in counted) == \
-        pytest.approx(1.0, abs=0.05)
+    assert sum(line["results"] for line in counted) == 21
+    assert any(line.get("ok_per_min", 0) > 0 for line in counted) and any(line.get("error_per_min", 0) > 0
+                                                                          for line in counted)

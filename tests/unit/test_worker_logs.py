@@ -101,13 +101,14 @@ def test_the_throughput_line_gives_each_windows_rates_per_status() -> None:
         throughput.add("ok", 4)
         throughput.report_if_due(start_s + 71.0, final=True)  # the worker stops: the partial window at once
     first, last = _lines(buffer)
-    assert first["event"] == "throughput" and first["level"] == "INFO"
+    assert first["event"] == "throughput" and first["level"] == "INFO" and first["results"] == 42
     window_s = first["window_s"]
     assert window_s == pytest.approx(30.0, abs=0.1)
     assert first["ok_per_min"] == round(40 * 60 / window_s, 1) and first["error_per_min"] == round(60 / window_s, 1)
     assert first["dead_per_min"] == round(60 / window_s, 1) and first["results_per_min"] == round(42 * 60 / window_s, 1)
     assert first["completion_tokens_per_min"] == round(640 * 60 / window_s, 1)
     assert last["window_s"] == 1.0 and last["ok_per_min"] == 60.0 and "error_per_min" not in last
+    assert last["results"] == 1
 
 
 def test_a_zero_interval_never_logs_throughput() -> None:
