@@ -42,6 +42,9 @@ class LengthRecord:
     predicted: float  # median_total of the estimate it was admitted with
     max_tokens: int
     actual: int
+    # the absolute log-length errors of the prediction and of planning with max_tokens (errors() takes their medians)
+    log_error: float
+    max_tokens_log_error: float
 
 
 class LengthPredictor:
@@ -56,9 +59,6 @@ class LengthPredictor:
         # template's key; an estimate reads the ages of the few that run, not a pass over every waiting one)
         self._key_to_started: dict[Hashable, dict[str, Request]] = {}
         self.records: deque[LengthRecord] = deque(maxlen=_NUM_RECORDS)
-        # per record: the absolute log-length errors of its prediction and of its max_tokens (what errors() takes
-        # the medians of), made once as it is recorded
-        self._record_errors: deque[tuple[float, float]] = deque(maxlen=_NUM_RECORDS)
         self.num_observed = 0  # finished requests learnt from
         self.num_estimates = 0
         self.num_outlived = 0  # estimates redone because the request generated past the last one's median or mean
@@ -228,9 +228,9 @@ class LengthPredictor:
             samples.add(length)
         admitted = state.admitted_estimate
         if admitted is not None:
-            self.records.append(LengthRecord(admitted.median_total, request.max_tokens, length))
-            self._record_errors.append((abs(_log(admitted.median_total) - _log(length)),
-                                        abs(_log(request.max_tokens) - _log(length))))
+            self.records.append(LengthRecord(admitted.median_total, request.max_tokens, length,
+                                             abs(_log(admitted.median_total) - _log(length)),
+                                             abs(_log(request.max_tokens) - _log(length))))
 
     def group_mean_length(self, group: str | None, is_structured: bool = False) -> float | None:
         """Predicted mean output length of a new request of ``group``: from the group's history, else from every
@@ -256,11 +256,11 @@ class LengthPredictor:
         if self._errors[0] == (self.num_observed, last):
             return self._errors[1]
         # NOTE: the stats ask after every finish on a busy worker: the last `last` only, not a copy of every record
-        recent = list(itertools.islice(reversed(self._record_errors), last))
+        recent = list(itertools.islice(reversed(self.records), last))
         errors: tuple[float | None, float | None] = (None, None)
         if recent:
-            errors = (statistics.median(error for error, _ in recent),
-                      statistics.median(baseline for _, baseline in recent))
+            errors = (statistics.median(r.log_error for r in recent),
+                      statistics.median(r.max_tokens_log_error for r in recent))
         self._errors = ((self.num_observed, last), errors)
         return errors
 
