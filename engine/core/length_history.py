@@ -11,7 +11,9 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -75,10 +77,15 @@ class LengthSamples:
 
     def add(self, length: int) -> None:
         """Remember one finished length (the oldest one leaves once the window is full)."""
-        if len(self._recent) == self._recent.maxlen:
-            oldest = self._recent[0]
-            del self._sorted[bisect.bisect_left(self._sorted, oldest)]
-        self._recent.append(length)
+        recent = self._recent
+        if len(recent) == recent.maxlen:
+            oldest = recent[0]
+            recent.append(length)  # NOTE: the oldest leaves the deque
+            if oldest != length:  # NOTE: a repeated length (max_tokens reached, a label) leaves the order as it is
+                del self._sorted[bisect.bisect_left(self._sorted, oldest)]
+                bisect.insort(self._sorted, length)
+            return
+        recent.append(length)
         bisect.insort(self._sorted, length)
 
     def estimate(self, num_generated: int, max_tokens: int, *, min_samples: int, quantile: float, source: str,
@@ -135,3 +142,42 @@ def _quantile(lengths: list[float], masses: list[float], quantile: float) -> flo
         if cumulative >= quantile - 1e-9:
             return length
     return lengths[-1]
+
+
+class KeyHistory:
+    """What the predictor knows under one history key: its finished lengths, and its live requests (their ages are
+    censored lengths). A request holds its keys' histories (``LengthState.keys``), made once, so its admission,
+    start, finish and every estimate touch them directly: no key tuple is built or hashed again.
+
+    Attributes:
+        key: the history key (engine/core/length_predictor.py ``history_keys``).
+        source: the name of its kind (an estimate's ``source``).
+        prefix_length: the prompt-prefix length it names; 0 for a group's or everyone's key.
+        samples: its finished lengths; None before the first finish (or once the predictor forgot them).
+        live: its unfinished requests, by id.
+        started: ... of them, those scheduled at least once (only they have an age).
+        last_observed: the predictor's ``num_observed`` when it last learnt a length here (least recently used
+            histories are forgotten first).
+        is_attached: in the predictor's index (False once dropped: a request holding it looks its key up again).
+        memo, memo_observed: answers for requests that generated nothing yet, by ``(known past, max_tokens)``, made
+            while the predictor's ``num_observed`` was ``memo_observed`` (any finish makes them stale).
+        num_started, started_observed: the requests that finished here or generated a token, counted when
+            ``num_observed`` was ``started_observed``.
+    """
+
+    __slots__ = ("is_attached", "key", "last_observed", "live", "memo", "memo_observed", "num_started",
+                 "prefix_length", "samples", "source", "started", "started_observed")
+
+    def __init__(self, key: Hashable, source: str, prefix_length: int) -> None:
+        self.key = key
+        self.source = source
+        self.prefix_length = prefix_length
+        self.samples: LengthSamples | None = None
+        self.live: dict[str, Any] = {}
+        self.started: dict[str, Any] = {}
+        self.last_observed = 0
+        self.is_attached = True
+        self.memo: dict[tuple[int, int], tuple[LengthEstimate | None, int]] = {}
+        self.memo_observed = -1
+        self.num_started = 0
+        self.started_observed = -1

@@ -22,12 +22,12 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
 from tokenmill.engine.config import LengthConfig
-from tokenmill.engine.core.length_history import LengthEstimate, LengthSamples
+from tokenmill.engine.core.length_history import KeyHistory, LengthEstimate, LengthSamples
 from tokenmill.engine.core.request import Request
 
 # Prompt prefixes (tokens) that may name a template, longest first.
@@ -48,16 +48,19 @@ class LengthRecord:
 
 
 class LengthPredictor:
-    """Output-length history keyed by what predicts a length, and the estimates it gives."""
+    """Output-length history keyed by what predicts a length, and the estimates it gives.
+
+    NOTE: each key's history (engine/core/length_history.py ``KeyHistory``: its lengths, its live and started
+    requests, its memo) is one object, which the requests under it hold: a request's admission, start, estimates
+    and finish touch its keys' objects directly. Kept in dictionaries keyed by the key tuples (of lengths, of live
+    requests, of started ones, a memo: each hashing a request's dozen or more keys again), the predictor cost a
+    worker's 16-token echo requests 60 us each, a third of the engine's time; now about 40 (ops/bench/README.md).
+    """
 
     def __init__(self, config: LengthConfig) -> None:
         self.config = config
-        self._key_to_samples: OrderedDict[Hashable, LengthSamples] = OrderedDict()
-        # Unfinished requests per key: their ages are censored lengths for the key's estimates.
-        self._key_to_live: dict[Hashable, dict[str, Request]] = {}
-        # ... of them, those scheduled at least once: only they have an age (a backlog of thousands waits under one
-        # template's key; an estimate reads the ages of the few that run, not a pass over every waiting one)
-        self._key_to_started: dict[Hashable, dict[str, Request]] = {}
+        self._histories: dict[Hashable, KeyHistory] = {}  # every key with lengths or live requests
+        self._num_with_samples = 0  # ... of them, those holding lengths (at most about config.max_keys)
         self.records: deque[LengthRecord] = deque(maxlen=_NUM_RECORDS)
         self.num_observed = 0  # finished requests learnt from
         self.num_estimates = 0
@@ -65,11 +68,6 @@ class LengthPredictor:
         # NOTE: the engine's stats (read after every worker step) ask for these; they change only with the history.
         self._errors: tuple[tuple[int, int], tuple[float | None, float | None]] = ((-1, 0), (None, None))
         self._group_means: dict[tuple[str | None, bool], tuple[int, float | None]] = {}
-        # (key, known past, max_tokens) -> the key's answer for requests that generated nothing, while num_observed
-        # is _memo_observed
-        self._memo: dict[tuple[Hashable, int, int], tuple[LengthEstimate | None, int]] = {}
-        self._started_memo: dict[Hashable, int] = {}  # template key -> _num_started, with the memo above
-        self._memo_observed = -1
 
     def current(self, request: Request) -> LengthEstimate:
         """The request's estimate, redone when it is stale: none yet; for one that generated nothing yet (it
@@ -108,46 +106,66 @@ class LengthPredictor:
     def estimate(self, request: Request) -> LengthEstimate:
         """Estimate ``request``'s final length given what it generated so far; keeps it on the request."""
         state = request.length_state
-        if not state.keys:
-            state.keys = history_keys(request)
-        keys = state.keys
+        if not state.is_tracked or not state.keys:
+            self._track(request)
+        histories = state.keys
         num_generated = request.num_output_tokens
-        # NOTE: the last key is every request's: a request not under it is not tracked as live yet
-        if request.request_id not in self._key_to_live.get(keys[-1][0], {}):
-            for key, _ in keys:
-                self._key_to_live.setdefault(key, {})[request.request_id] = request
-            if request.first_scheduled_time_s is not None or num_generated:
-                self.started(request)
         known_past = num_generated  # what the request, or the running ones of a key that cannot answer, outlived
+        max_tokens = request.max_tokens
+        num_observed = self.num_observed
         estimate = None
-        if self._memo_observed != self.num_observed:
-            self._memo.clear()
-            self._started_memo.clear()
-            self._memo_observed = self.num_observed
-        answer_index = len(keys)  # the key that answered (none: as many as there are)
-        for index, (key, source) in enumerate(keys):
-            memo_key = (key, known_past, request.max_tokens)
-            answer = self._memo.get(memo_key) if num_generated == 0 else None
-            if answer is None:
-                answer = self._key_answer(key, source, known_past, request.max_tokens)
-                if num_generated == 0:
-                    self._memo[memo_key] = answer
+        answer_index = len(histories)  # the key that answered (none: as many as there are)
+        for index, history in enumerate(histories):
+            if num_generated == 0:
+                if history.memo_observed != num_observed:
+                    history.memo.clear()
+                    history.memo_observed = num_observed
+                answer = history.memo.get((known_past, max_tokens))
+                if answer is None:
+                    answer = history.memo[known_past, max_tokens] = self._key_answer(history, known_past, max_tokens)
+            else:
+                answer = self._key_answer(history, known_past, max_tokens)
             estimate, known_past = answer
             if estimate is not None:
                 answer_index = index
                 break
         if estimate is None:
-            estimate = (LengthEstimate.outlived(known_past, request.max_tokens) if known_past
-                        else LengthEstimate.prior(request.max_tokens))
-        state.correlation = self._unknown_template(request, answer_index)
-        state.exploring = (state.correlation is not None
-                           and self._num_started(state.correlation) < self.config.min_samples)
+            estimate = (LengthEstimate.outlived(known_past, max_tokens) if known_past
+                        else LengthEstimate.prior(max_tokens))
+        template = self._unknown_template(histories, answer_index)
+        state.correlation = template.key if template is not None else None
+        state.exploring = template is not None and self._num_started(template) < self.config.min_samples
         state.estimate = estimate
-        state.history_size = self.num_observed
+        state.history_size = num_observed
         self.num_estimates += 1
         return estimate
 
-    def _key_answer(self, key: Hashable, source: str, known_past: int, max_tokens: int,
+    def _track(self, request: Request) -> None:
+        """Count a request live under its keys (its first estimate, or its finish before one), looking them up
+        first where it has none, or one the predictor dropped since (a sample of a request forgotten at its fork)."""
+        state = request.length_state
+        histories = state.keys
+        if not histories or not all(history.is_attached for history in histories):
+            histories = state.keys = self._histories_of(request)
+        request_id = request.request_id
+        for history in histories:
+            history.live[request_id] = request
+        state.is_tracked = True
+        if request.first_scheduled_time_s is not None or request.num_output_tokens:
+            self.started(request)
+
+    def _histories_of(self, request: Request) -> tuple[KeyHistory, ...]:
+        """The histories of the request's keys (``history_keys``), made where new."""
+        histories = self._histories
+        found = []
+        for key, source in history_keys(request):
+            history = histories.get(key)
+            if history is None:
+                history = histories[key] = KeyHistory(key, source, _prefix_length(key))
+            found.append(history)
+        return tuple(found)
+
+    def _key_answer(self, history: KeyHistory, known_past: int, max_tokens: int,
                     ) -> tuple[LengthEstimate | None, int]:
         """What one history key says of a request known to run past ``known_past`` tokens: its estimate (None: too
         little history), and what the next, coarser key should take the request to outlive.
@@ -157,80 +175,111 @@ class LengthPredictor:
         typical one: those then predict it from their lengths past the age ``min_samples`` of them reached."""
         min_samples = self.config.min_samples
         # NOTE: a request never scheduled has generated nothing: its age would pass neither test below
-        live_ages = [r.num_output_tokens for r in self._key_to_started.get(key, {}).values()]
-        samples = self._key_to_samples.get(key)
+        live_ages = [r.num_output_tokens for r in history.started.values()]
+        samples = history.samples
         if samples is not None:
             estimate = samples.estimate(known_past, max_tokens, min_samples=min_samples,
-                                        quantile=self.config.tail_quantile, source=source, live_ages=live_ages)
+                                        quantile=self.config.tail_quantile, source=history.source,
+                                        live_ages=live_ages)
             if estimate is not None:
                 return estimate, known_past
         older = sorted(age for age in live_ages if age > known_past)
         return None, (older[-min_samples] if len(older) >= min_samples else known_past)
 
-    def _unknown_template(self, request: Request, answer_index: int) -> Hashable | None:
+    @staticmethod
+    def _unknown_template(histories: tuple[KeyHistory, ...], answer_index: int) -> KeyHistory | None:
         """The request's template (the most specific history key it shares with another live request: a bulk job's
         rows share the template's prefix, not the row's own words) when its own history did not answer the estimate
         (the key at ``answer_index`` is coarser: the job's or everyone's); None when it did, or it has none."""
-        keys = request.length_state.keys
-        template_index = next((index for index, (key, _) in enumerate(keys)
-                               if len(self._key_to_live.get(key, ())) >= 2), len(keys))
+        template_index = next((index for index, history in enumerate(histories) if len(history.live) >= 2),
+                              len(histories))
         if answer_index <= template_index:
             return None
-        template = keys[template_index][0]
+        template = histories[template_index]
         # NOTE: the same prompt prefix across groups is the template's own history too (a new job, a known template)
-        if answer_index < len(keys) and _prefix_length(keys[answer_index][0]) >= _prefix_length(template) > 0:
+        if answer_index < len(histories) and histories[answer_index].prefix_length >= template.prefix_length > 0:
             return None
         return template
 
-    def _num_started(self, key: Hashable) -> int:
-        """Requests under ``key`` that finished (in its window) or generated a token; kept in the memo until the next
-        finish."""
-        num_started = self._started_memo.get(key)
-        if num_started is None:
-            samples = self._key_to_samples.get(key)
-            num_running = sum(1 for r in self._key_to_started.get(key, {}).values() if r.num_output_tokens > 0)
-            num_started = self._started_memo[key] = (len(samples) if samples is not None else 0) + num_running
-        return num_started
+    def _num_started(self, history: KeyHistory) -> int:
+        """Requests under the key that finished (in its window) or generated a token; kept until the next finish."""
+        if history.started_observed != self.num_observed:
+            samples = history.samples
+            num_running = sum(1 for r in history.started.values() if r.num_output_tokens > 0)
+            history.num_started = (len(samples) if samples is not None else 0) + num_running
+            history.started_observed = self.num_observed
+        return history.num_started
 
     def started(self, request: Request) -> None:
         """A live request was scheduled for the first time (the scheduler's admission; a sample of a running request
         starts so): from now on its age counts in its keys' estimates. Nothing for one not estimated yet (its first
         estimate counts it)."""
-        keys = request.length_state.keys
-        if keys and request.request_id in self._key_to_live.get(keys[-1][0], {}):
-            for key, _ in keys:
-                self._key_to_started.setdefault(key, {})[request.request_id] = request
+        state = request.length_state
+        if state.is_tracked:
+            request_id = request.request_id
+            for history in state.keys:
+                history.started[request_id] = request
 
     def forget(self, request: Request) -> None:
         """A request that ended without a length to learn from (aborted, failed, or forked into samples)."""
-        for key, _ in request.length_state.keys:
-            for key_to_requests in (self._key_to_live, self._key_to_started):
-                requests = key_to_requests.get(key)
-                if requests is not None and requests.pop(request.request_id, None) is not None and not requests:
-                    del key_to_requests[key]
+        state = request.length_state
+        if not state.is_tracked:
+            return
+        state.is_tracked = False
+        request_id = request.request_id
+        for history in state.keys:
+            history.live.pop(request_id, None)
+            history.started.pop(request_id, None)
+            if not history.live and history.samples is None:
+                self._drop(history)
 
     def observe(self, request: Request) -> None:
         """Learn from a request that finished on its own (a stop or its length limit; not an abort or error)."""
+        state = request.length_state
+        if not state.is_tracked:
+            self._track(request)
         self.forget(request)
         length = request.num_output_tokens
         self.num_observed += 1
-        state = request.length_state
-        if not state.keys:
-            state.keys = history_keys(request)
-        for key, _ in state.keys:
-            samples = self._key_to_samples.get(key)
+        num_observed = self.num_observed
+        samples_per_key = self.config.samples_per_key
+        for history in state.keys:
+            samples = history.samples
             if samples is None:
-                samples = self._key_to_samples[key] = LengthSamples(self.config.samples_per_key)
-                if len(self._key_to_samples) > self.config.max_keys:
-                    self._key_to_samples.popitem(last=False)
-            else:
-                self._key_to_samples.move_to_end(key)
+                if not history.is_attached:  # NOTE: dropped by the forget above (no lengths, no live requests)
+                    history.is_attached = True
+                    self._histories[history.key] = history
+                samples = history.samples = LengthSamples(samples_per_key)
+                self._num_with_samples += 1
             samples.add(length)
+            history.last_observed = num_observed
+        if self._num_with_samples > self.config.max_keys:
+            self._forget_least_recent()
         admitted = state.admitted_estimate
         if admitted is not None:
             self.records.append(LengthRecord(admitted.median_total, request.max_tokens, length,
                                              abs(_log(admitted.median_total) - _log(length)),
                                              abs(_log(request.max_tokens) - _log(length))))
+
+    def _forget_least_recent(self) -> None:
+        """Forget the lengths of the least recently observed keys, down to seven eighths of ``max_keys`` (all at
+        once: a pass over the keys every ``max_keys / 8`` new ones, not an ordered dictionary reordered at every
+        finish); a key with live requests keeps its entry (they hold it) without its lengths."""
+        with_samples = [history for history in self._histories.values() if history.samples is not None]
+        with_samples.sort(key=lambda history: history.last_observed)
+        for history in with_samples[:len(with_samples) - self.config.max_keys * 7 // 8]:
+            history.samples = None
+            history.memo.clear()
+            history.started_observed = -1
+            self._num_with_samples -= 1
+            if not history.live:
+                self._drop(history)
+
+    def _drop(self, history: KeyHistory) -> None:
+        """Take a key with neither lengths nor live requests out of the index."""
+        history.is_attached = False
+        if self._histories.get(history.key) is history:
+            del self._histories[history.key]
 
     def group_mean_length(self, group: str | None, is_structured: bool = False) -> float | None:
         """Predicted mean output length of a new request of ``group``: from the group's history, else from every
@@ -243,7 +292,8 @@ class LengthPredictor:
 
     def _group_mean_length(self, group: str | None, is_structured: bool) -> float | None:
         for key in ((group, is_structured), (None, is_structured)):
-            samples = self._key_to_samples.get(key)
+            history = self._histories.get(key)
+            samples = history.samples if history is not None else None
             if samples is not None and len(samples) >= self.config.min_samples:
                 estimate = samples.estimate(0, 2**31, min_samples=1, quantile=0.5, source="group")
                 if estimate is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from tokenmill.engine.core.length_history import LengthEstimate
+from tokenmill.engine.core.length_history import KeyHistory, LengthEstimate
 
 
 @dataclass(slots=True)
@@ -18,7 +18,8 @@ class LengthState:
     """
 
     group: str | None = None  # the job whose history predicts it (None: its prompt and kind only)
-    keys: tuple[tuple[Hashable, str], ...] = ()  # its history keys, most specific first (made on first estimate)
+    keys: tuple[KeyHistory, ...] = ()  # its history keys' histories, most specific first (made on first estimate)
+    is_tracked: bool = False  # counted live under its keys (from its first estimate until it finishes or is forgotten)
     estimate: LengthEstimate | None = None  # the latest estimate ...
     history_size: int = 0  # ... and the history's size then
     # the template (a prompt-prefix key it shares with other live requests) whose rows its length varies with, when

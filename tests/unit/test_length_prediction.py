@@ -13,6 +13,8 @@ from typing import Any
 
 import pydantic
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.unit.scheduler_helpers import (
     ScriptedModelRunner,
@@ -553,6 +555,94 @@ def test_a_backlog_that_never_ran_does_not_change_an_estimate() -> None:
         return predictor.estimate(running[0]), predictor.estimate(templated("new", "long", 500))
 
     assert estimates(0) == estimates(2000)
+
+
+@given(st.lists(st.integers(1, 6), max_size=60), st.integers(1, 8))
+def test_a_window_s_sorted_lengths_are_its_lengths_sorted(lengths: list[int], capacity: int) -> None:
+    """Repeated lengths (a label, max_tokens reached) leave the sorted order untouched as they replace each other."""
+    samples = LengthSamples(capacity)
+    for length in lengths:
+        samples.add(length)
+        assert samples._sorted == sorted(samples._recent) and len(samples) == min(len(samples._recent), capacity)
+
+
+_OPERATIONS = st.lists(st.tuples(st.sampled_from(["admit", "start", "finish", "abort", "fork"]),
+                                 st.integers(0, 40), st.integers(0, 2)), max_size=80)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_OPERATIONS)
+def test_every_key_s_history_holds_exactly_its_live_requests(operations: list[tuple[str, int, int]]) -> None:
+    """Admissions, starts, finishes, aborts and forks (a parent forgotten, its samples estimated with its keys) in any
+    order, with few keys kept: each live request is counted under each of its keys, in the history the predictor
+    holds for it, and nowhere else; a key with neither lengths nor live requests is dropped."""
+    predictor = LengthPredictor(LengthConfig(min_samples=2, max_keys=16))
+    live: dict[str, Request] = {}
+    for number, (operation, row, group) in enumerate(operations):
+        request = next(iter(live.values()), None) if live and row % 2 else None
+        if operation == "admit" or request is None:
+            # NOTE: a row's own tokens from the 9th on: its 16-token prefix is its own key (more than max_keys of them)
+            template = TEMPLATE["short" if row % 3 else "long"]
+            request = make_request(f"r{number}", prompt_token_ids=template[:8] + [row + 1] * 14, max_tokens=64)
+            request.length_state.group = [None, "job-a", "job-b"][group]
+            predictor.current(request)
+            live[request.request_id] = request
+        elif operation == "start":
+            request.first_scheduled_time_s = 1.0
+            predictor.started(request)
+            request.output_token_ids.extend([1] * (row % 5 + 1))
+            predictor.current(request)
+        elif operation == "finish":
+            predictor.observe(live.pop(request.request_id))
+        elif operation == "abort":
+            predictor.forget(live.pop(request.request_id))
+        else:
+            predictor.forget(live.pop(request.request_id))
+            sample = make_request(f"{request.request_id}-s", prompt_token_ids=request.prompt_token_ids,
+                                  max_tokens=request.max_tokens)
+            sample.length_state = request.length_state.for_sample()
+            predictor.current(sample)
+            live[sample.request_id] = sample
+        histories = predictor._histories
+        for history in histories.values():
+            assert history.is_attached
+            assert set(history.live) == {r.request_id for r in live.values() if history in r.length_state.keys}
+            assert set(history.started) <= set(history.live)
+            assert history.live or history.samples is not None
+        for request in live.values():
+            assert all(histories[history.key] is history for history in request.length_state.keys)
+            assert request.length_state.is_tracked
+        with_samples = [history for history in histories.values() if history.samples is not None]
+        assert predictor._num_with_samples == len(with_samples) <= 16
+
+
+def test_the_least_recently_observed_keys_are_forgotten_first() -> None:
+    """Past max_keys the keys observed longest ago lose their lengths; a job finishing all along keeps its own."""
+    predictor = LengthPredictor(LengthConfig(min_samples=2, max_keys=16))
+    waiting = make_request("waiting", prompt_token_ids=[7] * 12, max_tokens=64)
+    predictor.current(waiting)  # live under its prefix's keys while they are forgotten
+    earlier = make_request("earlier", prompt_token_ids=[7] * 12, max_tokens=64)
+    earlier.output_token_ids = [1] * 3
+    predictor.observe(earlier)
+    for row in range(40):
+        stranger = make_request(f"s{row}", prompt_token_ids=[row + 50] * 12, max_tokens=64)
+        stranger.output_token_ids = [1] * 5
+        predictor.observe(stranger)
+        done = templated(f"job-{row}", "long", row)
+        done.length_state.group, done.output_token_ids = "job-1", [1] * 12
+        predictor.observe(done)
+    kept = {history.key for history in predictor._histories.values() if history.samples is not None}
+    assert len(kept) <= 16
+    assert ("job-1", False) in kept and (None, False) in kept  # observed at every finish
+    assert not any(key[3] == hash(tuple([50] * 8)) for key in kept if len(key) == 4)  # the first stranger's prefix
+    row = templated("next", "long", 99)
+    row.length_state.group = "job-1"
+    assert predictor.estimate(row).median_total == 12
+    prefix = next(history for history in waiting.length_state.keys if history.prefix_length == 8)
+    assert prefix.samples is None and predictor._histories[prefix.key] is prefix  # its lengths forgotten, not its rows
+    waiting.output_token_ids = [1] * 3
+    predictor.observe(waiting)
+    assert prefix.samples is not None and len(prefix.samples) == 1 and predictor._histories[prefix.key] is prefix
 
 
 def _plain_length_order(scheduler: Scheduler) -> list[Request]:
