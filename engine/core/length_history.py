@@ -102,10 +102,11 @@ class LengthSamples:
         were), 3 short answers and 2 young requests answered for a whole cold job: ops/bench/length.py admitted 9
         essays 4 s in, all predicted to end by 112 tokens, and they held the pool for 100 s.
         """
-        tail = self._sorted[bisect.bisect_right(self._sorted, num_generated):]
-        censored = sorted(age for age in live_ages or () if age > num_generated)
-        if len(tail) < max(1, min_samples):
+        first = bisect.bisect_right(self._sorted, num_generated)
+        if len(self._sorted) - first < max(1, min_samples):
             return None
+        tail = self._sorted[first:]
+        censored = sorted(age for age in live_ages or () if age > num_generated)
         lengths: list[float] = []
         masses: list[float] = []
         survival = 1.0
@@ -156,8 +157,6 @@ class KeyHistory:
         samples: its finished lengths; None before the first finish (or once the predictor forgot them).
         live: its unfinished requests, by id.
         started: ... of them, those scheduled at least once (only they have an age).
-        last_observed: the predictor's ``num_observed`` when it last learnt a length here (least recently used
-            histories are forgotten first).
         is_attached: in the predictor's index (False once dropped: a request holding it looks its key up again).
         memo, memo_observed: answers for requests that generated nothing yet, by ``(known past, max_tokens)``, made
             while the predictor's ``num_observed`` was ``memo_observed`` (any finish makes them stale).
@@ -165,8 +164,8 @@ class KeyHistory:
             ``num_observed`` was ``started_observed``.
     """
 
-    __slots__ = ("is_attached", "key", "last_observed", "live", "memo", "memo_observed", "num_started",
-                 "prefix_length", "samples", "source", "started", "started_observed")
+    __slots__ = ("is_attached", "key", "live", "memo", "memo_observed", "num_started", "prefix_length", "samples",
+                 "source", "started", "started_observed")
 
     def __init__(self, key: Hashable, source: str, prefix_length: int) -> None:
         self.key = key
@@ -175,7 +174,6 @@ class KeyHistory:
         self.samples: LengthSamples | None = None
         self.live: dict[str, Any] = {}
         self.started: dict[str, Any] = {}
-        self.last_observed = 0
         self.is_attached = True
         self.memo: dict[tuple[int, int], tuple[LengthEstimate | None, int]] = {}
         self.memo_observed = -1

@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -60,7 +60,9 @@ class LengthPredictor:
     def __init__(self, config: LengthConfig) -> None:
         self.config = config
         self._histories: dict[Hashable, KeyHistory] = {}  # every key with lengths or live requests
-        self._num_with_samples = 0  # ... of them, those holding lengths (at most about config.max_keys)
+        # ... of them, those holding lengths, least recently observed first (at most config.max_keys); keyed by the
+        # history object itself, whose hash is its identity (no key tuple hashed)
+        self._with_samples: OrderedDict[KeyHistory, None] = OrderedDict()
         self.records: deque[LengthRecord] = deque(maxlen=_NUM_RECORDS)
         self.num_observed = 0  # finished requests learnt from
         self.num_estimates = 0
@@ -116,6 +118,8 @@ class LengthPredictor:
         estimate = None
         answer_index = len(histories)  # the key that answered (none: as many as there are)
         for index, history in enumerate(histories):
+            if history.samples is None and not history.started:
+                continue  # NOTE: says nothing (a row's own prefix, new): _key_answer's (None, known_past)
             if num_generated == 0:
                 if history.memo_observed != num_observed:
                     history.memo.clear()
@@ -175,9 +179,9 @@ class LengthPredictor:
         typical one: those then predict it from their lengths past the age ``min_samples`` of them reached."""
         min_samples = self.config.min_samples
         # NOTE: a request never scheduled has generated nothing: its age would pass neither test below
-        live_ages = [r.num_output_tokens for r in history.started.values()]
+        live_ages = [r.num_output_tokens for r in history.started.values()] if history.started else []
         samples = history.samples
-        if samples is not None:
+        if samples is not None and len(samples) >= min_samples:
             estimate = samples.estimate(known_past, max_tokens, min_samples=min_samples,
                                         quantile=self.config.tail_quantile, source=history.source,
                                         live_ages=live_ages)
@@ -241,39 +245,34 @@ class LengthPredictor:
         self.forget(request)
         length = request.num_output_tokens
         self.num_observed += 1
-        num_observed = self.num_observed
-        samples_per_key = self.config.samples_per_key
+        with_samples = self._with_samples
         for history in state.keys:
             samples = history.samples
             if samples is None:
                 if not history.is_attached:  # NOTE: dropped by the forget above (no lengths, no live requests)
                     history.is_attached = True
                     self._histories[history.key] = history
-                samples = history.samples = LengthSamples(samples_per_key)
-                self._num_with_samples += 1
+                samples = history.samples = LengthSamples(self.config.samples_per_key)
+                with_samples[history] = None
+            else:
+                with_samples.move_to_end(history)
             samples.add(length)
-            history.last_observed = num_observed
-        if self._num_with_samples > self.config.max_keys:
-            self._forget_least_recent()
+        while len(with_samples) > self.config.max_keys:
+            self._forget_samples(with_samples.popitem(last=False)[0])
         admitted = state.admitted_estimate
         if admitted is not None:
             self.records.append(LengthRecord(admitted.median_total, request.max_tokens, length,
                                              abs(_log(admitted.median_total) - _log(length)),
                                              abs(_log(request.max_tokens) - _log(length))))
 
-    def _forget_least_recent(self) -> None:
-        """Forget the lengths of the least recently observed keys, down to seven eighths of ``max_keys`` (all at
-        once: a pass over the keys every ``max_keys / 8`` new ones, not an ordered dictionary reordered at every
-        finish); a key with live requests keeps its entry (they hold it) without its lengths."""
-        with_samples = [history for history in self._histories.values() if history.samples is not None]
-        with_samples.sort(key=lambda history: history.last_observed)
-        for history in with_samples[:len(with_samples) - self.config.max_keys * 7 // 8]:
-            history.samples = None
-            history.memo.clear()
-            history.started_observed = -1
-            self._num_with_samples -= 1
-            if not history.live:
-                self._drop(history)
+    def _forget_samples(self, history: KeyHistory) -> None:
+        """Forget a key's lengths (the least recently observed key, past ``max_keys``); a key with live requests keeps
+        its entry (they hold it) without them."""
+        history.samples = None
+        history.memo.clear()
+        history.started_observed = -1
+        if not history.live:
+            self._drop(history)
 
     def _drop(self, history: KeyHistory) -> None:
         """Take a key with neither lengths nor live requests out of the index."""

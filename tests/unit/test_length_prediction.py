@@ -613,7 +613,7 @@ def test_every_key_s_history_holds_exactly_its_live_requests(operations: list[tu
             assert all(histories[history.key] is history for history in request.length_state.keys)
             assert request.length_state.is_tracked
         with_samples = [history for history in histories.values() if history.samples is not None]
-        assert predictor._num_with_samples == len(with_samples) <= 16
+        assert set(predictor._with_samples) == set(with_samples) and len(with_samples) <= 16
 
 
 def test_the_least_recently_observed_keys_are_forgotten_first() -> None:
@@ -634,7 +634,8 @@ def test_the_least_recently_observed_keys_are_forgotten_first() -> None:
     kept = {history.key for history in predictor._histories.values() if history.samples is not None}
     assert len(kept) <= 16
     assert ("job-1", False) in kept and (None, False) in kept  # observed at every finish
-    assert not any(key[3] == hash(tuple([50] * 8)) for key in kept if len(key) == 4)  # the first stranger's prefix
+    strangers = {row for row in range(40) if (None, False, 8, hash(tuple([row + 50] * 8))) in kept}
+    assert strangers == set(range(30, 40))  # the job's 6 keys and the last 10 strangers' prefixes: 16
     row = templated("next", "long", 99)
     row.length_state.group = "job-1"
     assert predictor.estimate(row).median_total == 12
