@@ -53,8 +53,8 @@ class LengthPredictor:
     NOTE: each key's history (engine/core/length_history.py ``KeyHistory``: its lengths, its live and started
     requests, its memo) is one object, which the requests under it hold: a request's admission, start, estimates
     and finish touch its keys' objects directly. Kept in dictionaries keyed by the key tuples (of lengths, of live
-    requests, of started ones, a memo: each hashing a request's dozen or more keys again), the predictor cost a
-    worker's 16-token echo requests 60 us each, a third of the engine's time; now about 40 (ops/bench/README.md).
+    requests, of started ones, a memo: each hashing a request's dozen or more keys again), the predictor's own time
+    was 33 us a worker's 16-token echo request, a fifth of the engine's; now 22 (ops/bench/README.md).
     """
 
     def __init__(self, config: LengthConfig) -> None:
