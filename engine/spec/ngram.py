@@ -13,6 +13,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections.abc import Sequence
 
@@ -74,6 +75,12 @@ BITS = 32
 SCAN_TOKENS = 512
 
 
+@functools.cache
+def _masks(max_n: int) -> tuple[int, ...]:
+    """Per n up to ``max_n``: the mask of an n-gram's packed key (shared: every request's index made them anew)."""
+    return tuple((1 << (BITS * n)) - 1 for n in range(max_n + 1))
+
+
 class LazyNgramIndex:
     """One request's n-grams, for :meth:`propose`: what :class:`NgramIndex` proposes, at a fraction of its
     host time.
@@ -116,7 +123,7 @@ class LazyNgramIndex:
         # n - 1 tokens before the first gram, until the first is stored)
         self._num_indexed = [0] * (max_n + 1)
         self._keys = [0] * (max_n + 1)
-        self._masks = [(1 << (BITS * n)) - 1 for n in range(max_n + 1)]
+        self._masks = _masks(max_n)
         # (tokens, n): the suffixes of n or more tokens of the request's first `tokens` tokens never occurred
         # before. A lookup is a function of the tokens alone, so a later tier's lookup at the same length (with
         # a shorter min_n) starts below n, not over again.
