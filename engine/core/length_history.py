@@ -88,6 +88,13 @@ class LengthSamples:
         recent.append(length)
         bisect.insort(self._sorted, length)
 
+    def mean_longer_than(self, num_generated: int) -> float | None:
+        """The mean of the lengths longer than ``num_generated`` (None: none): :meth:`estimate`'s ``mean_total`` with
+        no running requests and no cap (the empirical distribution), in C, for the stats' group means, asked after
+        every finish (an estimate walks every distinct length in Python)."""
+        tail = self._sorted[bisect.bisect_right(self._sorted, num_generated):]
+        return sum(tail) / len(tail) if tail else None
+
     def estimate(self, num_generated: int, max_tokens: int, *, min_samples: int, quantile: float, source: str,
                  live_ages: list[int] | None = None) -> LengthEstimate | None:
         """The distribution of final lengths longer than ``num_generated``, capped at ``max_tokens``; None when

@@ -294,9 +294,9 @@ class LengthPredictor:
             history = self._histories.get(key)
             samples = history.samples if history is not None else None
             if samples is not None and len(samples) >= self.config.min_samples:
-                estimate = samples.estimate(0, 2**31, min_samples=1, quantile=0.5, source="group")
-                if estimate is not None:
-                    return estimate.mean_total
+                mean = samples.mean_longer_than(0)
+                if mean is not None:
+                    return mean
         return None
 
     def errors(self, last: int = 200) -> tuple[float | None, float | None]:
@@ -308,8 +308,8 @@ class LengthPredictor:
         recent = list(itertools.islice(reversed(self.records), last))
         errors: tuple[float | None, float | None] = (None, None)
         if recent:
-            errors = (statistics.median(r.log_error for r in recent),
-                      statistics.median(r.max_tokens_log_error for r in recent))
+            errors = (statistics.median([r.log_error for r in recent]),
+                      statistics.median([r.max_tokens_log_error for r in recent]))
         self._errors = ((self.num_observed, last), errors)
         return errors
 

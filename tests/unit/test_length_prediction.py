@@ -566,6 +566,19 @@ def test_a_window_s_sorted_lengths_are_its_lengths_sorted(lengths: list[int], ca
         assert samples._sorted == sorted(samples._recent) and len(samples) == min(len(samples._recent), capacity)
 
 
+@given(st.lists(st.integers(0, 40), max_size=60), st.integers(1, 16), st.integers(0, 30))
+def test_a_window_s_mean_is_its_estimate_s_without_running_requests(lengths: list[int], capacity: int,
+                                                                    num_generated: int) -> None:
+    """The stats' group means (the fast path) are what an estimate with no running requests and no cap gives."""
+    samples = LengthSamples(capacity)
+    for length in lengths:
+        samples.add(length)
+    estimate = samples.estimate(num_generated, 2**31, min_samples=1, quantile=0.5, source="group")
+    mean = samples.mean_longer_than(num_generated)
+    assert (mean is None) == (estimate is None)
+    assert mean is None or estimate is None or mean == pytest.approx(estimate.mean_total)
+
+
 _OPERATIONS = st.lists(st.tuples(st.sampled_from(["admit", "start", "finish", "abort", "fork"]),
                                  st.integers(0, 40), st.integers(0, 2)), max_size=80)
 
