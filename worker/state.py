@@ -68,14 +68,14 @@ class Load:
                     self.spec_acceptance_rate = stats.speculation.acceptance_rate
                     self.spec_mean_accepted_length = stats.speculation.mean_accepted_length
         if had_room_for_less or num_waiting == 0:
-            self._room.set()
+            self._wake_reader()
 
     def set_write_blocked(self, is_blocked: bool) -> None:
         """Writer: whether Redis refuses its writes; unblocking wakes the reader."""
         with self._lock:
             was_blocked, self.is_write_blocked = self.is_write_blocked, is_blocked
         if was_blocked and not is_blocked:
-            self._room.set()
+            self._wake_reader()
 
     def count_finished(self, num_tokens: int) -> None:
         """Engine thread: one request finished after generating ``num_tokens``."""
@@ -92,7 +92,7 @@ class Load:
         """Writer: these entries are answered (acked); wakes the reader (a suspect may be next)."""
         with self._lock:
             self._held.difference_update(entries)
-        self._room.set()
+        self._wake_reader()
 
     def held_ids(self, stream: str) -> frozenset[str]:
         """Entry ids of ``stream`` this worker holds."""
@@ -103,6 +103,12 @@ class Load:
     def num_held(self) -> int:
         with self._lock:
             return len(self._held)
+
+    def _wake_reader(self) -> None:
+        """Wake a reader waiting for room. NOTE: only when not set already (a waiter clears it first, so none waits
+        then): ``Event.set`` takes its condition's lock and notifies, after every engine iteration and every write."""
+        if not self._room.is_set():
+            self._room.set()
 
     def wait_for_room(self, timeout_s: float) -> None:
         """Reader: sleep until the engine takes work or an entry is answered, at most ``timeout_s``."""
