@@ -145,7 +145,7 @@ class LengthPredictor:
         return estimate
 
     def _track(self, request: Request) -> None:
-        """Count a request live under its keys (its first estimate, or its finish before one), looking them up
+        """Count a request live under its keys (at its first estimate), looking them up
         first where it has none, or one the predictor dropped since (a sample of a request forgotten at its fork)."""
         state = request.length_state
         histories = state.keys
@@ -240,9 +240,10 @@ class LengthPredictor:
     def observe(self, request: Request) -> None:
         """Learn from a request that finished on its own (a stop or its length limit; not an abort or error)."""
         state = request.length_state
-        if not state.is_tracked:
-            self._track(request)
-        self.forget(request)
+        if state.is_tracked:
+            self.forget(request)
+        elif not state.keys or not all(history.is_attached for history in state.keys):
+            state.keys = self._histories_of(request)  # NOTE: never estimated: its keys, without counting it live
         length = request.num_output_tokens
         self.num_observed += 1
         with_samples = self._with_samples
