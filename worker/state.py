@@ -105,8 +105,9 @@ class Load:
             return len(self._held)
 
     def _wake_reader(self) -> None:
-        """Wake a reader waiting for room. NOTE: only when not set already (a waiter clears it first, so none waits
-        then): ``Event.set`` takes its condition's lock and notifies, after every engine iteration and every write."""
+        """Wake a reader waiting for room. NOTE: only when not set already: ``Event.set`` takes its condition's lock
+        and notifies, after every engine iteration and every write. A set skipped while the event is set loses no
+        wake: the reader clears it when it wakes (:meth:`wait_for_room`) and then looks at the load again."""
         if not self._room.is_set():
             self._room.set()
 

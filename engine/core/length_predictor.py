@@ -145,18 +145,23 @@ class LengthPredictor:
         return estimate
 
     def _track(self, request: Request) -> None:
-        """Count a request live under its keys (at its first estimate), looking them up
-        first where it has none, or one the predictor dropped since (a sample of a request forgotten at its fork)."""
+        """Count a request live under its keys (at its first estimate)."""
         state = request.length_state
-        histories = state.keys
-        if not histories or not all(history.is_attached for history in histories):
-            histories = state.keys = self._histories_of(request)
+        histories = self._keys_of(request)
         request_id = request.request_id
         for history in histories:
             history.live[request_id] = request
         state.is_tracked = True
         if request.first_scheduled_time_s is not None or request.num_output_tokens:
             self.started(request)
+
+    def _keys_of(self, request: Request) -> tuple[KeyHistory, ...]:
+        """The request's key histories (``state.keys``), looked up first where it has none, or one the predictor
+        dropped since (a sample of a request forgotten at its fork)."""
+        state = request.length_state
+        if not state.keys or not all(history.is_attached for history in state.keys):
+            state.keys = self._histories_of(request)
+        return state.keys
 
     def _histories_of(self, request: Request) -> tuple[KeyHistory, ...]:
         """The histories of the request's keys (``history_keys``), made where new."""
@@ -242,8 +247,8 @@ class LengthPredictor:
         state = request.length_state
         if state.is_tracked:
             self.forget(request)
-        elif not state.keys or not all(history.is_attached for history in state.keys):
-            state.keys = self._histories_of(request)  # NOTE: never estimated: its keys, without counting it live
+        else:
+            self._keys_of(request)  # NOTE: never estimated: its keys, without counting it live
         length = request.num_output_tokens
         self.num_observed += 1
         with_samples = self._with_samples
