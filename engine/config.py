@@ -234,6 +234,10 @@ class SpeculativeConfig(_Frozen):
                            "of 2 or more tokens is found (the request's own tokens, then the suffix pool), the "
                            "latest occurrence of the last token alone drafts, a weaker guess with its own acceptance")
     ngram_max: int = Field(5, ge=1, le=16, description="longest suffix n-gram the lookup matches")
+    ngram_index: Literal["auto", "python"] = Field(
+        "auto", description="where the n-gram lookup runs: auto: in C++ (engine/spec/csrc/ngram_index.cpp, built on "
+        "first use with the machine's compiler; the Python index where none is found); python: the Python index "
+        "(the reference: the same drafts, at several times the host time per request)")
     suffix_pool_tokens: int = Field(1_000_000, ge=0, description="n-grams the suffix pool remembers, shared "
                                     "evenly by the n-gram lengths (oldest forgotten first)")
     draft_model: str | None = Field(None, description="method draft: a Hugging Face causal LM sharing the "

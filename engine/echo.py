@@ -126,16 +126,22 @@ class EchoRunner:
             os._exit(1)  # NOTE: the test hook (crash_on): a crash that takes every request of the step along
         if self.options.step_delay_s:
             time.sleep(self.options.step_delay_s)
+        sampled = output.sampled_token_ids
         for chunk in scheduler_output.chunks:
-            if chunk.needs_sample:
-                # NOTE: with draft tokens, one "sampled" row per position, kept as a model's would be.
-                token_ids = echo_tokens(chunk, 1 + chunk.num_draft_tokens)
-                if chunk.num_draft_tokens:
-                    token_ids = token_ids[:accept_drafts(chunk.draft_token_ids, token_ids)]
-                output.sampled_token_ids[chunk.request_id] = token_ids
-                if chunk.sampling_params.logprobs is not None:
-                    # certain: each its own only alternative
-                    output.logprobs[chunk.request_id] = [{token_id: 0.0} for token_id in token_ids]
+            if not chunk.needs_sample:
+                continue
+            # NOTE: with draft tokens, one "sampled" row per position, kept as a model's would be; a draft the
+            # echo continues whole (one C comparison) is all kept, as accept_drafts would say.
+            num_drafts = chunk.num_draft_tokens
+            token_ids = echo_tokens(chunk, 1 + num_drafts)
+            if num_drafts:
+                draft_token_ids = chunk.token_ids[-num_drafts:]
+                if token_ids[:num_drafts] != draft_token_ids:
+                    token_ids = token_ids[:accept_drafts(draft_token_ids, token_ids)]
+            sampled[chunk.request_id] = token_ids
+            if chunk.sampling_params.logprobs is not None:
+                # certain: each its own only alternative
+                output.logprobs[chunk.request_id] = [{token_id: 0.0} for token_id in token_ids]
         return output
 
 
@@ -150,14 +156,15 @@ def echo_tokens(chunk: ScheduledChunk, num_rows: int) -> list[int]:
     """The tokens at the chunk's next ``num_rows`` output positions: :func:`echo_token` of each, the prompt's
     bytes taken by a slice while the prompt lasts (the echo stands in for a device: its own time should not
     count as the engine's)."""
-    prompt = _prompt_of(chunk)
-    start = chunk.num_output_tokens
-    if start + num_rows <= len(prompt):
+    state = chunk.sampling_state
+    prompt = state.prompt_token_ids if state is not None else _prompt_of(chunk)  # NOTE: _prompt_of raises there
+    start, num_prompt = chunk.num_output_tokens, len(prompt)
+    if start + num_rows <= num_prompt:
         return prompt[start:start + num_rows]
-    if chunk.sampling_params.ignore_eos and num_rows <= len(prompt):  # round the prompt again, and again
-        offset = start % len(prompt)
+    if num_rows <= num_prompt and chunk.sampling_params.ignore_eos:  # round the prompt again, and again
+        offset = start % num_prompt
         end = offset + num_rows
-        return prompt[offset:end] if end <= len(prompt) else prompt[offset:] + prompt[:end - len(prompt)]
+        return prompt[offset:end] if end <= num_prompt else prompt[offset:] + prompt[:end - num_prompt]
     return [echo_token(chunk, position) for position in range(start, start + num_rows)]
 
 

@@ -7,7 +7,8 @@ rebuild happens exactly when one of those changes. The cache lives under ``TOKEN
 next to the sources, so an install in a read-only site-packages builds too. Building needs a C++
 compiler and ninja on the machine that runs the engine; the sources ship as package data
 (pyproject.toml). Failure is not fatal: :meth:`CppExtension.is_available` logs why once, at
-WARNING, and callers use their plain-torch path. Imports torch.
+WARNING, and callers use their plain-torch path. Imports torch only to build (the toolchain helpers here
+serve engine/kernels/python_module.py's torch-free builds too).
 NOTE: measurements behind these choices: ops/bench/README.md, "Figures behind the kernels' comments".
 """
 
@@ -25,8 +26,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +60,16 @@ def cpu_vendor() -> str:
 
 def _compiler() -> str:
     return os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension invokes on Linux
+
+
+def compiler_version() -> str:
+    """What the compiler says of itself (``--version``): part of every build's cache key."""
+    return subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
+
+
+def cache_home() -> Path:
+    """``$TOKENMILL_HOME`` (default ``~/.cache/tokenmill``), where built extensions are cached."""
+    return Path(os.environ.get("TOKENMILL_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill"))
 
 
 # What to install when the toolchain is missing: said once, in the warning that reports it.
@@ -123,18 +132,16 @@ class CppExtension:
         ``$TOKENMILL_HOME/torch_extensions/<name>-<hash>``; ``TOKENMILL_HOME`` defaults to
         ``~/.cache/tokenmill``.
         """
-        compiler_version = subprocess.run(
-            [_compiler(), "--version"], capture_output=True, text=True, check=True, timeout=30
-        ).stdout
+        import torch  # noqa: PLC0415 - the key names the torch build; importing this module needs no torch
+
         key = hashlib.sha256()
         sources = (self.source, *self.headers)
         for part in (*(path.read_bytes() for path in sources), torch.__version__.encode(),
                      str(torch.version.git_version).encode(), platform.machine().encode(), cpu_flags().encode(),
-                     compiler_version.encode(), " ".join(self.cflags).encode()):
+                     compiler_version().encode(), " ".join(self.cflags).encode()):
             key.update(part)
             key.update(b"\0")
-        home = os.environ.get("TOKENMILL_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
-        return Path(home) / "torch_extensions" / f"{self.name}-{key.hexdigest()[:16]}"
+        return cache_home() / "torch_extensions" / f"{self.name}-{key.hexdigest()[:16]}"
 
     def _build_and_load(self) -> None:
         """Compile (or reuse) the extension and load it into this process.

@@ -4,11 +4,12 @@ code edits -- repeats spans of its prompt, which this drafts for free.
 
 Each request keeps an index of its n-grams (n-gram -> where its latest earlier occurrence ends),
 grown by the tokens added since the last lookup, so a lookup costs O(new tokens x n range), not a
-scan of the whole context. :class:`LazyNgramIndex` is the one the speculator runs: a step's lookup
-runs on every decoding request of the batch, in Python, so its cost per request is most of the
-speculator's share of the engine's host time. :class:`NgramIndex` is the plain form of the same rule,
-kept as its specification (tests/unit/test_spec_fast_paths.py holds the two to the same drafts).
-Standard library only.
+scan of the whole context. A step's lookup runs on every decoding request of the batch, so its cost per
+request was most of the speculator's share of the engine's host time: the speculator runs the C++ form of
+:class:`LazyNgramIndex` (csrc/ngram_index.cpp, :func:`native_index`: the whole batch in one call), and
+:class:`LazyNgramIndex` where it cannot be built or ``[engine.speculative] ngram_index = "python"``.
+:class:`NgramIndex` is the plain form of the same rule, kept as the specification
+(tests/unit/test_spec_fast_paths.py holds the three to the same drafts). Standard library only.
 """
 
 from __future__ import annotations
@@ -16,6 +17,30 @@ from __future__ import annotations
 import functools
 from array import array
 from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Protocol
+
+from tokenmill.engine.kernels.python_module import PythonModule
+
+_NATIVE_INDEX = PythonModule("tokenmill_ngram_index", Path(__file__).resolve().parent / "csrc" / "ngram_index.cpp",
+                             what="the C++ n-gram index", fallback="the Python index drafts the same tokens, slower")
+
+
+def native_index() -> ModuleType | None:
+    """The C++ n-gram index (csrc/ngram_index.cpp), built on first use: its ``NgramIndex(min_n, max_n)`` is
+    :class:`LazyNgramIndex` (the same ``propose``), and ``propose_batch(wanted, indexes, min_n)`` proposes for a
+    batch, ``wanted`` holding a :class:`~tokenmill.engine.spec.speculator.Proposer`'s ``(request, tokens,
+    num_tokens)`` triples and ``indexes`` each request's index, returning ``{request_id: draft}``. None where it
+    cannot be built (logged once)."""
+    return _NATIVE_INDEX.load()
+
+
+class NgramLookup(Protocol):
+    """One request's n-gram index as the speculator keeps it: :class:`LazyNgramIndex` or the C++ one."""
+
+    def propose(self, prompt: list[int], output: list[int], num_tokens: int, min_n: int | None = None) -> list[int]:
+        ...
 
 
 class NgramIndex:

@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Protocol
 
 from tokenmill.engine.config import SpeculativeConfig
@@ -38,7 +39,7 @@ from tokenmill.engine.spec.draft_length import (
     choose_draft_lengths,
     drafting_pays,
 )
-from tokenmill.engine.spec.ngram import SCAN_TOKENS, LazyNgramIndex
+from tokenmill.engine.spec.ngram import SCAN_TOKENS, LazyNgramIndex, NgramLookup, native_index
 from tokenmill.engine.spec.suffix_pool import SuffixPool
 
 
@@ -49,7 +50,7 @@ class DraftState:
     acceptance: dict[str, Acceptance] = field(default_factory=dict)  # proposer name -> its drafts' acceptance
     # the proposer of its latest proposal: that of the draft it ran, if it ran one (proposed the same step)
     proposer: str | None = None
-    ngram: LazyNgramIndex | None = None
+    ngram: NgramLookup | None = None
 
     def acceptance_of(self, proposer: str, step: int) -> Acceptance:
         """The proposer's acceptance for this request, made at ``step`` (the speculator's) on first use."""
@@ -70,18 +71,33 @@ class Proposer(Protocol):
 
 
 class NgramProposer:
-    """Prompt lookup over each request's own tokens (engine/spec/ngram.py :class:`LazyNgramIndex`), matches
-    of ``min_n`` or more tokens.
+    """Prompt lookup over each request's own tokens (engine/spec/ngram.py), matches of ``min_n`` or more tokens.
 
     Args:
         index_min_n: the shortest n-gram the request's index holds (the least ``min_n`` of the tiers).
+        native: the C++ index (engine/spec/ngram.py :func:`native_index`), proposing for the batch in one call;
+            None: :class:`LazyNgramIndex` per request (the reference, the same drafts).
     """
 
-    def __init__(self, name: str, min_n: int, max_n: int, index_min_n: int) -> None:
+    def __init__(self, name: str, min_n: int, max_n: int, index_min_n: int, native: ModuleType | None = None) -> None:
         self.name = name
         self.min_n, self.max_n, self.index_min_n = min_n, max_n, index_min_n
+        self.native = native
 
     def propose(self, wanted: list[tuple[Request, Sequence[int], int]]) -> dict[str, list[int]]:
+        native = self.native
+        if native is not None:
+            indexes = []
+            for request, _, _ in wanted:
+                state = request.draft_state
+                if state.__class__ is not DraftState:
+                    state = draft_state(request)
+                index = state.ngram
+                if index is None:
+                    index = state.ngram = native.NgramIndex(self.index_min_n, self.max_n)
+                indexes.append(index)
+            drafts: dict[str, list[int]] = native.propose_batch(wanted, indexes, self.min_n)
+            return drafts
         drafts = {}
         min_n = self.min_n
         for request, _, num_tokens in wanted:  # NOTE: the index copies the request's lists, not its view
@@ -298,10 +314,11 @@ def build_speculator(config: SpeculativeConfig, draft: Proposer | None = None,
     if forced is not None and config.method in ("auto", "draft"):
         proposers.append(forced)
     tiers = ngram_tiers(config.ngram_min, config.ngram_max)
+    native = native_index() if config.method in ("ngram", "auto") and config.ngram_index == "auto" else None
     for min_n in tiers:
         suffix = "-1" if min_n < tiers[0] else ""  # NOTE: the single-token tier after longer matches
         if config.method in ("ngram", "auto"):
-            proposers.append(NgramProposer("ngram" + suffix, min_n, config.ngram_max, config.ngram_min))
+            proposers.append(NgramProposer("ngram" + suffix, min_n, config.ngram_max, config.ngram_min, native))
         if config.method in ("suffix", "auto"):
             if pool is None:
                 pool = SuffixPool(config.ngram_min, config.ngram_max, config.num_speculative_tokens,

@@ -57,9 +57,12 @@ extensions = {"attention": cpu_kernel._EXTENSION, "decoder_stack": native_decode
               "panel_linear": panel_linear._EXTENSION}
 for extension in extensions.values():
     extension.build_in_background()
+from tokenmill.engine.spec import ngram
 print(json.dumps({"engine": engine.__file__,
-                  "sources": [str(p) for e in extensions.values() for p in (e.source, *e.headers)],
-                  "available": {name: e.is_available() for name, e in extensions.items()},
+                  "sources": [str(p) for e in extensions.values() for p in (e.source, *e.headers)]
+                             + [str(ngram._NATIVE_INDEX.source)],
+                  "available": {**{name: e.is_available() for name, e in extensions.items()},
+                                "ngram_index": ngram.native_index() is not None},
                   "panels_match_torch": cpu_linear.packing_works(torch.float32, cpu_linear.PANELS)}))
 """
 
@@ -202,7 +205,8 @@ def test_installed_worker_builds_and_runs_the_cpp_kernels(installed: dict[str, P
             worker.kill()
     assert Path(probe["engine"]).is_relative_to(environment), probe["engine"]  # tokenmill from the wheel only
     assert all(Path(p).is_relative_to(package) and Path(p).is_file() for p in probe["sources"]), probe["sources"]
-    assert probe["available"] == dict.fromkeys(EXTENSIONS, True), (probe, log_path.read_text()[-5000:])
+    assert probe["available"] == dict.fromkeys([*EXTENSIONS, "ngram_index"], True), (probe,
+                                                                                     log_path.read_text()[-5000:])
     assert probe["panels_match_torch"]
     # What an operator reads: the worker's start-up log names the fast path, and warns of nothing.
     events = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
@@ -216,4 +220,6 @@ def test_installed_worker_builds_and_runs_the_cpp_kernels(installed: dict[str, P
     for extension in EXTENSIONS.values():
         (folder,) = (home / "torch_extensions").glob(f"{extension.name}-*")
         assert list(folder.glob("*.so")), sorted(_tree(folder))
+    (folder,) = (home / "python_extensions").glob("tokenmill_ngram_index-*")  # the worker's and the probe's
+    assert list(folder.glob("*.so")), sorted(_tree(folder))
     assert _tree(package) == before

@@ -5,16 +5,19 @@ kept as the specification): the same longest suffix, its latest earlier occurren
 after call as a request's output grows, for any n range, any tier's ``min_n``, any draft length, any id below
 2 ** 32, whether a call brings one new token or a whole prompt (each n's rolled key carried across calls), and
 whether the lookup reaches an n the index has not needed before (the lazy catch-up), whether the request is short
-enough for its lookups to search its tokens (``scan_tokens``) or outgrows that mid-way. And ``choose_draft_lengths``
-sizes drafts as the token-by-token goodput rule (``greedy_draft_lengths``) does, whatever the step cost, the
-proposing's cost, the host time and the budget.
+enough for its lookups to search its tokens (``scan_tokens``) or outgrows that mid-way; and the C++ index the
+speculator runs where it builds (csrc/ngram_index.cpp) proposes the same, alone and for a batch in one call. And
+``choose_draft_lengths`` sizes drafts as the token-by-token goodput rule (``greedy_draft_lengths``) does, whatever the
+step cost, the proposing's cost, the host time and the budget.
 """
 
 from __future__ import annotations
 
+import random
 from typing import Any
 from unittest import mock
 
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +26,7 @@ from tokenmill.engine.config import SpeculativeConfig
 from tokenmill.engine.core.speculation import DraftRoom
 from tokenmill.engine.spec import suffix_pool
 from tokenmill.engine.spec.draft_length import StepCost, choose_draft_lengths, greedy_draft_lengths
-from tokenmill.engine.spec.ngram import LazyNgramIndex, NgramIndex
+from tokenmill.engine.spec.ngram import LazyNgramIndex, NgramIndex, native_index
 from tokenmill.engine.spec.speculator import NgramProposer, build_speculator, draft_state
 from tokenmill.engine.spec.suffix_pool import SuffixPool
 
@@ -59,11 +62,14 @@ def test_the_lazy_index_proposes_the_plain_indexs_drafts(history: dict[str, Any]
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.lists(st.integers(0, 3), max_size=5), min_size=1, max_size=20), st.integers(1, 3))
-def test_every_tier_drafts_what_the_plain_index_proposes(steps: list[list[int]], ngram_min: int) -> None:
-    """Through the speculator (``auto``'s tiers over the request's own tokens, the suffix pool empty): each step's
-    draft is the plain index's for the first tier that finds one."""
-    speculator = build_speculator(SpeculativeConfig(method="auto", ngram_min=ngram_min, min_acceptance=0.0))
+@given(st.lists(st.lists(st.integers(0, 3), max_size=5), min_size=1, max_size=20), st.integers(1, 3),
+       st.sampled_from(["auto", "python"]))
+def test_every_tier_drafts_what_the_plain_index_proposes(steps: list[list[int]], ngram_min: int,
+                                                         ngram_index: str) -> None:
+    """Through the speculator (``auto``'s tiers over the request's own tokens, the suffix pool empty), with the C++
+    index or the Python one: each step's draft is the plain index's for the first tier that finds one."""
+    speculator = build_speculator(SpeculativeConfig(method="auto", ngram_min=ngram_min, min_acceptance=0.0,
+                                                    ngram_index=ngram_index))
     assert speculator is not None
     tiers = [(p.name, p.min_n) for p in speculator.proposers if isinstance(p, NgramProposer)]
     reference = NgramIndex(ngram_min, SpeculativeConfig().ngram_max)
@@ -186,3 +192,95 @@ def test_a_catch_up_taking_only_the_latest_of_identical_outputs_leaves_the_table
     len(latest)
     for n in range(min_n, max_n + 1):
         assert list((latest._tables[n] or {}).items()) == list((every_one._tables[n] or {}).items()), n
+
+
+# --------------------------------------------------------------------------- the C++ index (csrc/ngram_index.cpp)
+
+
+def _native() -> Any:
+    module = native_index()
+    assert module is not None, "the C++ n-gram index did not build here (see the warning logged)"
+    return module
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(histories())
+def test_the_cpp_index_proposes_the_plain_indexs_drafts(history: dict[str, Any]) -> None:
+    """The same rule in C++: every call's draft is the plain index's (and so the Python index's)."""
+    reference = NgramIndex(history["min_n"], history["max_n"])
+    native = _native().NgramIndex(history["min_n"], history["max_n"])
+    prompt: list[int] = history["prompt"]
+    output: list[int] = []
+    for new_tokens, num_tokens, min_n in history["calls"]:
+        output.extend(new_tokens)
+        expected = reference.propose(prompt + output, num_tokens, min_n)
+        assert native.propose(prompt, output, num_tokens, min_n) == expected, (prompt, output, num_tokens, min_n)
+
+
+def test_the_cpp_index_keeps_long_contexts_exact() -> None:
+    """Thousands of grams per n (its tables grow many times over), ids of every size, both tiers asking: the
+    drafts stay the plain index's."""
+    rng = random.Random(7)
+    reference, native = NgramIndex(1, 6), _native().NgramIndex(1, 6)
+    alphabet = [0, 1, 2, 2**31, 2**32 - 1, *rng.sample(range(2**32), 5)]
+    prompt = [rng.choice(alphabet) for _ in range(3000)]
+    output: list[int] = []
+    for step in range(300):
+        output.extend(rng.choice(alphabet) for _ in range(rng.randint(0, 20)))
+        for min_n in (2, 1):
+            expected = reference.propose(prompt + output, 10, min_n)
+            assert native.propose(prompt, output, 10, min_n) == expected, step
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), max_size=6), min_size=1, max_size=12), st.integers(1, 4))
+def test_the_batch_call_proposes_what_each_request_s_python_index_does(outputs: list[list[int]],
+                                                                     num_tokens: int) -> None:
+    """``propose_batch`` over several requests (some with a draft, some without) returns what the Python proposer
+    returns for the same requests, keyed by request id."""
+    python = NgramProposer("ngram", 2, 5, 1)
+    native = NgramProposer("ngram", 2, 5, 1, native=_native())
+    for proposer in (python, native):
+        requests = [make_request(f"r{i}", prompt_token_ids=[1, 2, 3, 1, 2, i % 4], max_tokens=1000)
+                    for i in range(len(outputs))]
+        for request, output in zip(requests, outputs, strict=True):
+            request.output_token_ids.extend(output)
+        drafts = proposer.propose([(request, request.token_view, num_tokens) for request in requests])
+        if proposer is python:
+            expected = drafts
+        else:
+            assert drafts == expected
+            assert all(type(draft_state(request).ngram).__name__ == "NgramIndex" for request in requests)
+
+
+def test_the_speculator_runs_the_cpp_index_unless_told_the_python_one() -> None:
+    def ngram_native(config: SpeculativeConfig) -> list[bool]:
+        speculator = build_speculator(config)
+        assert speculator is not None
+        return [p.native is not None for p in speculator.proposers if isinstance(p, NgramProposer)]
+
+    assert ngram_native(SpeculativeConfig(method="auto")) == [True, True]
+    assert ngram_native(SpeculativeConfig(method="ngram", ngram_min=2)) == [True]
+    assert ngram_native(SpeculativeConfig(method="auto", ngram_index="python")) == [False, False]
+
+
+def test_the_cpp_index_refuses_bad_input_with_an_error() -> None:
+    """What the speculator would take as a failed draft call (the step runs without drafts), never a crash."""
+    module = _native()
+    with pytest.raises(ValueError, match="min_n <= max_n"):
+        module.NgramIndex(3, 2)
+    with pytest.raises(ValueError, match="min_n <= max_n"):
+        module.NgramIndex(0, 2)
+    index = module.NgramIndex(1, 4)
+    with pytest.raises(TypeError, match="must be lists"):
+        index.propose((1, 2, 1), [], 3)
+    with pytest.raises(OverflowError):
+        index.propose([1, 2**32, 1], [], 3)
+    with pytest.raises(OverflowError):
+        module.NgramIndex(1, 4).propose([1, -1, 1], [], 3)
+    request = make_request("r", prompt_token_ids=[1, 2, 1], max_tokens=10)
+    with pytest.raises(TypeError, match="NgramIndex"):
+        module.propose_batch([(request, request.token_view, 2)], [LazyNgramIndex(1, 4)], 1)
+    with pytest.raises(ValueError, match="one index per"):
+        module.propose_batch([(request, request.token_view, 2)], [], 1)
+    assert module.propose_batch([(request, request.token_view, 2)], [module.NgramIndex(1, 4)], 1) == {"r": [2, 1]}

@@ -223,9 +223,12 @@ def _generate(engine: Engine, prompts: list[str], **params: Any) -> list[tuple[A
     dict(max_tokens=30, ignore_eos=True, logprobs=1),
     dict(max_tokens=30, n=3, ignore_eos=True),
 ], ids=["eos", "ignore_eos", "min_tokens", "stop_strings", "stop_ids", "max_tokens", "logprobs", "n3"])
-def test_echo_output_is_the_same_with_and_without_speculation(params: dict[str, Any]) -> None:
+@pytest.mark.parametrize("ngram_index", ["auto", "python"])
+def test_echo_output_is_the_same_with_and_without_speculation(params: dict[str, Any], ngram_index: str) -> None:
+    """With the C++ n-gram index (auto) and the Python one (its reference)."""
     off = _generate(_echo("off"), PROMPTS, **params)
-    engine = _echo("auto")
+    engine = Engine.from_config(EngineConfig.model_validate(
+        {"model": {"name": "echo"}, "speculative": {"method": "auto", "ngram_index": ngram_index}}))
     on = _generate(engine, PROMPTS, **params)
     assert on == off
     stats = engine.stats()
