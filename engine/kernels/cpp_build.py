@@ -72,6 +72,16 @@ def cache_home() -> Path:
     return Path(os.environ.get("TOKENMILL_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill"))
 
 
+# What a failed build or load raises (the callers' fallback takes over).
+BUILD_ERRORS = (RuntimeError, OSError, subprocess.SubprocessError, ImportError)
+
+
+def failure_reason(exc: BaseException) -> str:
+    """A failed build's message for the log: its head and tail (it ends with the compiler's errors)."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    return "\n".join(lines if len(lines) <= 21 else [*lines[:1], "...", *lines[-20:]])
+
+
 # What to install when the toolchain is missing: said once, in the warning that reports it.
 TOOLCHAIN_HINT = ("install a C++ compiler and ninja (Debian/Ubuntu: apt-get install g++ ninja-build; "
                   "Fedora/RHEL: dnf install gcc-c++ ninja-build; ninja also comes with pip install ninja) "
@@ -199,10 +209,7 @@ class CppExtension:
                 try:
                     self._build_and_load()
                     self._loaded = True
-                except (RuntimeError, OSError, subprocess.SubprocessError, ImportError) as exc:
-                    lines = str(exc).strip().splitlines() or [type(exc).__name__]
-                    # A failed build's message ends with the compiler's errors: keep its head and tail.
-                    reason = "\n".join(lines if len(lines) <= 21 else [*lines[:1], "...", *lines[-20:]])
-                    logger.warning("%s unavailable (%s): %s", self.what, self.fallback, reason)
+                except BUILD_ERRORS as exc:
+                    logger.warning("%s unavailable (%s): %s", self.what, self.fallback, failure_reason(exc))
                     self._loaded = False
             return self._loaded

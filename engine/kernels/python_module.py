@@ -26,7 +26,15 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from tokenmill.engine.kernels.cpp_build import TOOLCHAIN_HINT, _compiler, cache_home, compiler_version, cpu_flags
+from tokenmill.engine.kernels.cpp_build import (
+    BUILD_ERRORS,
+    TOOLCHAIN_HINT,
+    _compiler,
+    cache_home,
+    compiler_version,
+    cpu_flags,
+    failure_reason,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +76,8 @@ class PythonModule:
             if not self._tried:
                 try:
                     self._module = self._build_and_import()
-                except (RuntimeError, OSError, subprocess.SubprocessError, ImportError) as exc:
-                    lines = str(exc).strip().splitlines() or [type(exc).__name__]
-                    # A failed build's message ends with the compiler's errors: keep its head and tail.
-                    reason = "\n".join(lines if len(lines) <= 21 else [*lines[:1], "...", *lines[-20:]])
-                    logger.warning("%s unavailable (%s): %s", self.what, self.fallback, reason)
+                except BUILD_ERRORS as exc:
+                    logger.warning("%s unavailable (%s): %s", self.what, self.fallback, failure_reason(exc))
                 self._tried = True
         return self._module
 

@@ -31,6 +31,12 @@ from tokenmill.engine.spec.speculator import NgramProposer, build_speculator, dr
 from tokenmill.engine.spec.suffix_pool import SuffixPool
 
 
+def _native() -> Any:
+    module = native_index()
+    assert module is not None, "the C++ n-gram index did not build here (see the warning logged)"
+    return module
+
+
 @st.composite
 def histories(draw: st.DrawFn) -> dict[str, Any]:
     max_n = draw(st.integers(1, 6))
@@ -48,17 +54,20 @@ def histories(draw: st.DrawFn) -> dict[str, Any]:
             "prompt": draw(st.lists(tokens, max_size=draw(st.sampled_from([4, 48])))), "calls": calls}
 
 
+@pytest.mark.parametrize("kind", ["python", "cpp"])
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(histories())
-def test_the_lazy_index_proposes_the_plain_indexs_drafts(history: dict[str, Any]) -> None:
+@given(history=histories())
+def test_the_indexes_propose_the_plain_indexs_drafts(kind: str, history: dict[str, Any]) -> None:
+    """The Python index (``LazyNgramIndex``) and the C++ one the speculator runs."""
     reference = NgramIndex(history["min_n"], history["max_n"])
-    lazy = LazyNgramIndex(history["min_n"], history["max_n"], history["scan_tokens"])
+    index = (LazyNgramIndex(history["min_n"], history["max_n"], history["scan_tokens"]) if kind == "python"
+             else _native().NgramIndex(history["min_n"], history["max_n"]))
     prompt: list[int] = history["prompt"]
     output: list[int] = []
     for new_tokens, num_tokens, min_n in history["calls"]:
         output.extend(new_tokens)
         expected = reference.propose(prompt + output, num_tokens, min_n)
-        assert lazy.propose(prompt, output, num_tokens, min_n) == expected, (prompt, output, num_tokens, min_n)
+        assert index.propose(prompt, output, num_tokens, min_n) == expected, (prompt, output, num_tokens, min_n)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -195,26 +204,6 @@ def test_a_catch_up_taking_only_the_latest_of_identical_outputs_leaves_the_table
 
 
 # --------------------------------------------------------------------------- the C++ index (csrc/ngram_index.cpp)
-
-
-def _native() -> Any:
-    module = native_index()
-    assert module is not None, "the C++ n-gram index did not build here (see the warning logged)"
-    return module
-
-
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(histories())
-def test_the_cpp_index_proposes_the_plain_indexs_drafts(history: dict[str, Any]) -> None:
-    """The same rule in C++: every call's draft is the plain index's (and so the Python index's)."""
-    reference = NgramIndex(history["min_n"], history["max_n"])
-    native = _native().NgramIndex(history["min_n"], history["max_n"])
-    prompt: list[int] = history["prompt"]
-    output: list[int] = []
-    for new_tokens, num_tokens, min_n in history["calls"]:
-        output.extend(new_tokens)
-        expected = reference.propose(prompt + output, num_tokens, min_n)
-        assert native.propose(prompt, output, num_tokens, min_n) == expected, (prompt, output, num_tokens, min_n)
 
 
 def test_the_cpp_index_keeps_long_contexts_exact() -> None:
