@@ -28,7 +28,8 @@ struct GramTable {
     std::vector<uint32_t> ends;    // per slot: end (exclusive) of the gram's latest occurrence; 0: empty
     std::vector<uint32_t> hashes;  // per slot: the gram's hash (probing compares it before the tokens)
     size_t count = 0;
-    uint32_t indexed_to = 0;  // grams ending at or before this are in (0: the table is not made yet)
+    uint32_t indexed_to = 0;  // grams ending at or before this are in
+    bool made = false;        // a lookup tried this n (the table exists)
 };
 
 struct NgramIndexObject {
@@ -84,10 +85,11 @@ void grow(GramTable& table) {
 uint32_t latest(NgramIndexObject* self, int n, uint32_t end) {
     GramTable& table = self->tables[n];
     const uint32_t* tokens = self->tokens->data();
-    if (table.indexed_to == 0) {  // first use of this n: no gram yet (the first ends at n)
+    if (!table.made) {  // first use of this n: no gram yet (the first ends at n)
         table.ends.assign(64, 0);
         table.hashes.assign(64, 0);
         table.indexed_to = static_cast<uint32_t>(n - 1);
+        table.made = true;
     }
     for (uint32_t stop = table.indexed_to + 1; stop + 1 <= end; ++stop) {  // grams ending at indexed_to+1 .. end-1
         if ((table.count + 1) * 2 > table.ends.size()) grow(table);
