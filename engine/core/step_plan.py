@@ -157,7 +157,8 @@ class StepPlan:
         num_draft_tokens = end - num_known if end > num_known else 0  # the tail past the known tokens: the draft's
         token_ids = request.token_slice(start, end - num_draft_tokens)
         if num_draft_tokens:
-            token_ids += request.draft_token_ids[:num_draft_tokens]
+            drafts = request.draft_token_ids  # NOTE: as long as the plan's draft (the scheduler cut it): no copy
+            token_ids += drafts if len(drafts) == num_draft_tokens else drafts[:num_draft_tokens]
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=token_ids,

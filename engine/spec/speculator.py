@@ -20,6 +20,7 @@ to charge a request's first draft token with it.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -41,6 +42,8 @@ from tokenmill.engine.spec.draft_length import (
 )
 from tokenmill.engine.spec.ngram import SCAN_TOKENS, LazyNgramIndex, NgramLookup, native_index
 from tokenmill.engine.spec.suffix_pool import SuffixPool
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -314,7 +317,11 @@ def build_speculator(config: SpeculativeConfig, draft: Proposer | None = None,
     if forced is not None and config.method in ("auto", "draft"):
         proposers.append(forced)
     tiers = ngram_tiers(config.ngram_min, config.ngram_max)
-    native = native_index() if config.method in ("ngram", "auto") and config.ngram_index == "auto" else None
+    native = None
+    if config.method in ("ngram", "auto"):
+        native = native_index() if config.ngram_index == "auto" else None
+        logger.info("speculation %s: the n-gram lookup runs in %s", config.method,
+                    "C++" if native is not None else "Python")
     for min_n in tiers:
         suffix = "-1" if min_n < tiers[0] else ""  # NOTE: the single-token tier after longer matches
         if config.method in ("ngram", "auto"):
