@@ -17,6 +17,7 @@ import random
 from typing import Any
 from unittest import mock
 
+import numpy
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -267,6 +268,10 @@ def test_the_cpp_index_refuses_bad_input_with_an_error() -> None:
         index.propose([1, 2**32, 1], [], 3)
     with pytest.raises(OverflowError):
         module.NgramIndex(1, 4).propose([1, -1, 1], [], 3)
+    with pytest.raises(TypeError, match="integer"):
+        module.NgramIndex(1, 4).propose([1, "2", 1], [], 3)
+    # any integer type is an id (numpy's too), as long as it fits
+    assert module.NgramIndex(1, 4).propose([numpy.int64(1), numpy.uint32(2), 1], [], 3) == [2, 1]
     request = make_request("r", prompt_token_ids=[1, 2, 1], max_tokens=10)
     with pytest.raises(TypeError, match="NgramIndex"):
         module.propose_batch([(request, request.token_view, 2)], [LazyNgramIndex(1, 4)], 1)

@@ -105,11 +105,23 @@ uint32_t latest(NgramIndexObject* self, int n, uint32_t end) {
     return table.ends[find_slot(table, tokens, n, end, hash_gram(tokens + end - n, n))];
 }
 
-// Appends list[start:] to the index's tokens; false (an exception set) if an item is not an id in [0, 2**32).
+// Appends list[start:] to the index's tokens; false (an exception set) if an item is not an integer in [0, 2**32).
+// Any integer type is taken (a numpy id too, through __index__, which may run Python code: the list's size is read
+// again for each item and the item held while it converts).
 bool copy_tail(std::vector<uint32_t>& tokens, PyObject* list, Py_ssize_t start) {
-    const Py_ssize_t size = PyList_GET_SIZE(list);
-    for (Py_ssize_t i = start; i < size; ++i) {
-        const unsigned long value = PyLong_AsUnsignedLong(PyList_GET_ITEM(list, i));
+    for (Py_ssize_t i = start; i < PyList_GET_SIZE(list); ++i) {
+        PyObject* item = PyList_GET_ITEM(list, i);
+        unsigned long value;
+        if (PyLong_CheckExact(item)) {
+            value = PyLong_AsUnsignedLong(item);
+        } else {
+            Py_INCREF(item);
+            PyObject* index = PyNumber_Index(item);
+            Py_DECREF(item);
+            if (index == nullptr) return false;
+            value = PyLong_AsUnsignedLong(index);
+            Py_DECREF(index);
+        }
         if (value == static_cast<unsigned long>(-1) && PyErr_Occurred()) return false;
         if (value > 0xFFFFFFFFul) {
             PyErr_Format(PyExc_OverflowError, "token id %lu does not fit 32 bits", value);
