@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <random>
 #include <vector>
 
 namespace {
@@ -42,8 +43,12 @@ struct NgramIndexObject {
     int missed_n;
 };
 
+// Drawn once per process (PyInit): prompts are the users', and a hash they could predict would let a crafted one pile
+// its grams into one run of slots (each insert probing the whole run). Python's own str hashes are seeded likewise.
+uint64_t hash_seed = 0x9E3779B97F4A7C15ull;
+
 inline uint32_t hash_gram(const uint32_t* gram, int n) {
-    uint64_t h = 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(n);
+    uint64_t h = hash_seed ^ static_cast<uint64_t>(n);
     for (int i = 0; i < n; ++i) {
         h ^= gram[i];
         h *= 0xBF58476D1CE4E5B9ull;
@@ -334,6 +339,12 @@ PyModuleDef module_definition = {
 }  // namespace
 
 PyMODINIT_FUNC PyInit_tokenmill_ngram_index(void) {
+    try {
+        std::random_device entropy;
+        hash_seed ^= (static_cast<uint64_t>(entropy()) << 32) ^ entropy();
+    } catch (...) {  // no entropy source: the process's own addresses (randomised by the loader) still vary
+        hash_seed ^= reinterpret_cast<uintptr_t>(&hash_seed) ^ reinterpret_cast<uintptr_t>(&NgramIndexType);
+    }
     NgramIndexType.tp_basicsize = sizeof(NgramIndexObject);
     NgramIndexType.tp_flags = Py_TPFLAGS_DEFAULT;
     NgramIndexType.tp_doc = "NgramIndex(min_n, max_n): one request's n-gram index (LazyNgramIndex in C++)";
