@@ -270,8 +270,10 @@ def find_stop(request: Request, new_token_ids: list[int], eos_token_ids: frozens
     # is reached already)
     num_left = request.max_tokens - num_output
     # NOTE: comparisons, not min() and max(): this runs for every request every step
-    if max_model_len is not None and max_model_len - len(request.prompt_token_ids) - num_output < num_left:
-        num_left = max_model_len - len(request.prompt_token_ids) - num_output
+    if max_model_len is not None:
+        context_left = max_model_len - len(request.prompt_token_ids) - num_output
+        if context_left < num_left:
+            num_left = context_left
     length_index = num_left - 1 if num_left > 1 else 0
     stop_token_ids = params.stop_token_ids
     checks_eos = not params.ignore_eos and bool(eos_token_ids)

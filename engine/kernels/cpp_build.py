@@ -58,13 +58,14 @@ def cpu_vendor() -> str:
     return _cpuinfo(("vendor_id",)) or ""
 
 
-def _compiler() -> str:
+def compiler() -> str:
+    """The C++ compiler builds invoke: ``$CXX``, else ``c++``."""
     return os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension invokes on Linux
 
 
 def compiler_version() -> str:
     """What the compiler says of itself (``--version``): part of every build's cache key."""
-    return subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
+    return subprocess.run([compiler(), "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
 
 
 def cache_home() -> Path:
@@ -90,10 +91,10 @@ _toolchain_lock = threading.Lock()
 
 
 @functools.cache
-def _missing_toolchain(compiler: str) -> str | None:
+def _missing_toolchain(program: str) -> str | None:
     from torch.utils import cpp_extension  # noqa: PLC0415 - imports setuptools (~0.1 s): only builds need it
 
-    missing = [f"no C++ compiler ({compiler!r} is not on PATH)"] if shutil.which(compiler) is None else []
+    missing = [f"no C++ compiler ({program!r} is not on PATH)"] if shutil.which(program) is None else []
     if not cpp_extension.is_ninja_available():
         missing.append("no ninja (torch builds extensions with it)")
     if not missing:
@@ -112,7 +113,7 @@ def missing_toolchain() -> str | None:
     side by side on their own threads, hence the lock.
     """
     with _toolchain_lock:
-        return _missing_toolchain(_compiler())
+        return _missing_toolchain(compiler())
 
 
 class CppExtension:

@@ -29,8 +29,8 @@ from types import ModuleType
 from tokenmill.engine.kernels.cpp_build import (
     BUILD_ERRORS,
     TOOLCHAIN_HINT,
-    _compiler,
     cache_home,
+    compiler,
     compiler_version,
     cpu_flags,
     failure_reason,
@@ -85,9 +85,9 @@ class PythonModule:
         if not self.source.is_file():
             raise RuntimeError(f"its C++ source is not installed ({self.source}): this tokenmill was installed "
                                "without its package data; reinstall it from a current checkout or wheel")
-        compiler = _compiler()
-        if shutil.which(compiler) is None:
-            raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH); {TOOLCHAIN_HINT}")
+        program = compiler()
+        if shutil.which(program) is None:
+            raise RuntimeError(f"no C++ compiler ({program!r} is not on PATH); {TOOLCHAIN_HINT}")
         folder = self.build_directory()
         binary = folder / f"{self.name}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
         if not binary.is_file():
@@ -95,7 +95,7 @@ class PythonModule:
             with open(folder / "tokenmill.flock", "w") as lock_file:
                 fcntl.flock(lock_file, fcntl.LOCK_EX)
                 if not binary.is_file():  # NOTE: built by whoever held the lock before
-                    self._compile(compiler, binary)
+                    self._compile(program, binary)
         spec = importlib.util.spec_from_file_location(self.name, binary)
         if spec is None or spec.loader is None:
             raise ImportError(f"cannot import {binary}")
@@ -103,10 +103,10 @@ class PythonModule:
         spec.loader.exec_module(module)
         return module
 
-    def _compile(self, compiler: str, binary: Path) -> None:
+    def _compile(self, program: str, binary: Path) -> None:
         """Compile into a temporary file and rename it into place (a killed build leaves no half binary)."""
         partial = binary.with_name(f"{binary.name}.{os.getpid()}.partial")
-        command = [compiler, *self.cflags, "-shared", "-fPIC", "-fvisibility=hidden",
+        command = [program, *self.cflags, "-shared", "-fPIC", "-fvisibility=hidden",
                    f"-I{sysconfig.get_paths()['include']}", str(self.source), "-o", str(partial)]
         start = time.perf_counter()
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)

@@ -106,7 +106,7 @@ uint32_t latest(NgramIndexObject* self, int n, uint32_t end) {
         }
         table.ends[slot] = stop;  // the latest occurrence wins
     }
-    if (end >= 1 && table.indexed_to < end - 1) table.indexed_to = end - 1;
+    if (table.indexed_to < end - 1) table.indexed_to = end - 1;  // end >= n >= 1: the caller's bound
     return table.ends[find_slot(table, tokens, n, end, hash_gram(tokens + end - n, n))];
 }
 
