@@ -2,6 +2,9 @@
 XREADGROUPs that take new entries from them, lane 0 first, the shards in turn within a priority, blocking only when
 every lane is empty.
 
+A read is one round trip per shard (:data:`READ_LANES_LUA`), not one per lane: a worker reads 2 x 3 lanes (shared and
+its model's, three priorities), and each round trip of the reader thread waits for the GIL behind the engine thread.
+
 On a sharded queue (protocol/shards.py) a worker reads the lanes of the shards it claims (worker/shard_claims.py;
 every shard by default). Imports redis and protocol (keys, shards); never the engine.
 """
@@ -21,6 +24,28 @@ from tokenmill.worker.messages import Entry
 # NOTE: on a cluster one XREADGROUP names one shard's lanes: an idle worker blocks on the shards in turn, this
 # long each (after a non-blocking look at every one), so a request on any shard waits about this long at most.
 SHARD_BLOCK_MS = 25
+
+# NOTE: the non-blocking reads of one shard's lanes in one call, in the order given (most urgent first), each taking
+# what the earlier ones left of the count: the entries and their order are those of one XREADGROUP per lane. A script
+# may run XREADGROUP (never blocking); every lane of a shard is in its slot (protocol/shards.py). A missing group is
+# the call's NOGROUP error, as a plain XREADGROUP's.
+#   KEYS: the lanes.  ARGV: 1 group, 2 consumer, 3 count
+#   Returns: per lane that gave entries, its name and its entries (each: id, flat field list)
+READ_LANES_LUA = """
+local left = tonumber(ARGV[3])
+local out = {}
+for i = 1, #KEYS do
+  if left <= 0 then break end
+  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left, 'STREAMS', KEYS[i], '>')
+  if reply then
+    local entries = reply[1][2]
+    out[#out + 1] = KEYS[i]
+    out[#out + 1] = entries
+    left = left - #entries
+  end
+end
+return out
+"""
 
 
 def lanes_for_role(keys: Keys | QueueLayout, model_names: frozenset[str], role: str,
@@ -55,6 +80,7 @@ class LaneReads:
         self.reading: list[Lane] = []  # the lanes read now (those of the shards claimed)
         self.needs_groups = True  # (re-)create the consumer groups before the next read
         self._turn = 0  # rotates the shards' order within a priority, and the shard an idle read blocks on
+        self._read_script = client.register_script(READ_LANES_LUA)
 
     def read_shards(self, shards: Collection[int]) -> None:
         """Read the lanes of ``shards`` from now on; their groups are made sure of before the next read."""
@@ -83,9 +109,9 @@ class LaneReads:
         order = sorted(self.reading, key=lambda lane: (lane.priority, not lane.is_decode,
                                                        (lane.shard - self._turn) % num_shards))
         entries: list[Entry] = []
-        for lane in order:
+        for run in _same_shard_runs(order):
             if len(entries) < count:
-                entries += self._xreadgroup({lane.stream: ">"}, count - len(entries), None)
+                entries += self._read_lanes(run, count - len(entries))
         groups = self._block_groups(order)
         if not entries and block_ms is not None and groups:
             if len(groups) > 1:
@@ -103,6 +129,19 @@ class LaneReads:
             by_shard.setdefault(lane.shard, []).append(lane.stream)
         return [by_shard[shard] for shard in sorted(by_shard)]
 
+    def _read_lanes(self, lanes: list[Lane], count: int) -> list[Entry]:
+        """Up to ``count`` new entries of ``lanes`` (one shard's), the first lane first: one round trip."""
+        reply: Any = self._read_script(keys=[lane.stream for lane in lanes],
+                                       args=[CONSUMER_GROUP, self._consumer, count])
+        out = []
+        for index in range(0, len(reply), 2):
+            stream = as_text(reply[index])
+            priority = self.lane_of[stream].priority
+            for eid, flat in reply[index + 1]:
+                if flat:
+                    out.append(Entry(stream, as_text(eid), priority, dict(zip(flat[::2], flat[1::2]))))
+        return out
+
     def _xreadgroup(self, streams: dict[Any, Any], count: int, block_ms: int | None) -> list[Entry]:
         reply: Any = self._client.xreadgroup(CONSUMER_GROUP, self._consumer, streams, count=count, block=block_ms)
         out = []
@@ -111,3 +150,14 @@ class LaneReads:
             out += [Entry(stream, as_text(eid), self.lane_of[stream].priority, dict(fields))
                     for eid, fields in items if fields]
         return out
+
+
+def _same_shard_runs(lanes: list[Lane]) -> list[list[Lane]]:
+    """``lanes`` cut into runs of consecutive lanes of one shard (each run one script call, the order kept)."""
+    runs: list[list[Lane]] = []
+    for lane in lanes:
+        if runs and runs[-1][0].shard == lane.shard:
+            runs[-1].append(lane)
+        else:
+            runs.append([lane])
+    return runs

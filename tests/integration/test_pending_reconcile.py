@@ -4,6 +4,7 @@ are taken back and answered without a restart, and nothing it still holds runs t
 
 from __future__ import annotations
 
+import hashlib
 import socket
 import threading
 import time
@@ -19,13 +20,16 @@ from tokenmill.engine.engine import Engine
 from tokenmill.protocol.keys import CONSUMER_GROUP
 from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.dispatch import Dispatcher
-from tokenmill.worker.lane_reads import LaneReads
+from tokenmill.worker.lane_reads import READ_LANES_LUA, LaneReads
 from tokenmill.worker.messages import Entry
+
+# NOTE: a worker reads its lanes through a script (worker/lane_reads.py), a blocking read with XREADGROUP itself
+_READ_COMMANDS = (b"XREADGROUP", hashlib.sha1(READ_LANES_LUA.encode()).hexdigest().upper().encode())
 
 
 class ReplyCutter:
-    """A TCP proxy in front of Redis that forwards everything, except that the first reply to an
-    XREADGROUP holding entries never reaches the client: the proxy closes that connection instead."""
+    """A TCP proxy in front of Redis that forwards everything, except that the first reply to a
+    read of the lanes holding entries never reaches the client: the proxy closes that connection instead."""
 
     def __init__(self, upstream: dict[str, Any]) -> None:
         self._upstream = upstream
@@ -59,7 +63,7 @@ class ReplyCutter:
     @staticmethod
     def _up(client: socket.socket, server: socket.socket, asked: threading.Event) -> None:
         while data := _recv(client):
-            if b"XREADGROUP" in data.upper():
+            if any(command in data.upper() for command in _READ_COMMANDS):
                 asked.set()
             server.sendall(data)
         _close(client, server)
