@@ -333,15 +333,21 @@ class Scheduler:
                 request.num_steps_since_admitted += 1
             new_token_ids = sampled_token_ids.get(chunk.request_id, [])
             num_accepted = 0
-            if chunk.num_draft_tokens:
-                self._check_verified(chunk, new_token_ids)
+            num_drafts = chunk.num_draft_tokens
+            if num_drafts:
+                # NOTE: the runner kept what accept_drafts allows: 1 to k + 1 tokens, all but the last the draft's
+                # (the chunk's last k tokens)
                 num_accepted = len(new_token_ids) - 1
+                first_draft = len(chunk.token_ids) - num_drafts
+                if not 0 <= num_accepted <= num_drafts or \
+                        new_token_ids[:-1] != chunk.token_ids[first_draft:first_draft + num_accepted]:
+                    raise InvariantError(f"{chunk.request_id}: kept {new_token_ids} of draft {chunk.draft_token_ids}")
                 request.num_computed_tokens += 1 + num_accepted
-                if num_accepted < chunk.num_draft_tokens:
+                if num_accepted < num_drafts:
                     # NOTE: only verified tokens reach the prefix cache; the rejected drafts' slots go back.
                     self.block_manager.trim(request.request_id, request.num_computed_tokens)
                 request.draft_token_ids = []
-                outcomes.append((request, chunk.num_draft_tokens, num_accepted))
+                outcomes.append((request, num_drafts, num_accepted))
             else:
                 if len(new_token_ids) != int(chunk.needs_sample):
                     raise InvariantError(f"{chunk.request_id}: needs_sample={chunk.needs_sample}, "
@@ -366,14 +372,6 @@ class Scheduler:
         if outcomes and self.speculator is not None:
             self.speculator.observe(outcomes)
         return updated
-
-    @staticmethod
-    def _check_verified(chunk: ScheduledChunk, new_token_ids: list[int]) -> None:
-        """The runner kept what accept_drafts allows: 1 to k + 1 tokens, all but the last the draft's."""
-        num_kept, first_draft = len(new_token_ids), len(chunk.token_ids) - chunk.num_draft_tokens
-        is_draft_prefix = new_token_ids[:-1] == chunk.token_ids[first_draft:first_draft + num_kept - 1]
-        if not 1 <= num_kept <= chunk.num_draft_tokens + 1 or not is_draft_prefix:
-            raise InvariantError(f"{chunk.request_id}: kept {new_token_ids} of draft {chunk.draft_token_ids}")
 
     def finish_request(self, request_id: str, status: RequestStatus, error_code: ErrorCode | None = None,
                        error_message: str | None = None) -> None:
@@ -670,14 +668,21 @@ class Scheduler:
             if request_id in prefill_request_ids:
                 continue
             num_decodes += 1  # NOTE: a chunk the plan does not count as a prefill is a decode (StepPlan.add)
+            if num_tokens != 1:
+                continue
             request = requests[request_id]
-            if num_tokens != 1 or not request.sampling_params.speculative:
+            params = request.sampling_params
+            if not params.speculative:
                 continue
             # NOTE: a draft never runs past max_tokens or the context: its last token's successor is the bonus.
+            # (max_tokens read from the parameters, resolved at admission: Request.max_tokens without the call; were it
+            # not, the stop rule raises, and no draft is planned here)
             num_output = len(request.output_token_ids)
-            bound = request.max_tokens - num_output - 1
-            if max_model_len is not None and max_model_len - len(request.prompt_token_ids) - num_output < bound:
-                bound = max_model_len - len(request.prompt_token_ids) - num_output
+            bound = (params.max_tokens or 0) - num_output - 1
+            if max_model_len is not None:
+                context_left = max_model_len - len(request.prompt_token_ids) - num_output
+                if context_left < bound:
+                    bound = context_left
             if bound > 0:
                 candidates.append((request, bound))
         if not candidates:

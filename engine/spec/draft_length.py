@@ -34,6 +34,8 @@ plain line (:func:`drafting_pays`). Standard library only.
 from __future__ import annotations
 
 import heapq
+import itertools
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -204,10 +206,11 @@ def choose_draft_lengths(proposals: list[tuple[str, int, float]], num_tokens_lef
     Returns:
         How many of its proposed tokens each request runs (requests with none are left out).
     """
-    lengths = _every_token_if_all_pay(proposals, num_tokens_left, num_scheduled_tokens, num_decodes, cost)
-    if lengths is None:
-        lengths = greedy_draft_lengths(proposals, num_tokens_left, num_scheduled_tokens, num_decodes, cost)
-    return lengths
+    drafted = [(request_id, num_proposed, rate) for request_id, num_proposed, rate in proposals if num_proposed > 0]
+    if every_token_pays([n for _, n, _ in drafted], [rate for _, _, rate in drafted], num_tokens_left,
+                        num_scheduled_tokens, num_decodes, cost):
+        return {request_id: num_proposed for request_id, num_proposed, _ in drafted}
+    return greedy_draft_lengths(proposals, num_tokens_left, num_scheduled_tokens, num_decodes, cost)
 
 
 def drafting_pays(lengths: dict[str, int], rates: dict[str, float], num_scheduled_tokens: int, num_decodes: int,
@@ -235,43 +238,44 @@ def drafting_pays(lengths: dict[str, int], rates: dict[str, float], num_schedule
     return expected * without_s > num_decodes * with_drafts_s
 
 
-def _every_token_if_all_pay(proposals: list[tuple[str, int, float]], num_tokens_left: int, num_scheduled_tokens: int,
-                            num_decodes: int, cost: StepCost) -> dict[str, int] | None:
-    """Every proposed token, if the budget holds them and the greedy rule would take each; None if that is not
-    shown here (the greedy rule decides).
+def every_token_pays(lengths: list[int], rates: list[float], num_tokens_left: int, num_scheduled_tokens: int,
+                     num_decodes: int, cost: StepCost) -> bool:
+    """Whether the budget holds every proposed token and the greedy rule would take each (False: not shown here,
+    the greedy rule decides). The speculator then runs the drafts as proposed, with no lengths to make.
 
     The greedy rule takes a token while its gain beats ``b`` (a first token: ``b + p``) times the goodput so far,
     and each token it takes raises the goodput; after the last it is the goodput with every token in. So if the
     least gain of all (each request's last token; a first token's: its rate) beats that final goodput, every test
-    on the way passed. One pass over the requests, where the greedy rule pops each token off a heap.
+    on the way passed.
+
+    Args:
+        lengths: each request's proposed draft tokens (each at least 1).
+        rates: each request's acceptance rate, in the same order.
+
+    NOTE: the sums are taken by builtins over the two lists (this runs every step over every drafting request),
+    where the greedy rule pops each token off a heap in Python.
     """
-    # NOTE: one pass makes the lengths and the sums the tests below need (most steps pass them)
-    lengths: dict[str, int] = {}
-    num_tokens, expected, least_gain, least_rate = 0, float(num_decodes), 1.0, 1.0
-    for request_id, num_proposed, rate in proposals:
-        if num_proposed > 0:
-            lengths[request_id] = num_proposed
-            num_tokens += num_proposed
-            last_gain = rate ** num_proposed
-            # rate + rate ** 2 + ... + rate ** num_proposed
-            expected += (rate - last_gain * rate) / (1.0 - rate) if rate < 1.0 else float(num_proposed)
-            if last_gain < least_gain:
-                least_gain = last_gain
-            if rate < least_rate:
-                least_rate = rate
-    if num_tokens > num_tokens_left:
-        return None
+    num_tokens = sum(lengths)
+    if not lengths or num_tokens > num_tokens_left:
+        return not lengths
     per_token_s, host_s = cost.per_token_s, cost.host_s
     charge_proposal = cost.proposal_s > 0.0 and host_s > 0.0
     seconds = cost.fixed_s + per_token_s * (num_scheduled_tokens + num_tokens) + host_s
     if seconds <= 0.0 or (per_token_s <= 0.0 and not charge_proposal):
-        return lengths  # NOTE: no test applies (drafting taken as free)
+        return True  # NOTE: no test applies (drafting taken as free)
+    last_gains = list(map(pow, rates, lengths))  # rate ** length: the gain of each request's last token
+    if max(rates) < 1.0:
+        # rate + rate ** 2 + ... + rate ** length = (rate - rate ** length * rate) / (1 - rate), for every request
+        ones = itertools.repeat(1.0)
+        expected = sum(map(operator.truediv, map(operator.sub, rates, map(operator.mul, last_gains, rates)),
+                           map(operator.sub, ones, rates)), float(num_decodes))
+    else:  # NOTE: a rate of exactly 1 (its rejections decayed to nothing): its every token is expected
+        expected = sum(((rate - gain * rate) / (1.0 - rate) if rate < 1.0 else float(length)
+                        for length, rate, gain in zip(lengths, rates, last_gains)), float(num_decodes))
     goodput = expected / seconds * (1.0 + 1e-9)  # NOTE: a margin for the greedy rule's own rounding
-    if per_token_s > 0.0 and least_gain <= per_token_s * goodput:
-        return None
-    if charge_proposal and least_rate <= (per_token_s + cost.proposal_s) * goodput:
-        return None
-    return lengths
+    if per_token_s > 0.0 and min(last_gains) <= per_token_s * goodput:
+        return False
+    return not (charge_proposal and min(rates) <= (per_token_s + cost.proposal_s) * goodput)
 
 
 def greedy_draft_lengths(proposals: list[tuple[str, int, float]], num_tokens_left: int, num_scheduled_tokens: int,

@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from types import ModuleType
 from typing import Protocol
 
@@ -37,8 +38,9 @@ from tokenmill.engine.spec.draft_length import (
     PROBE_TOKENS,
     Acceptance,
     StepCost,
-    choose_draft_lengths,
     drafting_pays,
+    every_token_pays,
+    greedy_draft_lengths,
 )
 from tokenmill.engine.spec.ngram import SCAN_TOKENS, LazyNgramIndex, NgramLookup, native_index
 from tokenmill.engine.spec.suffix_pool import SuffixPool
@@ -51,8 +53,10 @@ class DraftState:
     """What the speculator keeps on a request (``Request.draft_state``)."""
 
     acceptance: dict[str, Acceptance] = field(default_factory=dict)  # proposer name -> its drafts' acceptance
-    # the proposer of its latest proposal: that of the draft it ran, if it ran one (proposed the same step)
+    # the proposer of its latest proposal: that of the draft it ran, if it ran one (proposed the same step), and that
+    # proposer's acceptance for it (what the draft's outcome updates)
     proposer: str | None = None
+    proposed_with: Acceptance | None = None
     ngram: NgramLookup | None = None
 
     def acceptance_of(self, proposer: str, step: int) -> Acceptance:
@@ -183,17 +187,19 @@ class DraftSpeculator:
         threshold = self.cost.draft_threshold(room.num_scheduled_tokens, room.num_decodes)
         pending = candidates  # (request, bound) of the requests without a draft yet, in urgency order
         proposed: dict[str, list[int]] = {}  # request id -> its draft
-        proposals: list[tuple[str, int, float]] = []  # (request id, draft length, acceptance rate), as proposed
+        # each proposed draft's length and its acceptance rate, in the order of ``proposed``
+        lengths: list[int] = []
+        rates: list[float] = []
+        most, floor = self.num_speculative_tokens, self.min_acceptance
         first_asked: list[tuple[Request, Sequence[int], int]] | None = None  # whom the first proposer to ask asked
         asked_ids: set[str] | None = None  # whom any proposer asked, made once a second one asks
-        most, floor = self.num_speculative_tokens, self.min_acceptance
         started_s = time.perf_counter()
         for proposer in self.proposers:
             if not pending:
                 break  # NOTE: every request has its draft: the later proposers have nothing to add
             name = proposer.name
             wanted: list[tuple[Request, Sequence[int], int]] = []
-            rates: list[float] = []  # each wanted request's acceptance rate for this proposer, and its state
+            acceptances: list[Acceptance] = []  # each wanted request's acceptance for this proposer, and its state
             states: list[DraftState] = []
             # Most draft tokens the proposer may offer each request: none where the goodput rule could not take its
             # first (its acceptance rate at or under ``threshold``, StepCost.draft_threshold), none while its
@@ -212,7 +218,7 @@ class DraftSpeculator:
                         continue
                     num_tokens = min(num_tokens, PROBE_TOKENS)
                 wanted.append((request, request.token_view, num_tokens))
-                rates.append(rate)
+                acceptances.append(acceptance)
                 states.append(state)
             if not wanted:
                 continue
@@ -225,12 +231,13 @@ class DraftSpeculator:
             found = proposer.propose(wanted)
             if not found:
                 continue
-            for (request, _, _), rate, state in zip(wanted, rates, states, strict=True):
+            for (request, _, _), acceptance, state in zip(wanted, acceptances, states, strict=True):
                 draft = found.get(request.request_id)
-                if draft is not None:
+                if draft:
                     proposed[request.request_id] = draft
-                    proposals.append((request.request_id, len(draft), rate))
-                    state.proposer = name
+                    lengths.append(len(draft))
+                    rates.append(acceptance.rate)
+                    state.proposer, state.proposed_with = name, acceptance
             pending = [item for item in pending if item[0].request_id not in found] if len(found) < len(pending) else []
         num_asked = len(asked_ids) if asked_ids is not None else len(first_asked) if first_asked is not None else 0
         if num_asked:
@@ -238,48 +245,56 @@ class DraftSpeculator:
         if not proposed:
             self.counters.draft_length_counts[0] = self.counters.draft_length_counts.get(0, 0) + len(candidates)
             return {}
-        lengths = choose_draft_lengths(proposals, room.num_tokens_left, room.num_scheduled_tokens, room.num_decodes,
-                                       self.cost)
-        if lengths and self.cost.switches_path and not drafting_pays(
-                lengths, {request_id: rate for request_id, _, rate in proposals}, room.num_scheduled_tokens,
-                room.num_decodes, self.cost):
-            lengths = {}
+        # NOTE: the goodput rule's lengths (engine/spec/draft_length.py); where it takes every proposed token (the
+        # common case), the drafts run as proposed, with no pass to make lengths or cut drafts
+        if every_token_pays(lengths, rates, room.num_tokens_left, room.num_scheduled_tokens, room.num_decodes,
+                            self.cost):
+            drafts = proposed
+        else:
+            chosen = greedy_draft_lengths(list(zip(proposed, lengths, rates)), room.num_tokens_left,
+                                          room.num_scheduled_tokens, room.num_decodes, self.cost)
+            drafts = {}
+            for request_id, length in chosen.items():
+                draft = proposed[request_id]
+                drafts[request_id] = draft if length == len(draft) else draft[:length]
+            lengths = [len(draft) for draft in drafts.values()]
+        if drafts and self.cost.switches_path and not drafting_pays(
+                {request_id: len(draft) for request_id, draft in drafts.items()}, dict(zip(proposed, rates)),
+                room.num_scheduled_tokens, room.num_decodes, self.cost):
+            drafts = {}
         counts = self.counters.draft_length_counts
-        if len(lengths) < len(candidates):
-            counts[0] = counts.get(0, 0) + len(candidates) - len(lengths)
-        for length, num_drafts in Counter(lengths.values()).items():
-            counts[length] = counts.get(length, 0) + num_drafts
-        drafts = {}
-        for request_id, length in lengths.items():
-            draft = proposed[request_id]
-            drafts[request_id] = draft if length == len(draft) else draft[:length]
+        if len(drafts) < len(candidates):
+            counts[0] = counts.get(0, 0) + len(candidates) - len(drafts)
+        if drafts:
+            for length, num_drafts in Counter(lengths).items():
+                counts[length] = counts.get(length, 0) + num_drafts
         return drafts
 
     def observe(self, outcomes: list[tuple[Request, int, int]]) -> None:
         step = self._num_steps
-        counters = self.counters
-        drafts_by_length, drafts_by_num_kept = counters.drafts_by_length, counters.drafts_by_num_kept
-        # proposer -> [draft tokens, accepted]: most of a step's drafts come from one proposer, whose pair is kept at
-        # hand (one comparison per draft, not two dict updates)
-        totals: dict[str, list[int]] = {}
+        # NOTE: per draft only its acceptance's update and where its proposer changes (most of a step's drafts come
+        # from one); the counters are summed over the lists by builtins
+        runs: list[tuple[str, int]] = []  # (proposer, index of its first outcome) of each run of one proposer
         last_name: str | None = None
-        last = [0, 0]
-        for request, num_drafted, num_accepted in outcomes:
+        for index, (request, num_drafted, num_accepted) in enumerate(outcomes):
             state = request.draft_state
             if state.__class__ is not DraftState:
                 state = draft_state(request)
             name = state.proposer or ""
-            (state.acceptance.get(name) or state.acceptance_of(name, step)).observe(num_drafted, num_accepted, step)
+            (state.proposed_with or state.acceptance_of(name, step)).observe(num_drafted, num_accepted, step)
             if name != last_name:
                 last_name = name
-                last = totals.get(name) or totals.setdefault(name, [0, 0])
-            last[0] += num_drafted
-            last[1] += num_accepted
-            drafts_by_length[num_drafted] += 1
-            drafts_by_num_kept[num_accepted] += 1
+                runs.append((name, index))
+        counters = self.counters
+        drafted, accepted = list(map(itemgetter(1), outcomes)), list(map(itemgetter(2), outcomes))
+        for num_drafted, num_drafts in Counter(drafted).items():
+            counters.drafts_by_length[num_drafted] += num_drafts
+        for num_accepted, num_drafts in Counter(accepted).items():
+            counters.drafts_by_num_kept[num_accepted] += num_drafts
         drafted_by_proposer, accepted_by_proposer = counters.draft_tokens_by_proposer, \
             counters.accepted_tokens_by_proposer
-        for name, (num_drafted, num_accepted) in totals.items():
+        for (name, start), (_, end) in zip(runs, [*runs[1:], ("", len(outcomes))]):
+            num_drafted, num_accepted = sum(drafted[start:end]), sum(accepted[start:end])
             drafted_by_proposer[name] = drafted_by_proposer.get(name, 0) + num_drafted
             accepted_by_proposer[name] = accepted_by_proposer.get(name, 0) + num_accepted
             counters.num_draft_tokens += num_drafted
