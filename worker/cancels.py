@@ -37,9 +37,12 @@ class CancelMarks:
         if not request_ids and pipe is None:
             return set()
         shard_to_ids: dict[int, list[str]] = {}
-        for request_id in request_ids:
-            shard = self._layout.shard_of(request_id) if self._layout.is_sharded else 0
-            shard_to_ids.setdefault(shard, []).append(request_id)
+        if not self._layout.is_sharded:  # NOTE: one shard: no pass per id (this runs over every running request)
+            if request_ids:
+                shard_to_ids[0] = list(request_ids)
+        else:
+            for request_id in request_ids:
+                shard_to_ids.setdefault(self._layout.shard_of(request_id), []).append(request_id)
         if pipe is None and len(shard_to_ids) == 1:
             [(shard, ids)] = shard_to_ids.items()
             scores = self._client.zmscore(self._layout.shards[shard].cancel, ids)

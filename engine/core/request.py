@@ -277,7 +277,10 @@ def find_stop(request: Request, new_token_ids: list[int], eos_token_ids: frozens
     length_index = num_left - 1 if num_left > 1 else 0
     stop_token_ids = params.stop_token_ids
     checks_eos = not params.ignore_eos and bool(eos_token_ids)
-    if stop_token_ids or checks_eos:
+    # NOTE: a step's tokens are first looked through for a stopping id in C (set operations), token by token below
+    # only when one is there; past ``length_index`` none can end the request
+    if (checks_eos and not eos_token_ids.isdisjoint(new_token_ids)) or \
+            (stop_token_ids and not frozenset(stop_token_ids).isdisjoint(new_token_ids)):
         for index in range(min(len(new_token_ids), length_index + 1)):
             token_id = new_token_ids[index]
             if ((checks_eos and token_id in eos_token_ids) or token_id in stop_token_ids) and \

@@ -163,7 +163,11 @@ class IncrementalDetokenizer(_StopStrings):
         """
         if self.stop_matched is not None:
             return ""
-        self._token_ids += [t for t in token_ids if t not in self._special_ids]
+        special_ids = self._special_ids
+        # NOTE: the common case, no special id among them, tested in C (a request's whole output comes at once when
+        # nobody streams it)
+        self._token_ids += token_ids if special_ids.isdisjoint(token_ids) else [t for t in token_ids
+                                                                                  if t not in special_ids]
         return self._release(self._decode_new(is_final=False), is_final=False)
 
     def finish(self) -> str:
