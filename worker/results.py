@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+import msgpack
 import redis
 from redis.commands.core import Script
 
@@ -37,57 +38,58 @@ from tokenmill.worker.messages import DeadLetter, Finish, Handoff
 #
 # NOTE: one call per batch rather than per entry (a pipeline of single-answer calls): the client packs and parses
 # one command instead of FINISH_BATCH, and the server looks the script up once (ops/bench/README.md, queue_bench).
-#   KEYS: per answer, 6: result, done list, lane stream, reply stream, token stream, dead stream
-#   ARGV: 1 group, 2 result ttl ms, 3 done ttl ms, 4 schema version, 5 token ttl ms, then per answer: the number n of
-#         its arguments, then n: entry id, result bytes, status, has reply (0/1), has tokens (0/1), dead-letter reason
-#         ('' = none), ack (0/1), the original entry fields as name, value pairs
+# The answers travel as one msgpack array, each key once in KEYS (a batch's answers share their lane and dead-letter
+# streams): redis-py packs every argument in Python, and 15 arguments per answer were a third of the writer's time.
+#   KEYS: the batch's keys, each once
+#   ARGV: 1 group, 2 result ttl ms, 3 done ttl ms, 4 schema version, 5 token ttl ms, 6 the answers (msgpack, cmsgpack's
+#         raw strings), each an array: 1 result key, 2 done list, 3 lane stream, 4 reply stream, 5 token stream, 6 dead
+#         stream (each an index into KEYS; 0 = none: no reply, no token stream, no dead letter), 7 entry id, 8 result
+#         bytes ('' = none), 9 status, 10 dead-letter reason, 11 ack (0/1), then the original entry fields as name,
+#         value pairs (dead letters only)
 #   Returns: per answer, 1 (stored by this step), 0 (answered before) or the error that refused it
 FINISH_LUA = """
 local function holds(key, kind)
   local t = redis.call('TYPE', key)['ok']
   return t == 'none' or t == kind
 end
-local function finish(k, a, n)
+local function finish(x)
   local stored = false
-  if ARGV[a + 2] ~= '' then
-    stored = redis.call('SET', KEYS[k + 1], ARGV[a + 2], 'NX', 'PX', ARGV[2])
+  if x[8] ~= '' then
+    stored = redis.call('SET', KEYS[x[1]], x[8], 'NX', 'PX', ARGV[2])
   end
-  if ARGV[a + 6] ~= '' and holds(KEYS[k + 6], 'stream') then
-    local fields = {'reason', ARGV[a + 6], 'stream', KEYS[k + 3], 'entry_id', ARGV[a + 1]}
-    for i = a + 8, a + n do fields[#fields + 1] = ARGV[i] end
-    redis.call('XADD', KEYS[k + 6], '*', unpack(fields))
+  if x[6] > 0 and holds(KEYS[x[6]], 'stream') then
+    local fields = {'reason', x[10], 'stream', KEYS[x[3]], 'entry_id', x[7]}
+    for i = 12, #x do fields[#fields + 1] = x[i] end
+    redis.call('XADD', KEYS[x[6]], '*', unpack(fields))
   end
   if stored then
-    if holds(KEYS[k + 2], 'list') then
-      redis.call('LPUSH', KEYS[k + 2], ARGV[a + 3])
-      redis.call('PEXPIRE', KEYS[k + 2], ARGV[3])
+    if holds(KEYS[x[2]], 'list') then
+      redis.call('LPUSH', KEYS[x[2]], x[9])
+      redis.call('PEXPIRE', KEYS[x[2]], ARGV[3])
     end
-    if ARGV[a + 4] == '1' and holds(KEYS[k + 4], 'stream') then
-      redis.call('XADD', KEYS[k + 4], '*', 'd', ARGV[a + 2], 'v', ARGV[4])
+    if x[4] > 0 and holds(KEYS[x[4]], 'stream') then
+      redis.call('XADD', KEYS[x[4]], '*', 'd', x[8], 'v', ARGV[4])
     end
-    if ARGV[a + 5] == '1' and holds(KEYS[k + 5], 'stream') then
-      redis.call('XADD', KEYS[k + 5], '*', 'end', '1', 'status', ARGV[a + 3])
-      redis.call('PEXPIRE', KEYS[k + 5], ARGV[5])
+    if x[5] > 0 and holds(KEYS[x[5]], 'stream') then
+      redis.call('XADD', KEYS[x[5]], '*', 'end', '1', 'status', x[9])
+      redis.call('PEXPIRE', KEYS[x[5]], ARGV[5])
     end
   end
-  if ARGV[a + 7] == '1' then
-    redis.pcall('XACK', KEYS[k + 3], ARGV[1], ARGV[a + 1])
-    redis.pcall('XDEL', KEYS[k + 3], ARGV[a + 1])
+  if x[11] == 1 then
+    redis.pcall('XACK', KEYS[x[3]], ARGV[1], x[7])
+    redis.pcall('XDEL', KEYS[x[3]], x[7])
   end
   if stored then return 1 end
   return 0
 end
 local replies = {}
-local a = 5
-for item = 1, #KEYS / 6 do
-  local n = tonumber(ARGV[a + 1])
-  local ok, reply = pcall(finish, 6 * (item - 1), a + 1, n)
+for item, answer in ipairs(cmsgpack.unpack(ARGV[6])) do
+  local ok, reply = pcall(finish, answer)
   if ok then
     replies[item] = reply
   else
     replies[item] = redis.error_reply(type(reply) == 'table' and reply.err or tostring(reply))
   end
-  a = a + 1 + n
 end
 return replies
 """
@@ -379,8 +381,15 @@ class ResultWriter:
         has_tokens = isinstance(item, Finish) and item.stream_tokens
         reason = item.reason if isinstance(item, DeadLetter) else ""
         shard = self._keys_of(entry.stream)
-        keys = [shard.result(request_id), shard.done(request_id), entry.stream,
-                reply_to if has_reply and reply_to else entry.stream, shard.tokens(request_id), shard.dead]
+        # NOTE: only the keys it writes: the result, done list and lane always, then the reply stream, the token
+        # stream and the dead stream where it has them (the args say which)
+        keys = [shard.result(request_id), shard.done(request_id), entry.stream]
+        if has_reply and reply_to:
+            keys.append(reply_to)
+        if has_tokens:
+            keys.append(shard.tokens(request_id))
+        if reason:
+            keys.append(shard.dead)
         args: list[Any] = [entry.entry_id, payload or b"", result.status if result else "", int(has_reply),
                            int(has_tokens), reason, int(not defers_ack)]
         if reason:
@@ -389,15 +398,19 @@ class ResultWriter:
         return ScriptCall(keys, args)
 
     def finish_batch_call(self, calls: list[ScriptCall]) -> ScriptCall:
-        """The :data:`FINISH_LUA` call of the answers ``calls`` (:meth:`finish_call`'s, of one shard on a cluster)."""
-        keys: list[str] = []
-        args: list[Any] = [CONSUMER_GROUP, self._ttl_ms["result"], self._ttl_ms["done"], SCHEMA_VERSION,
-                           self._ttl_ms["tokens"]]
+        """The :data:`FINISH_LUA` call of the answers ``calls`` (:meth:`finish_call`'s, of one shard on a cluster):
+        each key once, the answers in one msgpack array."""
+        index_of: dict[str, int] = {}  # key -> its 1-based place in KEYS
+        answers = []
         for call in calls:
-            keys += call.keys
-            args.append(len(call.args))
-            args += call.args
-        return ScriptCall(keys, args)
+            entry_id, payload, status, has_reply, has_tokens, reason, ack, *fields = call.args
+            indexes = [index_of.setdefault(key, len(index_of) + 1) for key in call.keys]
+            optional = iter(indexes[3:])
+            answers.append([*indexes[:3], next(optional) if has_reply else 0, next(optional) if has_tokens else 0,
+                            next(optional) if reason else 0, entry_id, payload, status, reason, ack, *fields])
+        args: list[Any] = [CONSUMER_GROUP, self._ttl_ms["result"], self._ttl_ms["done"], SCHEMA_VERSION,
+                           self._ttl_ms["tokens"], msgpack.packb(answers, use_bin_type=False)]
+        return ScriptCall(list(index_of), args)
 
     def reply_call(self, item: Finish, stored: bytes) -> ScriptCall:
         """The :data:`REPLY_ONCE_LUA` call that adds ``stored`` (the request's stored result) to its reply stream."""
