@@ -698,15 +698,17 @@ class Scheduler:
         bm = self.block_manager
         block_size, watermark_blocks = bm.block_size, self.config.watermark_blocks
         num_tokens_left = min(plan.num_tokens_left, plan.num_decode_tokens_left)
-        planned: list[tuple[Request, int]] = []
+        planned_ids: list[str] = []  # the drafts planned: each request's id and its draft tokens
+        planned_tokens: list[int] = []
         for request, _ in candidates:
-            draft = drafts.get(request.request_id)
+            request_id = request.request_id
+            draft = drafts.get(request_id)
             if not draft:
                 continue
             num_computed = request.num_computed_tokens
             # NOTE: the slots its table holds past its decode token; free blocks (above the watermark) only when the
             # draft needs more
-            num_own_slots = bm.num_device_blocks(request.request_id) * block_size - num_computed - 1
+            num_own_slots = bm.num_device_blocks(request_id) * block_size - num_computed - 1
             num_tokens = len(draft)
             if num_tokens > num_tokens_left:
                 num_tokens = num_tokens_left
@@ -718,9 +720,10 @@ class Scheduler:
             if num_tokens <= 0:
                 continue
             request.draft_token_ids = draft if num_tokens == len(draft) else draft[:num_tokens]
-            planned.append((request, num_tokens))
+            planned_ids.append(request_id)
+            planned_tokens.append(num_tokens)
             num_tokens_left -= num_tokens
-        plan.add_drafts(planned)
+        plan.add_drafts(planned_ids, planned_tokens)
 
     # --------------------------------------------------------------------------- helpers
 

@@ -5,6 +5,8 @@ Standard library only. Turned into the plain :class:`SchedulerOutput` at the end
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass, field
 
 from tokenmill.engine.config import SchedulerConfig
@@ -106,25 +108,29 @@ class StepPlan:
         self.num_tokens_left -= len(requests)
         self.num_decode_tokens_left -= len(requests)
 
-    def add_drafts(self, drafts: list[tuple[Request, int]]) -> None:
-        """Grow scheduled decodes by ``(request, draft tokens)`` each (``request.draft_token_ids``), charged to the
-        step's budget like any token.
+    def add_drafts(self, request_ids: list[str], num_draft_tokens: list[int]) -> None:
+        """Grow scheduled decodes by draft tokens (``request.draft_token_ids``), ``num_draft_tokens[i]`` for
+        ``request_ids[i]``, charged to the step's budget like any token.
+
+        NOTE: checked and applied by builtins over the lists (this runs every step over every drafting request).
 
         Raises:
-            InvariantError: a request is not scheduled as a decode, or the budget would go negative.
+            InvariantError: a request is not scheduled as a one-token decode (or named twice), a draft is empty, or
+                the budget would go negative.
         """
-        request_to_num_tokens, prefill_request_ids = self.request_to_num_tokens, self.prefill_request_ids
-        num_draft_tokens = 0
-        for request, num_tokens in drafts:
-            request_id = request.request_id
-            if request_to_num_tokens.get(request_id) != 1 or request_id in prefill_request_ids or num_tokens < 1:
-                raise InvariantError(f"bad draft for {request_id}: {num_tokens} tokens")
-            request_to_num_tokens[request_id] = 1 + num_tokens
-            num_draft_tokens += num_tokens
-        self.num_tokens_left -= num_draft_tokens
-        self.num_decode_tokens_left -= num_draft_tokens
+        if not request_ids:
+            return
+        request_to_num_tokens = self.request_to_num_tokens
+        if set(map(request_to_num_tokens.get, request_ids)) != {1} or len(set(request_ids)) != len(request_ids) or \
+                not self.prefill_request_ids.isdisjoint(request_ids) or min(num_draft_tokens) < 1 or \
+                len(num_draft_tokens) != len(request_ids):
+            raise InvariantError(f"bad drafts: {dict(zip(request_ids, num_draft_tokens))}")
+        request_to_num_tokens.update(zip(request_ids, map(operator.add, itertools.repeat(1), num_draft_tokens)))
+        total = sum(num_draft_tokens)
+        self.num_tokens_left -= total
+        self.num_decode_tokens_left -= total
         if self.num_tokens_left < 0 or self.num_decode_tokens_left < 0:
-            raise InvariantError(f"budget exceeded drafting {num_draft_tokens} tokens")
+            raise InvariantError(f"budget exceeded drafting {total} tokens")
 
     def remove(self, request_id: str) -> None:
         """Unschedule the request's chunk (if any) and refund its tokens."""
