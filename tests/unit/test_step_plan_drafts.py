@@ -13,7 +13,8 @@ from tokenmill.engine.errors import InvariantError
 
 
 def _plan_with_decodes(num_tokens: int = 64) -> StepPlan:
-    plan = StepPlan.start(SchedulerConfig(max_num_batched_tokens=num_tokens, max_prefill_chunk=num_tokens, max_num_seqs=8), index=0, now_s=0.0)
+    config = SchedulerConfig(max_num_batched_tokens=num_tokens, max_prefill_chunk=num_tokens, max_num_seqs=8)
+    plan = StepPlan.start(config, index=0, now_s=0.0)
     decodes = [make_request(f"d{i}") for i in range(3)]
     for request in decodes:
         request.output_token_ids.append(1)
