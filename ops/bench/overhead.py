@@ -21,6 +21,12 @@ timed (speculation ``auto`` drafts the echo's repeated prompt: several tokens a 
     python ops/bench/overhead.py --quick       # batch 64 and 256, 32 and 2k-token prompts
     python ops/bench/overhead.py --json out.json
     python ops/bench/overhead.py --quick --rounds 3   # each cell's fastest of three rounds of the grid (noise)
+    python ops/bench/overhead.py --opcodes     # also: Python opcodes per request per step (no noise at all)
+
+``--opcodes`` counts the Python bytecode instructions the engine runs per running request per decode step (batch
+256, prompts of 32, speculation off and ``auto``), with ``sys.settrace``: not time, but the same on every machine and
+every run, so a change of a few percent in the engine's own Python shows where a shared machine's timings (which
+moved by up to 1.7x between runs of one tree) cannot. Work in C (builtins, the n-gram index) is not counted.
 """
 
 from __future__ import annotations
@@ -76,6 +82,28 @@ def build(batch: int, prompt_tokens: int, spec: str, step_delay_s: float, steps:
     return engine
 
 
+def count_opcodes(spec: str, batch: int = 256, prompt_tokens: int = 32, steps: int = 20) -> float:
+    """Python opcodes per running request per decode step (``sys.settrace`` opcode events; deterministic)."""
+    engine = build(batch, prompt_tokens, spec, 0.0, steps)
+    count = 0
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        sys.settrace(None)
+    engine.close()
+    return count / steps / batch
+
+
 def measure(batch: int, prompt_tokens: int, spec: str, step_delay_s: float, steps: int,
             overlap: str = "off", streams: bool = False) -> dict[str, Any]:
     """Time ``steps`` decode steps of a full batch."""
@@ -107,6 +135,8 @@ def main() -> None:
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--sync-only", action="store_true",
                         help="the synchronous loop only (a tree from before the overlapped loop, as a baseline)")
+    parser.add_argument("--opcodes", action="store_true",
+                        help="also count Python opcodes per request per step at batch 256 (deterministic)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure the whole grid this many times and keep each cell's fastest (a shared "
                              "machine's noise only ever slows a try down)")
@@ -160,7 +190,13 @@ def main() -> None:
                 "synchronous loop and the overlapped one (each step planned while the one before runs), same run",
                 headers + ([] if args.sync_only else ["overlap ms/step", "overlap fraction", "steps ahead"]),
                 device_rows)
-    write_json(args.json, {"machine": machine_info(), "rounds": args.rounds, "cells": cells})
+    opcodes = {}
+    if args.opcodes:
+        opcodes = {spec: count_opcodes(spec) for spec in ("off", "auto")}
+        print_table("Python opcodes per running request per decode step (batch 256, prompts of 32; deterministic, "
+                    "the same on every machine)", ["spec", "opcodes", "vs off"],
+                    [[spec, f"{count:,.0f}", f"{count / opcodes['off']:.2f}x"] for spec, count in opcodes.items()])
+    write_json(args.json, {"machine": machine_info(), "rounds": args.rounds, "cells": cells, "opcodes": opcodes})
 
 
 if __name__ == "__main__":
