@@ -37,6 +37,7 @@ import heapq
 import itertools
 import operator
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 # Acceptance is an exponentially decayed count over a request's recent drafts, starting from a
@@ -190,27 +191,29 @@ def _median(values: deque[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def choose_draft_lengths(proposals: list[tuple[str, int, float]], num_tokens_left: int, num_scheduled_tokens: int,
-                         num_decodes: int, cost: StepCost) -> dict[str, int]:
+def choose_draft_lengths(request_ids: Iterable[str], lengths: list[int], rates: list[float], num_tokens_left: int,
+                         num_scheduled_tokens: int, num_decodes: int, cost: StepCost) -> dict[str, int] | None:
     """Draft tokens per request by the goodput rule (module docstring), a request's first token also
     paying for its proposing: what :func:`greedy_draft_lengths` chooses, where every proposed token pays (a
     weight-bound step, the common case while drafting is cheap) found without going token by token.
 
     Args:
-        proposals: ``(request id, draft tokens proposed, acceptance rate)`` per request.
+        request_ids: the requests with a proposed draft.
+        lengths: each one's proposed draft tokens (at least 1), in the same order.
+        rates: each one's acceptance rate, in the same order.
         num_tokens_left: the step's token budget left for drafts.
         num_scheduled_tokens: tokens the step runs already.
         num_decodes: requests decoding in the step (each yields one token without drafts).
         cost: the step cost model.
 
     Returns:
-        How many of its proposed tokens each request runs (requests with none are left out).
+        None where every proposed token runs (the drafts as proposed: no lengths to make, the common case); else
+        how many of its proposed tokens each request runs (requests with none are left out).
     """
-    drafted = [(request_id, num_proposed, rate) for request_id, num_proposed, rate in proposals if num_proposed > 0]
-    if every_token_pays([n for _, n, _ in drafted], [rate for _, _, rate in drafted], num_tokens_left,
-                        num_scheduled_tokens, num_decodes, cost):
-        return {request_id: num_proposed for request_id, num_proposed, _ in drafted}
-    return greedy_draft_lengths(proposals, num_tokens_left, num_scheduled_tokens, num_decodes, cost)
+    if every_token_pays(lengths, rates, num_tokens_left, num_scheduled_tokens, num_decodes, cost):
+        return None
+    return greedy_draft_lengths(list(zip(request_ids, lengths, rates)), num_tokens_left, num_scheduled_tokens,
+                                num_decodes, cost)
 
 
 def drafting_pays(lengths: dict[str, int], rates: dict[str, float], num_scheduled_tokens: int, num_decodes: int,
@@ -221,7 +224,7 @@ def drafting_pays(lengths: dict[str, int], rates: dict[str, float], num_schedule
     forward), the first draft also moves the whole step onto the dearer line, which only this comparison sees.
 
     Args:
-        lengths: draft tokens per request (:func:`choose_draft_lengths`).
+        lengths: draft tokens per request (what :func:`choose_draft_lengths` chose).
         rates: acceptance rate per request.
         num_scheduled_tokens: tokens the step runs without drafts.
         num_decodes: requests decoding in the step.
@@ -241,7 +244,7 @@ def drafting_pays(lengths: dict[str, int], rates: dict[str, float], num_schedule
 def every_token_pays(lengths: list[int], rates: list[float], num_tokens_left: int, num_scheduled_tokens: int,
                      num_decodes: int, cost: StepCost) -> bool:
     """Whether the budget holds every proposed token and the greedy rule would take each (False: not shown here,
-    the greedy rule decides). The speculator then runs the drafts as proposed, with no lengths to make.
+    the greedy rule decides): :func:`choose_draft_lengths`'s shortcut.
 
     The greedy rule takes a token while its gain beats ``b`` (a first token: ``b + p``) times the goodput so far,
     and each token it takes raises the goodput; after the last it is the goodput with every token in. So if the

@@ -38,9 +38,8 @@ from tokenmill.engine.spec.draft_length import (
     PROBE_TOKENS,
     Acceptance,
     StepCost,
+    choose_draft_lengths,
     drafting_pays,
-    every_token_pays,
-    greedy_draft_lengths,
 )
 from tokenmill.engine.spec.ngram import SCAN_TOKENS, LazyNgramIndex, NgramLookup, native_index
 from tokenmill.engine.spec.suffix_pool import SuffixPool
@@ -247,12 +246,11 @@ class DraftSpeculator:
             return {}
         # NOTE: the goodput rule's lengths (engine/spec/draft_length.py); where it takes every proposed token (the
         # common case), the drafts run as proposed, with no pass to make lengths or cut drafts
-        if every_token_pays(lengths, rates, room.num_tokens_left, room.num_scheduled_tokens, room.num_decodes,
-                            self.cost):
+        chosen = choose_draft_lengths(proposed, lengths, rates, room.num_tokens_left, room.num_scheduled_tokens,
+                                      room.num_decodes, self.cost)
+        if chosen is None:
             drafts = proposed
         else:
-            chosen = greedy_draft_lengths(list(zip(proposed, lengths, rates)), room.num_tokens_left,
-                                          room.num_scheduled_tokens, room.num_decodes, self.cost)
             drafts = {}
             for request_id, length in chosen.items():
                 draft = proposed[request_id]

@@ -22,11 +22,12 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from tests.unit.draft_helpers import draft_lengths
 from tests.unit.scheduler_helpers import make_request
 from tokenmill.engine.config import SpeculativeConfig
 from tokenmill.engine.core.speculation import DraftRoom
 from tokenmill.engine.spec import suffix_pool
-from tokenmill.engine.spec.draft_length import StepCost, choose_draft_lengths, greedy_draft_lengths
+from tokenmill.engine.spec.draft_length import StepCost, greedy_draft_lengths
 from tokenmill.engine.spec.ngram import LazyNgramIndex, NgramIndex, native_index
 from tokenmill.engine.spec.speculator import NgramProposer, build_speculator, draft_state
 from tokenmill.engine.spec.suffix_pool import SuffixPool
@@ -113,7 +114,7 @@ def draft_choices(draw: st.DrawFn) -> dict[str, Any]:
 @settings(max_examples=1500, deadline=None)
 @given(draft_choices())
 def test_draft_lengths_are_the_greedy_rules(case: dict[str, Any]) -> None:
-    assert choose_draft_lengths(**case) == greedy_draft_lengths(**case)
+    assert draft_lengths(**case) == greedy_draft_lengths(**case)
 
 
 class _EagerSuffixPool:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests.unit.draft_helpers import draft_lengths
 from tests.unit.scheduler_helpers import make_request
 from tokenmill.engine import Engine, EngineConfig
 from tokenmill.engine.config import SpeculativeConfig
@@ -22,7 +23,6 @@ from tokenmill.engine.spec.draft_length import (
     PROBE_TOKENS,
     Acceptance,
     StepCost,
-    choose_draft_lengths,
     drafting_pays,
 )
 from tokenmill.engine.spec.ngram import LazyNgramIndex, NgramIndex
@@ -182,16 +182,16 @@ def test_the_cost_of_a_step_not_acceptance_decides_how_deep_to_draft() -> None:
     """The same 80% acceptance: a weight-bound small batch drafts every proposed token; a compute-bound
     batch of 64 drafts only the first positions of a few; free drafting drafts everything."""
     cpu = _cost(fixed_s=0.030, per_token_s=0.0008)
-    one = choose_draft_lengths([("a", 6, 0.8)], 4096, num_scheduled_tokens=1, num_decodes=1, cost=cpu)
+    one = draft_lengths([("a", 6, 0.8)], 4096, num_scheduled_tokens=1, num_decodes=1, cost=cpu)
     assert one == {"a": 6}
     batch = [(f"r{i}", 6, 0.8) for i in range(64)]
-    large = choose_draft_lengths(batch, 4096, num_scheduled_tokens=64, num_decodes=64, cost=cpu)
+    large = draft_lengths(batch, 4096, num_scheduled_tokens=64, num_decodes=64, cost=cpu)
     assert max(large.values()) == 1  # only the first position pays
     huge = [(f"r{i}", 6, 0.6) for i in range(256)]
-    assert choose_draft_lengths(huge, 4096, num_scheduled_tokens=256, num_decodes=256, cost=cpu) == {}
-    assert choose_draft_lengths(batch, 4096, 64, 64, _cost(0.030, 0.0)) == {f"r{i}": 6 for i in range(64)}
+    assert draft_lengths(huge, 4096, num_scheduled_tokens=256, num_decodes=256, cost=cpu) == {}
+    assert draft_lengths(batch, 4096, 64, 64, _cost(0.030, 0.0)) == {f"r{i}": 6 for i in range(64)}
     # Better acceptance is drafted first; the budget bounds the total.
-    mixed = choose_draft_lengths([("low", 6, 0.3), ("high", 6, 0.95)], 3, 2, 2, cpu)
+    mixed = draft_lengths([("low", 6, 0.3), ("high", 6, 0.95)], 3, 2, 2, cpu)
     assert mixed == {"high": 3}
 
 
@@ -358,7 +358,7 @@ def test_a_failing_speculator_costs_the_drafts_not_the_engine(caplog: pytest.Log
 
 def test_a_fresh_speculator_drafts_before_any_step_was_timed() -> None:
     """No decode step measured yet (the cost model is empty): drafting is taken as free, not divided by zero."""
-    assert choose_draft_lengths([("a", 3, 0.5)], 100, 1, 1, StepCost()) == {"a": 3}
+    assert draft_lengths([("a", 3, 0.5)], 100, 1, 1, StepCost()) == {"a": 3}
 
 
 def test_a_first_draft_token_pays_for_its_proposing_out_of_the_steps_wall_time() -> None:
@@ -368,15 +368,15 @@ def test_a_first_draft_token_pays_for_its_proposing_out_of_the_steps_wall_time()
     it makes a draft token cheaper than the forward alone says."""
     proposals = [("a", 4, 0.9), ("b", 4, 0.9), ("c", 4, 0.9), ("weak", 4, 0.3)]
     cost = _cost(fixed_s=0.001, per_token_s=0.00001)
-    assert choose_draft_lengths(proposals, 4096, 4, 4, cost) == {"a": 4, "b": 4, "c": 4, "weak": 1}
+    assert draft_lengths(proposals, 4096, 4, 4, cost) == {"a": 4, "b": 4, "c": 4, "weak": 1}
     cost.proposal_s = 0.0002
-    assert choose_draft_lengths(proposals, 4096, 4, 4, cost) == {"a": 4, "b": 4, "c": 4, "weak": 1}
+    assert draft_lengths(proposals, 4096, 4, 4, cost) == {"a": 4, "b": 4, "c": 4, "weak": 1}
     cost.host_s = 0.004
-    assert choose_draft_lengths(proposals, 4096, 4, 4, cost) == {"a": 4, "b": 4, "c": 4}
+    assert draft_lengths(proposals, 4096, 4, 4, cost) == {"a": 4, "b": 4, "c": 4}
     cost.proposal_s = 0.002
-    assert choose_draft_lengths(proposals, 4096, 4, 4, cost) == {}
+    assert draft_lengths(proposals, 4096, 4, 4, cost) == {}
     cost.proposal_s = 0.0
-    assert choose_draft_lengths(proposals, 4096, 4, 4, cost) == {"a": 4, "b": 4, "c": 4, "weak": 3}
+    assert draft_lengths(proposals, 4096, 4, 4, cost) == {"a": 4, "b": 4, "c": 4, "weak": 3}
 
 
 def test_requests_the_goodput_rule_could_not_draft_for_are_not_proposed_for() -> None:
