@@ -234,11 +234,16 @@ def drafting_pays(lengths: dict[str, int], rates: dict[str, float], num_schedule
         return True
     expected = float(num_decodes)
     for request_id, length in lengths.items():
-        rate = rates[request_id]
-        expected += (rate - rate ** (length + 1)) / (1.0 - rate) if rate < 1.0 else float(length)
+        expected += expected_tokens(rates[request_id], length)
     with_drafts_s = cost.seconds(num_scheduled_tokens + sum(lengths.values())) + cost.host_s
     without_s = cost.plain_seconds(num_scheduled_tokens) + cost.host_s
     return expected * without_s > num_decodes * with_drafts_s
+
+
+def expected_tokens(rate: float, length: int) -> float:
+    """The draft tokens a draft of ``length`` is expected to keep at acceptance ``rate``: rate + rate ** 2 + ... +
+    rate ** length (each kept once the ones before it were)."""
+    return (rate - rate ** (length + 1)) / (1.0 - rate) if rate < 1.0 else float(length)
 
 
 def every_token_pays(lengths: list[int], rates: list[float], num_tokens_left: int, num_scheduled_tokens: int,
@@ -272,9 +277,8 @@ def every_token_pays(lengths: list[int], rates: list[float], num_tokens_left: in
         ones = itertools.repeat(1.0)
         expected = sum(map(operator.truediv, map(operator.sub, rates, map(operator.mul, last_gains, rates)),
                            map(operator.sub, ones, rates)), float(num_decodes))
-    else:  # NOTE: a rate of exactly 1 (its rejections decayed to nothing): its every token is expected
-        expected = sum(((rate - gain * rate) / (1.0 - rate) if rate < 1.0 else float(length)
-                        for length, rate, gain in zip(lengths, rates, last_gains)), float(num_decodes))
+    else:  # NOTE: a rate of exactly 1 (its rejections decayed to nothing), which the division above cannot take
+        expected = sum(map(expected_tokens, rates, lengths), float(num_decodes))
     goodput = expected / seconds * (1.0 + 1e-9)  # NOTE: a margin for the greedy rule's own rounding
     if per_token_s > 0.0 and min(last_gains) <= per_token_s * goodput:
         return False

@@ -255,7 +255,6 @@ class DraftSpeculator:
             for request_id, length in chosen.items():
                 draft = proposed[request_id]
                 drafts[request_id] = draft if length == len(draft) else draft[:length]
-            lengths = [len(draft) for draft in drafts.values()]
         if drafts and self.cost.switches_path and not drafting_pays(
                 {request_id: len(draft) for request_id, draft in drafts.items()}, dict(zip(proposed, rates)),
                 room.num_scheduled_tokens, room.num_decodes, self.cost):
@@ -264,7 +263,7 @@ class DraftSpeculator:
         if len(drafts) < len(candidates):
             counts[0] = counts.get(0, 0) + len(candidates) - len(drafts)
         if drafts:
-            for length, num_drafts in Counter(lengths).items():
+            for length, num_drafts in Counter(map(len, drafts.values())).items():
                 counts[length] = counts.get(length, 0) + num_drafts
         return drafts
 
