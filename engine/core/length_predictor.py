@@ -19,12 +19,14 @@ the history keys need no model access and answer in microseconds; docs/design.md
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
+import operator
 import statistics
 from collections import OrderedDict, deque
-from collections.abc import Hashable
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterable
+from typing import NamedTuple
 
 from tokenmill.engine.config import LengthConfig
 from tokenmill.engine.core.length_history import KeyHistory, LengthEstimate, LengthSamples
@@ -32,19 +34,31 @@ from tokenmill.engine.core.request import Request
 
 # Prompt prefixes (tokens) that may name a template, longest first.
 PREFIX_LENGTHS = (192, 128, 96, 64, 48, 40, 32, 24, 16, 8)
+_PREFIX_LENGTHS_UP = PREFIX_LENGTHS[::-1]
+_PREFIX_SLICES = tuple(slice(length) for length in PREFIX_LENGTHS)
 _NUM_RECORDS = 10_000
 
 
-@dataclass(frozen=True)
-class LengthRecord:
-    """One finished request: what was predicted when it was admitted, its cap, and what it generated."""
+class LengthRecord(NamedTuple):
+    """One finished request: what was predicted when it was admitted, its cap, and what it generated.
+
+    NOTE: a tuple, its errors computed when read: one is made per finished request, and only the stats' ``errors``
+    (a few times a second, over the last 200) reads them; a frozen dataclass with both logs cost 80 opcodes a finish.
+    """
 
     predicted: float  # median_total of the estimate it was admitted with
     max_tokens: int
     actual: int
-    # the absolute log-length errors of the prediction and of planning with max_tokens (errors() takes their medians)
-    log_error: float
-    max_tokens_log_error: float
+
+    @property
+    def log_error(self) -> float:
+        """The absolute log-length error of the prediction (``errors`` takes the median)."""
+        return abs(_log(self.predicted) - _log(self.actual))
+
+    @property
+    def max_tokens_log_error(self) -> float:
+        """... and of planning with ``max_tokens`` (the baseline)."""
+        return abs(_log(self.max_tokens) - _log(self.actual))
 
 
 class LengthPredictor:
@@ -148,9 +162,7 @@ class LengthPredictor:
         """Count a request live under its keys (at its first estimate)."""
         state = request.length_state
         histories = self._keys_of(request)
-        request_id = request.request_id
-        for history in histories:
-            history.live[request_id] = request
+        _put_all(map(_LIVE, histories), request.request_id, request)
         state.is_tracked = True
         if request.first_scheduled_time_s is not None or request.num_output_tokens:
             self.started(request)
@@ -164,15 +176,17 @@ class LengthPredictor:
         return state.keys
 
     def _histories_of(self, request: Request) -> tuple[KeyHistory, ...]:
-        """The histories of the request's keys (``history_keys``), made where new."""
+        """The histories of the request's keys (``history_keys``), made where new.
+
+        NOTE: looked up with ``map`` (in C): a dozen keys, every request; only missing ones take a Python pass."""
         histories = self._histories
-        found = []
-        for key, source in history_keys(request):
-            history = histories.get(key)
-            if history is None:
-                history = histories[key] = KeyHistory(key, source, _prefix_length(key))
-            found.append(history)
-        return tuple(found)
+        keys = history_keys(request)
+        found = list(map(histories.get, keys))
+        if None in found:
+            for index, key in enumerate(keys):
+                if found[index] is None:
+                    found[index] = histories[key] = KeyHistory(key, _source_of(key), _prefix_length(key))
+        return tuple(found)  # type: ignore[arg-type]  # NOTE: no None is left
 
     def _key_answer(self, history: KeyHistory, known_past: int, max_tokens: int,
                     ) -> tuple[LengthEstimate | None, int]:
@@ -225,51 +239,54 @@ class LengthPredictor:
         estimate counts it)."""
         state = request.length_state
         if state.is_tracked:
-            request_id = request.request_id
-            for history in state.keys:
-                history.started[request_id] = request
+            _put_all(map(_STARTED, state.keys), request.request_id, request)
 
     def forget(self, request: Request) -> None:
         """A request that ended without a length to learn from (aborted, failed, or forked into samples)."""
         state = request.length_state
         if not state.is_tracked:
             return
-        state.is_tracked = False
-        request_id = request.request_id
-        for history in state.keys:
-            history.live.pop(request_id, None)
-            history.started.pop(request_id, None)
-            if not history.live and history.samples is None:
-                self._drop(history)
+        self._untrack(request)
+        if not all(map(len, map(_LIVE, state.keys))):
+            for history in state.keys:
+                if not history.live and history.samples is None:
+                    self._drop(history)
+
+    def _untrack(self, request: Request) -> None:
+        """Count a tracked request no longer live (nor started) under its keys."""
+        request.length_state.is_tracked = False
+        keys = request.length_state.keys
+        _pop_all(map(_LIVE, keys), request.request_id)
+        _pop_all(map(_STARTED, keys), request.request_id)
 
     def observe(self, request: Request) -> None:
         """Learn from a request that finished on its own (a stop or its length limit; not an abort or error)."""
         state = request.length_state
         if state.is_tracked:
-            self.forget(request)
+            self._untrack(request)  # NOTE: not forget: every key of it gets its length (none is left to drop)
         else:
             self._keys_of(request)  # NOTE: never estimated: its keys, without counting it live
         length = request.num_output_tokens
         self.num_observed += 1
         with_samples = self._with_samples
-        for history in state.keys:
-            samples = history.samples
-            if samples is None:
-                if not history.is_attached:  # NOTE: dropped by the forget above (no lengths, no live requests)
-                    history.is_attached = True
-                    self._histories[history.key] = history
-                samples = history.samples = LengthSamples(self.config.samples_per_key)
-                with_samples[history] = None
-            else:
-                with_samples.move_to_end(history)
-            samples.add(length)
+        keys = state.keys
+        if None in map(_SAMPLES, keys):
+            for history in keys:
+                if history.samples is None:
+                    if not history.is_attached:  # NOTE: defensive: a tracked request's keys stay attached
+                        history.is_attached = True
+                        self._histories[history.key] = history
+                    history.samples = LengthSamples(self.config.samples_per_key)
+                    with_samples[history] = None
+        # NOTE: in C, over the request's dozen keys: each goes last in the least recently observed order, and gets
+        # the length
+        deque(map(with_samples.move_to_end, keys), maxlen=0)
+        deque(map(LengthSamples.add, map(_SAMPLES, keys), itertools.repeat(length)), maxlen=0)
         while len(with_samples) > self.config.max_keys:
             self._forget_samples(with_samples.popitem(last=False)[0])
         admitted = state.admitted_estimate
         if admitted is not None:
-            self.records.append(LengthRecord(admitted.median_total, request.max_tokens, length,
-                                             abs(_log(admitted.median_total) - _log(length)),
-                                             abs(_log(request.max_tokens) - _log(length))))
+            self.records.append(LengthRecord(admitted.median_total, request.max_tokens, length))
 
     def _forget_samples(self, history: KeyHistory) -> None:
         """Forget a key's lengths (the least recently observed key, past ``max_keys``); a key with live requests keeps
@@ -325,21 +342,52 @@ def build_length_predictor(config: LengthConfig) -> LengthPredictor | None:
     return LengthPredictor(config) if config.estimate else None
 
 
-def history_keys(request: Request) -> tuple[tuple[Hashable, str], ...]:
-    """The request's history keys, most specific first, each with the name of its kind."""
+def history_keys(request: Request) -> list[Hashable]:
+    """The request's history keys, most specific first: for each prompt prefix shorter than the prompt (longest
+    first), ``(group, kind, length, digest)`` when it has a group, then ``(None, kind, length, digest)``; then
+    ``(group, kind)`` when it has a group, and ``(None, kind)`` (``kind``: structured output or not).
+
+    NOTE: the prefixes are sliced, hashed and paired with ``map`` and ``zip`` (in C): per request, a Python pass over
+    them and their keys cost 300 opcodes."""
     prompt = request.prompt_token_ids
     kind = request.sampling_params.is_structured
     group = request.length_state.group
-    prefixes = [(length, hash(tuple(prompt[:length]))) for length in PREFIX_LENGTHS if length < len(prompt)]
-    keys: list[tuple[Hashable, str]] = []
-    for length, digest in prefixes:  # NOTE: a longer template match says more than membership of the job
-        if group is not None:
-            keys.append(((group, kind, length, digest), "group+prefix"))
-        keys.append(((None, kind, length, digest), "prefix"))
-    if group is not None:
-        keys.append(((group, kind), "group"))
-    keys.append(((None, kind), "all"))
-    return tuple(keys)
+    first = len(PREFIX_LENGTHS) - bisect.bisect_left(_PREFIX_LENGTHS_UP, len(prompt))
+    lengths = PREFIX_LENGTHS[first:]
+    digests = list(map(hash, map(tuple, map(prompt.__getitem__, _PREFIX_SLICES[first:]))))
+    prefix_keys: list[Hashable] = list(zip(itertools.repeat(None), itertools.repeat(kind), lengths, digests))
+    if group is None:
+        prefix_keys.append((None, kind))
+        return prefix_keys
+    keys: list[Hashable] = [None] * (2 * len(prefix_keys))
+    keys[0::2] = zip(itertools.repeat(group), itertools.repeat(kind), lengths, digests)  # NOTE: a longer template
+    keys[1::2] = prefix_keys  # match says more than membership of the job
+    keys += ((group, kind), (None, kind))
+    return keys
+
+
+_LIVE = operator.attrgetter("live")
+_STARTED = operator.attrgetter("started")
+_SAMPLES = operator.attrgetter("samples")
+
+
+def _put_all(dicts: Iterable[dict[str, Request]], key: str, value: Request) -> None:
+    """``d[key] = value`` in each of ``dicts``, in C (a request's keys' live or started requests: a Python loop per
+    request cost as much as the rest of its admission's bookkeeping)."""
+    deque(map(operator.setitem, dicts, itertools.repeat(key), itertools.repeat(value)), maxlen=0)
+
+
+def _pop_all(dicts: Iterable[dict[str, Request]], key: str) -> None:
+    """``d.pop(key, None)`` in each of ``dicts``, in C."""
+    deque(map(dict.pop, dicts, itertools.repeat(key), itertools.repeat(None)), maxlen=0)
+
+
+def _source_of(key: Hashable) -> str:
+    """The name of a history key's kind (an estimate's ``source``)."""
+    assert isinstance(key, tuple)
+    if len(key) == 4:
+        return "prefix" if key[0] is None else "group+prefix"
+    return "all" if key[0] is None else "group"
 
 
 def _prefix_length(key: Hashable) -> int:

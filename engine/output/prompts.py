@@ -133,7 +133,7 @@ def _encode(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> li
     preparation meanwhile (as a batch: 0.2 s at most, for the Python lists of its result).
     """
     ids = tokenizer([text], add_special_tokens=add_special_tokens)["input_ids"][0]
-    return [int(t) for t in ids]
+    return list(map(int, ids))  # NOTE: in C: a Python pass cost 9 opcodes a prompt token
 
 
 def renders_tools(chat_template: Any) -> bool:

@@ -241,7 +241,7 @@ def run_mode(mode: str, jobs: list[Job], args: argparse.Namespace, kv_cache_byte
     makespan = engine.clock.now() - t0
     stats = engine.stats()
     predictor = scheduler.length_predictor
-    records = [asdict(r) for r in predictor.records] if predictor is not None else []
+    records = [r._asdict() for r in predictor.records] if predictor is not None else []
     counters, before = stats.counters, base.counters
     completions = [f["completion_s"] for f in finished.values()]
     for c in checkpoints:
