@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -146,15 +147,33 @@ def add_dead_letter(client: redis.Redis, keys: Keys, request_id: str) -> None:
     client.set(keys.result(request_id), encode_result(failure))
 
 
-def wait_result(client: redis.Redis, keys: Keys, request_id: str, timeout_s: float = 5.0) -> GenerationResult:
-    """Poll for the stored result of ``request_id`` (``timeout_s`` scaled by the machine's load)."""
+def wait_result(client: redis.Redis, keys: Keys, request_id: str, timeout_s: float = 5.0,
+                process: subprocess.Popen[bytes] | None = None) -> GenerationResult:
+    """Poll for the stored result of ``request_id`` (``timeout_s`` scaled by the machine's load).
+
+    Args:
+        process: the worker expected to answer (``start_worker_process``'s): its exit fails the wait at once, and a
+            failure shows what it logged.
+    """
     deadline = time.monotonic() + scaled_s(timeout_s)
     while time.monotonic() < deadline:
         raw = client.get(keys.result(request_id))
         if raw is not None:
             return decode_result(raw)
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"the worker exited ({process.returncode}) before answering {request_id}:\n"
+                                 f"{_log_tail(process)}")
         time.sleep(0.01)
-    raise AssertionError(f"no result for {request_id} within {timeout_s} s")
+    logged = f"; the worker logged:\n{_log_tail(process)}" if process is not None else ""
+    raise AssertionError(f"no result for {request_id} within {timeout_s} s{logged}")
+
+
+def _log_tail(process: subprocess.Popen[bytes], num_chars: int = 4000) -> str:
+    """The end of what a worker process wrote to stderr so far (``start_worker_process`` keeps it in a file)."""
+    if process.stderr is None:
+        return "(not kept)"
+    process.stderr.seek(0)
+    return process.stderr.read().decode(errors="replace")[-num_chars:]
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> None:
@@ -180,8 +199,8 @@ def start_worker_process(redis_url: str, prefix: str, name: str, *args: str, mod
                          env: dict[str, str] | None = None, clock_skew_s: float = 0.0) -> subprocess.Popen[bytes]:
     """``python -m tokenmill.cli worker --model echo`` as a real process on the test's prefix, with fast intervals.
 
-    It logs warnings and worse only: stderr is a pipe nobody reads while the test runs, and a
-    full pipe would block the worker.
+    It logs warnings and worse only, to a temporary file (not a pipe: one nobody reads while the test runs blocks
+    the worker once full); the process's ``stderr`` reads that file from its start.
 
     Args:
         *args: extra flags of the worker command.
@@ -199,5 +218,10 @@ def start_worker_process(redis_url: str, prefix: str, name: str, *args: str, mod
                           "runpy.run_module('tokenmill.cli', run_name='__main__', alter_sys=True)"]
     command = [sys.executable, *launcher, "--redis-url", redis_url, "--prefix", prefix, "worker",
                "--model", model, "--name", name, *args]
-    return subprocess.Popen(command, cwd=ROOT, env={**os.environ, **defaults, **(env or {})},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with tempfile.NamedTemporaryFile(prefix=f"tokenmill-{name}-", suffix=".log", delete=False) as log_file:
+        process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **defaults, **(env or {})},
+                                   stdout=subprocess.DEVNULL, stderr=log_file)
+    process.stderr = open(log_file.name, "rb")  # noqa: SIM115 - closed with the process (Popen.__exit__)
+    os.unlink(log_file.name)  # NOTE: the open reader keeps it readable; nothing is left behind
+    return process
+

@@ -41,7 +41,8 @@ def test_endless_grammar_and_tool_schema_are_refused_and_the_worker_lives(
                                     "name": "f", "parameters": {"type": "object", "properties": {"n": {"$ref": "#"}},
                                                                 "required": ["n"]}}}]}, "chat")
         warm = producer.submit(prompt="warm up", max_tokens=2)
-        wait_result(redis_client, Keys(key_prefix), warm, timeout_s=300)  # the worker is up (slow machines: minutes)
+        # the worker is up (slow machines: minutes)
+        wait_result(redis_client, Keys(key_prefix), warm, timeout_s=300, process=worker)
         started = time.monotonic()
         ids = {
             "grammar": producer.submit(prompt="a", max_tokens=8,
@@ -49,7 +50,8 @@ def test_endless_grammar_and_tool_schema_are_refused_and_the_worker_lives(
             "tool": producer.submit(**tool_body.options),
             "plain": producer.submit(prompt="batched with them", max_tokens=4),
         }
-        results = {name: wait_result(redis_client, Keys(key_prefix), rid, timeout_s=120) for name, rid in ids.items()}
+        results = {name: wait_result(redis_client, Keys(key_prefix), rid, timeout_s=120, process=worker)
+                   for name, rid in ids.items()}
         elapsed_s = time.monotonic() - started
         for name in ("grammar", "tool"):
             error = results[name].error
