@@ -56,6 +56,10 @@ class KeptOrder:
             raise InvariantError(f"{request.request_id} is not where its key puts it in a kept order")
         del pairs[position]
 
+    def last_key(self) -> Any | None:
+        """The greatest key (the last request's); None when empty."""
+        return self._pairs[-1][0] if self._pairs else None
+
     def take_all(self) -> list[Request]:
         """Every request, in order, taken out."""
         requests = self.requests()

@@ -15,12 +15,23 @@ Standard library only. Rules (also in engine/core/scheduler.py):
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from tokenmill.engine.config import SchedulerConfig
 from tokenmill.engine.core.request import Request
 from tokenmill.engine.core.request_queue import RequestQueues
-from tokenmill.engine.core.scheduler_policy import choose_victim, room_victims, urgency_key
+from tokenmill.engine.core.scheduler_policy import (
+    choose_victim,
+    effective_priority,
+    most_lenient_running_priority,
+    room_victims,
+    urgency_key,
+)
 from tokenmill.engine.core.step_plan import StepPlan
 from tokenmill.engine.kv.block_manager import BlockManager
+
+_IS_DEMOTED = attrgetter("is_demoted")
+_NUM_STEPS_SINCE_ADMITTED = attrgetter("num_steps_since_admitted")
 
 
 class PreemptionPolicy:
@@ -47,6 +58,8 @@ class PreemptionPolicy:
         if plan.swap_in and self.config.preemption_mode == "swap":
             # NOTE: a swap-out now could reuse host blocks a swap-in of this step still reads.
             return None
+        if not self._may_yield_to(request, plan.now_s):
+            return None  # NOTE: no candidate at all: what the scan below would find, without it
         victims: list[Request] = []
         num_freed_blocks = 0
         unprotected = [r for r in self._queues.running if not self.is_protected(r, plan)]
@@ -58,6 +71,32 @@ class PreemptionPolicy:
             num_freed_blocks += self.block_manager.num_exclusive_blocks(victim.request_id)
         num_freed_seats = sum(v.num_seats for v in victims)
         return victims if self.has_room(num_blocks, num_freed_blocks, num_freed_seats, seats) else None
+
+    def may_seat(self, request: Request, now_s: float) -> bool:
+        """Whether ``request`` could take running slots this step: they are free, or a running request may yield
+        (:meth:`_may_yield_to`). False says no less urgent request can either (none behind it in admission order is
+        more urgent)."""
+        return self._queues.num_running_seats + request.num_seats <= self.config.max_num_seqs or \
+            self._may_yield_to(request, now_s)
+
+    def _may_yield_to(self, request: Request, now_s: float) -> bool:
+        """Whether some running request may be a candidate for ``request``'s room: one is demoted, or (priority
+        preemption on) the least urgent one is less urgent than it.
+
+        NOTE: a necessary condition, read without a Python pass over the running requests (one in C for the demoted
+        flags, and the running order's last key): while a backlog waits behind a full batch, the head of it asks
+        every step, and the scan (hysteresis, effective priorities, a sort) cost a busy echo worker 1,100 opcodes
+        per result to find nobody. The running keys are current for requests that are not demoted (a key changes
+        only with a demotion's new aging start), and a demoted request answers yes before they are read."""
+        running = self._queues.running
+        if any(map(_IS_DEMOTED, running)):
+            return True
+        least_urgent_key = self._queues.least_urgent_running_key()
+        if not self.config.enable_priority_preemption or least_urgent_key is None:
+            return False
+        aging_interval_s = self.config.aging_interval_s
+        return most_lenient_running_priority(least_urgent_key, now_s, aging_interval_s) > \
+            effective_priority(request, now_s, aging_interval_s)
 
     def memory_victim(self, request: Request, plan: StepPlan) -> Request | None:
         """MEMORY victim for ``request``, which needs device blocks for its next tokens.
@@ -80,7 +119,10 @@ class PreemptionPolicy:
         limit = self.config.demote_after_decode_steps
         if limit == 0 or not (self._queues.waiting or self._queues.swapped):
             return []
-        return [r for r in self._queues.running if r.num_steps_since_admitted > limit]
+        running = self._queues.running
+        if max(map(_NUM_STEPS_SINCE_ADMITTED, running), default=0) <= limit:
+            return []  # NOTE: the common answer, in C (asked every step while a backlog waits)
+        return [r for r in running if r.num_steps_since_admitted > limit]
 
     def is_protected(self, request: Request, plan: StepPlan) -> bool:
         """Hysteresis: (re)admitted this step or fewer than min_resident_steps steps ago."""

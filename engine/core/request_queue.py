@@ -74,6 +74,10 @@ class RequestQueues:
         """The running requests, most urgent first (by ``running_key``); a new list."""
         return self._running_order.requests()
 
+    def least_urgent_running_key(self) -> Any | None:
+        """The ``running_key`` of the last running request in order (the least urgent); None when none runs."""
+        return self._running_order.last_key()
+
     def rekey(self) -> None:
         """Make every kept key anew at the next read (the order's inputs moved)."""
         self._arrived += self._admission_order.take_all()

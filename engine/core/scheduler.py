@@ -202,6 +202,10 @@ class Scheduler:
                     break  # only new requests backfill
                 is_placed = self._schedule_swapped(request, plan)
             else:
+                if not self._policy.may_seat(request, plan.now_s):
+                    # NOTE: the batch is full and nobody may yield: the checks below (its prefix match, O(prompt))
+                    # would run every step a backlog waits, to place nothing
+                    break
                 if request.is_fetching_kv:
                     continue  # NOTE: its prompt blocks are on their way from the fleet's store
                 if self._is_paced(request, plan):

@@ -76,6 +76,15 @@ def running_order_key(request: Request, aging_interval_s: float) -> UrgencyKey:
     return (level, request.arrival_time_s, request.seq_no)
 
 
+def most_lenient_running_priority(least_urgent_key: UrgencyKey, now_s: float, aging_interval_s: float) -> int:
+    """An upper bound on the effective priority (:func:`effective_priority`) of every running request whose
+    :func:`running_order_key` is current, from the greatest of those keys: exact for requests whose aging started by
+    ``now_s`` (``priority + floor(waiting_since_s / I) - floor(now_s / I)``), above it for the others (their aging
+    has not begun: their effective priority is their priority)."""
+    level = least_urgent_key[0]
+    return level - math.floor(now_s / aging_interval_s) if aging_interval_s > 0.0 else level
+
+
 def admission_key(request: Request, aging_interval_s: float, length_order: float = 0.0) -> AdmissionKey:
     """Order of swapped and waiting requests for (re)admission: by effective priority, then a swapped
     request before a new (or recompute-preempted) one, then ``length_order`` (the predicted remaining

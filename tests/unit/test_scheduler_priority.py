@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests.unit.scheduler_helpers import (
@@ -12,8 +12,18 @@ from tests.unit.scheduler_helpers import (
     reference_outputs,
     step_until_done,
 )
+from tokenmill.engine.config import SchedulerConfig
+from tokenmill.engine.core.preemption import PreemptionPolicy
 from tokenmill.engine.core.request import PreemptionCause, Request, RequestStatus
-from tokenmill.engine.core.scheduler_policy import admission_key, choose_victim, effective_priority, urgency_key
+from tokenmill.engine.core.request_queue import RequestQueues
+from tokenmill.engine.core.scheduler_policy import (
+    admission_key,
+    choose_victim,
+    effective_priority,
+    room_victims,
+    running_order_key,
+    urgency_key,
+)
 
 
 def test_admission_follows_priority_then_arrival_then_seq_no() -> None:
@@ -190,3 +200,35 @@ def test_the_admission_order_is_effective_priority_order_at_any_clock_time(
                 r.arrival_time_s, r.seq_no)
 
     assert sorted(requests, key=lambda r: admission_key(r, aging_interval_s)) == sorted(requests, key=aged)
+
+
+@settings(max_examples=400)
+@example(running=[(1, 0.0, False), (2, 0.0, False)], priority=1, waiting_since_s=0.0, now_s=0.0, aging_interval_s=0.0,
+         is_priority_preemption_on=True)  # NOTE: one level less urgent: a victim
+@example(running=[(3, 50.0, False)], priority=3, waiting_since_s=0.0, now_s=60.0, aging_interval_s=7.5,
+         is_priority_preemption_on=True)  # NOTE: aged less than the waiting request: a victim
+@given(running=st.lists(st.tuples(st.integers(0, 4), st.floats(0.0, 100.0), st.integers(0, 3).map(lambda x: x == 0)),
+                        max_size=8),
+       priority=st.integers(0, 4), waiting_since_s=st.floats(0.0, 100.0), now_s=st.floats(0.0, 200.0),
+       aging_interval_s=st.sampled_from([0.0, 1.0, 7.5, 30.0]), is_priority_preemption_on=st.booleans())
+def test_the_quick_no_candidate_answer_never_hides_a_victim(
+        running: list[tuple[int, float, bool]], priority: int, waiting_since_s: float, now_s: float,
+        aging_interval_s: float, is_priority_preemption_on: bool) -> None:
+    """``victims_for_room`` skips its scan when no running request is demoted and the least urgent one's running key
+    says none is less urgent than the request: whenever the scan (``room_victims``) would find a candidate, the
+    quick test says there may be one (aging started before or after now, demoted with its key from before)."""
+    config = SchedulerConfig(aging_interval_s=aging_interval_s, enable_priority_preemption=is_priority_preemption_on)
+    queues = RequestQueues(lambda r: admission_key(r, aging_interval_s),
+                           running_key=lambda r: running_order_key(r, aging_interval_s))
+    for index, (running_priority, running_since_s, is_demoted) in enumerate(running):
+        request = make_request(f"r{index}", priority=running_priority)
+        request.waiting_since_s, request.seq_no = running_since_s, index
+        queues.add_running(request, 0)
+        request.is_demoted = is_demoted  # NOTE: as the scheduler demotes: its running key stays
+    waiting = make_request("w", priority=priority)
+    waiting.waiting_since_s = waiting_since_s
+    policy = PreemptionPolicy(config, block_manager=None, queues=queues)  # type: ignore[arg-type]  # NOTE: unread
+    candidates = room_victims(queues.running, waiting, now_s, aging_interval_s,
+                              enable_priority_preemption=is_priority_preemption_on)
+    if candidates:
+        assert policy._may_yield_to(waiting, now_s)
