@@ -493,27 +493,33 @@ class Scheduler:
         for request in self._queues.running_in_order():  # NOTE: urgency order, kept (running_order_key)
             (decodes if is_decode(request) else prefills).append(request)
         slots = [(request.request_id, request.num_computed_tokens) for request in decodes]
-        if self._fits_without_preemption(slots, plan):
-            self._schedule_decodes(decodes, slots, plan)
+        needing = self._fits_without_preemption(slots, plan)
+        if needing is not None:
+            self._schedule_decodes(decodes, needing, plan)
             decodes = []
         for request in decodes + prefills:
             if request.status is RequestStatus.RUNNING:  # not preempted earlier in this loop
                 self._schedule_running_request(request, plan)
 
-    def _fits_without_preemption(self, slots: list[tuple[str, int]], plan: StepPlan) -> bool:
+    def _fits_without_preemption(self, slots: list[tuple[str, int]], plan: StepPlan) -> list[tuple[str, int]] | None:
         """Whether every decode (``(request id, position)`` each) gets its token this step with no one preempted:
         the budgets hold them all and the free blocks cover every new block they need (one where a block is full,
         one where a shared block is copied first). Then the per-request checks of
         :meth:`_schedule_running_request` cannot fail, and :meth:`_schedule_decodes` skips them (the steady state
-        of a running batch)."""
-        if not slots or len(slots) > min(plan.num_tokens_left, plan.num_decode_tokens_left):
-            return False
-        bm = self.block_manager
-        return bm.num_blocks_for_decodes(slots) <= bm.num_free_gpu_blocks
+        of a running batch).
 
-    def _schedule_decodes(self, decodes: list[Request], slots: list[tuple[str, int]], plan: StepPlan) -> None:
-        """Schedule each decode's next token, in order (:meth:`_fits_without_preemption` said they all fit)."""
-        for request_id, position, source, destination in self.block_manager.grow_for_decodes(slots):
+        Returns:
+            The slots that need a block (``BlockManager.blocks_for_decodes``) when all fit; None when they do not.
+        """
+        if not slots or len(slots) > min(plan.num_tokens_left, plan.num_decode_tokens_left):
+            return None
+        num_blocks, needing = self.block_manager.blocks_for_decodes(slots)
+        return needing if num_blocks <= self.block_manager.num_free_gpu_blocks else None
+
+    def _schedule_decodes(self, decodes: list[Request], needing: list[tuple[str, int]], plan: StepPlan) -> None:
+        """Schedule each decode's next token, in order (:meth:`_fits_without_preemption` said they all fit, and which
+        of them need a block)."""
+        for request_id, position, source, destination in self.block_manager.grow_for_decodes(needing):
             plan.copies[request_id] = (position, source, destination)
         plan.add_decodes(decodes)
 

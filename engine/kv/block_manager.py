@@ -161,26 +161,33 @@ class BlockManager:
         self._gpu.release([source])
         return [(source, new[0])]
 
-    def num_blocks_for_decodes(self, slots: list[tuple[str, int]]) -> int:
+    def blocks_for_decodes(self, slots: list[tuple[str, int]]) -> tuple[int, list[tuple[str, int]]]:
         """Device blocks that writing one token at each ``(request id, position)`` needs: a new block where the
         table ends before the position, a copy where the block holding it is shared. What :meth:`num_new_blocks`
-        and :meth:`num_copies_on_write` sum to, in one pass over a decoding batch (its steady state needs
-        neither for most requests)."""
+        and :meth:`num_copies_on_write` sum to, in one pass over a decoding batch.
+
+        Returns:
+            The number of blocks, and the slots that need any, in order (a decoding batch's steady state: one in
+            ``block_size`` steps each): :meth:`grow_for_decodes` of them alone does what it would of all.
+        """
         tables, ref_counts, block_size = self._gpu_tables, self._gpu.ref_counts, self.block_size
         num_blocks = 0
-        for request_id, position in slots:
-            table = tables.get(request_id, ())
-            index = position // block_size
+        needing: list[tuple[str, int]] = []
+        for slot in slots:
+            table = tables.get(slot[0], ())
+            index = slot[1] // block_size
             if index >= len(table):
                 num_blocks += index + 1 - len(table)
+                needing.append(slot)
             elif ref_counts[table[index]] > 1:
                 num_blocks += 1
-        return num_blocks
+                needing.append(slot)
+        return num_blocks, needing
 
     def grow_for_decodes(self, slots: list[tuple[str, int]]) -> list[tuple[str, int, int, int]]:
         """Make each table of ``slots`` ready for a token written at its position: :meth:`copy_on_write`, then
         :meth:`append_slots` to ``position + 1`` tokens, for each in order. The caller checked the room first
-        (:meth:`num_blocks_for_decodes`).
+        (:meth:`blocks_for_decodes`, whose needing slots are all this needs).
 
         Returns:
             ``(request id, position, source, destination)`` for each shared block copied.

@@ -133,10 +133,10 @@ def test_check_invariants_catches_corruption(corrupt) -> None:  # type: ignore[n
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_a_decoding_batch_grows_as_each_request_would_alone(data: st.DataObject) -> None:
-    """``num_blocks_for_decodes`` / ``grow_for_decodes`` (the steady state's one pass) against the per-request calls
-    they replace (``num_new_blocks`` + ``num_copies_on_write``, then ``copy_on_write`` + ``append_slots``): the same
-    count, the same copies, the same tables and free blocks after, whatever the positions, shared blocks (forks)
-    and full blocks."""
+    """``blocks_for_decodes`` / ``grow_for_decodes`` of its needing slots (the steady state's one pass) against the
+    per-request calls they replace (``num_new_blocks`` + ``num_copies_on_write``, then ``copy_on_write`` +
+    ``append_slots``): the same count, the same copies, the same tables and free blocks after, whatever the
+    positions, shared blocks (forks) and full blocks; growing every slot does what growing the needing ones does."""
     block_size = data.draw(st.integers(1, 4))
     managers = [BlockManager(256, 0, block_size), BlockManager(256, 0, block_size)]
     lengths = data.draw(st.lists(st.integers(1, 12), min_size=1, max_size=5))
@@ -155,8 +155,11 @@ def test_a_decoding_batch_grows_as_each_request_would_alone(data: st.DataObject)
     batch, alone = managers
     expected = sum(alone.num_new_blocks(rid, position + 1) + alone.num_copies_on_write(rid, position)
                    for rid, position in slots)
-    assert batch.num_blocks_for_decodes(slots) == expected
-    copies = batch.grow_for_decodes(slots)
+    num_blocks, needing = batch.blocks_for_decodes(slots)
+    assert num_blocks == expected
+    assert needing == [(rid, position) for rid, position in slots
+                       if alone.num_new_blocks(rid, position + 1) + alone.num_copies_on_write(rid, position)]
+    copies = batch.grow_for_decodes(needing if data.draw(st.booleans()) else slots)
     expected_copies = []
     for request_id, position in slots:
         for source, destination in alone.copy_on_write(request_id, position) or []:
@@ -173,6 +176,6 @@ def test_growing_a_batch_past_the_free_blocks_is_a_caller_bug() -> None:
     manager.allocate("a", 2)
     manager.allocate("b", 2)
     slots = [("a", 2), ("b", 2)]
-    assert manager.num_blocks_for_decodes(slots) == 2 > manager.num_free_gpu_blocks
+    assert manager.blocks_for_decodes(slots) == (2, slots) and 2 > manager.num_free_gpu_blocks
     with pytest.raises(InvariantError, match="after room was checked"):
         manager.grow_for_decodes(slots)
