@@ -270,12 +270,11 @@ class LengthPredictor:
         self.num_observed += 1
         with_samples = self._with_samples
         keys = state.keys
+        # NOTE: every key is in the index: a tracked request is live under its keys, which keeps them there, and
+        # _keys_of looked up an untracked one's anew where one had left
         if None in map(_SAMPLES, keys):
             for history in keys:
                 if history.samples is None:
-                    if not history.is_attached:  # NOTE: defensive: a tracked request's keys stay attached
-                        history.is_attached = True
-                        self._histories[history.key] = history
                     history.samples = LengthSamples(self.config.samples_per_key)
                     with_samples[history] = None
         # NOTE: in C, over the request's dozen keys: each goes last in the least recently observed order, and gets

@@ -88,8 +88,7 @@ class PreemptionPolicy:
         every step, and the scan (hysteresis, effective priorities, a sort) cost a busy echo worker 1,100 opcodes
         per result to find nobody. The running keys are current for requests that are not demoted (a key changes
         only with a demotion's new aging start), and a demoted request answers yes before they are read."""
-        running = self._queues.running
-        if any(map(_IS_DEMOTED, running)):
+        if any(map(_IS_DEMOTED, self._queues.running)):
             return True
         least_urgent_key = self._queues.least_urgent_running_key()
         if not self.config.enable_priority_preemption or least_urgent_key is None:
